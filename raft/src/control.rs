@@ -1,0 +1,620 @@
+//! [`ControlPlane`]: one node's handle on the Raft control plane.
+//!
+//! It owns the Raft instance, its sled storage and the [`StateView`] of the applied state,
+//! and it runs the membership protocol of `raft/DESIGN.md`:
+//!
+//! ```text
+//!  joiner                       any member                 leader
+//!    | Register{addrs} ------------> | ----- forward -------> | commit Register -> id
+//!    | <--------------------------------------------- id ----|
+//!    | start Raft as `id`
+//!    | Admit{id} ------------------> | ----- forward -------> | add_learner, wait caught up,
+//!    |                               |                        | commit Admit (map rebalanced),
+//!    |                               |                        | reconcile voters
+//!    | <------------------------------------- map_version ----|
+//! ```
+//!
+//! Membership changes run one at a time on the leader (a mutex); a background task on the
+//! leader reconciles Raft's voter and learner sets with the members in join order, so a
+//! change interrupted by a leader crash is finished by the next leader.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use openraft::error::{ClientWriteError, InitializeError, RaftError as OpenRaftError};
+use openraft::{ChangeMembers, ServerState};
+use tokio::sync::Mutex;
+use tokio::task::JoinHandle;
+
+use crate::command::{ClusterCommand, CommandResponse};
+use crate::distribution::NodeId;
+use crate::error::ControlError;
+use crate::log_store::SledLogStore;
+use crate::network::{AdminClient, AdminRequest, AdminResponse, HttpRaftNetwork, MemberStatus};
+use crate::state::ClusterState;
+use crate::state_machine::{SledStateMachine, StateView};
+use crate::types::{MemberNode, Raft, RaftMetrics};
+
+/// How a node's control plane is set up.
+#[derive(Debug, Clone)]
+pub struct ControlConfig {
+    /// This node's id.
+    pub node_id: NodeId,
+    /// The client API address others use to reach this node.
+    pub api_addr: String,
+    /// The internal address others use for Raft and node-to-node traffic.
+    pub peer_addr: String,
+    /// Where sled keeps the Raft log, vote and state machine.
+    pub raft_dir: PathBuf,
+    /// Raft heartbeat interval.
+    pub heartbeat: Duration,
+    /// Raft election timeout: a random value in `[election_timeout, 2 × election_timeout)`.
+    pub election_timeout: Duration,
+    /// Bound on every wait of a membership change (learner catch-up, leader election).
+    pub change_timeout: Duration,
+}
+
+impl ControlConfig {
+    /// A config with shoal's default timings.
+    pub fn new(node_id: NodeId, api_addr: String, peer_addr: String, raft_dir: PathBuf) -> Self {
+        ControlConfig {
+            node_id,
+            api_addr,
+            peer_addr,
+            raft_dir,
+            heartbeat: Duration::from_millis(250),
+            election_timeout: Duration::from_millis(1500),
+            change_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// A node's handle on the control plane. Cheap to clone.
+#[derive(Clone)]
+pub struct ControlPlane {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    config: ControlConfig,
+    node: MemberNode,
+    raft: Raft,
+    view: StateView,
+    db: sled::Db,
+    admin_client: AdminClient,
+    /// Held for the whole of a membership change on the leader, so changes never interleave.
+    membership_lock: Mutex<()>,
+    /// Nodes the reconciler found in Raft's config but not among the members, and since when.
+    stale_since: parking_lot::Mutex<HashMap<NodeId, Instant>>,
+    reconciler: parking_lot::Mutex<Option<JoinHandle<()>>>,
+}
+
+/// How long a retired or abandoned node stays in Raft's config before the leader drops it,
+/// unless it has already caught up with the log (and so has seen its own removal).
+const STALE_NODE_GRACE: Duration = Duration::from_secs(10);
+
+impl ControlPlane {
+    /// Opens the Raft storage in `config.raft_dir` and starts Raft. Does not bootstrap or join.
+    pub async fn open(config: ControlConfig) -> Result<Self, ControlError> {
+        let db = open_db(&config.raft_dir).await?;
+        let log_store = SledLogStore::open(&db).map_err(fatal)?;
+        let state_machine = SledStateMachine::open(&db).map_err(fatal)?;
+        let view = state_machine.view();
+        let heartbeat = config.heartbeat.as_millis() as u64;
+        let election = config.election_timeout.as_millis() as u64;
+        let raft_config = openraft::Config {
+            cluster_name: "shoal".into(),
+            heartbeat_interval: heartbeat,
+            election_timeout_min: election,
+            election_timeout_max: election * 2,
+            install_snapshot_timeout: 5_000,
+            snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(500),
+            max_in_snapshot_log_to_keep: 500,
+            ..Default::default()
+        }
+        .validate()
+        .map_err(fatal)?;
+        let network = HttpRaftNetwork::new(Duration::from_secs(2));
+        let raft = Raft::new(
+            config.node_id,
+            Arc::new(raft_config),
+            network,
+            log_store,
+            state_machine,
+        )
+        .await
+        .map_err(fatal)?;
+        let node = MemberNode {
+            api_addr: config.api_addr.clone(),
+            peer_addr: config.peer_addr.clone(),
+        };
+        let admin_client = AdminClient::new(config.change_timeout + Duration::from_secs(5));
+        let control = ControlPlane {
+            inner: Arc::new(Inner {
+                config,
+                node,
+                raft,
+                view,
+                db,
+                admin_client,
+                membership_lock: Mutex::new(()),
+                stale_since: parking_lot::Mutex::new(HashMap::new()),
+                reconciler: parking_lot::Mutex::new(None),
+            }),
+        };
+        let task = tokio::spawn(reconcile_loop(Arc::downgrade(&control.inner)));
+        *control.inner.reconciler.lock() = Some(task);
+        Ok(control)
+    }
+
+    /// This node's id.
+    pub fn node_id(&self) -> NodeId {
+        self.inner.config.node_id
+    }
+
+    /// The Raft instance (for the RPC handlers).
+    pub fn raft(&self) -> &Raft {
+        &self.inner.raft
+    }
+
+    /// The applied control-plane state.
+    pub fn state(&self) -> Arc<ClusterState> {
+        self.inner.view.current()
+    }
+
+    /// The read handle on the applied state (to wait for changes).
+    pub fn view(&self) -> &StateView {
+        &self.inner.view
+    }
+
+    /// A copy of Raft's metrics (never hold the watch borrow: it blocks openraft).
+    pub fn raft_metrics(&self) -> RaftMetrics {
+        self.inner.raft.metrics().borrow().clone()
+    }
+
+    /// The current leader as this node sees it.
+    pub fn leader(&self) -> Option<NodeId> {
+        self.inner.raft.metrics().borrow().current_leader
+    }
+
+    /// Whether this node is the leader as far as its own metrics say.
+    pub fn is_leader(&self) -> bool {
+        let m = self.inner.raft.metrics().borrow().clone();
+        m.state == ServerState::Leader && m.current_leader == Some(self.node_id())
+    }
+
+    /// Whether Raft currently counts this node as a voter.
+    pub fn is_voter(&self) -> bool {
+        let metrics = self.inner.raft.metrics().borrow().clone();
+        let is_voter = metrics
+            .membership_config
+            .membership()
+            .voter_ids()
+            .any(|id| id == self.node_id());
+        is_voter
+    }
+
+    /// The size of the Raft storage on disk, in bytes.
+    pub fn storage_bytes(&self) -> u64 {
+        self.inner.db.size_on_disk().unwrap_or(0)
+    }
+
+    /// What the applied state says of `node_id`.
+    pub fn member_status(&self, node_id: NodeId) -> MemberStatus {
+        let state = self.state();
+        if state.is_member(node_id) {
+            MemberStatus::Member
+        } else if state.retired.contains(&node_id) {
+            MemberStatus::Retired
+        } else if state.registered.contains_key(&node_id) {
+            MemberStatus::Registered
+        } else {
+            MemberStatus::Unknown
+        }
+    }
+
+    /// The admin client this node uses to reach other members.
+    pub fn admin_client(&self) -> &AdminClient {
+        &self.inner.admin_client
+    }
+
+    /// Makes this pristine node a one-node cluster with id `cluster_id` and `voters` voters.
+    /// Idempotent: on a node that is already initialized it only finishes what is missing.
+    pub async fn bootstrap(&self, cluster_id: &str, voters: u8) -> Result<(), ControlError> {
+        let nodes = BTreeMap::from([(self.node_id(), self.inner.node.clone())]);
+        match self.inner.raft.initialize(nodes).await {
+            Ok(()) | Err(OpenRaftError::APIError(InitializeError::NotAllowed(_))) => {}
+            Err(e) => return Err(fatal(e)),
+        }
+        self.wait_for_leader(self.inner.config.change_timeout)
+            .await?;
+        if self.state().cluster_id.is_some() {
+            return Ok(());
+        }
+        let command = ClusterCommand::Bootstrap {
+            cluster_id: cluster_id.to_string(),
+            node_id: self.node_id(),
+            api_addr: self.inner.node.api_addr.clone(),
+            peer_addr: self.inner.node.peer_addr.clone(),
+            voters,
+        };
+        match self.write(command).await {
+            Ok(_) => Ok(()),
+            // A second bootstrap attempt after a crash: the first one was applied.
+            Err(ControlError::Rejected { .. }) if self.state().cluster_id.is_some() => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Waits until some leader is known, for at most `timeout`.
+    pub async fn wait_for_leader(&self, timeout: Duration) -> Result<NodeId, ControlError> {
+        let mut rx = self.inner.raft.metrics();
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if let Some(leader) = rx.borrow_and_update().current_leader {
+                return Ok(leader);
+            }
+            if tokio::time::timeout_at(deadline, rx.changed())
+                .await
+                .is_err()
+            {
+                return Err(ControlError::NoLeader {
+                    detail: format!("no leader elected within {timeout:?}"),
+                });
+            }
+        }
+    }
+
+    /// Waits until the applied state satisfies `done`, for at most `timeout`; returns whether
+    /// it did.
+    pub async fn wait_for_state(
+        &self,
+        timeout: Duration,
+        done: impl Fn(&ClusterState) -> bool,
+    ) -> bool {
+        let mut rx = self.inner.view.subscribe();
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            rx.borrow_and_update();
+            if done(&self.state()) {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, rx.changed())
+                .await
+                .is_err()
+            {
+                return done(&self.state());
+            }
+        }
+    }
+
+    /// Runs an admin request at the leader: here if this node leads, otherwise forwarded to
+    /// the leader, retrying while leadership moves, for at most the change timeout.
+    pub async fn admin(&self, request: AdminRequest) -> Result<AdminResponse, ControlError> {
+        let deadline = tokio::time::Instant::now() + self.inner.config.change_timeout;
+        let mut last_error;
+        loop {
+            let result = match self.leader() {
+                Some(leader) if leader == self.node_id() => {
+                    self.admin_as_leader(request.clone()).await
+                }
+                Some(leader) => match self.peer_addr_of(leader) {
+                    Some(addr) => self.inner.admin_client.call_leader(&addr, &request).await,
+                    None => Err(ControlError::NoLeader {
+                        detail: format!("leader {leader} has no known address"),
+                    }),
+                },
+                None => Err(ControlError::NoLeader {
+                    detail: "no leader known".into(),
+                }),
+            };
+            match result {
+                Err(e) if e.is_retryable() && !matches!(e, ControlError::Timeout { .. }) => {
+                    last_error = e
+                }
+                other => return other,
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(last_error);
+            }
+            let mut rx = self.inner.raft.metrics();
+            let _ = tokio::time::timeout(Duration::from_millis(200), rx.changed()).await;
+        }
+    }
+
+    /// Runs an admin request on this node, which must be the leader (otherwise `NotLeader`).
+    pub async fn admin_as_leader(
+        &self,
+        request: AdminRequest,
+    ) -> Result<AdminResponse, ControlError> {
+        match request {
+            AdminRequest::Register {
+                api_addr,
+                peer_addr,
+            } => {
+                match self
+                    .write(ClusterCommand::Register {
+                        api_addr,
+                        peer_addr,
+                    })
+                    .await?
+                {
+                    CommandResponse::Registered { node_id } => Ok(AdminResponse::Registered {
+                        node_id,
+                        cluster_id: self.state().cluster_id.clone().unwrap_or_default(),
+                    }),
+                    other => Err(unexpected(other)),
+                }
+            }
+            AdminRequest::Admit { node_id } => self.admit(node_id).await,
+            AdminRequest::Leave { node_id } => self.remove(node_id).await,
+        }
+    }
+
+    fn peer_addr_of(&self, id: NodeId) -> Option<String> {
+        let metrics = self.inner.raft.metrics().borrow().clone();
+        let addr = metrics
+            .membership_config
+            .membership()
+            .get_node(&id)
+            .map(|n| n.peer_addr.clone());
+        addr
+    }
+
+    async fn lock_membership(&self) -> Result<tokio::sync::MutexGuard<'_, ()>, ControlError> {
+        tokio::time::timeout(
+            self.inner.config.change_timeout,
+            self.inner.membership_lock.lock(),
+        )
+        .await
+        .map_err(|_| ControlError::ChangeInProgress)
+    }
+
+    async fn admit(&self, node_id: NodeId) -> Result<AdminResponse, ControlError> {
+        let _guard = self.lock_membership().await?;
+        let state = self.state();
+        if state.is_member(node_id) {
+            return Ok(AdminResponse::Admitted {
+                map_version: state.map.version,
+            });
+        }
+        let Some(registration) = state.registered.get(&node_id) else {
+            return Err(ControlError::Rejected {
+                reason: format!("node {node_id} is not registered (retired ids cannot rejoin)"),
+            });
+        };
+        let node = MemberNode {
+            api_addr: registration.api_addr.clone(),
+            peer_addr: registration.peer_addr.clone(),
+        };
+        self.inner
+            .raft
+            .add_learner(node_id, node, false)
+            .await
+            .map_err(write_error)?;
+        self.wait_caught_up(node_id).await?;
+        let map_version = match self.write(ClusterCommand::Admit { node_id }).await? {
+            CommandResponse::MapChanged { map_version } => map_version,
+            other => return Err(unexpected(other)),
+        };
+        tracing::info!(node_id, map_version, "node joined");
+        if let Err(e) = self.reconcile_locked().await {
+            tracing::warn!(error = %e, "voter reconcile after join failed; the reconciler will retry");
+        }
+        Ok(AdminResponse::Admitted { map_version })
+    }
+
+    async fn remove(&self, node_id: NodeId) -> Result<AdminResponse, ControlError> {
+        let _guard = self.lock_membership().await?;
+        let state = self.state();
+        if !state.is_member(node_id) && state.retired.contains(&node_id) {
+            return Ok(AdminResponse::Left {
+                map_version: state.map.version,
+            });
+        }
+        let map_version = match self.write(ClusterCommand::Remove { node_id }).await? {
+            CommandResponse::MapChanged { map_version } => map_version,
+            other => return Err(unexpected(other)),
+        };
+        tracing::info!(node_id, map_version, "node left");
+        // Demote it (and promote the oldest learner); the Raft node itself is dropped by the
+        // reconciler once the leaver has seen its removal.
+        if let Err(e) = self.reconcile_locked().await {
+            tracing::warn!(error = %e, "voter reconcile after leave failed; the reconciler will retry");
+        }
+        Ok(AdminResponse::Left { map_version })
+    }
+
+    /// Waits until learner `node_id` has replicated everything the leader had when asked.
+    async fn wait_caught_up(&self, node_id: NodeId) -> Result<(), ControlError> {
+        let target = self.raft_metrics().last_log_index.unwrap_or(0);
+        self.inner
+            .raft
+            .wait(Some(self.inner.config.change_timeout))
+            .metrics(
+                |m| {
+                    m.replication
+                        .as_ref()
+                        .and_then(|r| r.get(&node_id).copied().flatten())
+                        .is_some_and(|matched| matched.index >= target)
+                },
+                "learner caught up",
+            )
+            .await
+            .map(|_| ())
+            .map_err(|_| ControlError::Timeout {
+                what: format!("node {node_id} to catch up with the Raft log"),
+            })
+    }
+
+    /// Commits `command` (this node must be the leader) and returns its response; a
+    /// `Rejected` response becomes an error.
+    pub async fn write(&self, command: ClusterCommand) -> Result<CommandResponse, ControlError> {
+        let response = self
+            .inner
+            .raft
+            .client_write(command)
+            .await
+            .map_err(write_error)?;
+        match response.data {
+            CommandResponse::Rejected { reason } => Err(ControlError::Rejected { reason }),
+            other => Ok(other),
+        }
+    }
+
+    /// Brings Raft's membership in line with the members (the lock must be held):
+    /// 1. every member is a Raft node;
+    /// 2. the voters are the first `voters` members in join order;
+    /// 3. Raft nodes that are not members are dropped once they have caught up or after a
+    ///    grace period (a retired node learns of its removal first).
+    async fn reconcile_locked(&self) -> Result<(), ControlError> {
+        let state = self.state();
+        if state.cluster_id.is_none() || !self.is_leader() {
+            return Ok(());
+        }
+        let metrics = self.raft_metrics();
+        let membership = metrics.membership_config.membership().clone();
+        for member in &state.members {
+            if membership.get_node(&member.id).is_none() {
+                let node = MemberNode {
+                    api_addr: member.api_addr.clone(),
+                    peer_addr: member.peer_addr.clone(),
+                };
+                self.inner
+                    .raft
+                    .add_learner(member.id, node, false)
+                    .await
+                    .map_err(write_error)?;
+            }
+        }
+        let desired = state.desired_voters();
+        let voters: BTreeSet<NodeId> = membership.voter_ids().collect();
+        if !desired.is_empty() && desired != voters {
+            tracing::info!(?voters, ?desired, "changing Raft voters");
+            self.inner
+                .raft
+                .change_membership(ChangeMembers::ReplaceAllVoters(desired.clone()), true)
+                .await
+                .map_err(write_error)?;
+        }
+        let applied = metrics.last_applied.map(|l| l.index).unwrap_or(0);
+        let stale: BTreeSet<NodeId> = {
+            let mut since = self.inner.stale_since.lock();
+            let now = Instant::now();
+            let non_members: Vec<NodeId> = membership
+                .nodes()
+                .map(|(id, _)| *id)
+                .filter(|id| !state.is_member(*id) && !desired.contains(id))
+                .collect();
+            since.retain(|id, _| non_members.contains(id));
+            non_members
+                .into_iter()
+                .filter(|id| {
+                    let first_seen = *since.entry(*id).or_insert(now);
+                    let caught_up = metrics
+                        .replication
+                        .as_ref()
+                        .and_then(|r| r.get(id).copied().flatten())
+                        .is_some_and(|m| m.index >= applied);
+                    caught_up || now.duration_since(first_seen) >= STALE_NODE_GRACE
+                })
+                .collect()
+        };
+        if !stale.is_empty() {
+            tracing::info!(?stale, "dropping non-members from the Raft config");
+            self.inner
+                .raft
+                .change_membership(ChangeMembers::RemoveNodes(stale), false)
+                .await
+                .map_err(write_error)?;
+        }
+        Ok(())
+    }
+
+    /// Stops Raft and the reconciler. The sled database closes when the last handle drops.
+    pub async fn shutdown(&self) {
+        if let Some(task) = self.inner.reconciler.lock().take() {
+            task.abort();
+        }
+        if let Err(e) = self.inner.raft.shutdown().await {
+            tracing::warn!(error = %e, "raft shutdown");
+        }
+        let _ = self.inner.db.flush_async().await;
+    }
+}
+
+/// Every second on the leader: finish whatever a membership change left undone.
+async fn reconcile_loop(inner: std::sync::Weak<Inner>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(inner) = inner.upgrade() else { return };
+        let control = ControlPlane { inner };
+        if !control.is_leader() {
+            continue;
+        }
+        let Ok(_guard) = control.inner.membership_lock.try_lock() else {
+            continue;
+        };
+        if let Err(e) = control.reconcile_locked().await {
+            tracing::debug!(error = %e, "reconcile");
+        }
+    }
+}
+
+/// Opens sled with a small page cache; retries briefly while a previous instance of this
+/// node in the same process still holds the directory lock.
+async fn open_db(dir: &std::path::Path) -> Result<sled::Db, ControlError> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let result = sled::Config::new()
+            .path(dir)
+            .cache_capacity(16 * 1024 * 1024)
+            .flush_every_ms(Some(1000))
+            .open();
+        match result {
+            Ok(db) => return Ok(db),
+            Err(sled::Error::Io(e))
+                if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => {
+                return Err(ControlError::Fatal {
+                    detail: format!("cannot open the Raft storage in {}: {e}", dir.display()),
+                })
+            }
+        }
+    }
+}
+
+fn fatal(e: impl std::fmt::Display) -> ControlError {
+    ControlError::Fatal {
+        detail: e.to_string(),
+    }
+}
+
+fn unexpected(response: CommandResponse) -> ControlError {
+    ControlError::Fatal {
+        detail: format!("unexpected command response {response:?}"),
+    }
+}
+
+fn write_error(e: OpenRaftError<NodeId, ClientWriteError<NodeId, MemberNode>>) -> ControlError {
+    match e {
+        OpenRaftError::APIError(ClientWriteError::ForwardToLeader(f)) => ControlError::NotLeader {
+            leader: f.leader_id,
+            leader_peer_addr: f.leader_node.map(|n| n.peer_addr),
+        },
+        OpenRaftError::APIError(ClientWriteError::ChangeMembershipError(e)) => {
+            tracing::debug!(error = %e, "membership change refused");
+            ControlError::ChangeInProgress
+        }
+        OpenRaftError::Fatal(e) => ControlError::Fatal {
+            detail: e.to_string(),
+        },
+    }
+}

@@ -1,0 +1,39 @@
+//! `shoal-raft`: shoal's control plane, and nothing of the cache data.
+//!
+//! Membership (in join order), the distribution map and the replica assignment derived from
+//! them are the state of a Raft state machine (openraft 0.9; log, vote and snapshots in
+//! sled). Every node applies the same commands in the same order, so every node agrees on who
+//! owns which bucket. Bucket data never passes through here.
+//!
+//! # Layout
+//! - [`distribution`]: pure code: buckets, the map, `bucket_of`, `rebalance`.
+//! - [`command`]: the Raft commands ([`ClusterCommand`]) and their responses.
+//! - [`state`]: [`ClusterState`], the replicated state, and the pure `apply`.
+//! - [`log_store`], [`state_machine`]: openraft's storage traits on sled.
+//! - [`network`]: Raft RPCs and the join/leave protocol over HTTP on the peer listener.
+//! - [`control`]: [`ControlPlane`], a node's handle: bootstrap, admin requests, reconciling
+//!   Raft's voters with the members.
+//! - [`types`]: the openraft type configuration; openraft's generics stop there.
+//!
+//! `DESIGN.md` beside this crate states the invariants and the protocols.
+
+pub mod command;
+pub mod control;
+pub mod distribution;
+pub mod error;
+pub mod log_store;
+pub mod network;
+pub mod state;
+pub mod state_machine;
+pub mod types;
+
+#[cfg(test)]
+mod storage_suite;
+
+pub use command::{ClusterCommand, CommandResponse};
+pub use control::{ControlConfig, ControlPlane};
+pub use distribution::{bucket_of, BucketId, DistributionMap, NodeId, BUCKET_COUNT};
+pub use error::ControlError;
+pub use network::{peer_router, AdminClient, AdminRequest, AdminResponse, MemberStatus};
+pub use state::{ClusterState, Member};
+pub use state_machine::StateView;

@@ -1,0 +1,223 @@
+//! The Raft log and vote on sled: [`SledLogStore`].
+//!
+//! One sled `Db` per node holds two trees of this store (`raft_log`: big-endian index →
+//! JSON entry; `raft_meta`: `vote`, `last_purged`, `committed`) and the state machine's
+//! tree. sled's flush is global, so one `flush_async` makes every earlier write of the
+//! whole `Db` durable; the vote and appended entries are flushed before they are
+//! acknowledged, as openraft requires.
+
+use std::fmt::Debug;
+use std::ops::{Bound, RangeBounds};
+
+use openraft::storage::{LogFlushed, LogState, RaftLogStorage};
+use openraft::{ErrorSubject, ErrorVerb, OptionalSend, RaftLogReader, StorageIOError};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::types::{Entry, LogId, StorageError, TypeConfig, Vote};
+
+const KEY_VOTE: &str = "vote";
+const KEY_LAST_PURGED: &str = "last_purged";
+const KEY_COMMITTED: &str = "committed";
+
+/// openraft's log storage on sled. Cheap to clone (sled trees are `Arc`s).
+#[derive(Clone)]
+pub struct SledLogStore {
+    db: sled::Db,
+    log: sled::Tree,
+    meta: sled::Tree,
+}
+
+impl SledLogStore {
+    /// Opens (or creates) the log trees in `db`.
+    pub fn open(db: &sled::Db) -> Result<Self, sled::Error> {
+        Ok(SledLogStore {
+            db: db.clone(),
+            log: db.open_tree("raft_log")?,
+            meta: db.open_tree("raft_meta")?,
+        })
+    }
+
+    fn read_meta<T: DeserializeOwned>(
+        &self,
+        key: &str,
+        subject: ErrorSubject<u64>,
+    ) -> Result<Option<T>, StorageError> {
+        let bytes = self
+            .meta
+            .get(key)
+            .map_err(|e| io_err(subject.clone(), ErrorVerb::Read, &e))?;
+        bytes
+            .map(|b| serde_json::from_slice(&b).map_err(|e| io_err(subject, ErrorVerb::Read, &e)))
+            .transpose()
+    }
+
+    fn write_meta<T: Serialize>(
+        &self,
+        key: &str,
+        value: &T,
+        subject: ErrorSubject<u64>,
+    ) -> Result<(), StorageError> {
+        let bytes =
+            serde_json::to_vec(value).map_err(|e| io_err(subject.clone(), ErrorVerb::Write, &e))?;
+        self.meta
+            .insert(key, bytes)
+            .map_err(|e| io_err(subject, ErrorVerb::Write, &e))?;
+        Ok(())
+    }
+
+    async fn flush(&self, subject: ErrorSubject<u64>) -> Result<(), StorageError> {
+        self.db
+            .flush_async()
+            .await
+            .map_err(|e| io_err(subject, ErrorVerb::Write, &e))?;
+        Ok(())
+    }
+}
+
+/// Log keys are big-endian so that sled's byte order is index order.
+fn index_key(index: u64) -> [u8; 8] {
+    index.to_be_bytes()
+}
+
+fn io_err(
+    subject: ErrorSubject<u64>,
+    verb: ErrorVerb,
+    e: &(impl std::error::Error + 'static),
+) -> StorageError {
+    StorageError::IO {
+        source: StorageIOError::new(subject, verb, openraft::AnyError::new(e)),
+    }
+}
+
+impl RaftLogReader<TypeConfig> for SledLogStore {
+    async fn try_get_log_entries<RB: RangeBounds<u64> + Clone + Debug + OptionalSend>(
+        &mut self,
+        range: RB,
+    ) -> Result<Vec<Entry>, StorageError> {
+        let start = match range.start_bound() {
+            Bound::Included(&i) => i,
+            Bound::Excluded(&i) => i + 1,
+            Bound::Unbounded => 0,
+        };
+        let mut entries = Vec::new();
+        for item in self.log.range(index_key(start)..) {
+            let (key, value) = item.map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Read, &e))?;
+            let index = u64::from_be_bytes(key.as_ref().try_into().unwrap_or_default());
+            if !range.contains(&index) {
+                break;
+            }
+            let entry: Entry = serde_json::from_slice(&value)
+                .map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Read, &e))?;
+            entries.push(entry);
+        }
+        Ok(entries)
+    }
+}
+
+impl RaftLogStorage<TypeConfig> for SledLogStore {
+    type LogReader = Self;
+
+    async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, StorageError> {
+        let last_purged: Option<LogId> = self.read_meta(KEY_LAST_PURGED, ErrorSubject::Store)?;
+        let last = match self
+            .log
+            .last()
+            .map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Read, &e))?
+        {
+            Some((_, value)) => {
+                let entry: Entry = serde_json::from_slice(&value)
+                    .map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Read, &e))?;
+                Some(entry.log_id)
+            }
+            None => last_purged,
+        };
+        Ok(LogState {
+            last_purged_log_id: last_purged,
+            last_log_id: last,
+        })
+    }
+
+    async fn get_log_reader(&mut self) -> Self::LogReader {
+        self.clone()
+    }
+
+    async fn save_vote(&mut self, vote: &Vote) -> Result<(), StorageError> {
+        self.write_meta(KEY_VOTE, vote, ErrorSubject::Vote)?;
+        self.flush(ErrorSubject::Vote).await
+    }
+
+    async fn read_vote(&mut self) -> Result<Option<Vote>, StorageError> {
+        self.read_meta(KEY_VOTE, ErrorSubject::Vote)
+    }
+
+    async fn save_committed(&mut self, committed: Option<LogId>) -> Result<(), StorageError> {
+        // No flush: losing the last committed id only means re-applying from the persisted
+        // state machine, which records its own last-applied id.
+        self.write_meta(KEY_COMMITTED, &committed, ErrorSubject::Store)
+    }
+
+    async fn read_committed(&mut self) -> Result<Option<LogId>, StorageError> {
+        Ok(self
+            .read_meta::<Option<LogId>>(KEY_COMMITTED, ErrorSubject::Store)?
+            .flatten())
+    }
+
+    async fn append<I>(
+        &mut self,
+        entries: I,
+        callback: LogFlushed<TypeConfig>,
+    ) -> Result<(), StorageError>
+    where
+        I: IntoIterator<Item = Entry> + OptionalSend,
+        I::IntoIter: OptionalSend,
+    {
+        let mut batch = sled::Batch::default();
+        for entry in entries {
+            let bytes = serde_json::to_vec(&entry)
+                .map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Write, &e))?;
+            batch.insert(&index_key(entry.log_id.index), bytes);
+        }
+        self.log
+            .apply_batch(batch)
+            .map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Write, &e))?;
+        let flushed = self
+            .db
+            .flush_async()
+            .await
+            .map(|_| ())
+            .map_err(std::io::Error::other);
+        callback.log_io_completed(flushed);
+        Ok(())
+    }
+
+    async fn truncate(&mut self, log_id: LogId) -> Result<(), StorageError> {
+        self.remove_range(log_id.index, None)?;
+        self.flush(ErrorSubject::Logs).await
+    }
+
+    async fn purge(&mut self, log_id: LogId) -> Result<(), StorageError> {
+        // The watermark first: a crash between the two leaves purged entries that openraft
+        // ignores, never a log that claims entries it no longer has.
+        self.write_meta(KEY_LAST_PURGED, &log_id, ErrorSubject::Store)?;
+        self.remove_range(0, Some(log_id.index))
+    }
+}
+
+impl SledLogStore {
+    /// Removes the entries from index `from` up to `to` (inclusive; `None`: to the end) in one
+    /// atomic batch, so no hole can appear.
+    fn remove_range(&self, from: u64, to: Option<u64>) -> Result<(), StorageError> {
+        let keys = match to {
+            Some(to) => self.log.range(index_key(from)..=index_key(to)),
+            None => self.log.range(index_key(from)..),
+        };
+        let mut batch = sled::Batch::default();
+        for key in keys.keys() {
+            batch.remove(key.map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Read, &e))?);
+        }
+        self.log
+            .apply_batch(batch)
+            .map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Write, &e))
+    }
+}

@@ -1,0 +1,154 @@
+//! The admin protocol between nodes: join (register, then admit) and leave.
+//!
+//! Any member accepts an [`AdminRequest`] on its peer listener and forwards it to the Raft
+//! leader, which serializes membership changes (see `raft/DESIGN.md`).
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::distribution::NodeId;
+use crate::error::ControlError;
+
+/// A membership request, handled by the leader.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum AdminRequest {
+    /// Step 1 of a join: allocate an id for a node at these addresses.
+    Register {
+        /// The joiner's client API address.
+        api_addr: String,
+        /// The joiner's internal address.
+        peer_addr: String,
+    },
+    /// Step 2 of a join: the registered node now runs Raft under its id; make it a learner,
+    /// wait until it has caught up, then make it a member (and a voter if there is room).
+    Admit {
+        /// The id from step 1.
+        node_id: NodeId,
+    },
+    /// Remove a member: its buckets are spread over the others and its id is retired.
+    Leave {
+        /// The member that leaves.
+        node_id: NodeId,
+    },
+}
+
+/// The leader's answer to an [`AdminRequest`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum AdminResponse {
+    /// The joiner's new id and the cluster it belongs to.
+    Registered {
+        /// The allocated id.
+        node_id: NodeId,
+        /// The cluster's id.
+        cluster_id: String,
+    },
+    /// The node is a member; the map now has this version.
+    Admitted {
+        /// The map version that includes the new member.
+        map_version: u64,
+    },
+    /// The node left; the map now has this version.
+    Left {
+        /// The map version without the member.
+        map_version: u64,
+    },
+}
+
+/// What the cluster says about a node id (asked by a node that restarts).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MemberStatus {
+    /// A current member.
+    Member,
+    /// Registered, not yet admitted.
+    Registered,
+    /// Left or was removed; the id may never be used again.
+    Retired,
+    /// Never seen by this cluster.
+    Unknown,
+}
+
+/// Sends admin requests to a member's peer address.
+#[derive(Clone)]
+pub struct AdminClient {
+    client: reqwest::Client,
+}
+
+impl AdminClient {
+    /// A client whose requests give up after `timeout`.
+    pub fn new(timeout: Duration) -> Self {
+        let client = reqwest::Client::builder()
+            .no_proxy()
+            .tcp_nodelay(true)
+            .connect_timeout(Duration::from_secs(2).min(timeout))
+            .timeout(timeout)
+            .build()
+            .unwrap_or_default();
+        AdminClient { client }
+    }
+
+    /// Sends `request` to the node at `peer_addr`, which handles it or forwards it to the
+    /// leader.
+    pub async fn call(
+        &self,
+        peer_addr: &str,
+        request: &AdminRequest,
+    ) -> Result<AdminResponse, ControlError> {
+        self.post(peer_addr, request, false).await
+    }
+
+    /// Sends `request` to the node at `peer_addr`, believed to be the leader: it handles the
+    /// request or answers `NotLeader`, but never forwards it again.
+    pub async fn call_leader(
+        &self,
+        peer_addr: &str,
+        request: &AdminRequest,
+    ) -> Result<AdminResponse, ControlError> {
+        self.post(peer_addr, request, true).await
+    }
+
+    async fn post(
+        &self,
+        peer_addr: &str,
+        request: &AdminRequest,
+        forwarded: bool,
+    ) -> Result<AdminResponse, ControlError> {
+        let response = self
+            .client
+            .post(format!(
+                "http://{peer_addr}/internal/admin?forwarded={forwarded}"
+            ))
+            .json(request)
+            .send()
+            .await
+            .map_err(|e| network(peer_addr, &e))?;
+        let result: Result<AdminResponse, ControlError> =
+            response.json().await.map_err(|e| network(peer_addr, &e))?;
+        result
+    }
+
+    /// Asks the node at `peer_addr` what its cluster knows of `node_id`.
+    pub async fn member_status(
+        &self,
+        peer_addr: &str,
+        node_id: NodeId,
+    ) -> Result<MemberStatus, ControlError> {
+        let response = self
+            .client
+            .get(format!("http://{peer_addr}/internal/members/{node_id}"))
+            .send()
+            .await
+            .map_err(|e| network(peer_addr, &e))?;
+        response.json().await.map_err(|e| network(peer_addr, &e))
+    }
+}
+
+fn network(peer: &str, e: &reqwest::Error) -> ControlError {
+    ControlError::Network {
+        peer: peer.to_string(),
+        detail: e.to_string(),
+    }
+}

@@ -1,0 +1,279 @@
+//! The state machine on sled: [`SledStateMachine`], and [`StateView`], the lock-free handle
+//! through which the rest of the node reads the applied [`ClusterState`].
+//!
+//! The whole control-plane state is small (members and 1000 owners, a few KiB), so after every
+//! `apply` batch it is written as one sled value together with the last applied log id and
+//! membership, and flushed: a single-key insert is atomic, so a restart finds exactly the
+//! state of some applied prefix of the log, never a mix. Snapshots are the same bytes.
+
+use std::io::Cursor;
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use openraft::storage::{RaftStateMachine, Snapshot};
+use openraft::{EntryPayload, ErrorSubject, ErrorVerb, RaftSnapshotBuilder, StorageIOError};
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use crate::command::CommandResponse;
+use crate::state::ClusterState;
+use crate::types::{Entry, LogId, SnapshotMeta, StorageError, StoredMembership, TypeConfig};
+
+const KEY_MACHINE: &str = "machine";
+const KEY_SNAPSHOT: &str = "snapshot";
+
+/// What is persisted: the state plus the Raft positions that must survive with it.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+struct PersistedMachine {
+    last_applied: Option<LogId>,
+    last_membership: StoredMembership,
+    state: ClusterState,
+}
+
+#[derive(Serialize, Deserialize)]
+struct PersistedSnapshot {
+    meta: SnapshotMeta,
+    data: Vec<u8>,
+}
+
+/// A read handle on the applied state, shared by the whole node.
+///
+/// `current()` is a lock-free load (the request path calls it); `changed()` lets a task wait
+/// for the next applied batch (for example "until map version ≥ v").
+#[derive(Clone)]
+pub struct StateView {
+    current: Arc<ArcSwap<ClusterState>>,
+    applied: watch::Sender<u64>,
+}
+
+impl StateView {
+    fn new(state: ClusterState) -> Self {
+        StateView {
+            current: Arc::new(ArcSwap::from_pointee(state)),
+            applied: watch::Sender::new(0),
+        }
+    }
+
+    /// The last applied state.
+    pub fn current(&self) -> Arc<ClusterState> {
+        self.current.load_full()
+    }
+
+    /// A receiver that is notified after every applied batch.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.applied.subscribe()
+    }
+
+    fn publish(&self, state: ClusterState, index: u64) {
+        self.current.store(Arc::new(state));
+        self.applied.send_replace(index);
+    }
+}
+
+/// openraft's state machine for shoal's [`ClusterState`], persisted in sled.
+pub struct SledStateMachine {
+    db: sled::Db,
+    tree: sled::Tree,
+    machine: PersistedMachine,
+    view: StateView,
+    snapshot_seq: u64,
+}
+
+impl SledStateMachine {
+    /// Opens the state machine in `db`, loading the state persisted by the last run.
+    pub fn open(db: &sled::Db) -> Result<Self, StorageError> {
+        let tree = db
+            .open_tree("state_machine")
+            .map_err(|e| sm_err(ErrorVerb::Read, &e))?;
+        let machine: PersistedMachine = match tree
+            .get(KEY_MACHINE)
+            .map_err(|e| sm_err(ErrorVerb::Read, &e))?
+        {
+            Some(bytes) => {
+                serde_json::from_slice(&bytes).map_err(|e| sm_err(ErrorVerb::Read, &e))?
+            }
+            None => PersistedMachine::default(),
+        };
+        let view = StateView::new(machine.state.clone());
+        Ok(SledStateMachine {
+            db: db.clone(),
+            tree,
+            machine,
+            view,
+            snapshot_seq: 0,
+        })
+    }
+
+    /// The read handle on the applied state.
+    pub fn view(&self) -> StateView {
+        self.view.clone()
+    }
+
+    async fn persist(&self, snapshot: Option<&PersistedSnapshot>) -> Result<(), StorageError> {
+        let bytes = serde_json::to_vec(&self.machine).map_err(|e| sm_err(ErrorVerb::Write, &e))?;
+        let mut batch = sled::Batch::default();
+        batch.insert(KEY_MACHINE, bytes);
+        if let Some(snapshot) = snapshot {
+            batch.insert(
+                KEY_SNAPSHOT,
+                serde_json::to_vec(snapshot).map_err(|e| sm_err(ErrorVerb::Write, &e))?,
+            );
+        }
+        self.tree
+            .apply_batch(batch)
+            .map_err(|e| sm_err(ErrorVerb::Write, &e))?;
+        self.db
+            .flush_async()
+            .await
+            .map_err(|e| sm_err(ErrorVerb::Write, &e))?;
+        Ok(())
+    }
+
+    fn publish(&self) {
+        let index = self.machine.last_applied.map(|l| l.index).unwrap_or(0);
+        self.view.publish(self.machine.state.clone(), index);
+    }
+}
+
+fn sm_err(verb: ErrorVerb, e: &(impl std::error::Error + 'static)) -> StorageError {
+    StorageError::IO {
+        source: StorageIOError::new(ErrorSubject::StateMachine, verb, openraft::AnyError::new(e)),
+    }
+}
+
+/// Builds a snapshot from a copy of the state taken when the builder was made, so that
+/// applies running meanwhile cannot tear it.
+pub struct SnapshotBuilder {
+    tree: sled::Tree,
+    db: sled::Db,
+    machine: PersistedMachine,
+    seq: u64,
+}
+
+impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
+    async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError> {
+        let data = serde_json::to_vec(&self.machine).map_err(|e| sm_err(ErrorVerb::Read, &e))?;
+        let snapshot_id = match self.machine.last_applied {
+            Some(l) => format!("{}-{}-{}", l.leader_id, l.index, self.seq),
+            None => format!("--{}", self.seq),
+        };
+        let meta = SnapshotMeta {
+            last_log_id: self.machine.last_applied,
+            last_membership: self.machine.last_membership.clone(),
+            snapshot_id,
+        };
+        let stored = PersistedSnapshot {
+            meta: meta.clone(),
+            data: data.clone(),
+        };
+        let bytes = serde_json::to_vec(&stored).map_err(|e| sm_err(ErrorVerb::Write, &e))?;
+        self.tree
+            .insert(KEY_SNAPSHOT, bytes)
+            .map_err(|e| sm_err(ErrorVerb::Write, &e))?;
+        self.db
+            .flush_async()
+            .await
+            .map_err(|e| sm_err(ErrorVerb::Write, &e))?;
+        Ok(Snapshot {
+            meta,
+            snapshot: Box::new(Cursor::new(data)),
+        })
+    }
+}
+
+impl RaftStateMachine<TypeConfig> for SledStateMachine {
+    type SnapshotBuilder = SnapshotBuilder;
+
+    async fn applied_state(&mut self) -> Result<(Option<LogId>, StoredMembership), StorageError> {
+        Ok((
+            self.machine.last_applied,
+            self.machine.last_membership.clone(),
+        ))
+    }
+
+    async fn apply<I>(&mut self, entries: I) -> Result<Vec<CommandResponse>, StorageError>
+    where
+        I: IntoIterator<Item = Entry> + openraft::OptionalSend,
+        I::IntoIter: openraft::OptionalSend,
+    {
+        let mut responses = Vec::new();
+        for entry in entries {
+            self.machine.last_applied = Some(entry.log_id);
+            let response = match entry.payload {
+                EntryPayload::Blank => CommandResponse::Done,
+                EntryPayload::Normal(ref command) => {
+                    let response = self.machine.state.apply(command);
+                    tracing::debug!(
+                        log_index = entry.log_id.index,
+                        ?command,
+                        ?response,
+                        "applied"
+                    );
+                    response
+                }
+                EntryPayload::Membership(ref membership) => {
+                    self.machine.last_membership =
+                        StoredMembership::new(Some(entry.log_id), membership.clone());
+                    CommandResponse::Done
+                }
+            };
+            responses.push(response);
+        }
+        self.persist(None).await?;
+        self.publish();
+        Ok(responses)
+    }
+
+    async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
+        self.snapshot_seq += 1;
+        SnapshotBuilder {
+            tree: self.tree.clone(),
+            db: self.db.clone(),
+            machine: self.machine.clone(),
+            seq: self.snapshot_seq,
+        }
+    }
+
+    async fn begin_receiving_snapshot(&mut self) -> Result<Box<Cursor<Vec<u8>>>, StorageError> {
+        Ok(Box::new(Cursor::new(Vec::new())))
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        meta: &SnapshotMeta,
+        snapshot: Box<Cursor<Vec<u8>>>,
+    ) -> Result<(), StorageError> {
+        let data = snapshot.into_inner();
+        let machine: PersistedMachine =
+            serde_json::from_slice(&data).map_err(|e| sm_err(ErrorVerb::Read, &e))?;
+        // Replace, never merge: the snapshot is the whole state.
+        self.machine = PersistedMachine {
+            last_applied: meta.last_log_id,
+            last_membership: meta.last_membership.clone(),
+            state: machine.state,
+        };
+        let stored = PersistedSnapshot {
+            meta: meta.clone(),
+            data,
+        };
+        self.persist(Some(&stored)).await?;
+        self.publish();
+        Ok(())
+    }
+
+    async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, StorageError> {
+        let Some(bytes) = self
+            .tree
+            .get(KEY_SNAPSHOT)
+            .map_err(|e| sm_err(ErrorVerb::Read, &e))?
+        else {
+            return Ok(None);
+        };
+        let stored: PersistedSnapshot =
+            serde_json::from_slice(&bytes).map_err(|e| sm_err(ErrorVerb::Read, &e))?;
+        Ok(Some(Snapshot {
+            meta: stored.meta,
+            snapshot: Box::new(Cursor::new(stored.data)),
+        }))
+    }
+}
