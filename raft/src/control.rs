@@ -117,19 +117,9 @@ impl ControlPlane {
         .validate()
         .map_err(fatal)?;
         let network = HttpRaftNetwork::new(Duration::from_secs(2));
-        let raft = Raft::new(
-            config.node_id,
-            Arc::new(raft_config),
-            network,
-            log_store,
-            state_machine,
-        )
-        .await
-        .map_err(fatal)?;
-        let node = MemberNode {
-            api_addr: config.api_addr.clone(),
-            peer_addr: config.peer_addr.clone(),
-        };
+        let raft =
+            Raft::new(config.node_id, Arc::new(raft_config), network, log_store, state_machine).await.map_err(fatal)?;
+        let node = MemberNode { api_addr: config.api_addr.clone(), peer_addr: config.peer_addr.clone() };
         let admin_client = AdminClient::new(config.change_timeout + Duration::from_secs(5));
         let control = ControlPlane {
             inner: Arc::new(Inner {
@@ -188,11 +178,7 @@ impl ControlPlane {
     /// Whether Raft currently counts this node as a voter.
     pub fn is_voter(&self) -> bool {
         let metrics = self.inner.raft.metrics().borrow().clone();
-        let is_voter = metrics
-            .membership_config
-            .membership()
-            .voter_ids()
-            .any(|id| id == self.node_id());
+        let is_voter = metrics.membership_config.membership().voter_ids().any(|id| id == self.node_id());
         is_voter
     }
 
@@ -228,8 +214,7 @@ impl ControlPlane {
             Ok(()) | Err(OpenRaftError::APIError(InitializeError::NotAllowed(_))) => {}
             Err(e) => return Err(fatal(e)),
         }
-        self.wait_for_leader(self.inner.config.change_timeout)
-            .await?;
+        self.wait_for_leader(self.inner.config.change_timeout).await?;
         if self.state().cluster_id.is_some() {
             return Ok(());
         }
@@ -256,24 +241,15 @@ impl ControlPlane {
             if let Some(leader) = rx.borrow_and_update().current_leader {
                 return Ok(leader);
             }
-            if tokio::time::timeout_at(deadline, rx.changed())
-                .await
-                .is_err()
-            {
-                return Err(ControlError::NoLeader {
-                    detail: format!("no leader elected within {timeout:?}"),
-                });
+            if tokio::time::timeout_at(deadline, rx.changed()).await.is_err() {
+                return Err(ControlError::NoLeader { detail: format!("no leader elected within {timeout:?}") });
             }
         }
     }
 
     /// Waits until the applied state satisfies `done`, for at most `timeout`; returns whether
     /// it did.
-    pub async fn wait_for_state(
-        &self,
-        timeout: Duration,
-        done: impl Fn(&ClusterState) -> bool,
-    ) -> bool {
+    pub async fn wait_for_state(&self, timeout: Duration, done: impl Fn(&ClusterState) -> bool) -> bool {
         let mut rx = self.inner.view.subscribe();
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
@@ -281,10 +257,7 @@ impl ControlPlane {
             if done(&self.state()) {
                 return true;
             }
-            if tokio::time::timeout_at(deadline, rx.changed())
-                .await
-                .is_err()
-            {
+            if tokio::time::timeout_at(deadline, rx.changed()).await.is_err() {
                 return done(&self.state());
             }
         }
@@ -297,23 +270,15 @@ impl ControlPlane {
         let mut last_error;
         loop {
             let result = match self.leader() {
-                Some(leader) if leader == self.node_id() => {
-                    self.admin_as_leader(request.clone()).await
-                }
+                Some(leader) if leader == self.node_id() => self.admin_as_leader(request.clone()).await,
                 Some(leader) => match self.peer_addr_of(leader) {
                     Some(addr) => self.inner.admin_client.call_leader(&addr, &request).await,
-                    None => Err(ControlError::NoLeader {
-                        detail: format!("leader {leader} has no known address"),
-                    }),
+                    None => Err(ControlError::NoLeader { detail: format!("leader {leader} has no known address") }),
                 },
-                None => Err(ControlError::NoLeader {
-                    detail: "no leader known".into(),
-                }),
+                None => Err(ControlError::NoLeader { detail: "no leader known".into() }),
             };
             match result {
-                Err(e) if e.is_retryable() && !matches!(e, ControlError::Timeout { .. }) => {
-                    last_error = e
-                }
+                Err(e) if e.is_retryable() && !matches!(e, ControlError::Timeout { .. }) => last_error = e,
                 other => return other,
             }
             if tokio::time::Instant::now() >= deadline {
@@ -325,22 +290,10 @@ impl ControlPlane {
     }
 
     /// Runs an admin request on this node, which must be the leader (otherwise `NotLeader`).
-    pub async fn admin_as_leader(
-        &self,
-        request: AdminRequest,
-    ) -> Result<AdminResponse, ControlError> {
+    pub async fn admin_as_leader(&self, request: AdminRequest) -> Result<AdminResponse, ControlError> {
         match request {
-            AdminRequest::Register {
-                api_addr,
-                peer_addr,
-            } => {
-                match self
-                    .write(ClusterCommand::Register {
-                        api_addr,
-                        peer_addr,
-                    })
-                    .await?
-                {
+            AdminRequest::Register { api_addr, peer_addr } => {
+                match self.write(ClusterCommand::Register { api_addr, peer_addr }).await? {
                     CommandResponse::Registered { node_id } => Ok(AdminResponse::Registered {
                         node_id,
                         cluster_id: self.state().cluster_id.clone().unwrap_or_default(),
@@ -355,45 +308,29 @@ impl ControlPlane {
 
     fn peer_addr_of(&self, id: NodeId) -> Option<String> {
         let metrics = self.inner.raft.metrics().borrow().clone();
-        let addr = metrics
-            .membership_config
-            .membership()
-            .get_node(&id)
-            .map(|n| n.peer_addr.clone());
+        let addr = metrics.membership_config.membership().get_node(&id).map(|n| n.peer_addr.clone());
         addr
     }
 
     async fn lock_membership(&self) -> Result<tokio::sync::MutexGuard<'_, ()>, ControlError> {
-        tokio::time::timeout(
-            self.inner.config.change_timeout,
-            self.inner.membership_lock.lock(),
-        )
-        .await
-        .map_err(|_| ControlError::ChangeInProgress)
+        tokio::time::timeout(self.inner.config.change_timeout, self.inner.membership_lock.lock())
+            .await
+            .map_err(|_| ControlError::ChangeInProgress)
     }
 
     async fn admit(&self, node_id: NodeId) -> Result<AdminResponse, ControlError> {
         let _guard = self.lock_membership().await?;
         let state = self.state();
         if state.is_member(node_id) {
-            return Ok(AdminResponse::Admitted {
-                map_version: state.map.version,
-            });
+            return Ok(AdminResponse::Admitted { map_version: state.map.version });
         }
         let Some(registration) = state.registered.get(&node_id) else {
             return Err(ControlError::Rejected {
                 reason: format!("node {node_id} is not registered (retired ids cannot rejoin)"),
             });
         };
-        let node = MemberNode {
-            api_addr: registration.api_addr.clone(),
-            peer_addr: registration.peer_addr.clone(),
-        };
-        self.inner
-            .raft
-            .add_learner(node_id, node, false)
-            .await
-            .map_err(write_error)?;
+        let node = MemberNode { api_addr: registration.api_addr.clone(), peer_addr: registration.peer_addr.clone() };
+        self.inner.raft.add_learner(node_id, node, false).await.map_err(write_error)?;
         self.wait_caught_up(node_id).await?;
         let map_version = match self.write(ClusterCommand::Admit { node_id }).await? {
             CommandResponse::MapChanged { map_version } => map_version,
@@ -410,9 +347,7 @@ impl ControlPlane {
         let _guard = self.lock_membership().await?;
         let state = self.state();
         if !state.is_member(node_id) && state.retired.contains(&node_id) {
-            return Ok(AdminResponse::Left {
-                map_version: state.map.version,
-            });
+            return Ok(AdminResponse::Left { map_version: state.map.version });
         }
         let map_version = match self.write(ClusterCommand::Remove { node_id }).await? {
             CommandResponse::MapChanged { map_version } => map_version,
@@ -444,20 +379,13 @@ impl ControlPlane {
             )
             .await
             .map(|_| ())
-            .map_err(|_| ControlError::Timeout {
-                what: format!("node {node_id} to catch up with the Raft log"),
-            })
+            .map_err(|_| ControlError::Timeout { what: format!("node {node_id} to catch up with the Raft log") })
     }
 
     /// Commits `command` (this node must be the leader) and returns its response; a
     /// `Rejected` response becomes an error.
     pub async fn write(&self, command: ClusterCommand) -> Result<CommandResponse, ControlError> {
-        let response = self
-            .inner
-            .raft
-            .client_write(command)
-            .await
-            .map_err(write_error)?;
+        let response = self.inner.raft.client_write(command).await.map_err(write_error)?;
         match response.data {
             CommandResponse::Rejected { reason } => Err(ControlError::Rejected { reason }),
             other => Ok(other),
@@ -478,15 +406,8 @@ impl ControlPlane {
         let membership = metrics.membership_config.membership().clone();
         for member in &state.members {
             if membership.get_node(&member.id).is_none() {
-                let node = MemberNode {
-                    api_addr: member.api_addr.clone(),
-                    peer_addr: member.peer_addr.clone(),
-                };
-                self.inner
-                    .raft
-                    .add_learner(member.id, node, false)
-                    .await
-                    .map_err(write_error)?;
+                let node = MemberNode { api_addr: member.api_addr.clone(), peer_addr: member.peer_addr.clone() };
+                self.inner.raft.add_learner(member.id, node, false).await.map_err(write_error)?;
             }
         }
         let desired = state.desired_voters();
@@ -524,11 +445,7 @@ impl ControlPlane {
         };
         if !stale.is_empty() {
             tracing::info!(?stale, "dropping non-members from the Raft config");
-            self.inner
-                .raft
-                .change_membership(ChangeMembers::RemoveNodes(stale), false)
-                .await
-                .map_err(write_error)?;
+            self.inner.raft.change_membership(ChangeMembers::RemoveNodes(stale), false).await.map_err(write_error)?;
         }
         Ok(())
     }
@@ -570,16 +487,10 @@ async fn reconcile_loop(inner: std::sync::Weak<Inner>) {
 async fn open_db(dir: &std::path::Path) -> Result<sled::Db, ControlError> {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let result = sled::Config::new()
-            .path(dir)
-            .cache_capacity(16 * 1024 * 1024)
-            .flush_every_ms(Some(1000))
-            .open();
+        let result = sled::Config::new().path(dir).cache_capacity(16 * 1024 * 1024).flush_every_ms(Some(1000)).open();
         match result {
             Ok(db) => return Ok(db),
-            Err(sled::Error::Io(e))
-                if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline =>
-            {
+            Err(sled::Error::Io(e)) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
             Err(e) => {
@@ -592,29 +503,22 @@ async fn open_db(dir: &std::path::Path) -> Result<sled::Db, ControlError> {
 }
 
 fn fatal(e: impl std::fmt::Display) -> ControlError {
-    ControlError::Fatal {
-        detail: e.to_string(),
-    }
+    ControlError::Fatal { detail: e.to_string() }
 }
 
 fn unexpected(response: CommandResponse) -> ControlError {
-    ControlError::Fatal {
-        detail: format!("unexpected command response {response:?}"),
-    }
+    ControlError::Fatal { detail: format!("unexpected command response {response:?}") }
 }
 
 fn write_error(e: OpenRaftError<NodeId, ClientWriteError<NodeId, MemberNode>>) -> ControlError {
     match e {
-        OpenRaftError::APIError(ClientWriteError::ForwardToLeader(f)) => ControlError::NotLeader {
-            leader: f.leader_id,
-            leader_peer_addr: f.leader_node.map(|n| n.peer_addr),
-        },
+        OpenRaftError::APIError(ClientWriteError::ForwardToLeader(f)) => {
+            ControlError::NotLeader { leader: f.leader_id, leader_peer_addr: f.leader_node.map(|n| n.peer_addr) }
+        }
         OpenRaftError::APIError(ClientWriteError::ChangeMembershipError(e)) => {
             tracing::debug!(error = %e, "membership change refused");
             ControlError::ChangeInProgress
         }
-        OpenRaftError::Fatal(e) => ControlError::Fatal {
-            detail: e.to_string(),
-        },
+        OpenRaftError::Fatal(e) => ControlError::Fatal { detail: e.to_string() },
     }
 }

@@ -31,46 +31,22 @@ pub struct SledLogStore {
 impl SledLogStore {
     /// Opens (or creates) the log trees in `db`.
     pub fn open(db: &sled::Db) -> Result<Self, sled::Error> {
-        Ok(SledLogStore {
-            db: db.clone(),
-            log: db.open_tree("raft_log")?,
-            meta: db.open_tree("raft_meta")?,
-        })
+        Ok(SledLogStore { db: db.clone(), log: db.open_tree("raft_log")?, meta: db.open_tree("raft_meta")? })
     }
 
-    fn read_meta<T: DeserializeOwned>(
-        &self,
-        key: &str,
-        subject: ErrorSubject<u64>,
-    ) -> Result<Option<T>, StorageError> {
-        let bytes = self
-            .meta
-            .get(key)
-            .map_err(|e| io_err(subject.clone(), ErrorVerb::Read, &e))?;
-        bytes
-            .map(|b| serde_json::from_slice(&b).map_err(|e| io_err(subject, ErrorVerb::Read, &e)))
-            .transpose()
+    fn read_meta<T: DeserializeOwned>(&self, key: &str, subject: ErrorSubject<u64>) -> Result<Option<T>, StorageError> {
+        let bytes = self.meta.get(key).map_err(|e| io_err(subject.clone(), ErrorVerb::Read, &e))?;
+        bytes.map(|b| serde_json::from_slice(&b).map_err(|e| io_err(subject, ErrorVerb::Read, &e))).transpose()
     }
 
-    fn write_meta<T: Serialize>(
-        &self,
-        key: &str,
-        value: &T,
-        subject: ErrorSubject<u64>,
-    ) -> Result<(), StorageError> {
-        let bytes =
-            serde_json::to_vec(value).map_err(|e| io_err(subject.clone(), ErrorVerb::Write, &e))?;
-        self.meta
-            .insert(key, bytes)
-            .map_err(|e| io_err(subject, ErrorVerb::Write, &e))?;
+    fn write_meta<T: Serialize>(&self, key: &str, value: &T, subject: ErrorSubject<u64>) -> Result<(), StorageError> {
+        let bytes = serde_json::to_vec(value).map_err(|e| io_err(subject.clone(), ErrorVerb::Write, &e))?;
+        self.meta.insert(key, bytes).map_err(|e| io_err(subject, ErrorVerb::Write, &e))?;
         Ok(())
     }
 
     async fn flush(&self, subject: ErrorSubject<u64>) -> Result<(), StorageError> {
-        self.db
-            .flush_async()
-            .await
-            .map_err(|e| io_err(subject, ErrorVerb::Write, &e))?;
+        self.db.flush_async().await.map_err(|e| io_err(subject, ErrorVerb::Write, &e))?;
         Ok(())
     }
 }
@@ -80,14 +56,8 @@ fn index_key(index: u64) -> [u8; 8] {
     index.to_be_bytes()
 }
 
-fn io_err(
-    subject: ErrorSubject<u64>,
-    verb: ErrorVerb,
-    e: &(impl std::error::Error + 'static),
-) -> StorageError {
-    StorageError::IO {
-        source: StorageIOError::new(subject, verb, openraft::AnyError::new(e)),
-    }
+fn io_err(subject: ErrorSubject<u64>, verb: ErrorVerb, e: &(impl std::error::Error + 'static)) -> StorageError {
+    StorageError::IO { source: StorageIOError::new(subject, verb, openraft::AnyError::new(e)) }
 }
 
 impl RaftLogReader<TypeConfig> for SledLogStore {
@@ -107,8 +77,8 @@ impl RaftLogReader<TypeConfig> for SledLogStore {
             if !range.contains(&index) {
                 break;
             }
-            let entry: Entry = serde_json::from_slice(&value)
-                .map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Read, &e))?;
+            let entry: Entry =
+                serde_json::from_slice(&value).map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Read, &e))?;
             entries.push(entry);
         }
         Ok(entries)
@@ -120,22 +90,15 @@ impl RaftLogStorage<TypeConfig> for SledLogStore {
 
     async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, StorageError> {
         let last_purged: Option<LogId> = self.read_meta(KEY_LAST_PURGED, ErrorSubject::Store)?;
-        let last = match self
-            .log
-            .last()
-            .map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Read, &e))?
-        {
+        let last = match self.log.last().map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Read, &e))? {
             Some((_, value)) => {
-                let entry: Entry = serde_json::from_slice(&value)
-                    .map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Read, &e))?;
+                let entry: Entry =
+                    serde_json::from_slice(&value).map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Read, &e))?;
                 Some(entry.log_id)
             }
             None => last_purged,
         };
-        Ok(LogState {
-            last_purged_log_id: last_purged,
-            last_log_id: last,
-        })
+        Ok(LogState { last_purged_log_id: last_purged, last_log_id: last })
     }
 
     async fn get_log_reader(&mut self) -> Self::LogReader {
@@ -158,35 +121,21 @@ impl RaftLogStorage<TypeConfig> for SledLogStore {
     }
 
     async fn read_committed(&mut self) -> Result<Option<LogId>, StorageError> {
-        Ok(self
-            .read_meta::<Option<LogId>>(KEY_COMMITTED, ErrorSubject::Store)?
-            .flatten())
+        Ok(self.read_meta::<Option<LogId>>(KEY_COMMITTED, ErrorSubject::Store)?.flatten())
     }
 
-    async fn append<I>(
-        &mut self,
-        entries: I,
-        callback: LogFlushed<TypeConfig>,
-    ) -> Result<(), StorageError>
+    async fn append<I>(&mut self, entries: I, callback: LogFlushed<TypeConfig>) -> Result<(), StorageError>
     where
         I: IntoIterator<Item = Entry> + OptionalSend,
         I::IntoIter: OptionalSend,
     {
         let mut batch = sled::Batch::default();
         for entry in entries {
-            let bytes = serde_json::to_vec(&entry)
-                .map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Write, &e))?;
+            let bytes = serde_json::to_vec(&entry).map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Write, &e))?;
             batch.insert(&index_key(entry.log_id.index), bytes);
         }
-        self.log
-            .apply_batch(batch)
-            .map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Write, &e))?;
-        let flushed = self
-            .db
-            .flush_async()
-            .await
-            .map(|_| ())
-            .map_err(std::io::Error::other);
+        self.log.apply_batch(batch).map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Write, &e))?;
+        let flushed = self.db.flush_async().await.map(|_| ()).map_err(std::io::Error::other);
         callback.log_io_completed(flushed);
         Ok(())
     }
@@ -216,8 +165,6 @@ impl SledLogStore {
         for key in keys.keys() {
             batch.remove(key.map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Read, &e))?);
         }
-        self.log
-            .apply_batch(batch)
-            .map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Write, &e))
+        self.log.apply_batch(batch).map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Write, &e))
     }
 }

@@ -69,13 +69,7 @@ impl ClusterState {
     /// answered with [`CommandResponse::Rejected`] and changes nothing.
     pub fn apply(&mut self, command: &ClusterCommand) -> CommandResponse {
         match command {
-            ClusterCommand::Bootstrap {
-                cluster_id,
-                node_id,
-                api_addr,
-                peer_addr,
-                voters,
-            } => {
+            ClusterCommand::Bootstrap { cluster_id, node_id, api_addr, peer_addr, voters } => {
                 if self.cluster_id.is_some() {
                     return rejected("the cluster is already bootstrapped");
                 }
@@ -90,43 +84,26 @@ impl ClusterState {
                 self.next_node_id = node_id + 1;
                 self.next_join_seq = 2;
                 self.map = rebalance(&self.map, &[*node_id]);
-                CommandResponse::MapChanged {
-                    map_version: self.map.version,
-                }
+                CommandResponse::MapChanged { map_version: self.map.version }
             }
-            ClusterCommand::Register {
-                api_addr,
-                peer_addr,
-            } => {
+            ClusterCommand::Register { api_addr, peer_addr } => {
                 if self.cluster_id.is_none() {
                     return rejected("the cluster is not bootstrapped");
                 }
-                if let Some(m) = self
-                    .members
-                    .iter()
-                    .find(|m| &m.api_addr == api_addr || &m.peer_addr == peer_addr)
-                {
+                if let Some(m) = self.members.iter().find(|m| &m.api_addr == api_addr || &m.peer_addr == peer_addr) {
                     return rejected(&format!("address already used by member {}", m.id));
                 }
                 // A joiner that crashed and registers again gets a fresh id; drop its old one.
-                self.registered
-                    .retain(|_, r| &r.api_addr != api_addr && &r.peer_addr != peer_addr);
+                self.registered.retain(|_, r| &r.api_addr != api_addr && &r.peer_addr != peer_addr);
                 let node_id = self.next_node_id;
                 self.next_node_id += 1;
-                self.registered.insert(
-                    node_id,
-                    Registration {
-                        api_addr: api_addr.clone(),
-                        peer_addr: peer_addr.clone(),
-                    },
-                );
+                self.registered
+                    .insert(node_id, Registration { api_addr: api_addr.clone(), peer_addr: peer_addr.clone() });
                 CommandResponse::Registered { node_id }
             }
             ClusterCommand::Admit { node_id } => {
                 if self.is_member(*node_id) {
-                    return CommandResponse::MapChanged {
-                        map_version: self.map.version,
-                    };
+                    return CommandResponse::MapChanged { map_version: self.map.version };
                 }
                 let Some(reg) = self.registered.remove(node_id) else {
                     return rejected(&format!("node {node_id} is not registered"));
@@ -157,9 +134,7 @@ impl ClusterState {
 
     fn remap(&mut self) -> CommandResponse {
         self.map = rebalance(&self.map, &self.member_ids());
-        CommandResponse::MapChanged {
-            map_version: self.map.version,
-        }
+        CommandResponse::MapChanged { map_version: self.map.version }
     }
 
     /// Whether `id` is a current member.
@@ -189,18 +164,12 @@ impl ClusterState {
 
     /// The members that should vote in Raft: the first `settings.voters` in join order.
     pub fn desired_voters(&self) -> BTreeSet<NodeId> {
-        self.members
-            .iter()
-            .take(usize::from(self.settings.voters.max(1)))
-            .map(|m| m.id)
-            .collect()
+        self.members.iter().take(usize::from(self.settings.voters.max(1))).map(|m| m.id).collect()
     }
 }
 
 fn rejected(reason: &str) -> CommandResponse {
-    CommandResponse::Rejected {
-        reason: reason.to_string(),
-    }
+    CommandResponse::Rejected { reason: reason.to_string() }
 }
 
 #[cfg(test)]
@@ -220,16 +189,12 @@ mod tests {
     }
 
     fn join(s: &mut ClusterState, n: u32) -> NodeId {
-        let CommandResponse::Registered { node_id } = s.apply(&ClusterCommand::Register {
-            api_addr: format!("a{n}"),
-            peer_addr: format!("p{n}"),
-        }) else {
+        let CommandResponse::Registered { node_id } =
+            s.apply(&ClusterCommand::Register { api_addr: format!("a{n}"), peer_addr: format!("p{n}") })
+        else {
             panic!("register failed")
         };
-        assert!(matches!(
-            s.apply(&ClusterCommand::Admit { node_id }),
-            CommandResponse::MapChanged { .. }
-        ));
+        assert!(matches!(s.apply(&ClusterCommand::Admit { node_id }), CommandResponse::MapChanged { .. }));
         node_id
     }
 
@@ -239,10 +204,7 @@ mod tests {
         assert_eq!(s.replica_of(1), None);
         join(&mut s, 2);
         join(&mut s, 3);
-        assert_eq!(
-            (s.replica_of(1), s.replica_of(2), s.replica_of(3)),
-            (Some(2), Some(3), Some(1))
-        );
+        assert_eq!((s.replica_of(1), s.replica_of(2), s.replica_of(3)), (Some(2), Some(3), Some(1)));
         s.apply(&ClusterCommand::Remove { node_id: 2 });
         assert_eq!((s.replica_of(1), s.replica_of(3)), (Some(3), Some(1)));
     }
@@ -254,10 +216,7 @@ mod tests {
         s.apply(&ClusterCommand::Remove { node_id: two });
         let three = join(&mut s, 3);
         assert!(three > two);
-        assert!(matches!(
-            s.apply(&ClusterCommand::Admit { node_id: two }),
-            CommandResponse::Rejected { .. }
-        ));
+        assert!(matches!(s.apply(&ClusterCommand::Admit { node_id: two }), CommandResponse::Rejected { .. }));
         assert!(s.retired.contains(&two));
     }
 
@@ -276,14 +235,8 @@ mod tests {
     fn the_last_member_cannot_leave_and_rejections_change_nothing() {
         let mut s = bootstrapped(3);
         let before = s.clone();
-        assert!(matches!(
-            s.apply(&ClusterCommand::Remove { node_id: 1 }),
-            CommandResponse::Rejected { .. }
-        ));
-        assert!(matches!(
-            s.apply(&ClusterCommand::Admit { node_id: 9 }),
-            CommandResponse::Rejected { .. }
-        ));
+        assert!(matches!(s.apply(&ClusterCommand::Remove { node_id: 1 }), CommandResponse::Rejected { .. }));
+        assert!(matches!(s.apply(&ClusterCommand::Admit { node_id: 9 }), CommandResponse::Rejected { .. }));
         assert_eq!(s, before);
     }
 

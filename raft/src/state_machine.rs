@@ -48,10 +48,7 @@ pub struct StateView {
 
 impl StateView {
     fn new(state: ClusterState) -> Self {
-        StateView {
-            current: Arc::new(ArcSwap::from_pointee(state)),
-            applied: watch::Sender::new(0),
-        }
+        StateView { current: Arc::new(ArcSwap::from_pointee(state)), applied: watch::Sender::new(0) }
     }
 
     /// The last applied state.
@@ -82,26 +79,13 @@ pub struct SledStateMachine {
 impl SledStateMachine {
     /// Opens the state machine in `db`, loading the state persisted by the last run.
     pub fn open(db: &sled::Db) -> Result<Self, StorageError> {
-        let tree = db
-            .open_tree("state_machine")
-            .map_err(|e| sm_err(ErrorVerb::Read, &e))?;
-        let machine: PersistedMachine = match tree
-            .get(KEY_MACHINE)
-            .map_err(|e| sm_err(ErrorVerb::Read, &e))?
-        {
-            Some(bytes) => {
-                serde_json::from_slice(&bytes).map_err(|e| sm_err(ErrorVerb::Read, &e))?
-            }
+        let tree = db.open_tree("state_machine").map_err(|e| sm_err(ErrorVerb::Read, &e))?;
+        let machine: PersistedMachine = match tree.get(KEY_MACHINE).map_err(|e| sm_err(ErrorVerb::Read, &e))? {
+            Some(bytes) => serde_json::from_slice(&bytes).map_err(|e| sm_err(ErrorVerb::Read, &e))?,
             None => PersistedMachine::default(),
         };
         let view = StateView::new(machine.state.clone());
-        Ok(SledStateMachine {
-            db: db.clone(),
-            tree,
-            machine,
-            view,
-            snapshot_seq: 0,
-        })
+        Ok(SledStateMachine { db: db.clone(), tree, machine, view, snapshot_seq: 0 })
     }
 
     /// The read handle on the applied state.
@@ -114,18 +98,10 @@ impl SledStateMachine {
         let mut batch = sled::Batch::default();
         batch.insert(KEY_MACHINE, bytes);
         if let Some(snapshot) = snapshot {
-            batch.insert(
-                KEY_SNAPSHOT,
-                serde_json::to_vec(snapshot).map_err(|e| sm_err(ErrorVerb::Write, &e))?,
-            );
+            batch.insert(KEY_SNAPSHOT, serde_json::to_vec(snapshot).map_err(|e| sm_err(ErrorVerb::Write, &e))?);
         }
-        self.tree
-            .apply_batch(batch)
-            .map_err(|e| sm_err(ErrorVerb::Write, &e))?;
-        self.db
-            .flush_async()
-            .await
-            .map_err(|e| sm_err(ErrorVerb::Write, &e))?;
+        self.tree.apply_batch(batch).map_err(|e| sm_err(ErrorVerb::Write, &e))?;
+        self.db.flush_async().await.map_err(|e| sm_err(ErrorVerb::Write, &e))?;
         Ok(())
     }
 
@@ -136,9 +112,7 @@ impl SledStateMachine {
 }
 
 fn sm_err(verb: ErrorVerb, e: &(impl std::error::Error + 'static)) -> StorageError {
-    StorageError::IO {
-        source: StorageIOError::new(ErrorSubject::StateMachine, verb, openraft::AnyError::new(e)),
-    }
+    StorageError::IO { source: StorageIOError::new(ErrorSubject::StateMachine, verb, openraft::AnyError::new(e)) }
 }
 
 /// Builds a snapshot from a copy of the state taken when the builder was made, so that
@@ -162,22 +136,11 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
             last_membership: self.machine.last_membership.clone(),
             snapshot_id,
         };
-        let stored = PersistedSnapshot {
-            meta: meta.clone(),
-            data: data.clone(),
-        };
+        let stored = PersistedSnapshot { meta: meta.clone(), data: data.clone() };
         let bytes = serde_json::to_vec(&stored).map_err(|e| sm_err(ErrorVerb::Write, &e))?;
-        self.tree
-            .insert(KEY_SNAPSHOT, bytes)
-            .map_err(|e| sm_err(ErrorVerb::Write, &e))?;
-        self.db
-            .flush_async()
-            .await
-            .map_err(|e| sm_err(ErrorVerb::Write, &e))?;
-        Ok(Snapshot {
-            meta,
-            snapshot: Box::new(Cursor::new(data)),
-        })
+        self.tree.insert(KEY_SNAPSHOT, bytes).map_err(|e| sm_err(ErrorVerb::Write, &e))?;
+        self.db.flush_async().await.map_err(|e| sm_err(ErrorVerb::Write, &e))?;
+        Ok(Snapshot { meta, snapshot: Box::new(Cursor::new(data)) })
     }
 }
 
@@ -185,10 +148,7 @@ impl RaftStateMachine<TypeConfig> for SledStateMachine {
     type SnapshotBuilder = SnapshotBuilder;
 
     async fn applied_state(&mut self) -> Result<(Option<LogId>, StoredMembership), StorageError> {
-        Ok((
-            self.machine.last_applied,
-            self.machine.last_membership.clone(),
-        ))
+        Ok((self.machine.last_applied, self.machine.last_membership.clone()))
     }
 
     async fn apply<I>(&mut self, entries: I) -> Result<Vec<CommandResponse>, StorageError>
@@ -203,17 +163,11 @@ impl RaftStateMachine<TypeConfig> for SledStateMachine {
                 EntryPayload::Blank => CommandResponse::Done,
                 EntryPayload::Normal(ref command) => {
                     let response = self.machine.state.apply(command);
-                    tracing::debug!(
-                        log_index = entry.log_id.index,
-                        ?command,
-                        ?response,
-                        "applied"
-                    );
+                    tracing::debug!(log_index = entry.log_id.index, ?command, ?response, "applied");
                     response
                 }
                 EntryPayload::Membership(ref membership) => {
-                    self.machine.last_membership =
-                        StoredMembership::new(Some(entry.log_id), membership.clone());
+                    self.machine.last_membership = StoredMembership::new(Some(entry.log_id), membership.clone());
                     CommandResponse::Done
                 }
             };
@@ -244,36 +198,24 @@ impl RaftStateMachine<TypeConfig> for SledStateMachine {
         snapshot: Box<Cursor<Vec<u8>>>,
     ) -> Result<(), StorageError> {
         let data = snapshot.into_inner();
-        let machine: PersistedMachine =
-            serde_json::from_slice(&data).map_err(|e| sm_err(ErrorVerb::Read, &e))?;
+        let machine: PersistedMachine = serde_json::from_slice(&data).map_err(|e| sm_err(ErrorVerb::Read, &e))?;
         // Replace, never merge: the snapshot is the whole state.
         self.machine = PersistedMachine {
             last_applied: meta.last_log_id,
             last_membership: meta.last_membership.clone(),
             state: machine.state,
         };
-        let stored = PersistedSnapshot {
-            meta: meta.clone(),
-            data,
-        };
+        let stored = PersistedSnapshot { meta: meta.clone(), data };
         self.persist(Some(&stored)).await?;
         self.publish();
         Ok(())
     }
 
     async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, StorageError> {
-        let Some(bytes) = self
-            .tree
-            .get(KEY_SNAPSHOT)
-            .map_err(|e| sm_err(ErrorVerb::Read, &e))?
-        else {
+        let Some(bytes) = self.tree.get(KEY_SNAPSHOT).map_err(|e| sm_err(ErrorVerb::Read, &e))? else {
             return Ok(None);
         };
-        let stored: PersistedSnapshot =
-            serde_json::from_slice(&bytes).map_err(|e| sm_err(ErrorVerb::Read, &e))?;
-        Ok(Some(Snapshot {
-            meta: stored.meta,
-            snapshot: Box::new(Cursor::new(stored.data)),
-        }))
+        let stored: PersistedSnapshot = serde_json::from_slice(&bytes).map_err(|e| sm_err(ErrorVerb::Read, &e))?;
+        Ok(Some(Snapshot { meta: stored.meta, snapshot: Box::new(Cursor::new(stored.data)) }))
     }
 }

@@ -12,11 +12,7 @@ use crate::types::{StorageError, TypeConfig};
 struct SledBuilder;
 
 fn open(dir: &std::path::Path) -> (sled::Db, SledLogStore, SledStateMachine) {
-    let db = sled::Config::new()
-        .path(dir)
-        .cache_capacity(1 << 20)
-        .open()
-        .expect("open sled");
+    let db = sled::Config::new().path(dir).cache_capacity(1 << 20).open().expect("open sled");
     let log = SledLogStore::open(&db).expect("log store");
     let sm = SledStateMachine::open(&db).expect("state machine");
     (db, log, sm)

@@ -51,8 +51,7 @@ pub type StorageError = openraft::StorageError<NodeId>;
 /// Raft's own API error.
 pub type RaftError<E = openraft::error::Infallible> = openraft::error::RaftError<NodeId, E>;
 /// The error of a Raft RPC as seen by the sender.
-pub type RpcError<E = openraft::error::Infallible> =
-    openraft::error::RPCError<NodeId, MemberNode, RaftError<E>>;
+pub type RpcError<E = openraft::error::Infallible> = openraft::error::RPCError<NodeId, MemberNode, RaftError<E>>;
 /// The error of a client write.
 pub type ClientWriteError = openraft::error::ClientWriteError<NodeId, MemberNode>;
 /// Raft metrics.

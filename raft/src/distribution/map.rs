@@ -24,10 +24,7 @@ pub struct DistributionMap {
 impl DistributionMap {
     /// The first map of a cluster: `node` owns every bucket, version 1.
     pub fn single(node: NodeId) -> Self {
-        DistributionMap {
-            version: 1,
-            owners: vec![node; BUCKET_COUNT],
-        }
+        DistributionMap { version: 1, owners: vec![node; BUCKET_COUNT] }
     }
 
     /// Whether this is the empty map of a node that has not joined a cluster yet.
@@ -42,12 +39,7 @@ impl DistributionMap {
 
     /// The buckets owned by `node`, in increasing order.
     pub fn buckets_of(&self, node: NodeId) -> Vec<BucketId> {
-        self.owners
-            .iter()
-            .enumerate()
-            .filter(|(_, &owner)| owner == node)
-            .map(|(b, _)| BucketId(b as u16))
-            .collect()
+        self.owners.iter().enumerate().filter(|(_, &owner)| owner == node).map(|(b, _)| BucketId(b as u16)).collect()
     }
 
     /// How many buckets each owner has.
@@ -61,10 +53,7 @@ impl DistributionMap {
 
     /// The buckets whose owner differs between `self` and `other`.
     pub fn moved_buckets(&self, other: &DistributionMap) -> Vec<BucketId> {
-        (0..BUCKET_COUNT)
-            .filter(|&b| self.owners.get(b) != other.owners.get(b))
-            .map(|b| BucketId(b as u16))
-            .collect()
+        (0..BUCKET_COUNT).filter(|&b| self.owners.get(b) != other.owners.get(b)).map(|b| BucketId(b as u16)).collect()
     }
 
     /// Checks the invariants against the member list; `Err` names the first one broken.
@@ -76,10 +65,7 @@ impl DistributionMap {
             return Err(format!("map has {} buckets", self.owners.len()));
         }
         if let Some(b) = self.owners.iter().position(|o| !members.contains(o)) {
-            return Err(format!(
-                "bucket {b} is owned by non-member {}",
-                self.owners[b]
-            ));
+            return Err(format!("bucket {b} is owned by non-member {}", self.owners[b]));
         }
         Ok(())
     }

@@ -9,21 +9,15 @@ use super::*;
 /// time from the fullest member to the emptiest until counts differ by at most one. Slow and
 /// obviously balanced; `rebalance` must never move more buckets than this does.
 fn naive_rebalance(prev: &DistributionMap, members: &[NodeId]) -> DistributionMap {
-    let mut owners = if prev.is_empty() {
-        vec![members[0]; BUCKET_COUNT]
-    } else {
-        prev.owners.clone()
-    };
-    let mut counts: std::collections::HashMap<NodeId, usize> =
-        members.iter().map(|&m| (m, 0)).collect();
+    let mut owners = if prev.is_empty() { vec![members[0]; BUCKET_COUNT] } else { prev.owners.clone() };
+    let mut counts: std::collections::HashMap<NodeId, usize> = members.iter().map(|&m| (m, 0)).collect();
     for o in &owners {
         if let Some(c) = counts.get_mut(o) {
             *c += 1;
         }
     }
-    let emptiest = |counts: &std::collections::HashMap<NodeId, usize>| {
-        *members.iter().min_by_key(|m| counts[m]).expect("members")
-    };
+    let emptiest =
+        |counts: &std::collections::HashMap<NodeId, usize>| *members.iter().min_by_key(|m| counts[m]).expect("members");
     for owner in owners.iter_mut() {
         if !members.contains(owner) {
             let to = emptiest(&counts);
@@ -37,18 +31,12 @@ fn naive_rebalance(prev: &DistributionMap, members: &[NodeId]) -> DistributionMa
         if counts[&fullest] <= counts[&to] + 1 {
             break;
         }
-        let b = owners
-            .iter()
-            .rposition(|&o| o == fullest)
-            .expect("fullest owns a bucket");
+        let b = owners.iter().rposition(|&o| o == fullest).expect("fullest owns a bucket");
         owners[b] = to;
         *counts.get_mut(&fullest).expect("member") -= 1;
         *counts.get_mut(&to).expect("member") += 1;
     }
-    DistributionMap {
-        version: prev.version + 1,
-        owners,
-    }
+    DistributionMap { version: prev.version + 1, owners }
 }
 
 /// Checks every invariant of a rebalance step; `joined`/`left` describe the change.
@@ -62,48 +50,22 @@ fn check_step(
     next.check(members).expect("map invariants");
     assert_eq!(next.version, prev.version + 1);
     let counts = next.counts();
-    assert_eq!(
-        counts.len(),
-        members.len(),
-        "every member owns buckets: {counts:?}"
-    );
-    let (min, max) = (
-        counts.values().min().copied(),
-        counts.values().max().copied(),
-    );
-    assert!(
-        max.unwrap_or(0) - min.unwrap_or(0) <= 1,
-        "equal split: {counts:?}"
-    );
+    assert_eq!(counts.len(), members.len(), "every member owns buckets: {counts:?}");
+    let (min, max) = (counts.values().min().copied(), counts.values().max().copied());
+    assert!(max.unwrap_or(0) - min.unwrap_or(0) <= 1, "equal split: {counts:?}");
     let moved = prev.moved_buckets(next);
     if !prev.is_empty() {
-        assert_eq!(
-            moved.len(),
-            minimum_moves(prev, members),
-            "moves are minimal"
-        );
+        assert_eq!(moved.len(), minimum_moves(prev, members), "moves are minimal");
         let naive = naive_rebalance(prev, members);
-        assert!(
-            moved.len() <= prev.moved_buckets(&naive).len(),
-            "never more moves than the oracle"
-        );
+        assert!(moved.len() <= prev.moved_buckets(&naive).len(), "never more moves than the oracle");
     }
     if let (Some(new), false) = (joined, prev.is_empty()) {
-        assert!(
-            moved.iter().all(|&b| next.owner_of(b) == Some(new)),
-            "a join moves buckets only to the newcomer"
-        );
+        assert!(moved.iter().all(|&b| next.owner_of(b) == Some(new)), "a join moves buckets only to the newcomer");
         let n = members.len();
-        assert!(
-            moved.len() <= BUCKET_COUNT / n + 1,
-            "a join moves about 1000/N buckets"
-        );
+        assert!(moved.len() <= BUCKET_COUNT / n + 1, "a join moves about 1000/N buckets");
     }
     if let Some(gone) = left {
-        assert!(
-            moved.iter().all(|&b| prev.owner_of(b) == Some(gone)),
-            "a leave moves only the leaver's buckets"
-        );
+        assert!(moved.iter().all(|&b| prev.owner_of(b) == Some(gone)), "a leave moves only the leaver's buckets");
     }
 }
 
@@ -112,10 +74,7 @@ fn growing_one_to_three_splits_1000_500_333() {
     let m1 = rebalance(&DistributionMap::default(), &[1]);
     assert_eq!(m1.counts().into_values().collect::<Vec<_>>(), vec![1000]);
     let m2 = rebalance(&m1, &[1, 2]);
-    assert_eq!(
-        m2.counts().into_values().collect::<Vec<_>>(),
-        vec![500, 500]
-    );
+    assert_eq!(m2.counts().into_values().collect::<Vec<_>>(), vec![500, 500]);
     let m3 = rebalance(&m2, &[1, 2, 3]);
     let mut c3: Vec<usize> = m3.counts().into_values().collect();
     c3.sort();

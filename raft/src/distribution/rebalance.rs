@@ -26,12 +26,7 @@ pub fn target_counts(prev: &DistributionMap, members: &[NodeId]) -> BTreeMap<Nod
     // Who keeps a "+1": first members already above base (most first) since each of them
     // saves a move; then the members that are receiving anyway (fewest first), so that a
     // join sends every moved bucket to the newcomer.
-    let mut order: Vec<(usize, NodeId)> = members
-        .iter()
-        .copied()
-        .enumerate()
-        .map(|(i, m)| (i, m))
-        .collect();
+    let mut order: Vec<(usize, NodeId)> = members.iter().copied().enumerate().map(|(i, m)| (i, m)).collect();
     order.sort_by_key(|&(join_pos, m)| {
         let c = held_by(&m);
         if c > base {
@@ -40,11 +35,7 @@ pub fn target_counts(prev: &DistributionMap, members: &[NodeId]) -> BTreeMap<Nod
             (1, c, join_pos)
         }
     });
-    order
-        .iter()
-        .enumerate()
-        .map(|(rank, &(_, m))| (m, base + usize::from(rank < extra)))
-        .collect()
+    order.iter().enumerate().map(|(rank, &(_, m))| (m, base + usize::from(rank < extra))).collect()
 }
 
 /// The least number of buckets any equal split of `members` must move away from `prev`:
@@ -60,15 +51,8 @@ pub fn minimum_moves(prev: &DistributionMap, members: &[NodeId]) -> usize {
     }
     let (base, extra) = (BUCKET_COUNT / n, BUCKET_COUNT % n);
     let held = prev.counts();
-    let orphans: usize = held
-        .iter()
-        .filter(|(m, _)| !members.contains(m))
-        .map(|(_, c)| c)
-        .sum();
-    let counts: Vec<usize> = members
-        .iter()
-        .map(|m| held.get(m).copied().unwrap_or(0))
-        .collect();
+    let orphans: usize = held.iter().filter(|(m, _)| !members.contains(m)).map(|(_, c)| c).sum();
+    let counts: Vec<usize> = members.iter().map(|m| held.get(m).copied().unwrap_or(0)).collect();
     let above: usize = counts.iter().map(|&c| c.saturating_sub(base + 1)).sum();
     let at_least_plus_one = counts.iter().filter(|&&c| c > base).count();
     orphans + above + at_least_plus_one.saturating_sub(extra)
@@ -84,19 +68,13 @@ pub fn minimum_moves(prev: &DistributionMap, members: &[NodeId]) -> usize {
 pub fn rebalance(prev: &DistributionMap, members: &[NodeId]) -> DistributionMap {
     let version = prev.version + 1;
     if members.is_empty() {
-        return DistributionMap {
-            version,
-            owners: Vec::new(),
-        };
+        return DistributionMap { version, owners: Vec::new() };
     }
     let targets = target_counts(prev, members);
     let mut owners: Vec<Option<NodeId>> = if prev.is_empty() {
         vec![None; BUCKET_COUNT]
     } else {
-        prev.owners
-            .iter()
-            .map(|o| targets.contains_key(o).then_some(*o))
-            .collect()
+        prev.owners.iter().map(|o| targets.contains_key(o).then_some(*o)).collect()
     };
     // Keep each member's lowest-numbered buckets up to its target; free the rest, so the
     // highest-numbered ones move and a member's low buckets stay put across changes.
@@ -112,11 +90,8 @@ pub fn rebalance(prev: &DistributionMap, members: &[NodeId]) -> DistributionMap 
         }
     }
     // Fill the free buckets, in order, to members below target, in join order.
-    let mut deficits: Vec<(NodeId, usize)> = members
-        .iter()
-        .map(|m| (*m, targets[m] - kept.get(m).copied().unwrap_or(0)))
-        .filter(|&(_, d)| d > 0)
-        .collect();
+    let mut deficits: Vec<(NodeId, usize)> =
+        members.iter().map(|m| (*m, targets[m] - kept.get(m).copied().unwrap_or(0))).filter(|&(_, d)| d > 0).collect();
     let mut next = 0;
     for owner in owners.iter_mut().filter(|o| o.is_none()) {
         while deficits[next].1 == 0 {
@@ -125,8 +100,5 @@ pub fn rebalance(prev: &DistributionMap, members: &[NodeId]) -> DistributionMap 
         *owner = Some(deficits[next].0);
         deficits[next].1 -= 1;
     }
-    DistributionMap {
-        version,
-        owners: owners.into_iter().map(|o| o.unwrap_or_default()).collect(),
-    }
+    DistributionMap { version, owners: owners.into_iter().map(|o| o.unwrap_or_default()).collect() }
 }

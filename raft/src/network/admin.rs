@@ -92,21 +92,13 @@ impl AdminClient {
 
     /// Sends `request` to the node at `peer_addr`, which handles it or forwards it to the
     /// leader.
-    pub async fn call(
-        &self,
-        peer_addr: &str,
-        request: &AdminRequest,
-    ) -> Result<AdminResponse, ControlError> {
+    pub async fn call(&self, peer_addr: &str, request: &AdminRequest) -> Result<AdminResponse, ControlError> {
         self.post(peer_addr, request, false).await
     }
 
     /// Sends `request` to the node at `peer_addr`, believed to be the leader: it handles the
     /// request or answers `NotLeader`, but never forwards it again.
-    pub async fn call_leader(
-        &self,
-        peer_addr: &str,
-        request: &AdminRequest,
-    ) -> Result<AdminResponse, ControlError> {
+    pub async fn call_leader(&self, peer_addr: &str, request: &AdminRequest) -> Result<AdminResponse, ControlError> {
         self.post(peer_addr, request, true).await
     }
 
@@ -118,24 +110,17 @@ impl AdminClient {
     ) -> Result<AdminResponse, ControlError> {
         let response = self
             .client
-            .post(format!(
-                "http://{peer_addr}/internal/admin?forwarded={forwarded}"
-            ))
+            .post(format!("http://{peer_addr}/internal/admin?forwarded={forwarded}"))
             .json(request)
             .send()
             .await
             .map_err(|e| network(peer_addr, &e))?;
-        let result: Result<AdminResponse, ControlError> =
-            response.json().await.map_err(|e| network(peer_addr, &e))?;
+        let result: Result<AdminResponse, ControlError> = response.json().await.map_err(|e| network(peer_addr, &e))?;
         result
     }
 
     /// Asks the node at `peer_addr` what its cluster knows of `node_id`.
-    pub async fn member_status(
-        &self,
-        peer_addr: &str,
-        node_id: NodeId,
-    ) -> Result<MemberStatus, ControlError> {
+    pub async fn member_status(&self, peer_addr: &str, node_id: NodeId) -> Result<MemberStatus, ControlError> {
         let response = self
             .client
             .get(format!("http://{peer_addr}/internal/members/{node_id}"))
@@ -147,8 +132,5 @@ impl AdminClient {
 }
 
 fn network(peer: &str, e: &reqwest::Error) -> ControlError {
-    ControlError::Network {
-        peer: peer.to_string(),
-        detail: e.to_string(),
-    }
+    ControlError::Network { peer: peer.to_string(), detail: e.to_string() }
 }

@@ -5,8 +5,8 @@ use std::time::Duration;
 use openraft::error::{InstallSnapshotError, NetworkError, RemoteError, Unreachable};
 use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
 use openraft::raft::{
-    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
-    VoteRequest, VoteResponse,
+    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse, VoteRequest,
+    VoteResponse,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -38,11 +38,7 @@ impl RaftNetworkFactory<TypeConfig> for HttpRaftNetwork {
     type Network = PeerConnection;
 
     async fn new_client(&mut self, target: NodeId, node: &MemberNode) -> PeerConnection {
-        PeerConnection {
-            client: self.client.clone(),
-            target,
-            base: format!("http://{}", node.peer_addr),
-        }
+        PeerConnection { client: self.client.clone(), target, base: format!("http://{}", node.peer_addr) }
     }
 }
 
@@ -54,12 +50,7 @@ pub struct PeerConnection {
 }
 
 impl PeerConnection {
-    async fn send<Req, Resp, E>(
-        &self,
-        path: &str,
-        req: &Req,
-        option: &RPCOption,
-    ) -> Result<Resp, RpcError<E>>
+    async fn send<Req, Resp, E>(&self, path: &str, req: &Req, option: &RPCOption) -> Result<Resp, RpcError<E>>
     where
         Req: Serialize,
         Resp: DeserializeOwned,
@@ -85,10 +76,8 @@ impl PeerConnection {
             let err = std::io::Error::other(format!("HTTP {status}: {body}"));
             return Err(RpcError::Network(NetworkError::new(&err)));
         }
-        let result: Result<Resp, RaftError<E>> = response
-            .json()
-            .await
-            .map_err(|e| RpcError::Network(NetworkError::new(&e)))?;
+        let result: Result<Resp, RaftError<E>> =
+            response.json().await.map_err(|e| RpcError::Network(NetworkError::new(&e)))?;
         result.map_err(|e| RpcError::RemoteError(RemoteError::new(self.target, e)))
     }
 }
@@ -110,11 +99,7 @@ impl RaftNetwork<TypeConfig> for PeerConnection {
         self.send("/raft/snapshot", &req, &option).await
     }
 
-    async fn vote(
-        &mut self,
-        req: VoteRequest<NodeId>,
-        option: RPCOption,
-    ) -> Result<VoteResponse<NodeId>, RpcError> {
+    async fn vote(&mut self, req: VoteRequest<NodeId>, option: RPCOption) -> Result<VoteResponse<NodeId>, RpcError> {
         self.send("/raft/vote", &req, &option).await
     }
 }

@@ -5,8 +5,8 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use openraft::error::InstallSnapshotError;
 use openraft::raft::{
-    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
-    VoteRequest, VoteResponse,
+    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse, VoteRequest,
+    VoteResponse,
 };
 
 use super::admin::{AdminRequest, AdminResponse, MemberStatus};
@@ -72,9 +72,6 @@ async fn admin(
     }
 }
 
-async fn member_status(
-    State(control): State<ControlPlane>,
-    Path(id): Path<NodeId>,
-) -> Json<MemberStatus> {
+async fn member_status(State(control): State<ControlPlane>, Path(id): Path<NodeId>) -> Json<MemberStatus> {
     Json(control.member_status(id))
 }
