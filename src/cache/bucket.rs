@@ -1,0 +1,140 @@
+//! One bucket's items: a slab of items and a hash index into it.
+//!
+//! The slab makes random sampling (for eviction) O(1) and scans cache-friendly; the index is
+//! a `hashbrown::HashTable` of slab positions, hashed with the store's per-process seed
+//! (this hash never leaves the process; routing uses the stable hash of `shoal-raft`).
+
+use std::hash::BuildHasher;
+
+use hashbrown::HashTable;
+
+use super::item::Item;
+
+/// The hasher of the per-bucket indexes.
+pub type IndexHasher = foldhash::fast::RandomState;
+
+/// The items of one bucket.
+#[derive(Debug, Default)]
+pub struct Bucket {
+    slab: Vec<Item>,
+    index: HashTable<u32>,
+    /// Sum of the items' charged bytes.
+    bytes: u64,
+    /// The version the next write in this bucket gets. Versions increase across all keys of
+    /// the bucket, so a key deleted and written again never reuses an old version, and the
+    /// counter travels with the bucket when it moves.
+    next_version: u64,
+}
+
+impl Bucket {
+    /// Number of items (expired ones not yet removed included).
+    pub fn len(&self) -> usize {
+        self.slab.len()
+    }
+
+    /// Whether the bucket holds no item.
+    pub fn is_empty(&self) -> bool {
+        self.slab.is_empty()
+    }
+
+    /// Charged bytes of all items.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Allocates the next version of this bucket.
+    pub fn next_version(&mut self) -> u64 {
+        self.next_version = self.next_version.max(1);
+        let v = self.next_version;
+        self.next_version += 1;
+        v
+    }
+
+    /// The version counter, for moving the bucket.
+    pub fn version_counter(&self) -> u64 {
+        self.next_version
+    }
+
+    /// Raises the version counter to at least `v` (when a moved bucket is installed).
+    pub fn raise_version_counter(&mut self, v: u64) {
+        self.next_version = self.next_version.max(v);
+    }
+
+    fn position(&self, hash: u64, key: &[u8]) -> Option<usize> {
+        let slab = &self.slab;
+        self.index.find(hash, |&i| slab[i as usize].key() == key).map(|&i| i as usize)
+    }
+
+    /// The item stored under `key` (whose index hash is `hash`).
+    pub fn get(&self, hash: u64, key: &[u8]) -> Option<&Item> {
+        self.position(hash, key).map(|i| &self.slab[i])
+    }
+
+    /// Stores `item`, returning the item it replaced.
+    pub fn insert(&mut self, hasher: &IndexHasher, hash: u64, item: Item) -> Option<Item> {
+        self.bytes += item.charged_bytes();
+        if let Some(i) = self.position(hash, item.key()) {
+            let old = std::mem::replace(&mut self.slab[i], item);
+            self.bytes -= old.charged_bytes();
+            return Some(old);
+        }
+        let pos = self.slab.len() as u32;
+        self.slab.push(item);
+        let slab = &self.slab;
+        self.index.insert_unique(hash, pos, |&i| hasher.hash_one(slab[i as usize].key()));
+        None
+    }
+
+    /// Removes and returns the item under `key`.
+    pub fn remove(&mut self, hasher: &IndexHasher, hash: u64, key: &[u8]) -> Option<Item> {
+        let pos = self.position(hash, key)?;
+        Some(self.remove_at(hasher, hash, pos))
+    }
+
+    /// Removes the item at slab position `pos` (its key hashes to `hash`): the last item
+    /// takes its place and its index slot is updated.
+    fn remove_at(&mut self, hasher: &IndexHasher, hash: u64, pos: usize) -> Item {
+        if let Ok(entry) = self.index.find_entry(hash, |&i| i as usize == pos) {
+            entry.remove();
+        }
+        let last = self.slab.len() - 1;
+        if pos != last {
+            let moved_hash = hasher.hash_one(self.slab[last].key());
+            if let Some(slot) = self.index.find_mut(moved_hash, |&i| i as usize == last) {
+                *slot = pos as u32;
+            }
+        }
+        let item = self.slab.swap_remove(pos);
+        self.bytes -= item.charged_bytes();
+        if self.slab.capacity() > 64 && self.slab.len() < self.slab.capacity() / 4 {
+            self.slab.shrink_to(self.slab.len() * 2);
+            self.index.shrink_to(self.slab.len() * 2, |&i| hasher.hash_one(self.slab[i as usize].key()));
+        }
+        item
+    }
+
+    /// The item at slab position `pos` (for sampling).
+    pub fn at(&self, pos: usize) -> Option<&Item> {
+        self.slab.get(pos)
+    }
+
+    /// All items, in slab order.
+    pub fn iter(&self) -> impl Iterator<Item = &Item> {
+        self.slab.iter()
+    }
+
+    /// Removes every item for which `remove` is true; returns them.
+    pub fn remove_where(&mut self, hasher: &IndexHasher, mut remove: impl FnMut(&Item) -> bool) -> Vec<Item> {
+        let mut removed = Vec::new();
+        let mut pos = 0;
+        while pos < self.slab.len() {
+            if remove(&self.slab[pos]) {
+                let hash = hasher.hash_one(self.slab[pos].key());
+                removed.push(self.remove_at(hasher, hash, pos));
+            } else {
+                pos += 1;
+            }
+        }
+        removed
+    }
+}

@@ -1,0 +1,388 @@
+//! The data plane's store: [`CacheStore`], the items of every bucket this node holds.
+//!
+//! One `hashbrown` table per bucket (1000 of them), each behind its own `RwLock`, so requests
+//! for different buckets never contend and a whole bucket can be taken out or put back at
+//! once (state transfer moves buckets). The store knows nothing of ownership or routing: the
+//! proxy decides which node serves a key; the store keeps whatever it is given.
+//!
+//! Memory: every item is charged its key, value and tag bytes plus a fixed
+//! [`ITEM_OVERHEAD_BYTES`]; when the total exceeds the limit, writes evict by sampling
+//! (approximate LRU, as Redis does): five random items, the expired or least recently used
+//! one goes. Expired items vanish on read and through [`CacheStore::sweep_expired`].
+//!
+//! # Layout
+//! - `item.rs`: [`Item`], key and value in one allocation, version, expiry, tags.
+//! - `bucket.rs`: [`Bucket`], a slab of items with a hash index; the version counter.
+//! - `clock.rs`: [`Clock`], Unix milliseconds that follow tokio's pausable time.
+
+mod bucket;
+mod clock;
+mod item;
+#[cfg(test)]
+mod tests;
+
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use parking_lot::RwLock;
+use rand::Rng;
+use shoal_raft::{BucketId, BUCKET_COUNT};
+
+pub use bucket::{Bucket, IndexHasher};
+pub use clock::Clock;
+pub use item::{Item, ItemMeta, ITEM_OVERHEAD_BYTES};
+
+/// A write's precondition.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Condition {
+    /// Always write (insert or replace).
+    #[default]
+    Always,
+    /// Only if the key is absent (`mode=add`, `cas=0`).
+    Absent,
+    /// Only if the key is present (`mode=replace`).
+    Present,
+    /// Only if the current version is exactly this (`cas=N`).
+    Version(u64),
+}
+
+/// A write to the store.
+#[derive(Debug, Clone, Default)]
+pub struct Write<'a> {
+    /// The key.
+    pub key: &'a [u8],
+    /// The value.
+    pub value: &'a [u8],
+    /// Absolute expiration, from now.
+    pub ttl: Option<Duration>,
+    /// Sliding expiration: every access extends the item's life by this much.
+    pub sliding: Option<Duration>,
+    /// Tags.
+    pub tags: &'a [String],
+    /// Precondition.
+    pub condition: Condition,
+}
+
+/// What a read returns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ItemView {
+    /// The value (shares the item's memory).
+    pub value: Bytes,
+    /// The item's version.
+    pub version: u64,
+    /// Absolute expiry in Unix ms, 0 for none.
+    pub expires_at_ms: u64,
+}
+
+/// Why a write or delete did not happen. Nothing changed in either case.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CacheError {
+    /// The precondition did not hold; `current` is the version found (None: absent).
+    #[error("precondition failed (current version: {current:?})")]
+    ConditionFailed {
+        /// The version found, if the key exists.
+        current: Option<u64>,
+    },
+    /// The item alone is larger than the whole cache.
+    #[error("item of {charged} bytes exceeds the cache size of {limit} bytes")]
+    TooLarge {
+        /// What the item would be charged.
+        charged: u64,
+        /// The cache size.
+        limit: u64,
+    },
+}
+
+/// Counters and gauges of the store.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Items held (expired ones not yet swept included).
+    pub items: u64,
+    /// Charged bytes held.
+    pub bytes: u64,
+    /// The size limit.
+    pub limit_bytes: u64,
+    /// Items evicted to make room, since start.
+    pub evictions: u64,
+    /// Items removed because they expired, since start.
+    pub expirations: u64,
+}
+
+/// The items of every bucket this node holds. See the module docs.
+pub struct CacheStore {
+    buckets: Box<[RwLock<Bucket>]>,
+    hasher: IndexHasher,
+    clock: Clock,
+    limit_bytes: AtomicU64,
+    used_bytes: AtomicU64,
+    items: AtomicU64,
+    evictions: AtomicU64,
+    expirations: AtomicU64,
+}
+
+/// How many random items one eviction round compares.
+const EVICTION_SAMPLES: usize = 5;
+
+impl CacheStore {
+    /// An empty store limited to `limit_bytes` charged bytes.
+    pub fn new(limit_bytes: u64, clock: Clock) -> Self {
+        CacheStore {
+            buckets: (0..BUCKET_COUNT).map(|_| RwLock::new(Bucket::default())).collect(),
+            hasher: IndexHasher::default(),
+            clock,
+            limit_bytes: AtomicU64::new(limit_bytes),
+            used_bytes: AtomicU64::new(0),
+            items: AtomicU64::new(0),
+            evictions: AtomicU64::new(0),
+            expirations: AtomicU64::new(0),
+        }
+    }
+
+    /// The store's clock.
+    pub fn clock(&self) -> &Clock {
+        &self.clock
+    }
+
+    fn bucket(&self, bucket: BucketId) -> &RwLock<Bucket> {
+        &self.buckets[bucket.index() % BUCKET_COUNT]
+    }
+
+    /// Applies a bucket mutation and keeps the store-wide item and byte totals in step.
+    fn mutate<R>(&self, bucket: BucketId, f: impl FnOnce(&mut Bucket, &IndexHasher) -> R) -> R {
+        let mut b = self.bucket(bucket).write();
+        let (items, bytes) = (b.len() as i64, b.bytes() as i64);
+        let r = f(&mut b, &self.hasher);
+        let (d_items, d_bytes) = (b.len() as i64 - items, b.bytes() as i64 - bytes);
+        drop(b);
+        add_signed(&self.items, d_items);
+        add_signed(&self.used_bytes, d_bytes);
+        r
+    }
+
+    /// Reads `key`; `None` if absent or expired (an expired item is removed on the way).
+    pub fn get(&self, bucket: BucketId, key: &[u8]) -> Option<ItemView> {
+        let hash = self.hasher.hash_one(key);
+        let now = self.clock.now_ms();
+        {
+            let b = self.bucket(bucket).read();
+            let item = b.get(hash, key)?;
+            if !item.is_expired(now) {
+                item.touch(now);
+                return Some(view_of(item));
+            }
+        }
+        self.remove_if_expired(bucket, hash, key, now);
+        None
+    }
+
+    fn remove_if_expired(&self, bucket: BucketId, hash: u64, key: &[u8], now: u64) {
+        let removed = self.mutate(bucket, |b, hasher| {
+            let expired = b.get(hash, key).is_some_and(|i| i.is_expired(now));
+            expired.then(|| b.remove(hasher, hash, key)).flatten()
+        });
+        if removed.is_some() {
+            self.expirations.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Writes an item if its condition holds; returns the new version. Evicts other items
+    /// afterwards if the store is over its limit.
+    pub fn put(&self, bucket: BucketId, write: &Write<'_>) -> Result<u64, CacheError> {
+        let now = self.clock.now_ms();
+        let meta = (!write.tags.is_empty() || write.sliding.is_some()).then(|| ItemMeta {
+            tags: write.tags.iter().map(|t| t.as_str().into()).collect(),
+            sliding_ms: write.sliding.map(|d| d.as_millis() as u64).unwrap_or(0),
+        });
+        let expires_at_ms = match (write.ttl, write.sliding) {
+            (Some(ttl), _) => self.clock.after_ms(ttl),
+            (None, Some(sliding)) => self.clock.after_ms(sliding),
+            (None, None) => 0,
+        };
+        let hash = self.hasher.hash_one(write.key);
+        let version = self.mutate(bucket, |b, hasher| {
+            let current = b.get(hash, write.key).filter(|i| !i.is_expired(now)).map(|i| i.version);
+            let holds = match write.condition {
+                Condition::Always => true,
+                Condition::Absent => current.is_none(),
+                Condition::Present => current.is_some(),
+                Condition::Version(v) => current == Some(v),
+            };
+            if !holds {
+                return Err(CacheError::ConditionFailed { current });
+            }
+            let mut item = Item::new(write.key, write.value, 0, expires_at_ms, now, meta);
+            let limit = self.limit_bytes.load(Ordering::Relaxed);
+            if item.charged_bytes() > limit {
+                return Err(CacheError::TooLarge { charged: item.charged_bytes(), limit });
+            }
+            let version = b.next_version();
+            item.version = version;
+            b.insert(hasher, hash, item);
+            Ok(version)
+        })?;
+        self.evict_to_limit();
+        Ok(version)
+    }
+
+    /// Deletes `key` if present (and, with `expected`, only at that version). `Ok(false)`
+    /// when absent.
+    pub fn delete(&self, bucket: BucketId, key: &[u8], expected: Option<u64>) -> Result<bool, CacheError> {
+        let now = self.clock.now_ms();
+        let hash = self.hasher.hash_one(key);
+        self.mutate(bucket, |b, hasher| {
+            let current = b.get(hash, key).filter(|i| !i.is_expired(now)).map(|i| i.version);
+            match (current, expected) {
+                (None, None) => Ok(false),
+                (None, Some(_)) => Err(CacheError::ConditionFailed { current: None }),
+                (Some(v), Some(e)) if v != e => Err(CacheError::ConditionFailed { current: Some(v) }),
+                (Some(_), _) => Ok(b.remove(hasher, hash, key).is_some()),
+            }
+        })
+    }
+
+    /// Keys (with bucket and version) of live items whose key starts with `prefix`, in the
+    /// given buckets, at most `limit`, sorted by key.
+    pub fn keys_with_prefix(&self, prefix: &[u8], buckets: &[BucketId], limit: usize) -> Vec<(Vec<u8>, BucketId, u64)> {
+        self.collect(buckets, limit, |i| i.key().starts_with(prefix))
+    }
+
+    /// Keys (with bucket and version) of live items tagged `tag`, in the given buckets.
+    pub fn keys_with_tag(&self, tag: &str, buckets: &[BucketId], limit: usize) -> Vec<(Vec<u8>, BucketId, u64)> {
+        self.collect(buckets, limit, |i| i.has_tag(tag))
+    }
+
+    fn collect(
+        &self,
+        buckets: &[BucketId],
+        limit: usize,
+        matches: impl Fn(&Item) -> bool,
+    ) -> Vec<(Vec<u8>, BucketId, u64)> {
+        let now = self.clock.now_ms();
+        let mut found = Vec::new();
+        for &bucket in buckets {
+            let b = self.bucket(bucket).read();
+            found.extend(
+                b.iter().filter(|i| !i.is_expired(now) && matches(i)).map(|i| (i.key().to_vec(), bucket, i.version)),
+            );
+        }
+        found.sort();
+        found.truncate(limit);
+        found
+    }
+
+    /// Removes every item tagged `tag` in the given buckets; returns how many.
+    pub fn remove_tagged(&self, tag: &str, buckets: &[BucketId]) -> usize {
+        buckets
+            .iter()
+            .map(|&bucket| self.mutate(bucket, |b, hasher| b.remove_where(hasher, |i| i.has_tag(tag)).len()))
+            .sum()
+    }
+
+    /// Removes expired items from the given buckets; returns how many.
+    pub fn sweep_expired(&self, buckets: impl IntoIterator<Item = BucketId>) -> usize {
+        let now = self.clock.now_ms();
+        let mut removed = 0;
+        for bucket in buckets {
+            let has_expired = self.bucket(bucket).read().iter().any(|i| i.is_expired(now));
+            if has_expired {
+                removed += self.mutate(bucket, |b, hasher| b.remove_where(hasher, |i| i.is_expired(now)).len());
+            }
+        }
+        self.expirations.fetch_add(removed as u64, Ordering::Relaxed);
+        removed
+    }
+
+    /// Takes every item of `bucket` out of the store (to move it), leaving it empty; the
+    /// version counter goes with the items.
+    pub fn take_bucket(&self, bucket: BucketId) -> Bucket {
+        self.mutate(bucket, |b, _| std::mem::take(b))
+    }
+
+    /// Puts a whole bucket in place of whatever `bucket` held.
+    pub fn install_bucket(&self, bucket: BucketId, mut items: Bucket) {
+        self.mutate(bucket, |b, _| {
+            items.raise_version_counter(b.version_counter());
+            *b = items;
+        });
+        self.evict_to_limit();
+    }
+
+    /// Items and charged bytes of `bucket`.
+    pub fn bucket_stats(&self, bucket: BucketId) -> (usize, u64) {
+        let b = self.bucket(bucket).read();
+        (b.len(), b.bytes())
+    }
+
+    /// The store's counters.
+    pub fn stats(&self) -> CacheStats {
+        CacheStats {
+            items: self.items.load(Ordering::Relaxed),
+            bytes: self.used_bytes.load(Ordering::Relaxed),
+            limit_bytes: self.limit_bytes.load(Ordering::Relaxed),
+            evictions: self.evictions.load(Ordering::Relaxed),
+            expirations: self.expirations.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Evicts until the store is within its limit (or empty).
+    fn evict_to_limit(&self) {
+        let limit = self.limit_bytes.load(Ordering::Relaxed);
+        while self.used_bytes.load(Ordering::Relaxed) > limit {
+            if !self.evict_one() {
+                break;
+            }
+        }
+    }
+
+    /// One eviction round: among a few random items, removes an expired one or else the least
+    /// recently used. Returns false if the store is empty.
+    fn evict_one(&self) -> bool {
+        if self.items.load(Ordering::Relaxed) == 0 {
+            return false;
+        }
+        let now = self.clock.now_ms();
+        let mut rng = rand::rng();
+        let mut victim: Option<(BucketId, Vec<u8>, u64, u64)> = None; // bucket, key, version, score
+        let mut tries = 0;
+        let mut sampled = 0;
+        while sampled < EVICTION_SAMPLES && tries < BUCKET_COUNT * 2 {
+            tries += 1;
+            let bucket = BucketId(rng.random_range(0..BUCKET_COUNT as u16));
+            let b = self.bucket(bucket).read();
+            if b.is_empty() {
+                continue;
+            }
+            let Some(item) = b.at(rng.random_range(0..b.len())) else { continue };
+            sampled += 1;
+            let score = if item.is_expired(now) { 0 } else { item.last_access_ms().max(1) };
+            if victim.as_ref().is_none_or(|v| score < v.3) {
+                victim = Some((bucket, item.key().to_vec(), item.version, score));
+            }
+        }
+        let Some((bucket, key, version, score)) = victim else { return false };
+        let hash = self.hasher.hash_one(&key);
+        let removed = self.mutate(bucket, |b, hasher| {
+            let same = b.get(hash, &key).is_some_and(|i| i.version == version);
+            same.then(|| b.remove(hasher, hash, &key)).flatten()
+        });
+        if removed.is_some() {
+            let counter = if score == 0 { &self.expirations } else { &self.evictions };
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+        true
+    }
+}
+
+fn view_of(item: &Item) -> ItemView {
+    ItemView { value: item.value_bytes(), version: item.version, expires_at_ms: item.expires_at_ms() }
+}
+
+fn add_signed(counter: &AtomicU64, delta: i64) {
+    if delta >= 0 {
+        counter.fetch_add(delta as u64, Ordering::Relaxed);
+    } else {
+        counter.fetch_sub(delta.unsigned_abs(), Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,225 @@
+//! The store against a `HashMap` model, TTLs on paused tokio time, eviction under a limit.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use proptest::prelude::*;
+use shoal_raft::{bucket_of, BucketId};
+
+use super::*;
+
+fn store(limit: u64) -> CacheStore {
+    CacheStore::new(limit, Clock::new())
+}
+
+fn put(s: &CacheStore, key: &str, value: &str, condition: Condition) -> Result<u64, CacheError> {
+    s.put(
+        bucket_of(key.as_bytes()),
+        &Write { key: key.as_bytes(), value: value.as_bytes(), condition, ..Default::default() },
+    )
+}
+
+fn get(s: &CacheStore, key: &str) -> Option<(String, u64)> {
+    s.get(bucket_of(key.as_bytes()), key.as_bytes())
+        .map(|v| (String::from_utf8(v.value.to_vec()).expect("utf8"), v.version))
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Put(u8, u8, u8), // key, value, condition kind
+    Get(u8),
+    Delete(u8, bool),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        (any::<u8>(), any::<u8>(), 0u8..5).prop_map(|(k, v, c)| Op::Put(k % 16, v, c)),
+        any::<u8>().prop_map(|k| Op::Get(k % 16)),
+        (any::<u8>(), any::<bool>()).prop_map(|(k, cas)| Op::Delete(k % 16, cas)),
+    ]
+}
+
+proptest! {
+    /// Every operation answers exactly as a plain map with versions would.
+    #[test]
+    fn behaves_like_a_hashmap_with_versions(ops in proptest::collection::vec(op(), 1..200)) {
+        let s = store(u64::MAX);
+        let mut model: HashMap<String, (String, u64)> = HashMap::new();
+        for op in ops {
+            match op {
+                Op::Put(k, v, c) => {
+                    let (key, value) = (format!("k{k}"), format!("v{v}"));
+                    let current = model.get(&key).map(|e| e.1);
+                    let condition = match c {
+                        0 | 1 => Condition::Always,
+                        2 => Condition::Absent,
+                        3 => Condition::Present,
+                        _ => Condition::Version(current.unwrap_or(7)),
+                    };
+                    let holds = match condition {
+                        Condition::Always => true,
+                        Condition::Absent => current.is_none(),
+                        Condition::Present => current.is_some(),
+                        Condition::Version(v) => current == Some(v),
+                    };
+                    match put(&s, &key, &value, condition) {
+                        Ok(version) => {
+                            prop_assert!(holds);
+                            prop_assert!(current.is_none_or(|c| version > c), "versions only increase");
+                            model.insert(key, (value, version));
+                        }
+                        Err(CacheError::ConditionFailed { current: found }) => {
+                            prop_assert!(!holds);
+                            prop_assert_eq!(found, current);
+                        }
+                        Err(e) => prop_assert!(false, "unexpected {e}"),
+                    }
+                }
+                Op::Get(k) => {
+                    let key = format!("k{k}");
+                    prop_assert_eq!(get(&s, &key), model.get(&key).cloned());
+                }
+                Op::Delete(k, cas) => {
+                    let key = format!("k{k}");
+                    let current = model.get(&key).map(|e| e.1);
+                    let expected = cas.then_some(current.unwrap_or(3));
+                    let result = s.delete(bucket_of(key.as_bytes()), key.as_bytes(), expected);
+                    match (current, expected) {
+                        (None, None) => prop_assert_eq!(result, Ok(false)),
+                        (None, Some(_)) => prop_assert_eq!(result, Err(CacheError::ConditionFailed { current: None })),
+                        (Some(_), _) => {
+                            prop_assert_eq!(result, Ok(true));
+                            model.remove(&key);
+                        }
+                    }
+                }
+            }
+            prop_assert_eq!(s.stats().items, model.len() as u64);
+        }
+    }
+}
+
+#[test]
+fn a_deleted_key_written_again_gets_a_higher_version() {
+    let s = store(u64::MAX);
+    let v1 = put(&s, "k", "a", Condition::Always).expect("put");
+    s.delete(bucket_of(b"k"), b"k", None).expect("delete");
+    let v2 = put(&s, "k", "b", Condition::Absent).expect("put");
+    assert!(v2 > v1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn items_expire_on_read_and_in_the_sweep() {
+    let s = store(u64::MAX);
+    let w = |key: &'static str, ttl| Write { key: key.as_bytes(), value: b"v", ttl: Some(ttl), ..Default::default() };
+    s.put(bucket_of(b"short"), &w("short", Duration::from_secs(30))).expect("put");
+    s.put(bucket_of(b"swept"), &w("swept", Duration::from_secs(30))).expect("put");
+    s.put(bucket_of(b"long"), &w("long", Duration::from_secs(120))).expect("put");
+    tokio::time::advance(Duration::from_secs(29)).await;
+    assert!(get(&s, "short").is_some());
+    tokio::time::advance(Duration::from_secs(2)).await;
+    assert!(get(&s, "short").is_none(), "expired on read");
+    assert_eq!(s.stats().items, 2, "the read removed it");
+    assert_eq!(s.sweep_expired(BucketId::all()), 1, "the sweep removes the other expired item");
+    assert!(get(&s, "long").is_some());
+    assert_eq!(s.stats().expirations, 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn sliding_expiry_is_extended_by_every_read() {
+    let s = store(u64::MAX);
+    let write = Write { key: b"s", value: b"v", sliding: Some(Duration::from_secs(10)), ..Default::default() };
+    s.put(bucket_of(b"s"), &write).expect("put");
+    for _ in 0..5 {
+        tokio::time::advance(Duration::from_secs(8)).await;
+        assert!(get(&s, "s").is_some(), "each read within the window keeps it alive");
+    }
+    tokio::time::advance(Duration::from_secs(11)).await;
+    assert!(get(&s, "s").is_none());
+}
+
+#[tokio::test(start_paused = true)]
+async fn eviction_keeps_the_store_within_its_limit_and_spares_recent_items() {
+    let per_item = ITEM_OVERHEAD_BYTES + 8 + 100;
+    let s = store(per_item * 500);
+    let value = [b'x'; 100];
+    for i in 0..400 {
+        let key = format!("old{i:05}");
+        s.put(bucket_of(key.as_bytes()), &Write { key: key.as_bytes(), value: &value, ..Default::default() })
+            .expect("put");
+    }
+    tokio::time::advance(Duration::from_secs(60)).await;
+    // A hot set, read after the old items were written.
+    for i in 0..50 {
+        let key = format!("hot{i:05}");
+        s.put(bucket_of(key.as_bytes()), &Write { key: key.as_bytes(), value: &value, ..Default::default() })
+            .expect("put");
+    }
+    tokio::time::advance(Duration::from_secs(60)).await;
+    for i in 0..1000 {
+        let key = format!("new{i:05}");
+        s.put(bucket_of(key.as_bytes()), &Write { key: key.as_bytes(), value: &value, ..Default::default() })
+            .expect("put");
+        for h in 0..50 {
+            get(&s, &format!("hot{h:05}"));
+        }
+        tokio::time::advance(Duration::from_millis(10)).await;
+        assert!(s.stats().bytes <= per_item * 500, "over the limit after put {i}");
+    }
+    let stats = s.stats();
+    assert!(stats.evictions >= 900, "{stats:?}");
+    let hot_alive = (0..50).filter(|h| get(&s, &format!("hot{h:05}")).is_some()).count();
+    let old_alive = (0..400).filter(|i| get(&s, &format!("old{i:05}")).is_some()).count();
+    assert!(hot_alive >= 40, "recently read items mostly survive: {hot_alive}/50");
+    assert!(old_alive <= 40, "cold items go first: {old_alive}/400");
+}
+
+#[test]
+fn an_item_larger_than_the_cache_is_refused_and_changes_nothing() {
+    let s = store(1000);
+    let big = vec![0u8; 2000];
+    let err = s.put(bucket_of(b"big"), &Write { key: b"big", value: &big, ..Default::default() });
+    assert!(matches!(err, Err(CacheError::TooLarge { .. })));
+    assert_eq!(s.stats().items, 0);
+    assert_eq!(s.stats().bytes, 0);
+}
+
+#[test]
+fn a_bucket_can_be_taken_out_and_put_back_whole() {
+    let s = store(u64::MAX);
+    let keys: Vec<String> = (0..200).map(|i| format!("{{t}}:{i}")).collect();
+    for k in &keys {
+        put(&s, k, "v", Condition::Always).expect("put");
+    }
+    let bucket = bucket_of(b"t");
+    let before = s.stats();
+    let taken = s.take_bucket(bucket);
+    assert_eq!(taken.len(), 200);
+    assert_eq!(s.stats().items, 0);
+    assert!(get(&s, &keys[0]).is_none());
+    s.install_bucket(bucket, taken);
+    assert_eq!(s.stats(), before);
+    let (_, v) = get(&s, &keys[7]).expect("present again");
+    let next = put(&s, &keys[7], "w", Condition::Version(v)).expect("cas on the moved item");
+    assert!(next > v);
+}
+
+#[test]
+fn tags_and_prefixes_find_live_items() {
+    let s = store(u64::MAX);
+    let tags = vec!["red".to_string()];
+    for k in ["a1", "a2", "b1"] {
+        s.put(bucket_of(k.as_bytes()), &Write { key: k.as_bytes(), value: b"v", tags: &tags, ..Default::default() })
+            .expect("put");
+    }
+    put(&s, "a3", "v", Condition::Always).expect("put");
+    let all: Vec<BucketId> = BucketId::all().collect();
+    let keys = |v: Vec<(Vec<u8>, BucketId, u64)>| {
+        v.into_iter().map(|(k, _, _)| String::from_utf8(k).expect("utf8")).collect::<Vec<_>>()
+    };
+    assert_eq!(keys(s.keys_with_prefix(b"a", &all, 10)), ["a1", "a2", "a3"]);
+    assert_eq!(keys(s.keys_with_prefix(b"a", &all, 2)), ["a1", "a2"]);
+    assert_eq!(keys(s.keys_with_tag("red", &all, 10)), ["a1", "a2", "b1"]);
+    assert_eq!(s.remove_tagged("red", &all), 3);
+    assert_eq!(keys(s.keys_with_prefix(b"", &all, 10)), ["a3"]);
+}
