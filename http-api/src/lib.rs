@@ -1,1 +1,62 @@
-//! x
+//! `shoal-http-api`: the public HTTP surface of a shoal node.
+//!
+//! [`router`] builds the axum routes over any [`ShoalApi`] (the node implements it; tests use
+//! a fake). This crate parses and validates requests, renders answers, and maps every
+//! [`ApiError`] to one RFC 9457 problem document; it decides nothing about where a key lives.
+//! JSON everywhere except values, which are raw bytes in and out so curl prints them.
+//! `README.md` beside this crate lists every endpoint with its codes.
+//!
+//! # Layout
+//! - `api.rs`: [`ShoalApi`], the contract with the node, and [`Limits`].
+//! - `kv.rs`: key, bulk, listing and tag routes.
+//! - `cluster.rs`: cluster, map, leave, health and metrics routes.
+//! - `types.rs`: request and response bodies.
+//! - `error.rs`: [`ApiError`] and [`Problem`].
+
+mod api;
+mod cluster;
+mod error;
+mod kv;
+pub mod types;
+
+#[cfg(test)]
+mod tests;
+
+use std::sync::Arc;
+
+use axum::routing::{get, post};
+use axum::Router;
+
+pub use api::{Limits, PutItem, ShoalApi};
+pub use error::{ApiError, Problem, PROBLEM_JSON};
+pub use kv::{parse_duration, put_options, value_response};
+
+/// Set by a node that forwards a key request: the map version it routed by.
+pub const HEADER_FORWARDED_MAP_VERSION: &str = "x-shoal-map-version";
+/// `local` on a keyless request: answer from this node's buckets only (used by broadcasts).
+pub const HEADER_SCOPE: &str = "x-shoal-scope";
+/// The bucket of the key in a GET answer.
+pub const HEADER_BUCKET: &str = "x-shoal-bucket";
+/// The node that holds the key in a GET answer.
+pub const HEADER_NODE: &str = "x-shoal-node";
+
+/// The public routes over `node`.
+pub fn router<N: ShoalApi>(node: Arc<N>) -> Router {
+    Router::new()
+        .route("/v1/kv/{*key}", get(kv::get_key::<N>).put(kv::put_key::<N>).delete(kv::delete_key::<N>))
+        .route("/v1/kv", get(kv::list_keys::<N>))
+        .route("/v1/bulk/get", post(kv::bulk_get::<N>))
+        .route("/v1/bulk/put", post(kv::bulk_put::<N>))
+        .route("/v1/bulk/delete", post(kv::bulk_delete::<N>))
+        .route("/v1/tags/{tag}", get(kv::get_tag::<N>).delete(kv::delete_tag::<N>))
+        .route("/v1/cluster", get(cluster::cluster::<N>))
+        .route("/v1/cluster/map", get(cluster::map::<N>))
+        .route("/v1/cluster/nodes/{id}/leave", post(cluster::leave::<N>))
+        .route("/v1/node", get(cluster::node_stats::<N>))
+        .route("/livez", get(cluster::livez))
+        .route("/readyz", get(cluster::readyz::<N>))
+        .route("/metrics", get(cluster::metrics::<N>))
+        .fallback(|| async { ApiError::UnknownResource("no such route".into()) })
+        .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
+        .with_state(node)
+}

@@ -17,6 +17,9 @@
 //!
 //! `DESIGN.md` beside this crate states the invariants and the protocols.
 
+// openraft's StorageError is large by design and is what its traits return.
+#![allow(clippy::result_large_err)]
+
 pub mod command;
 pub mod control;
 pub mod distribution;

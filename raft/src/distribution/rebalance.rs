@@ -26,7 +26,7 @@ pub fn target_counts(prev: &DistributionMap, members: &[NodeId]) -> BTreeMap<Nod
     // Who keeps a "+1": first members already above base (most first) since each of them
     // saves a move; then the members that are receiving anyway (fewest first), so that a
     // join sends every moved bucket to the newcomer.
-    let mut order: Vec<(usize, NodeId)> = members.iter().copied().enumerate().map(|(i, m)| (i, m)).collect();
+    let mut order: Vec<(usize, NodeId)> = members.iter().copied().enumerate().collect();
     order.sort_by_key(|&(join_pos, m)| {
         let c = held_by(&m);
         if c > base {

@@ -1,0 +1,119 @@
+//! [`ShoalApi`]: what the HTTP layer needs from a node. The node implements it; handler tests
+//! implement it with a fake.
+
+use std::future::Future;
+
+use bytes::Bytes;
+use shoal_raft::NodeId;
+
+use crate::error::ApiError;
+use crate::types::{
+    Check, ClusterView, GetOk, KeyList, LeaveOk, MapView, NodeStats, PutOk, PutOptions, Removed, RouteContext, Scope,
+};
+
+/// A validated write of one item (from `PUT /v1/kv/{key}` or one entry of a bulk put).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PutItem {
+    /// The key.
+    pub key: String,
+    /// The raw value.
+    pub value: Bytes,
+    /// Its options.
+    pub options: PutOptions,
+}
+
+/// Size limits the handlers enforce before the node sees a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Longest key, in bytes.
+    pub max_key_bytes: usize,
+    /// Longest value, in bytes.
+    pub max_value_bytes: usize,
+    /// Most keys in one bulk request.
+    pub max_bulk_keys: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { max_key_bytes: 4096, max_value_bytes: 16 * 1024 * 1024, max_bulk_keys: 10_000 }
+    }
+}
+
+/// The operations behind the public API.
+///
+/// Contract for every key operation: the key is already validated (non-empty, within
+/// limits); the node serves it if it owns the key's bucket, otherwise forwards it to the owner
+/// (or answers [`ApiError::NotOwner`] when `ctx.forwarded_map_version` is set, or a redirect
+/// when `ctx.redirect` is set, see [`ApiError`]). A write either happens whole or not at all.
+pub trait ShoalApi: Send + Sync + 'static {
+    /// The limits the handlers enforce.
+    fn limits(&self) -> Limits;
+
+    /// Reads a key.
+    fn get(&self, key: String, ctx: RouteContext) -> impl Future<Output = Result<GetOk, ApiError>> + Send;
+
+    /// Writes a key.
+    fn put(&self, item: PutItem, ctx: RouteContext) -> impl Future<Output = Result<PutOk, ApiError>> + Send;
+
+    /// Deletes a key (with `cas`, only at that version). `Err(NotFound)` when absent.
+    fn delete(
+        &self,
+        key: String,
+        cas: Option<u64>,
+        ctx: RouteContext,
+    ) -> impl Future<Output = Result<(), ApiError>> + Send;
+
+    /// Reads many keys; one result per key, in order (`Ok(None)`: absent).
+    fn bulk_get(
+        &self,
+        keys: Vec<String>,
+        ctx: RouteContext,
+    ) -> impl Future<Output = Result<Vec<Result<Option<GetOk>, ApiError>>, ApiError>> + Send;
+
+    /// Writes many keys; one result per item, in order.
+    fn bulk_put(
+        &self,
+        items: Vec<PutItem>,
+        ctx: RouteContext,
+    ) -> impl Future<Output = Result<Vec<Result<PutOk, ApiError>>, ApiError>> + Send;
+
+    /// Deletes many keys; one result per key, in order (`Ok(false)`: absent).
+    fn bulk_delete(
+        &self,
+        keys: Vec<String>,
+        ctx: RouteContext,
+    ) -> impl Future<Output = Result<Vec<Result<bool, ApiError>>, ApiError>> + Send;
+
+    /// Keys starting with `prefix`, sorted, at most `limit`.
+    fn keys(
+        &self,
+        prefix: String,
+        limit: usize,
+        scope: Scope,
+    ) -> impl Future<Output = Result<KeyList, ApiError>> + Send;
+
+    /// Keys tagged `tag`, sorted, at most `limit`.
+    fn tagged(&self, tag: String, limit: usize, scope: Scope)
+        -> impl Future<Output = Result<KeyList, ApiError>> + Send;
+
+    /// Removes every item tagged `tag`.
+    fn remove_tagged(&self, tag: String, scope: Scope) -> impl Future<Output = Result<Removed, ApiError>> + Send;
+
+    /// The cluster as this node sees it, with every member's figures.
+    fn cluster(&self) -> impl Future<Output = Result<ClusterView, ApiError>> + Send;
+
+    /// The distribution map.
+    fn map(&self) -> Result<MapView, ApiError>;
+
+    /// This node's own figures.
+    fn node_stats(&self) -> NodeStats;
+
+    /// Makes member `node_id` leave the cluster.
+    fn leave(&self, node_id: NodeId) -> impl Future<Output = Result<LeaveOk, ApiError>> + Send;
+
+    /// The readiness checks; ready when all pass.
+    fn readiness(&self) -> Vec<Check>;
+
+    /// The Prometheus text exposition.
+    fn metrics(&self) -> String;
+}

@@ -1,0 +1,77 @@
+//! Cluster and health routes: `/v1/cluster`, `/v1/cluster/map`, `/v1/cluster/nodes/{id}/leave`,
+//! `/v1/node`, `/livez`, `/readyz`, `/metrics`.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, RawQuery, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use shoal_raft::NodeId;
+
+use crate::api::ShoalApi;
+use crate::error::ApiError;
+
+pub(crate) async fn cluster<N: ShoalApi>(State(node): State<Arc<N>>) -> Response {
+    match node.cluster().await {
+        Ok(view) => Json(view).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+pub(crate) async fn map<N: ShoalApi>(State(node): State<Arc<N>>) -> Response {
+    match node.map() {
+        Ok(view) => Json(view).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+pub(crate) async fn node_stats<N: ShoalApi>(State(node): State<Arc<N>>) -> Response {
+    Json(node.node_stats()).into_response()
+}
+
+pub(crate) async fn leave<N: ShoalApi>(State(node): State<Arc<N>>, Path(id): Path<String>) -> Response {
+    let Ok(id) = id.parse::<NodeId>() else {
+        return ApiError::BadRequest(format!("node id must be a number, not {id:?}")).into_response();
+    };
+    match node.leave(id).await {
+        Ok(ok) => Json(ok).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+pub(crate) async fn livez() -> &'static str {
+    "ok\n"
+}
+
+/// 200 when every readiness check passes, 503 otherwise; `?verbose` lists the checks.
+pub(crate) async fn readyz<N: ShoalApi>(State(node): State<Arc<N>>, RawQuery(q): RawQuery) -> Response {
+    let checks = node.readiness();
+    let ready = checks.iter().all(|c| c.ok);
+    let verbose = q.is_some_and(|q| q.split('&').any(|p| p == "verbose" || p.starts_with("verbose=")));
+    let mut body = String::new();
+    if verbose {
+        for c in &checks {
+            if c.ok {
+                body.push_str(&format!("[+] {} ok\n", c.name));
+            } else {
+                body.push_str(&format!("[-] {} failed: {}\n", c.name, c.detail));
+            }
+        }
+    }
+    body.push_str(if ready { "ready\n" } else { "not ready\n" });
+    let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let mut response = (status, body).into_response();
+    if !ready {
+        response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    }
+    response
+}
+
+pub(crate) async fn metrics<N: ShoalApi>(State(node): State<Arc<N>>) -> Response {
+    let mut response = node.metrics().into_response();
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"));
+    response
+}

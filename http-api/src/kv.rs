@@ -1,0 +1,468 @@
+//! Key routes: `/v1/kv/{*key}`, `/v1/bulk/*`, `/v1/kv?prefix=`, `/v1/tags/{tag}`.
+//!
+//! Everything a request carries is validated here (key length, value size, query
+//! parameters); the node sees only well-formed operations. Values are raw bytes in and out.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Path, Query, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use base64::Engine;
+use bytes::Bytes;
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use shoal_raft::bucket_of;
+
+use crate::api::{Limits, PutItem, ShoalApi};
+use crate::error::ApiError;
+use crate::types::{
+    BulkKeys, BulkPut, BulkPutItem, BulkResults, GetOk, KeyError, KeyResult, PutOptions, RouteContext, Scope,
+    WriteCondition,
+};
+use crate::{HEADER_BUCKET, HEADER_FORWARDED_MAP_VERSION, HEADER_NODE, HEADER_SCOPE};
+
+/// Query of `GET /v1/kv/{key}`.
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct GetQuery {
+    redirect: Option<String>,
+}
+
+/// Query of `PUT /v1/kv/{key}`.
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct PutQuery {
+    ttl: Option<String>,
+    sliding: Option<String>,
+    tags: Option<String>,
+    cas: Option<String>,
+    mode: Option<String>,
+    redirect: Option<String>,
+}
+
+/// Query of `DELETE /v1/kv/{key}`.
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct DeleteQuery {
+    cas: Option<String>,
+    redirect: Option<String>,
+}
+
+/// Query of `GET /v1/kv` and `GET /v1/tags/{tag}`.
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ListQuery {
+    prefix: Option<String>,
+    limit: Option<String>,
+}
+
+/// Default and largest `limit` of a key listing.
+const DEFAULT_LIST_LIMIT: usize = 1000;
+const MAX_LIST_LIMIT: usize = 100_000;
+
+pub(crate) fn query<T: Default>(q: Result<Query<T>, QueryRejection>) -> Result<T, ApiError> {
+    q.map(|Query(q)| q).map_err(|e| ApiError::BadRequest(format!("invalid query: {}", e.body_text())))
+}
+
+fn flag(name: &str, value: Option<&str>) -> Result<bool, ApiError> {
+    match value {
+        None | Some("false") | Some("0") => Ok(false),
+        Some("") | Some("true") | Some("1") => Ok(true),
+        Some(other) => Err(ApiError::BadRequest(format!("{name} must be true or false, not {other:?}"))),
+    }
+}
+
+/// Parses `30s`, `5m`, `1h30m` (humantime) or a bare number of seconds.
+pub fn parse_duration(name: &str, text: &str) -> Result<Duration, ApiError> {
+    let d = match text.parse::<u64>() {
+        Ok(secs) => Duration::from_secs(secs),
+        Err(_) => humantime::parse_duration(text)
+            .map_err(|e| ApiError::BadRequest(format!("{name}={text:?} is not a duration (30s, 5m, 2h): {e}")))?,
+    };
+    if d.is_zero() {
+        return Err(ApiError::BadRequest(format!("{name} must be positive")));
+    }
+    Ok(d)
+}
+
+/// Builds validated write options from the textual parameters (query or bulk item).
+pub fn put_options(
+    ttl: Option<&str>,
+    sliding: Option<&str>,
+    tags: Vec<String>,
+    cas: Option<u64>,
+    mode: Option<&str>,
+) -> Result<PutOptions, ApiError> {
+    let ttl = ttl.map(|t| parse_duration("ttl", t)).transpose()?;
+    let sliding = sliding.map(|t| parse_duration("sliding", t)).transpose()?;
+    if ttl.is_some() && sliding.is_some() {
+        return Err(ApiError::BadRequest("ttl and sliding cannot be combined".into()));
+    }
+    if let Some(t) = tags.iter().find(|t| t.is_empty() || t.len() > 256) {
+        return Err(ApiError::BadRequest(format!("tag {t:?} must be 1 to 256 bytes")));
+    }
+    let condition = match (cas, mode) {
+        (Some(_), Some(_)) => return Err(ApiError::BadRequest("cas and mode cannot be combined".into())),
+        (Some(0), None) => WriteCondition::Absent,
+        (Some(v), None) => WriteCondition::Version(v),
+        (None, Some("add")) => WriteCondition::Absent,
+        (None, Some("replace")) => WriteCondition::Present,
+        (None, Some(other)) => {
+            return Err(ApiError::BadRequest(format!("mode must be add or replace, not {other:?}")));
+        }
+        (None, None) => WriteCondition::Always,
+    };
+    Ok(PutOptions { ttl, sliding, tags, condition })
+}
+
+fn parse_cas(text: Option<&str>) -> Result<Option<u64>, ApiError> {
+    text.map(|t| t.parse::<u64>().map_err(|_| ApiError::BadRequest(format!("cas must be a version number, not {t:?}"))))
+        .transpose()
+}
+
+fn split_tags(text: Option<&str>) -> Vec<String> {
+    text.map(|t| t.split(',').map(|s| s.trim().to_string()).collect()).unwrap_or_default()
+}
+
+pub(crate) fn check_key(key: &str, limits: &Limits) -> Result<(), ApiError> {
+    if key.is_empty() {
+        return Err(ApiError::BadRequest("the key is empty".into()));
+    }
+    if key.len() > limits.max_key_bytes {
+        return Err(ApiError::KeyTooLarge { len: key.len(), limit: limits.max_key_bytes });
+    }
+    Ok(())
+}
+
+fn route_context(headers: &HeaderMap, redirect: Option<&str>) -> Result<RouteContext, ApiError> {
+    let forwarded_map_version = match headers.get(HEADER_FORWARDED_MAP_VERSION) {
+        None => None,
+        Some(v) => Some(
+            v.to_str()
+                .ok()
+                .and_then(|v| v.parse::<u64>().ok())
+                .ok_or_else(|| ApiError::BadRequest(format!("{HEADER_FORWARDED_MAP_VERSION} must be a number")))?,
+        ),
+    };
+    Ok(RouteContext { forwarded_map_version, redirect: flag("redirect", redirect)? })
+}
+
+fn scope(headers: &HeaderMap) -> Scope {
+    match headers.get(HEADER_SCOPE).and_then(|v| v.to_str().ok()) {
+        Some("local") => Scope::Local,
+        _ => Scope::Cluster,
+    }
+}
+
+/// Turns a node's redirect into a 307 to the same path and query on the owner.
+fn with_redirect(result: Result<Response, ApiError>, uri: &Uri) -> Response {
+    match result {
+        Ok(r) => r,
+        Err(ApiError::Redirect { api_addr }) => {
+            let query: Vec<&str> =
+                uri.query().unwrap_or("").split('&').filter(|p| !p.is_empty() && !p.starts_with("redirect")).collect();
+            let mut location = format!("http://{api_addr}{}", uri.path());
+            if !query.is_empty() {
+                location.push('?');
+                location.push_str(&query.join("&"));
+            }
+            let mut response = StatusCode::TEMPORARY_REDIRECT.into_response();
+            if let Ok(v) = HeaderValue::from_str(&location) {
+                response.headers_mut().insert(header::LOCATION, v);
+            }
+            response
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+/// The raw-value answer of a GET, with its version and location in headers.
+pub fn value_response(ok: GetOk) -> Response {
+    let mut response = (StatusCode::OK, Body::from(ok.value)).into_response();
+    let headers = response.headers_mut();
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
+    if let Ok(etag) = HeaderValue::from_str(&format!("\"{}\"", ok.version)) {
+        headers.insert(header::ETAG, etag);
+    }
+    headers.insert(HEADER_BUCKET, HeaderValue::from(ok.bucket));
+    headers.insert(HEADER_NODE, HeaderValue::from(ok.node));
+    response
+}
+
+pub(crate) async fn get_key<N: ShoalApi>(
+    State(node): State<Arc<N>>,
+    Path(key): Path<String>,
+    q: Result<Query<GetQuery>, QueryRejection>,
+    headers: HeaderMap,
+    uri: Uri,
+) -> Response {
+    let result = async {
+        let q = query(q)?;
+        check_key(&key, &node.limits())?;
+        let ctx = route_context(&headers, q.redirect.as_deref())?;
+        Ok(value_response(node.get(key, ctx).await?))
+    }
+    .await;
+    with_redirect(result, &uri)
+}
+
+pub(crate) async fn put_key<N: ShoalApi>(
+    State(node): State<Arc<N>>,
+    Path(key): Path<String>,
+    q: Result<Query<PutQuery>, QueryRejection>,
+    headers: HeaderMap,
+    uri: Uri,
+    body: Body,
+) -> Response {
+    let result = async {
+        let q = query(q)?;
+        let limits = node.limits();
+        check_key(&key, &limits)?;
+        let cas = parse_cas(q.cas.as_deref())?;
+        let options =
+            put_options(q.ttl.as_deref(), q.sliding.as_deref(), split_tags(q.tags.as_deref()), cas, q.mode.as_deref())?;
+        let ctx = route_context(&headers, q.redirect.as_deref())?;
+        let value = read_body(body, limits.max_value_bytes).await?;
+        let ok = node.put(PutItem { key, value, options }, ctx).await?;
+        Ok(Json(ok).into_response())
+    }
+    .await;
+    with_redirect(result, &uri)
+}
+
+pub(crate) async fn delete_key<N: ShoalApi>(
+    State(node): State<Arc<N>>,
+    Path(key): Path<String>,
+    q: Result<Query<DeleteQuery>, QueryRejection>,
+    headers: HeaderMap,
+    uri: Uri,
+) -> Response {
+    let result = async {
+        let q = query(q)?;
+        check_key(&key, &node.limits())?;
+        let cas = parse_cas(q.cas.as_deref())?;
+        let ctx = route_context(&headers, q.redirect.as_deref())?;
+        node.delete(key, cas, ctx).await?;
+        Ok(StatusCode::NO_CONTENT.into_response())
+    }
+    .await;
+    with_redirect(result, &uri)
+}
+
+/// Reads a body of at most `limit` bytes; a longer one is refused whole with 413.
+pub(crate) async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
+    axum::body::to_bytes(body, limit).await.map_err(|e| {
+        let too_large = std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>())
+            || e.to_string().contains("length limit");
+        if too_large {
+            ApiError::ValueTooLarge { limit }
+        } else {
+            ApiError::BadRequest(format!("could not read the request body: {e}"))
+        }
+    })
+}
+
+async fn read_json<T: DeserializeOwned>(body: Body, limit: usize) -> Result<T, ApiError> {
+    let bytes = read_body(body, limit).await?;
+    serde_json::from_slice(&bytes).map_err(|e| ApiError::BadRequest(format!("invalid JSON body: {e}")))
+}
+
+/// The body limit of bulk requests: room for a full batch of small items, or one big value.
+fn bulk_body_limit(limits: &Limits) -> usize {
+    (limits.max_value_bytes * 4 / 3 + 64 * 1024).max(64 * 1024 * 1024)
+}
+
+fn key_error(e: &ApiError) -> KeyError {
+    let p = e.problem();
+    KeyError { code: p.code, detail: p.detail, status: p.status }
+}
+
+fn result_of(key: String, error: Option<KeyError>) -> KeyResult {
+    let bucket = bucket_of(key.as_bytes()).0;
+    KeyResult { key, bucket, error, ..Default::default() }
+}
+
+fn check_bulk_keys<'a>(keys: impl ExactSizeIterator<Item = &'a String>, limits: &Limits) -> Result<(), ApiError> {
+    if keys.len() > limits.max_bulk_keys {
+        return Err(ApiError::BadRequest(format!("at most {} keys per bulk request", limits.max_bulk_keys)));
+    }
+    Ok(())
+}
+
+pub(crate) async fn bulk_get<N: ShoalApi>(State(node): State<Arc<N>>, headers: HeaderMap, body: Body) -> Response {
+    let result = async {
+        let limits = node.limits();
+        let req: BulkKeys = read_json(body, bulk_body_limit(&limits)).await?;
+        check_bulk_keys(req.keys.iter(), &limits)?;
+        let ctx = route_context(&headers, None)?;
+        // Invalid keys fail alone; the others are asked of the node.
+        let (valid, invalid): (Vec<_>, Vec<_>) =
+            req.keys.iter().cloned().enumerate().partition(|(_, k)| check_key(k, &limits).is_ok());
+        let answers = node.bulk_get(valid.iter().map(|(_, k)| k.clone()).collect(), ctx).await?;
+        let mut results: Vec<Option<KeyResult>> = vec![None; req.keys.len()];
+        for ((i, key), answer) in valid.into_iter().zip(answers) {
+            let mut r = result_of(key, None);
+            match answer {
+                Ok(Some(ok)) => {
+                    r.found = Some(true);
+                    r.version = Some(ok.version);
+                    match std::str::from_utf8(&ok.value) {
+                        Ok(text) => r.value = Some(text.to_string()),
+                        Err(_) => r.value_base64 = Some(base64::engine::general_purpose::STANDARD.encode(&ok.value)),
+                    }
+                }
+                Ok(None) => r.found = Some(false),
+                Err(e) => r.error = Some(key_error(&e)),
+            }
+            results[i] = Some(r);
+        }
+        for (i, key) in invalid {
+            let e = check_key(&key, &limits).err().map(|e| key_error(&e));
+            results[i] = Some(result_of(key, e));
+        }
+        Ok(Json(BulkResults { results: results.into_iter().flatten().collect() }).into_response())
+    }
+    .await;
+    result.unwrap_or_else(|e: ApiError| e.into_response())
+}
+
+/// Validates one bulk item into a write.
+fn put_item(item: BulkPutItem, limits: &Limits) -> Result<PutItem, (String, ApiError)> {
+    let key = item.key;
+    let fail = |e| (key.clone(), e);
+    check_key(&key, limits).map_err(fail)?;
+    let value = match (item.value, item.value_base64) {
+        (Some(text), None) => Bytes::from(text),
+        (None, Some(b64)) => Bytes::from(
+            base64::engine::general_purpose::STANDARD
+                .decode(b64)
+                .map_err(|e| fail(ApiError::BadRequest(format!("value_base64 is not base64: {e}"))))?,
+        ),
+        _ => return Err(fail(ApiError::BadRequest("give exactly one of value and value_base64".into()))),
+    };
+    if value.len() > limits.max_value_bytes {
+        return Err(fail(ApiError::ValueTooLarge { limit: limits.max_value_bytes }));
+    }
+    let options = put_options(item.ttl.as_deref(), item.sliding.as_deref(), item.tags, item.cas, item.mode.as_deref())
+        .map_err(fail)?;
+    Ok(PutItem { key, value, options })
+}
+
+pub(crate) async fn bulk_put<N: ShoalApi>(State(node): State<Arc<N>>, headers: HeaderMap, body: Body) -> Response {
+    let result = async {
+        let limits = node.limits();
+        let req: BulkPut = read_json(body, bulk_body_limit(&limits)).await?;
+        check_bulk_keys(req.items.iter().map(|i| &i.key), &limits)?;
+        let ctx = route_context(&headers, None)?;
+        let n = req.items.len();
+        let mut results: Vec<Option<KeyResult>> = vec![None; n];
+        let mut valid = Vec::new();
+        for (i, item) in req.items.into_iter().enumerate() {
+            match put_item(item, &limits) {
+                Ok(item) => valid.push((i, item)),
+                Err((key, e)) => results[i] = Some(result_of(key, Some(key_error(&e)))),
+            }
+        }
+        let (positions, items): (Vec<usize>, Vec<PutItem>) = valid.into_iter().unzip();
+        let keys: Vec<String> = items.iter().map(|i| i.key.clone()).collect();
+        let answers = node.bulk_put(items, ctx).await?;
+        for ((i, key), answer) in positions.into_iter().zip(keys).zip(answers) {
+            let mut r = result_of(key, None);
+            match answer {
+                Ok(ok) => r.version = Some(ok.version),
+                Err(e) => r.error = Some(key_error(&e)),
+            }
+            results[i] = Some(r);
+        }
+        Ok(Json(BulkResults { results: results.into_iter().flatten().collect() }).into_response())
+    }
+    .await;
+    result.unwrap_or_else(|e: ApiError| e.into_response())
+}
+
+pub(crate) async fn bulk_delete<N: ShoalApi>(State(node): State<Arc<N>>, headers: HeaderMap, body: Body) -> Response {
+    let result = async {
+        let limits = node.limits();
+        let req: BulkKeys = read_json(body, bulk_body_limit(&limits)).await?;
+        check_bulk_keys(req.keys.iter(), &limits)?;
+        let ctx = route_context(&headers, None)?;
+        let (valid, invalid): (Vec<_>, Vec<_>) =
+            req.keys.iter().cloned().enumerate().partition(|(_, k)| check_key(k, &limits).is_ok());
+        let answers = node.bulk_delete(valid.iter().map(|(_, k)| k.clone()).collect(), ctx).await?;
+        let mut results: Vec<Option<KeyResult>> = vec![None; req.keys.len()];
+        for ((i, key), answer) in valid.into_iter().zip(answers) {
+            let mut r = result_of(key, None);
+            match answer {
+                Ok(deleted) => r.deleted = Some(deleted),
+                Err(e) => r.error = Some(key_error(&e)),
+            }
+            results[i] = Some(r);
+        }
+        for (i, key) in invalid {
+            let e = check_key(&key, &limits).err().map(|e| key_error(&e));
+            results[i] = Some(result_of(key, e));
+        }
+        Ok(Json(BulkResults { results: results.into_iter().flatten().collect() }).into_response())
+    }
+    .await;
+    result.unwrap_or_else(|e: ApiError| e.into_response())
+}
+
+fn list_limit(text: Option<&str>) -> Result<usize, ApiError> {
+    match text {
+        None => Ok(DEFAULT_LIST_LIMIT),
+        Some(t) => match t.parse::<usize>() {
+            Ok(n) if (1..=MAX_LIST_LIMIT).contains(&n) => Ok(n),
+            _ => Err(ApiError::BadRequest(format!("limit must be 1 to {MAX_LIST_LIMIT}, not {t:?}"))),
+        },
+    }
+}
+
+pub(crate) async fn list_keys<N: ShoalApi>(
+    State(node): State<Arc<N>>,
+    q: Result<Query<ListQuery>, QueryRejection>,
+    headers: HeaderMap,
+) -> Response {
+    let result = async {
+        let q = query(q)?;
+        let limit = list_limit(q.limit.as_deref())?;
+        Ok(Json(node.keys(q.prefix.unwrap_or_default(), limit, scope(&headers)).await?).into_response())
+    }
+    .await;
+    result.unwrap_or_else(|e: ApiError| e.into_response())
+}
+
+pub(crate) async fn get_tag<N: ShoalApi>(
+    State(node): State<Arc<N>>,
+    Path(tag): Path<String>,
+    q: Result<Query<ListQuery>, QueryRejection>,
+    headers: HeaderMap,
+) -> Response {
+    let result = async {
+        let q = query(q)?;
+        if q.prefix.is_some() {
+            return Err(ApiError::BadRequest("prefix is not a parameter of tag queries".into()));
+        }
+        let limit = list_limit(q.limit.as_deref())?;
+        Ok(Json(node.tagged(tag, limit, scope(&headers)).await?).into_response())
+    }
+    .await;
+    result.unwrap_or_else(|e: ApiError| e.into_response())
+}
+
+pub(crate) async fn delete_tag<N: ShoalApi>(
+    State(node): State<Arc<N>>,
+    Path(tag): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    match node.remove_tagged(tag, scope(&headers)).await {
+        Ok(removed) if removed.incomplete => (StatusCode::BAD_GATEWAY, Json(removed)).into_response(),
+        Ok(removed) => Json(removed).into_response(),
+        Err(e) => e.into_response(),
+    }
+}

@@ -1,0 +1,328 @@
+//! Handler tests: requests through the real router against a fake node.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use self::parking_lot_free::Mutex;
+use axum::body::Body;
+use axum::http::{header, Method, Request, StatusCode};
+use axum::response::Response;
+use bytes::Bytes;
+use serde_json::{json, Value};
+use shoal_raft::{bucket_of, NodeId};
+use tower::ServiceExt;
+
+use super::*;
+use crate::types::*;
+
+/// A std mutex under a short name (no extra dependency for the fake).
+mod parking_lot_free {
+    pub struct Mutex<T>(std::sync::Mutex<T>);
+    impl<T> Mutex<T> {
+        pub fn new(t: T) -> Self {
+            Mutex(std::sync::Mutex::new(t))
+        }
+        pub fn lock(&self) -> std::sync::MutexGuard<'_, T> {
+            self.0.lock().unwrap_or_else(|e| e.into_inner())
+        }
+    }
+}
+
+/// A one-node "cluster": a map with versions. Keys starting with `remote:` belong to another
+/// node at `10.0.0.9:7000`, to exercise redirects.
+struct FakeNode {
+    items: Mutex<HashMap<String, (Bytes, u64)>>,
+    version: Mutex<u64>,
+    seen: Mutex<Vec<PutItem>>,
+}
+
+impl FakeNode {
+    fn new() -> Arc<Self> {
+        Arc::new(FakeNode { items: Mutex::new(HashMap::new()), version: Mutex::new(0), seen: Mutex::new(Vec::new()) })
+    }
+}
+
+const ME: NodeId = 1;
+
+impl ShoalApi for FakeNode {
+    fn limits(&self) -> Limits {
+        Limits { max_key_bytes: 16, max_value_bytes: 64, max_bulk_keys: 4 }
+    }
+
+    async fn get(&self, key: String, ctx: RouteContext) -> Result<GetOk, ApiError> {
+        if key.starts_with("remote:") && ctx.redirect {
+            return Err(ApiError::Redirect { api_addr: "10.0.0.9:7000".into() });
+        }
+        let items = self.items.lock();
+        let (value, version) = items.get(&key).cloned().ok_or(ApiError::NotFound)?;
+        Ok(GetOk { value, version, bucket: bucket_of(key.as_bytes()).0, node: ME })
+    }
+
+    async fn put(&self, item: PutItem, _ctx: RouteContext) -> Result<PutOk, ApiError> {
+        self.seen.lock().push(item.clone());
+        let mut items = self.items.lock();
+        let current = items.get(&item.key).map(|e| e.1);
+        let holds = match item.options.condition {
+            WriteCondition::Always => true,
+            WriteCondition::Absent => current.is_none(),
+            WriteCondition::Present => current.is_some(),
+            WriteCondition::Version(v) => current == Some(v),
+        };
+        if !holds {
+            return Err(ApiError::PreconditionFailed { current_version: current });
+        }
+        let mut v = self.version.lock();
+        *v += 1;
+        items.insert(item.key.clone(), (item.value, *v));
+        Ok(PutOk { bucket: bucket_of(item.key.as_bytes()).0, key: item.key, version: *v, node: ME })
+    }
+
+    async fn delete(&self, key: String, _cas: Option<u64>, _ctx: RouteContext) -> Result<(), ApiError> {
+        self.items.lock().remove(&key).map(|_| ()).ok_or(ApiError::NotFound)
+    }
+
+    async fn bulk_get(
+        &self,
+        keys: Vec<String>,
+        ctx: RouteContext,
+    ) -> Result<Vec<Result<Option<GetOk>, ApiError>>, ApiError> {
+        let mut out = Vec::new();
+        for k in keys {
+            out.push(match self.get(k, ctx).await {
+                Ok(ok) => Ok(Some(ok)),
+                Err(ApiError::NotFound) => Ok(None),
+                Err(e) => Err(e),
+            });
+        }
+        Ok(out)
+    }
+
+    async fn bulk_put(&self, items: Vec<PutItem>, ctx: RouteContext) -> Result<Vec<Result<PutOk, ApiError>>, ApiError> {
+        let mut out = Vec::new();
+        for i in items {
+            out.push(self.put(i, ctx).await);
+        }
+        Ok(out)
+    }
+
+    async fn bulk_delete(
+        &self,
+        keys: Vec<String>,
+        _ctx: RouteContext,
+    ) -> Result<Vec<Result<bool, ApiError>>, ApiError> {
+        Ok(keys.into_iter().map(|k| Ok(self.items.lock().remove(&k).is_some())).collect())
+    }
+
+    async fn keys(&self, prefix: String, limit: usize, _scope: Scope) -> Result<KeyList, ApiError> {
+        let mut keys: Vec<FoundKey> = self
+            .items
+            .lock()
+            .iter()
+            .filter(|(k, _)| k.starts_with(&prefix))
+            .map(|(k, (_, v))| FoundKey { key: k.clone(), bucket: bucket_of(k.as_bytes()).0, version: *v, node: ME })
+            .collect();
+        keys.sort();
+        keys.truncate(limit);
+        Ok(KeyList { keys, ..Default::default() })
+    }
+
+    async fn tagged(&self, _tag: String, _limit: usize, _scope: Scope) -> Result<KeyList, ApiError> {
+        Ok(KeyList::default())
+    }
+
+    async fn remove_tagged(&self, _tag: String, _scope: Scope) -> Result<Removed, ApiError> {
+        Ok(Removed { removed: 1, incomplete: true, errors: vec![NodeFailure { node: 2, detail: "down".into() }] })
+    }
+
+    async fn cluster(&self) -> Result<ClusterView, ApiError> {
+        Err(ApiError::unavailable("no_leader", "no leader"))
+    }
+
+    fn map(&self) -> Result<MapView, ApiError> {
+        Ok(MapView { version: 1, owners: vec![ME; 1000], nodes: vec![] })
+    }
+
+    fn node_stats(&self) -> NodeStats {
+        NodeStats { node_id: ME, items: 0, bytes: 0, limit_bytes: 0, map_version: 1 }
+    }
+
+    async fn leave(&self, node_id: NodeId) -> Result<LeaveOk, ApiError> {
+        Err(ApiError::UnknownResource(format!("node {node_id} is not a member")))
+    }
+
+    fn readiness(&self) -> Vec<Check> {
+        vec![
+            Check { name: "member".into(), ok: true, detail: String::new() },
+            Check { name: "leader".into(), ok: false, detail: "no leader known".into() },
+        ]
+    }
+
+    fn metrics(&self) -> String {
+        "shoal_up 1\n".into()
+    }
+}
+
+async fn call(node: &Arc<FakeNode>, method: Method, uri: &str, body: impl Into<Body>) -> Response {
+    let request = Request::builder().method(method).uri(uri).body(body.into()).expect("request");
+    router(node.clone()).oneshot(request).await.expect("infallible")
+}
+
+async fn body_bytes(response: Response) -> Bytes {
+    axum::body::to_bytes(response.into_body(), usize::MAX).await.expect("body")
+}
+
+async fn problem(response: Response) -> (StatusCode, Value) {
+    let status = response.status();
+    assert_eq!(response.headers()[header::CONTENT_TYPE], PROBLEM_JSON);
+    (status, serde_json::from_slice(&body_bytes(response).await).expect("problem json"))
+}
+
+#[tokio::test]
+async fn put_then_get_returns_the_raw_value_with_version_headers() {
+    let node = FakeNode::new();
+    let r = call(&node, Method::PUT, "/v1/kv/user:1?ttl=30s&tags=a,b", "hello").await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let put: Value = serde_json::from_slice(&body_bytes(r).await).expect("json");
+    assert_eq!(put["key"], "user:1");
+    assert_eq!(put["version"], 1);
+    assert_eq!(put["bucket"], bucket_of(b"user:1").0);
+    let seen = node.seen.lock()[0].options.clone();
+    assert_eq!(seen.ttl, Some(std::time::Duration::from_secs(30)));
+    assert_eq!(seen.tags, vec!["a", "b"]);
+
+    let r = call(&node, Method::GET, "/v1/kv/user:1", Body::empty()).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(r.headers()[header::ETAG], "\"1\"");
+    assert_eq!(r.headers()[HEADER_NODE], "1");
+    assert_eq!(r.headers()[HEADER_BUCKET], bucket_of(b"user:1").0.to_string().as_str());
+    assert_eq!(body_bytes(r).await, "hello");
+}
+
+#[tokio::test]
+async fn keys_with_slashes_and_escapes_are_whole_keys() {
+    let node = FakeNode::new();
+    assert_eq!(call(&node, Method::PUT, "/v1/kv/a/b%20c", "v").await.status(), StatusCode::OK);
+    assert!(node.items.lock().contains_key("a/b c"));
+}
+
+#[tokio::test]
+async fn malformed_requests_get_problem_json_and_change_nothing() {
+    let node = FakeNode::new();
+    for (uri, code) in [
+        ("/v1/kv/k?ttl=soon", "bad_request"),
+        ("/v1/kv/k?ttl=0", "bad_request"),
+        ("/v1/kv/k?ttl=1s&sliding=1s", "bad_request"),
+        ("/v1/kv/k?cas=x", "bad_request"),
+        ("/v1/kv/k?mode=upsert", "bad_request"),
+        ("/v1/kv/k?cas=1&mode=add", "bad_request"),
+        ("/v1/kv/k?tll=30s", "bad_request"),
+        ("/v1/kv/k?redirect=maybe", "bad_request"),
+        ("/v1/kv/a-key-longer-than-16-bytes", "key_too_large"),
+    ] {
+        let (status, p) = problem(call(&node, Method::PUT, uri, "v").await).await;
+        assert_eq!(p["code"], code, "{uri}: {p}");
+        assert_eq!(p["status"], status.as_u16());
+        assert_eq!(p["type"], format!("urn:shoal:problem:{code}"));
+    }
+    let (status, p) = problem(call(&node, Method::PUT, "/v1/kv/k", vec![0u8; 65]).await).await;
+    assert_eq!((status, p["code"].as_str()), (StatusCode::PAYLOAD_TOO_LARGE, Some("value_too_large")));
+    assert!(node.seen.lock().is_empty(), "nothing reached the node");
+}
+
+#[tokio::test]
+async fn failed_conditions_are_412_with_the_current_version() {
+    let node = FakeNode::new();
+    call(&node, Method::PUT, "/v1/kv/k", "a").await;
+    let (status, p) = problem(call(&node, Method::PUT, "/v1/kv/k?cas=0", "b").await).await;
+    assert_eq!(status, StatusCode::PRECONDITION_FAILED);
+    assert_eq!(p["current_version"], 1);
+    let (status, _) = problem(call(&node, Method::PUT, "/v1/kv/new?mode=replace", "b").await).await;
+    assert_eq!(status, StatusCode::PRECONDITION_FAILED);
+    assert_eq!(call(&node, Method::PUT, "/v1/kv/k?cas=1", "c").await.status(), StatusCode::OK);
+}
+
+#[tokio::test]
+async fn missing_keys_routes_and_methods_are_problems() {
+    let node = FakeNode::new();
+    assert_eq!(problem(call(&node, Method::GET, "/v1/kv/nope", Body::empty()).await).await.1["code"], "not_found");
+    assert_eq!(
+        problem(call(&node, Method::GET, "/v2/whatever", Body::empty()).await).await.1["code"],
+        "unknown_resource"
+    );
+    assert_eq!(
+        problem(call(&node, Method::POST, "/v1/kv/k", Body::empty()).await).await.1["code"],
+        "method_not_allowed"
+    );
+    call(&node, Method::PUT, "/v1/kv/k", "a").await;
+    assert_eq!(call(&node, Method::DELETE, "/v1/kv/k", Body::empty()).await.status(), StatusCode::NO_CONTENT);
+    assert_eq!(call(&node, Method::DELETE, "/v1/kv/k", Body::empty()).await.status(), StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn unavailable_answers_carry_retry_after() {
+    let node = FakeNode::new();
+    let r = call(&node, Method::GET, "/v1/cluster", Body::empty()).await;
+    assert_eq!(r.headers()[header::RETRY_AFTER], "1");
+    assert_eq!(problem(r).await, (StatusCode::SERVICE_UNAVAILABLE, problem_json("no_leader", 503, "no leader")));
+}
+
+fn problem_json(code: &str, status: u16, detail: &str) -> Value {
+    json!({"type": format!("urn:shoal:problem:{code}"), "title": "Service Unavailable", "status": status, "detail": detail, "code": code})
+}
+
+#[tokio::test]
+async fn redirect_answers_307_to_the_same_path_on_the_owner() {
+    let node = FakeNode::new();
+    let r = call(&node, Method::GET, "/v1/kv/remote:x?redirect=true", Body::empty()).await;
+    assert_eq!(r.status(), StatusCode::TEMPORARY_REDIRECT);
+    assert_eq!(r.headers()[header::LOCATION], "http://10.0.0.9:7000/v1/kv/remote:x");
+}
+
+#[tokio::test]
+async fn bulk_requests_answer_per_key_in_order() {
+    let node = FakeNode::new();
+    let body = json!({"items": [
+        {"key": "a", "value": "text"},
+        {"key": "b", "value_base64": "AP8="},
+        {"key": "a-key-longer-than-16-bytes", "value": "x"},
+        {"key": "c", "value": "x", "ttl": "never"},
+    ]});
+    let r = call(&node, Method::POST, "/v1/bulk/put", body.to_string()).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let put: Value = serde_json::from_slice(&body_bytes(r).await).expect("json");
+    let codes: Vec<Value> =
+        put["results"].as_array().expect("results").iter().map(|r| r["error"]["code"].clone()).collect();
+    assert_eq!(codes, vec![Value::Null, Value::Null, json!("key_too_large"), json!("bad_request")]);
+
+    let r = call(&node, Method::POST, "/v1/bulk/get", json!({"keys": ["b", "a", "zz"]}).to_string()).await;
+    let got: Value = serde_json::from_slice(&body_bytes(r).await).expect("json");
+    let results = got["results"].as_array().expect("results");
+    assert_eq!(results[0]["value_base64"], "AP8=");
+    assert_eq!(results[1]["value"], "text");
+    assert_eq!(results[2]["found"], false);
+
+    let too_many = json!({"keys": ["a", "b", "c", "d", "e"]}).to_string();
+    assert_eq!(problem(call(&node, Method::POST, "/v1/bulk/get", too_many).await).await.0, StatusCode::BAD_REQUEST);
+    let not_json = problem(call(&node, Method::POST, "/v1/bulk/delete", "{").await).await;
+    assert_eq!(not_json.1["code"], "bad_request");
+}
+
+#[tokio::test]
+async fn an_incomplete_tag_removal_is_a_502_that_says_what_was_done() {
+    let node = FakeNode::new();
+    let r = call(&node, Method::DELETE, "/v1/tags/red", Body::empty()).await;
+    assert_eq!(r.status(), StatusCode::BAD_GATEWAY);
+    let body: Value = serde_json::from_slice(&body_bytes(r).await).expect("json");
+    assert_eq!(body["removed"], 1);
+    assert_eq!(body["errors"][0]["node"], 2);
+}
+
+#[tokio::test]
+async fn readyz_lists_checks_when_verbose() {
+    let node = FakeNode::new();
+    let r = call(&node, Method::GET, "/readyz?verbose", Body::empty()).await;
+    assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let text = String::from_utf8(body_bytes(r).await.to_vec()).expect("utf8");
+    assert_eq!(text, "[+] member ok\n[-] leader failed: no leader known\nnot ready\n");
+    assert_eq!(call(&node, Method::GET, "/livez", Body::empty()).await.status(), StatusCode::OK);
+}

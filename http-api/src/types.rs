@@ -1,0 +1,312 @@
+//! Request and response bodies (JSON), and the options the handlers parse out of requests.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use shoal_raft::NodeId;
+
+/// How a key request was routed to this node.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RouteContext {
+    /// Set when another node forwarded the request: the map version it routed by. The
+    /// receiver serves only if it owns the bucket in its own map, and never forwards again.
+    pub forwarded_map_version: Option<u64>,
+    /// `?redirect=true`: answer 307 with the owner's address instead of forwarding.
+    pub redirect: bool,
+}
+
+/// Whether a keyless operation covers the whole cluster or only the answering node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    /// Broadcast to every member and merge (what clients get).
+    Cluster,
+    /// This node's buckets only (what the broadcast sends to each member).
+    Local,
+}
+
+/// The precondition of a write, from `cas=` and `mode=`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WriteCondition {
+    /// Insert or replace.
+    #[default]
+    Always,
+    /// Only if absent (`mode=add` or `cas=0`).
+    Absent,
+    /// Only if present (`mode=replace`).
+    Present,
+    /// Only if the current version is this (`cas=N`, N > 0).
+    Version(u64),
+}
+
+/// Per-item options of a write.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PutOptions {
+    /// Absolute expiration from now.
+    pub ttl: Option<Duration>,
+    /// Sliding expiration.
+    pub sliding: Option<Duration>,
+    /// Tags.
+    pub tags: Vec<String>,
+    /// Precondition.
+    pub condition: WriteCondition,
+}
+
+/// A stored value and where it lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GetOk {
+    /// The raw value.
+    pub value: bytes::Bytes,
+    /// The item's version (the `ETag`).
+    pub version: u64,
+    /// Its bucket.
+    pub bucket: u16,
+    /// The node that holds it.
+    pub node: NodeId,
+}
+
+/// The answer to a successful `PUT /v1/kv/{key}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PutOk {
+    /// The key written.
+    pub key: String,
+    /// Its new version.
+    pub version: u64,
+    /// Its bucket.
+    pub bucket: u16,
+    /// The node that holds it.
+    pub node: NodeId,
+}
+
+/// `POST /v1/bulk/get` and `/v1/bulk/delete` request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BulkKeys {
+    /// The keys.
+    pub keys: Vec<String>,
+}
+
+/// One item of `POST /v1/bulk/put`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct BulkPutItem {
+    /// The key.
+    pub key: String,
+    /// The value as UTF-8 text (exactly one of `value` and `value_base64`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub value: Option<String>,
+    /// The value as standard base64, for binary values.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub value_base64: Option<String>,
+    /// Absolute expiration, as `ttl=` (`30s`, `5m`, or seconds).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl: Option<String>,
+    /// Sliding expiration, as `sliding=`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding: Option<String>,
+    /// Tags.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tags: Vec<String>,
+    /// `cas=`: 0 creates only, N replaces version N only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cas: Option<u64>,
+    /// `mode=`: `add` or `replace`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<String>,
+}
+
+/// `POST /v1/bulk/put` request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BulkPut {
+    /// The items.
+    pub items: Vec<BulkPutItem>,
+}
+
+/// The error of one key in a bulk answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyError {
+    /// The stable code, as in problem documents.
+    pub code: String,
+    /// What happened.
+    pub detail: String,
+    /// The HTTP status this error would have had alone.
+    pub status: u16,
+}
+
+/// One key's result in a bulk answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct KeyResult {
+    /// The key.
+    pub key: String,
+    /// For get: whether the key was found.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub found: Option<bool>,
+    /// For get: the value, when it is valid UTF-8.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub value: Option<String>,
+    /// For get: the value in base64, when it is not valid UTF-8.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub value_base64: Option<String>,
+    /// For get and put: the item's version.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<u64>,
+    /// For delete: whether the key existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deleted: Option<bool>,
+    /// The key's bucket.
+    pub bucket: u16,
+    /// The failure of this key, if it failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<KeyError>,
+}
+
+/// A bulk answer: one result per requested key, in request order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct BulkResults {
+    /// The results.
+    pub results: Vec<KeyResult>,
+}
+
+/// A key found by a keyless search.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, PartialOrd, Ord)]
+pub struct FoundKey {
+    /// The key.
+    pub key: String,
+    /// Its bucket.
+    pub bucket: u16,
+    /// Its version.
+    pub version: u64,
+    /// The node that holds it.
+    pub node: NodeId,
+}
+
+/// A member that a broadcast could not reach.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeFailure {
+    /// The member.
+    pub node: NodeId,
+    /// What went wrong.
+    pub detail: String,
+}
+
+/// The answer to `GET /v1/kv?prefix=` and `GET /v1/tags/{tag}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct KeyList {
+    /// The keys, sorted, at most `limit`.
+    pub keys: Vec<FoundKey>,
+    /// True when some member did not answer: the list may miss keys.
+    pub incomplete: bool,
+    /// The members that did not answer.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub errors: Vec<NodeFailure>,
+}
+
+/// The answer to `DELETE /v1/tags/{tag}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct Removed {
+    /// How many items were removed.
+    pub removed: u64,
+    /// True when some member did not answer: its items may remain.
+    pub incomplete: bool,
+    /// The members that did not answer.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub errors: Vec<NodeFailure>,
+}
+
+/// A member as `GET /v1/cluster` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberView {
+    /// Its id.
+    pub id: NodeId,
+    /// Client API address.
+    pub api_addr: String,
+    /// Internal address.
+    pub peer_addr: String,
+    /// Position in join order.
+    pub join_seq: u64,
+    /// `voter` or `learner` in Raft.
+    pub role: String,
+    /// Buckets it owns in the current map.
+    pub buckets: usize,
+    /// The member that holds its replica (none in a one-node cluster).
+    pub replica_on: Option<NodeId>,
+    /// Items it holds (None when it did not answer).
+    pub items: Option<u64>,
+    /// Charged bytes it holds (None when it did not answer).
+    pub bytes: Option<u64>,
+}
+
+/// `GET /v1/cluster`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterView {
+    /// The cluster's id.
+    pub cluster_id: String,
+    /// The node that answered.
+    pub node_id: NodeId,
+    /// The Raft leader, if known.
+    pub leader: Option<NodeId>,
+    /// The distribution map's version.
+    pub map_version: u64,
+    /// How many members vote in Raft.
+    pub voters: u8,
+    /// The members, in join order.
+    pub members: Vec<MemberView>,
+}
+
+/// A node in `GET /v1/cluster/map`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MapNode {
+    /// Its id.
+    pub id: NodeId,
+    /// Client API address.
+    pub api_addr: String,
+    /// The member holding its replica.
+    pub replica_on: Option<NodeId>,
+}
+
+/// `GET /v1/cluster/map`: what a client needs to route keys itself.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MapView {
+    /// The map's version.
+    pub version: u64,
+    /// `owners[b]` owns bucket `b`; 1000 entries.
+    pub owners: Vec<NodeId>,
+    /// The members.
+    pub nodes: Vec<MapNode>,
+}
+
+/// `GET /v1/node`: the answering node's own figures.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeStats {
+    /// Its id.
+    pub node_id: NodeId,
+    /// Items held.
+    pub items: u64,
+    /// Charged bytes held.
+    pub bytes: u64,
+    /// The cache size.
+    pub limit_bytes: u64,
+    /// The map version it has applied.
+    pub map_version: u64,
+}
+
+/// The answer to `POST /v1/cluster/nodes/{id}/leave`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaveOk {
+    /// The member that left.
+    pub node_id: NodeId,
+    /// The map version without it.
+    pub map_version: u64,
+}
+
+/// One readiness check.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Check {
+    /// Its name.
+    pub name: String,
+    /// Whether it passes.
+    pub ok: bool,
+    /// Why not, when it fails.
+    pub detail: String,
+}
