@@ -1,6 +1,27 @@
 //! shoal: a distributed in-memory cache.
 //!
+//! Keys are hashed into 1000 buckets; a distribution map, agreed through Raft (the
+//! `shoal-raft` crate), gives every bucket one owner; any node accepts any request and serves
+//! it from its own store or forwards it to the owner. The public HTTP surface lives in the
+//! `shoal-http-api` crate; this crate wires the parts into a node and holds the data plane.
+//!
 //! # Layout
+//! - [`config`]: the command line (`shoal serve` flags, client commands).
+//! - [`node`]: [`node::start`] builds a node and returns a [`node::NodeHandle`].
+//! - [`proxy`]: [`proxy::NodeApi`], one key operation: local if we own the bucket, else forward.
+//! - [`peer`]: the node-to-node HTTP client for forwarding and broadcasts.
 //! - [`cache`]: the store of the buckets this node holds.
+//! - [`identity`]: the node's id in its data dir.
+//! - [`join`]: the joiner's side of the join protocol.
+//! - [`metrics`]: the node's Prometheus metrics.
+//! - [`cli`]: the command-line client.
 
 pub mod cache;
+pub mod cli;
+pub mod config;
+pub mod identity;
+pub mod join;
+pub mod metrics;
+pub mod node;
+pub mod peer;
+pub mod proxy;

@@ -1,0 +1,195 @@
+//! The command-line client: `shoal get|put|del|status|map|leave`, talking to any node's API.
+
+use std::io::{Read, Write};
+
+use reqwest::{Method, Url};
+use serde_json::Value;
+use shoal_http_api::types::{ClusterView, MapView};
+use shoal_http_api::Problem;
+
+use crate::config::{ClientArgs, Command, Output};
+
+/// Runs a client command; the error is the message to print.
+pub async fn run(command: Command) -> Result<(), String> {
+    match command {
+        Command::Serve(_) => Err("serve is not a client command".into()),
+        Command::Get(a) => {
+            let response = send(&a.client, Method::GET, &["v1", "kv", &a.key], &[], None).await?;
+            let version = header(&response, "etag").trim_matches('"').to_string();
+            let (bucket, node) = (header(&response, "x-shoal-bucket"), header(&response, "x-shoal-node"));
+            let value = response.bytes().await.map_err(|e| e.to_string())?;
+            match a.client.output {
+                Output::Table => std::io::stdout().write_all(&value).map_err(|e| e.to_string()),
+                Output::Json => print_json(&serde_json::json!({
+                    "key": a.key, "value": String::from_utf8_lossy(&value),
+                    "version": version.parse::<u64>().ok(), "bucket": bucket.parse::<u64>().ok(), "node": node.parse::<u64>().ok(),
+                })),
+            }
+        }
+        Command::Put(a) => {
+            let value = match a.value.as_deref() {
+                Some(v) if v != "-" => v.as_bytes().to_vec(),
+                _ => {
+                    let mut buf = Vec::new();
+                    std::io::stdin().read_to_end(&mut buf).map_err(|e| format!("reading stdin: {e}"))?;
+                    buf
+                }
+            };
+            let query: Vec<(&str, &str)> = a.ttl.as_deref().map(|t| vec![("ttl", t)]).unwrap_or_default();
+            let response = send(&a.client, Method::PUT, &["v1", "kv", &a.key], &query, Some(value)).await?;
+            let body: Value = response.json().await.map_err(|e| e.to_string())?;
+            match a.client.output {
+                Output::Table => {
+                    println!("OK version={} bucket={} node={}", body["version"], body["bucket"], body["node"]);
+                    Ok(())
+                }
+                Output::Json => print_json(&body),
+            }
+        }
+        Command::Del(a) => {
+            send(&a.client, Method::DELETE, &["v1", "kv", &a.key], &[], None).await?;
+            if a.client.output == Output::Table {
+                println!("deleted");
+            }
+            Ok(())
+        }
+        Command::Status(c) => {
+            let view: ClusterView = json(send(&c, Method::GET, &["v1", "cluster"], &[], None).await?).await?;
+            match c.output {
+                Output::Table => {
+                    print!("{}", status_table(&view));
+                    Ok(())
+                }
+                Output::Json => print_json(&view),
+            }
+        }
+        Command::Map(c) => {
+            let map: MapView = json(send(&c, Method::GET, &["v1", "cluster", "map"], &[], None).await?).await?;
+            match c.output {
+                Output::Table => {
+                    print!("{}", map_table(&map));
+                    Ok(())
+                }
+                Output::Json => print_json(&map),
+            }
+        }
+        Command::Leave(a) => {
+            let id = a.node_id.to_string();
+            let response = send(&a.client, Method::POST, &["v1", "cluster", "nodes", &id, "leave"], &[], None).await?;
+            let body: Value = response.json().await.map_err(|e| e.to_string())?;
+            match a.client.output {
+                Output::Table => {
+                    println!("node {} left; map version {}", body["node_id"], body["map_version"]);
+                    Ok(())
+                }
+                Output::Json => print_json(&body),
+            }
+        }
+    }
+}
+
+async fn send(
+    client: &ClientArgs,
+    method: Method,
+    path: &[&str],
+    query: &[(&str, &str)],
+    body: Option<Vec<u8>>,
+) -> Result<reqwest::Response, String> {
+    let base = if client.addr.contains("://") { client.addr.clone() } else { format!("http://{}", client.addr) };
+    let mut url = Url::parse(&base).map_err(|e| format!("--addr {:?}: {e}", client.addr))?;
+    url.path_segments_mut().map_err(|_| format!("--addr {:?} cannot have a path", client.addr))?.clear().extend(path);
+    let http = reqwest::Client::builder().no_proxy().build().map_err(|e| e.to_string())?;
+    let mut request = http.request(method, url).query(query);
+    if let Some(body) = body {
+        request = request.body(body);
+    }
+    let response = request.send().await.map_err(|e| format!("cannot reach {}: {e}", client.addr))?;
+    if response.status().is_success() {
+        return Ok(response);
+    }
+    let status = response.status();
+    match response.json::<Problem>().await {
+        Ok(p) => Err(format!("{} ({}, HTTP {})", p.detail, p.code, p.status)),
+        Err(_) => Err(format!("HTTP {status}")),
+    }
+}
+
+fn header(response: &reqwest::Response, name: &str) -> String {
+    response.headers().get(name).and_then(|v| v.to_str().ok()).unwrap_or_default().to_string()
+}
+
+async fn json<T: serde::de::DeserializeOwned>(response: reqwest::Response) -> Result<T, String> {
+    response.json().await.map_err(|e| format!("unexpected answer: {e}"))
+}
+
+fn print_json(value: &impl serde::Serialize) -> Result<(), String> {
+    println!("{}", serde_json::to_string_pretty(value).map_err(|e| e.to_string())?);
+    Ok(())
+}
+
+fn or_dash<T: ToString>(v: Option<T>) -> String {
+    v.map(|v| v.to_string()).unwrap_or_else(|| "-".into())
+}
+
+/// `shoal status` as a table.
+pub fn status_table(view: &ClusterView) -> String {
+    let mut out = format!(
+        "cluster {}  leader {}  map version {}  voters {}\n",
+        view.cluster_id,
+        or_dash(view.leader),
+        view.map_version,
+        view.voters
+    );
+    out.push_str(&format!(
+        "{:>4}  {:<21}  {:<21}  {:<7}  {:>7}  {:>10}  {:>12}  {:>10}\n",
+        "ID", "API", "PEER", "ROLE", "BUCKETS", "ITEMS", "BYTES", "REPLICA_ON"
+    ));
+    for m in &view.members {
+        out.push_str(&format!(
+            "{:>4}  {:<21}  {:<21}  {:<7}  {:>7}  {:>10}  {:>12}  {:>10}\n",
+            m.id,
+            m.api_addr,
+            m.peer_addr,
+            m.role,
+            m.buckets,
+            or_dash(m.items),
+            or_dash(m.bytes),
+            or_dash(m.replica_on)
+        ));
+    }
+    out
+}
+
+/// `shoal map` as a table: each node's bucket count and bucket ranges.
+pub fn map_table(map: &MapView) -> String {
+    let mut out = format!("map version {}\n{:>4}  {:>7}  BUCKETS\n", map.version, "NODE", "COUNT");
+    for node in &map.nodes {
+        let mine: Vec<usize> = (0..map.owners.len()).filter(|&b| map.owners[b] == node.id).collect();
+        out.push_str(&format!("{:>4}  {:>7}  {}\n", node.id, mine.len(), ranges(&mine)));
+    }
+    out
+}
+
+/// `[0,1,2,5,7,8]` → `0-2,5,7-8`.
+fn ranges(sorted: &[usize]) -> String {
+    let mut parts = Vec::new();
+    let mut i = 0;
+    while i < sorted.len() {
+        let start = sorted[i];
+        while i + 1 < sorted.len() && sorted[i + 1] == sorted[i] + 1 {
+            i += 1;
+        }
+        parts.push(if sorted[i] == start { start.to_string() } else { format!("{start}-{}", sorted[i]) });
+        i += 1;
+    }
+    parts.join(",")
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn ranges_compress_runs() {
+        assert_eq!(super::ranges(&[0, 1, 2, 5, 7, 8]), "0-2,5,7-8");
+        assert_eq!(super::ranges(&[]), "");
+    }
+}

@@ -1,0 +1,263 @@
+//! The command line: `shoal serve` and the client subcommands, every flag also an
+//! environment variable (`SHOAL_<FLAG>`).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+/// shoal: a distributed in-memory cache with a REST API.
+#[derive(Debug, Parser)]
+#[command(name = "shoal", version, about, propagate_version = true)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run a node: bootstrap a new cluster, join one (--join), or restart from --data-dir.
+    Serve(ServeConfig),
+    /// Read a key and print its value.
+    Get(KeyArgs),
+    /// Write a key (VALUE, or standard input when VALUE is `-` or missing).
+    Put(PutArgs),
+    /// Delete a key.
+    Del(KeyArgs),
+    /// Show the cluster's members, roles, buckets, items and bytes.
+    Status(ClientArgs),
+    /// Show the distribution map.
+    Map(ClientArgs),
+    /// Make a member leave the cluster (its buckets are spread over the others).
+    Leave(LeaveArgs),
+}
+
+/// How `shoal serve` runs a node.
+#[derive(Debug, Clone, Args)]
+pub struct ServeConfig {
+    /// Client API address to listen on.
+    #[arg(long, env = "SHOAL_LISTEN", default_value = "127.0.0.1:7000")]
+    pub listen: SocketAddr,
+
+    /// Internal address for Raft and node-to-node traffic [default: the API host, port + 10000].
+    #[arg(long, env = "SHOAL_PEER_LISTEN")]
+    pub peer_listen: Option<SocketAddr>,
+
+    /// Client API address other nodes and clients use to reach this node [default: --listen].
+    #[arg(long, env = "SHOAL_ADVERTISE")]
+    pub advertise: Option<String>,
+
+    /// Internal address other nodes use to reach this node [default: --peer-listen].
+    #[arg(long, env = "SHOAL_PEER_ADVERTISE")]
+    pub peer_advertise: Option<String>,
+
+    /// Directory for the node's identity and its Raft log (no cache data is stored).
+    #[arg(long, env = "SHOAL_DATA_DIR", default_value = "./shoal-data")]
+    pub data_dir: PathBuf,
+
+    /// API address(es) of any member(s) of the cluster to join, comma-separated; only used
+    /// when the data dir is empty.
+    #[arg(long, env = "SHOAL_JOIN", value_delimiter = ',')]
+    pub join: Vec<String>,
+
+    /// How long to keep retrying --join before giving up.
+    #[arg(long, env = "SHOAL_JOIN_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
+    pub join_timeout: Duration,
+
+    /// Memory for cached items, accounting included (e.g. 512MiB, 4GiB).
+    #[arg(long, env = "SHOAL_CACHE_SIZE", default_value = "1GiB", value_parser = parse_size)]
+    pub cache_size: u64,
+
+    /// Longest key accepted, in bytes.
+    #[arg(long, env = "SHOAL_MAX_KEY_BYTES", default_value_t = 4096)]
+    pub max_key_bytes: usize,
+
+    /// Largest value accepted (e.g. 16MiB).
+    #[arg(long, env = "SHOAL_MAX_VALUE_BYTES", default_value = "16MiB", value_parser = parse_size)]
+    pub max_value_bytes: u64,
+
+    /// Raft voters of a new cluster (3 or 5); later members are learners. Only read by the
+    /// node that bootstraps.
+    #[arg(long, env = "SHOAL_VOTERS", default_value = "3", value_parser = parse_voters)]
+    pub voters: u8,
+
+    /// Raft heartbeat interval.
+    #[arg(long, env = "SHOAL_RAFT_HEARTBEAT", default_value = "250ms", value_parser = parse_duration, hide = true)]
+    pub raft_heartbeat: Duration,
+
+    /// Raft election timeout (the actual one is random in [t, 2t)).
+    #[arg(long, env = "SHOAL_RAFT_ELECTION_TIMEOUT", default_value = "1500ms", value_parser = parse_duration, hide = true)]
+    pub raft_election_timeout: Duration,
+}
+
+impl ServeConfig {
+    /// A config with every default, listening on the given addresses (tests use port 0).
+    pub fn for_test(listen: SocketAddr, peer_listen: SocketAddr, data_dir: PathBuf) -> Self {
+        let cli = Cli::parse_from(["shoal", "serve"]);
+        let Command::Serve(mut config) = cli.command else { unreachable!("parsed serve") };
+        config.listen = listen;
+        config.peer_listen = Some(peer_listen);
+        config.data_dir = data_dir;
+        config.cache_size = 64 * 1024 * 1024;
+        config
+    }
+
+    /// The peer listen address: as given, or the API host with port + 10000.
+    pub fn peer_listen_addr(&self) -> Result<SocketAddr, String> {
+        match self.peer_listen {
+            Some(addr) => Ok(addr),
+            None if self.listen.port() == 0 => Ok(SocketAddr::new(self.listen.ip(), 0)),
+            None => {
+                let port = self.listen.port().checked_add(10_000).ok_or_else(|| {
+                    format!("--listen port {} + 10000 is not a port; set --peer-listen", self.listen.port())
+                })?;
+                Ok(SocketAddr::new(self.listen.ip(), port))
+            }
+        }
+    }
+
+    /// Checks what clap cannot; the message says which flag to fix.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_key_bytes == 0 || self.max_key_bytes > 65_536 {
+            return Err("--max-key-bytes must be between 1 and 65536".into());
+        }
+        if self.max_value_bytes == 0 || self.max_value_bytes > 512 * 1024 * 1024 {
+            return Err("--max-value-bytes must be between 1 byte and 512MiB".into());
+        }
+        if self.cache_size < 1024 * 1024 {
+            return Err("--cache-size must be at least 1MiB".into());
+        }
+        if self.raft_election_timeout <= self.raft_heartbeat * 2 {
+            return Err("the Raft election timeout must be more than twice the heartbeat".into());
+        }
+        for (flag, listen, advertise) in [
+            ("--advertise", self.listen, &self.advertise),
+            ("--peer-advertise", self.peer_listen_addr()?, &self.peer_advertise),
+        ] {
+            if advertise.is_none() && listen.ip().is_unspecified() {
+                return Err(format!("{flag} is required when listening on {}", listen.ip()));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Output format of client commands.
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum Output {
+    /// Human-readable.
+    Table,
+    /// JSON as the API returns it.
+    Json,
+}
+
+/// Options of every client command.
+#[derive(Debug, Clone, Args)]
+pub struct ClientArgs {
+    /// API address of any node.
+    #[arg(long, env = "SHOAL_ADDR", default_value = "127.0.0.1:7000", global = true)]
+    pub addr: String,
+    /// Output format.
+    #[arg(short = 'o', long, value_enum, default_value_t = Output::Table, global = true)]
+    pub output: Output,
+}
+
+/// `shoal get|del KEY`.
+#[derive(Debug, Clone, Args)]
+pub struct KeyArgs {
+    /// The key.
+    pub key: String,
+    /// Where to connect and how to print.
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+/// `shoal put KEY [VALUE]`.
+#[derive(Debug, Clone, Args)]
+pub struct PutArgs {
+    /// The key.
+    pub key: String,
+    /// The value; `-` or missing reads standard input.
+    pub value: Option<String>,
+    /// Expire after this long (30s, 5m, 2h).
+    #[arg(long)]
+    pub ttl: Option<String>,
+    /// Where to connect and how to print.
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+/// `shoal leave NODE_ID`.
+#[derive(Debug, Clone, Args)]
+pub struct LeaveArgs {
+    /// The id of the member that leaves.
+    pub node_id: u64,
+    /// Where to connect and how to print.
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+/// Parses `512MiB`, `1GiB`, `100MB` or a number of bytes.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    text.trim().parse::<bytesize::ByteSize>().map(|b| b.as_u64()).map_err(|e| format!("{text:?} is not a size: {e}"))
+}
+
+fn parse_voters(text: &str) -> Result<u8, String> {
+    match text {
+        "3" => Ok(3),
+        "5" => Ok(5),
+        _ => Err(format!("{text:?}: a cluster has 3 or 5 voters")),
+    }
+}
+
+/// Parses `250ms`, `30s`, `5m`.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    humantime::parse_duration(text).map_err(|e| format!("{text:?} is not a duration: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn serve(args: &[&str]) -> Result<ServeConfig, clap::Error> {
+        let mut all = vec!["shoal", "serve"];
+        all.extend_from_slice(args);
+        Cli::try_parse_from(all).map(|c| match c.command {
+            Command::Serve(s) => s,
+            _ => unreachable!("serve"),
+        })
+    }
+
+    #[test]
+    fn defaults_match_the_documentation() {
+        let c = serve(&[]).expect("defaults parse");
+        assert_eq!(c.listen, "127.0.0.1:7000".parse().expect("addr"));
+        assert_eq!(c.peer_listen_addr(), Ok("127.0.0.1:17000".parse().expect("addr")));
+        assert_eq!(c.cache_size, 1 << 30);
+        assert_eq!(c.max_value_bytes, 16 << 20);
+        assert_eq!(c.max_key_bytes, 4096);
+        assert_eq!(c.voters, 3);
+        assert!(c.validate().is_ok());
+    }
+
+    #[test]
+    fn sizes_and_lists_parse() {
+        let c = serve(&["--cache-size", "512MiB", "--join", "a:1,b:2", "--voters", "5"]).expect("parse");
+        assert_eq!(c.cache_size, 512 << 20);
+        assert_eq!(c.join, vec!["a:1", "b:2"]);
+        assert_eq!(c.voters, 5);
+    }
+
+    #[test]
+    fn bad_values_are_refused_with_the_flag_named() {
+        assert!(serve(&["--voters", "4"]).is_err());
+        assert!(serve(&["--cache-size", "lots"]).is_err());
+        let c = serve(&["--listen", "0.0.0.0:7000"]).expect("parse");
+        assert_eq!(c.validate(), Err("--advertise is required when listening on 0.0.0.0".into()));
+        let c = serve(&["--listen", "127.0.0.1:60000"]).expect("parse");
+        assert!(c.validate().expect_err("port overflow").contains("--peer-listen"));
+    }
+}

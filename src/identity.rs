@@ -1,0 +1,91 @@
+//! The node's identity in its data dir: `node.json`.
+//!
+//! Written once when the node gets its id (bootstrap or registration), and again when it
+//! leaves. It is what makes a restart "the same member": the id and cluster it belongs to,
+//! and where it first joined (to finish a join interrupted by a crash).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use shoal_raft::NodeId;
+
+/// The version of the `node.json` format this release writes and reads.
+const FORMAT: u32 = 1;
+
+/// The contents of `node.json`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Identity {
+    /// Format version, for future migrations.
+    pub format: u32,
+    /// The id the cluster assigned.
+    pub node_id: NodeId,
+    /// The cluster this node belongs to.
+    pub cluster_id: String,
+    /// The API addresses it joined through (empty for the bootstrap node).
+    #[serde(default)]
+    pub join: Vec<String>,
+    /// Set when the node left the cluster: it must never start on this data dir again.
+    #[serde(default)]
+    pub retired: bool,
+}
+
+impl Identity {
+    /// A new identity.
+    pub fn new(node_id: NodeId, cluster_id: String, join: Vec<String>) -> Self {
+        Identity { format: FORMAT, node_id, cluster_id, join, retired: false }
+    }
+
+    fn path(data_dir: &Path) -> PathBuf {
+        data_dir.join("node.json")
+    }
+
+    /// Reads the identity; `Ok(None)` when the data dir has none (a new node).
+    pub fn load(data_dir: &Path) -> Result<Option<Self>, String> {
+        let path = Self::path(data_dir);
+        let bytes = match std::fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
+        };
+        let identity: Identity =
+            serde_json::from_slice(&bytes).map_err(|e| format!("{} is corrupt: {e}", path.display()))?;
+        if identity.format != FORMAT {
+            return Err(format!("{} has format {}; this release reads {FORMAT}", path.display(), identity.format));
+        }
+        Ok(Some(identity))
+    }
+
+    /// Writes the identity atomically (temp file, fsync, rename).
+    pub fn store(&self, data_dir: &Path) -> Result<(), String> {
+        let path = Self::path(data_dir);
+        let tmp = data_dir.join("node.json.tmp");
+        let write = || -> std::io::Result<()> {
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(&serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?)?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, &path)?;
+            if let Ok(dir) = std::fs::File::open(data_dir) {
+                let _ = dir.sync_all();
+            }
+            Ok(())
+        };
+        write().map_err(|e| format!("cannot write {}: {e}", path.display()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identity_round_trips_and_absence_is_none() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        assert_eq!(Identity::load(dir.path()), Ok(None));
+        let id = Identity::new(3, "c".into(), vec!["a:1".into()]);
+        id.store(dir.path()).expect("store");
+        assert_eq!(Identity::load(dir.path()), Ok(Some(id)));
+        std::fs::write(dir.path().join("node.json"), "{").expect("write");
+        assert!(Identity::load(dir.path()).expect_err("corrupt").contains("corrupt"));
+    }
+}

@@ -1,0 +1,247 @@
+//! The node's Prometheus metrics.
+//!
+//! Each node owns its own recorder (not the process-global one), so several nodes in one
+//! process — as in the tests — keep separate figures. Every series is registered at startup,
+//! so it is present in `/metrics` from the first scrape; the request path only bumps
+//! pre-registered handles (no name lookup per request). Gauges that mirror state (items,
+//! bytes, map version, Raft positions) are refreshed when `/metrics` is rendered.
+
+use std::time::Instant;
+
+use metrics::{Counter, Gauge, Histogram, Key, KeyName, Label, Level, Metadata, Recorder, SharedString};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
+use shoal_http_api::ApiError;
+
+/// The operations counted by type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    /// `GET /v1/kv/{key}`.
+    Get,
+    /// `PUT /v1/kv/{key}`.
+    Put,
+    /// `DELETE /v1/kv/{key}`.
+    Delete,
+    /// `POST /v1/bulk/get`.
+    BulkGet,
+    /// `POST /v1/bulk/put`.
+    BulkPut,
+    /// `POST /v1/bulk/delete`.
+    BulkDelete,
+    /// `GET /v1/kv?prefix=`.
+    List,
+    /// `GET /v1/tags/{tag}`.
+    Tagged,
+    /// `DELETE /v1/tags/{tag}`.
+    RemoveTagged,
+}
+
+const OPS: [(Op, &str); 9] = [
+    (Op::Get, "get"),
+    (Op::Put, "put"),
+    (Op::Delete, "delete"),
+    (Op::BulkGet, "bulk_get"),
+    (Op::BulkPut, "bulk_put"),
+    (Op::BulkDelete, "bulk_delete"),
+    (Op::List, "list"),
+    (Op::Tagged, "tagged"),
+    (Op::RemoveTagged, "remove_tagged"),
+];
+
+/// How an operation ended.
+const OUTCOMES: [&str; 7] =
+    ["ok", "not_found", "precondition_failed", "rejected", "unavailable", "redirected", "error"];
+
+fn outcome_of(result: Result<(), &ApiError>) -> usize {
+    match result {
+        Ok(()) => 0,
+        Err(ApiError::NotFound) => 1,
+        Err(ApiError::PreconditionFailed { .. }) => 2,
+        Err(
+            ApiError::BadRequest(_)
+            | ApiError::KeyTooLarge { .. }
+            | ApiError::ValueTooLarge { .. }
+            | ApiError::ItemTooLarge(_)
+            | ApiError::Conflict(_)
+            | ApiError::UnknownResource(_)
+            | ApiError::MethodNotAllowed,
+        ) => 3,
+        Err(ApiError::Unavailable { .. } | ApiError::NotOwner { .. }) => 4,
+        Err(ApiError::Redirect { .. }) => 5,
+        Err(ApiError::Internal(_)) => 6,
+    }
+}
+
+/// Latency buckets of the operation histograms, in seconds (50 µs .. 5 s).
+const LATENCY_BUCKETS: [f64; 16] =
+    [0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0];
+
+/// Gauges mirroring the node's state, refreshed at render time.
+pub struct StateGauges {
+    /// Items held.
+    pub items: Gauge,
+    /// Charged bytes held.
+    pub bytes: Gauge,
+    /// The cache size.
+    pub limit_bytes: Gauge,
+    /// Evictions so far (a counter set from the store's own count).
+    pub evictions: Counter,
+    /// Expirations so far.
+    pub expirations: Counter,
+    /// Applied map version.
+    pub map_version: Gauge,
+    /// Buckets this node owns.
+    pub buckets_owned: Gauge,
+    /// Cluster members.
+    pub members: Gauge,
+    /// 1 on the Raft leader.
+    pub is_leader: Gauge,
+    /// The leader's id (0: none known).
+    pub leader_id: Gauge,
+    /// Raft term.
+    pub raft_term: Gauge,
+    /// Last log index.
+    pub raft_last_log_index: Gauge,
+    /// Last applied index.
+    pub raft_applied_index: Gauge,
+    /// Bytes of the Raft storage on disk.
+    pub raft_storage_bytes: Gauge,
+}
+
+/// The node's metrics. See the module docs.
+pub struct NodeMetrics {
+    handle: PrometheusHandle,
+    operations: Vec<Vec<Counter>>,
+    latency: Vec<Histogram>,
+    /// Reads that found their key.
+    pub hits: Counter,
+    /// Reads that did not.
+    pub misses: Counter,
+    /// Key operations this node forwarded to the owner.
+    pub forwarded: Counter,
+    /// State mirrors.
+    pub state: StateGauges,
+}
+
+static METADATA: Metadata<'static> = Metadata::new("shoal", Level::INFO, Some(module_path!()));
+
+impl Default for NodeMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl NodeMetrics {
+    /// Registers every series.
+    pub fn new() -> Self {
+        let recorder = PrometheusBuilder::new()
+            .set_buckets(&LATENCY_BUCKETS)
+            .map(|b| b.build_recorder())
+            .unwrap_or_else(|_| PrometheusBuilder::new().build_recorder());
+        let handle = recorder.handle();
+        let r = &recorder;
+        describe(r, "shoal_operations_total", "Key operations by type and outcome.");
+        describe(r, "shoal_operation_duration_seconds", "Time to answer a key operation.");
+        let operations = OPS
+            .iter()
+            .map(|(_, op)| {
+                OUTCOMES
+                    .iter()
+                    .map(|outcome| {
+                        let labels = vec![Label::new("op", *op), Label::new("outcome", *outcome)];
+                        r.register_counter(&Key::from_parts("shoal_operations_total", labels), &METADATA)
+                    })
+                    .collect()
+            })
+            .collect();
+        let latency = OPS
+            .iter()
+            .map(|(_, op)| {
+                let key = Key::from_parts("shoal_operation_duration_seconds", vec![Label::new("op", *op)]);
+                r.register_histogram(&key, &METADATA)
+            })
+            .collect();
+        let counter = |name: &'static str, help: &'static str| {
+            describe(r, name, help);
+            r.register_counter(&Key::from_name(name), &METADATA)
+        };
+        let gauge = |name: &'static str, help: &'static str| {
+            describe(r, name, help);
+            r.register_gauge(&Key::from_name(name), &METADATA)
+        };
+        let state = StateGauges {
+            items: gauge("shoal_items", "Items held in the active store."),
+            bytes: gauge("shoal_bytes", "Bytes charged to the active store (accounting included)."),
+            limit_bytes: gauge("shoal_cache_limit_bytes", "The configured cache size."),
+            evictions: counter("shoal_evictions_total", "Items evicted to stay within the cache size."),
+            expirations: counter("shoal_expirations_total", "Items removed because they expired."),
+            map_version: gauge("shoal_map_version", "Version of the applied distribution map."),
+            buckets_owned: gauge("shoal_buckets_owned", "Buckets this node owns."),
+            members: gauge("shoal_members", "Members of the cluster."),
+            is_leader: gauge("shoal_is_leader", "1 if this node is the Raft leader."),
+            leader_id: gauge("shoal_raft_leader_id", "Id of the Raft leader, 0 if none is known."),
+            raft_term: gauge("shoal_raft_term", "Current Raft term."),
+            raft_last_log_index: gauge("shoal_raft_last_log_index", "Last Raft log index."),
+            raft_applied_index: gauge("shoal_raft_applied_index", "Last applied Raft log index."),
+            raft_storage_bytes: gauge("shoal_raft_storage_bytes", "Size of the Raft storage on disk."),
+        };
+        NodeMetrics {
+            hits: counter("shoal_cache_hits_total", "Reads that found their key."),
+            misses: counter("shoal_cache_misses_total", "Reads that did not find their key."),
+            forwarded: counter("shoal_forwarded_operations_total", "Key operations forwarded to their owner."),
+            operations,
+            latency,
+            state,
+            handle,
+        }
+    }
+
+    /// Counts one operation and its latency.
+    pub fn record<T>(&self, op: Op, started: Instant, result: &Result<T, ApiError>) {
+        let i = OPS.iter().position(|(o, _)| *o == op).unwrap_or(0);
+        self.operations[i][outcome_of(result.as_ref().map(|_| ()))].increment(1);
+        self.latency[i].record(started.elapsed().as_secs_f64());
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        self.handle.run_upkeep();
+        self.handle.render()
+    }
+}
+
+/// Sets the `# HELP` text of a metric (the exporter keeps one description per name, whatever
+/// its kind; units stay in the names, as Prometheus wants).
+fn describe(recorder: &PrometheusRecorder, name: &'static str, help: &'static str) {
+    recorder.describe_counter(KeyName::from_const_str(name), None, SharedString::const_str(help));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_series_is_present_before_any_traffic() {
+        let m = NodeMetrics::new();
+        let text = m.render();
+        for needle in [
+            "shoal_operations_total{op=\"get\",outcome=\"ok\"} 0",
+            "shoal_cache_hits_total 0",
+            "shoal_items 0",
+            "shoal_map_version 0",
+            "# TYPE shoal_operation_duration_seconds histogram",
+        ] {
+            assert!(text.contains(needle), "missing {needle:?} in\n{text}");
+        }
+    }
+
+    #[test]
+    fn operations_are_counted_by_outcome_with_latency_buckets() {
+        let m = NodeMetrics::new();
+        m.record::<()>(Op::Get, Instant::now(), &Err(ApiError::NotFound));
+        m.record(Op::Put, Instant::now(), &Ok(()));
+        let text = m.render();
+        assert!(text.contains("shoal_operations_total{op=\"get\",outcome=\"not_found\"} 1"), "{text}");
+        assert!(text.contains("shoal_operations_total{op=\"put\",outcome=\"ok\"} 1"));
+        assert!(text.contains("shoal_operation_duration_seconds_bucket{op=\"put\",le=\"0.001\"} 1"), "{text}");
+    }
+}

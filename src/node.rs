@@ -1,0 +1,366 @@
+//! [`start`]: builds every part of a node, binds its listeners, bootstraps, joins or
+//! restarts, and returns a [`NodeHandle`] to stop it.
+//!
+//! ```text
+//!          ┌──────────────── shoal node ────────────────────────────┐
+//!  client ─┤ API listener ── http-api router ── NodeApi (proxy) ──┐ │
+//!          │                                     │   CacheStore <─┘ │
+//!          │                                     └── PeerClient ───────> other nodes' APIs
+//!   peers ─┤ peer listener ── Raft RPCs, admin ── ControlPlane (openraft, sled)
+//!          └────────────────────────────────────────────────────────┘
+//! ```
+//!
+//! Start-up, by what the data dir holds:
+//! - nothing, no `--join`: a new one-node cluster (node id 1);
+//! - nothing, `--join`: register with the cluster for a new id, start Raft under it, get
+//!   admitted;
+//! - an identity: the same member again (finishing an interrupted join if need be); a node
+//!   that left refuses to start.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::serve::ListenerExt;
+use shoal_http_api::Limits;
+use shoal_raft::{BucketId, ControlConfig, ControlPlane, MemberStatus, NodeId};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::cache::{CacheStore, Clock};
+use crate::config::ServeConfig;
+use crate::identity::Identity;
+use crate::join::Joiner;
+use crate::metrics::NodeMetrics;
+use crate::proxy::NodeApi;
+
+/// Why a node could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// A flag is wrong.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// A listener or the data dir failed.
+    #[error("{0}")]
+    Io(String),
+    /// The node left its cluster; its data dir cannot be used again.
+    #[error("{0}")]
+    Retired(String),
+    /// Joining failed.
+    #[error("join failed: {0}")]
+    Join(String),
+    /// The control plane failed.
+    #[error("control plane: {0}")]
+    Control(#[from] shoal_raft::ControlError),
+}
+
+/// The two listeners of a node.
+pub struct Listeners {
+    /// Client API.
+    pub api: TcpListener,
+    /// Raft and node-to-node.
+    pub peer: TcpListener,
+}
+
+impl Listeners {
+    /// Binds the addresses of `config`.
+    pub async fn bind(config: &ServeConfig) -> Result<Self, StartError> {
+        let peer_addr = config.peer_listen_addr().map_err(StartError::Config)?;
+        let api = TcpListener::bind(config.listen)
+            .await
+            .map_err(|e| StartError::Io(format!("cannot listen on {} (--listen): {e}", config.listen)))?;
+        let peer = TcpListener::bind(peer_addr)
+            .await
+            .map_err(|e| StartError::Io(format!("cannot listen on {peer_addr} (--peer-listen): {e}")))?;
+        Ok(Listeners { api, peer })
+    }
+}
+
+/// A running node.
+pub struct NodeHandle {
+    node_id: NodeId,
+    api_addr: SocketAddr,
+    peer_addr: SocketAddr,
+    control: ControlPlane,
+    cache: Arc<CacheStore>,
+    shutdown: watch::Sender<bool>,
+    servers: Vec<JoinHandle<()>>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl NodeHandle {
+    /// The node's id.
+    pub fn node_id(&self) -> NodeId {
+        self.node_id
+    }
+
+    /// The bound client API address.
+    pub fn api_addr(&self) -> SocketAddr {
+        self.api_addr
+    }
+
+    /// The bound peer address.
+    pub fn peer_addr(&self) -> SocketAddr {
+        self.peer_addr
+    }
+
+    /// The node's control plane.
+    pub fn control(&self) -> &ControlPlane {
+        &self.control
+    }
+
+    /// The node's store.
+    pub fn cache(&self) -> &Arc<CacheStore> {
+        &self.cache
+    }
+
+    /// Resolves when the node stops by itself (it left the cluster) or was asked to stop.
+    pub async fn stopped(&self) {
+        let mut rx = self.shutdown.subscribe();
+        let _ = rx.wait_for(|stop| *stop).await;
+    }
+
+    /// Stops the node gracefully: no new connections, in-flight requests finish, Raft stops,
+    /// the Raft storage is flushed and closed.
+    pub async fn shutdown(self) {
+        self.shutdown.send_replace(true);
+        for server in self.servers {
+            let _ = server.await;
+        }
+        for task in &self.tasks {
+            task.abort();
+        }
+        self.control.shutdown().await;
+        tracing::info!(node_id = self.node_id, "node stopped");
+    }
+}
+
+/// Starts a node on the listeners `config` names.
+pub async fn start(config: ServeConfig) -> Result<NodeHandle, StartError> {
+    let listeners = Listeners::bind(&config).await?;
+    start_with(config, listeners).await
+}
+
+/// Starts a node on listeners bound by the caller (tests bind port 0).
+pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<NodeHandle, StartError> {
+    config.validate().map_err(StartError::Config)?;
+    std::fs::create_dir_all(&config.data_dir)
+        .map_err(|e| StartError::Io(format!("cannot create --data-dir {}: {e}", config.data_dir.display())))?;
+    let local = |l: &TcpListener| l.local_addr().map_err(|e| StartError::Io(e.to_string()));
+    let (api_bound, peer_bound) = (local(&listeners.api)?, local(&listeners.peer)?);
+    let api_addr = config.advertise.clone().unwrap_or_else(|| api_bound.to_string());
+    let peer_addr = config.peer_advertise.clone().unwrap_or_else(|| peer_bound.to_string());
+
+    let identity = Identity::load(&config.data_dir).map_err(StartError::Io)?;
+    if let Some(id) = identity.as_ref().filter(|id| id.retired) {
+        return Err(retired(&config, id.node_id));
+    }
+    let admin = shoal_raft::AdminClient::new(Duration::from_secs(40));
+    let joiner = Joiner::new(config.join.clone(), config.join_timeout, admin);
+    // A new node that joins gets its id first; a new cluster's first node is node 1.
+    let identity = match identity {
+        Some(id) => id,
+        None if config.join.is_empty() => {
+            let id = Identity::new(1, new_cluster_id(), Vec::new());
+            id.store(&config.data_dir).map_err(StartError::Io)?;
+            id
+        }
+        None => {
+            let registered = joiner.register(&api_addr, &peer_addr).await.map_err(StartError::Join)?;
+            let id = Identity::new(registered.node_id, registered.cluster_id, config.join.clone());
+            id.store(&config.data_dir).map_err(StartError::Io)?;
+            tracing::info!(node_id = id.node_id, cluster_id = %id.cluster_id, "registered with the cluster");
+            id
+        }
+    };
+    let node_id = identity.node_id;
+
+    let mut control_config =
+        ControlConfig::new(node_id, api_addr.clone(), peer_addr.clone(), config.data_dir.join("raft"));
+    control_config.heartbeat = config.raft_heartbeat;
+    control_config.election_timeout = config.raft_election_timeout;
+    let control = ControlPlane::open(control_config).await?;
+
+    let cache = Arc::new(CacheStore::new(config.cache_size, Clock::new()));
+    let metrics = Arc::new(NodeMetrics::new());
+    let limits = Limits {
+        max_key_bytes: config.max_key_bytes,
+        max_value_bytes: config.max_value_bytes as usize,
+        ..Limits::default()
+    };
+    let api = Arc::new(NodeApi::new(control.clone(), cache.clone(), limits, metrics));
+    let (shutdown, _) = watch::channel(false);
+    let servers = vec![
+        serve(listeners.peer, shoal_raft::peer_router(control.clone()), shutdown.subscribe()),
+        serve(listeners.api, shoal_http_api::router(api), shutdown.subscribe()),
+    ];
+    let handle = NodeHandle {
+        node_id,
+        api_addr: api_bound,
+        peer_addr: peer_bound,
+        control: control.clone(),
+        cache: cache.clone(),
+        shutdown,
+        servers,
+        tasks: Vec::new(),
+    };
+    let joined = join_or_resume(&config, &identity, &control, &joiner).await;
+    if let Err(e) = joined {
+        handle.shutdown().await;
+        return Err(e);
+    }
+    let mut handle = handle;
+    handle.tasks.push(tokio::spawn(sweep_expired(cache.clone())));
+    handle.tasks.push(tokio::spawn(follow_map(
+        control,
+        cache,
+        identity,
+        config.data_dir.clone(),
+        handle.shutdown.clone(),
+    )));
+    tracing::info!(node_id, api = %api_addr, peer = %peer_addr, "node ready");
+    Ok(handle)
+}
+
+/// Brings the control plane to "this node is a member with a map": bootstrap, admission, or
+/// a restart check.
+async fn join_or_resume(
+    config: &ServeConfig,
+    identity: &Identity,
+    control: &ControlPlane,
+    joiner: &Joiner,
+) -> Result<(), StartError> {
+    let node_id = identity.node_id;
+    let state = control.state();
+    if state.retired.contains(&node_id) {
+        return Err(retired(config, node_id));
+    }
+    if state.is_member(node_id) {
+        // A restart: unless another member says we were removed meanwhile, carry on; Raft
+        // catches up by itself.
+        if removed_while_down(control, node_id).await {
+            return Err(retired(config, node_id));
+        }
+        return Ok(());
+    }
+    if identity.join.is_empty() {
+        tracing::info!(cluster_id = %identity.cluster_id, "bootstrapping a new cluster");
+        control.bootstrap(&identity.cluster_id, config.voters).await?;
+    } else {
+        let map_version = joiner.admit(node_id).await.map_err(StartError::Join)?;
+        tracing::info!(node_id, map_version, "admitted to the cluster");
+    }
+    let member = control.wait_for_state(Duration::from_secs(30), |s| s.is_member(node_id)).await;
+    if !member {
+        return Err(StartError::Join("admitted, but the membership did not reach this node within 30s".into()));
+    }
+    match control.state().cluster_id.as_deref() {
+        Some(id) if id == identity.cluster_id => Ok(()),
+        other => Err(StartError::Join(format!(
+            "this data dir belongs to cluster {} but the node joined {other:?}",
+            identity.cluster_id
+        ))),
+    }
+}
+
+/// Asks the other members (briefly) whether `node_id` was removed while it was down.
+async fn removed_while_down(control: &ControlPlane, node_id: NodeId) -> bool {
+    let state = control.state();
+    for member in state.members.iter().filter(|m| m.id != node_id) {
+        let status = control.admin_client().member_status(&member.peer_addr, node_id);
+        if let Ok(Ok(status)) = tokio::time::timeout(Duration::from_secs(2), status).await {
+            return status == MemberStatus::Retired;
+        }
+    }
+    false
+}
+
+fn retired(config: &ServeConfig, node_id: NodeId) -> StartError {
+    StartError::Retired(format!(
+        "node {node_id} has left its cluster and cannot start again on {}; \
+         remove that directory (or use another --data-dir) to join as a new member",
+        config.data_dir.display()
+    ))
+}
+
+fn new_cluster_id() -> String {
+    use rand::Rng;
+    let bytes: [u8; 16] = rand::rng().random();
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Serves `router` on `listener` (TCP_NODELAY on every connection) until shutdown.
+fn serve(listener: TcpListener, router: axum::Router, mut shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    tokio::spawn(async move {
+        let stop = async move {
+            let _ = shutdown.wait_for(|stop| *stop).await;
+        };
+        if let Err(e) = axum::serve(listener, router).with_graceful_shutdown(stop).await {
+            tracing::error!(error = %e, "server failed");
+        }
+    })
+}
+
+/// Removes expired items in the background: a tenth of the buckets per second, so every
+/// bucket is swept every ten seconds (reads remove expired items on the spot anyway).
+async fn sweep_expired(cache: Arc<CacheStore>) {
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    let mut next = 0u16;
+    loop {
+        tick.tick().await;
+        let buckets: Vec<BucketId> = (0..10).map(|i| BucketId((next + i) % shoal_raft::BUCKET_COUNT as u16)).collect();
+        next = (next + 10) % shoal_raft::BUCKET_COUNT as u16;
+        cache.sweep_expired(buckets);
+    }
+}
+
+/// Follows the applied state: drops the data of buckets this node no longer owns, and stops
+/// the node once it has left the cluster (and is no longer a Raft voter).
+async fn follow_map(
+    control: ControlPlane,
+    cache: Arc<CacheStore>,
+    identity: Identity,
+    data_dir: std::path::PathBuf,
+    shutdown: watch::Sender<bool>,
+) {
+    let node_id = identity.node_id;
+    let mut applied = control.view().subscribe();
+    let mut owned_version = 0;
+    loop {
+        let state = control.state();
+        if state.map.version != owned_version && !state.map.is_empty() {
+            owned_version = state.map.version;
+            let mut dropped = 0;
+            for bucket in BucketId::all() {
+                if state.map.owner_of(bucket) != Some(node_id) && cache.bucket_stats(bucket).0 > 0 {
+                    dropped += cache.take_bucket(bucket).len();
+                }
+            }
+            if dropped > 0 {
+                tracing::warn!(
+                    node_id,
+                    map_version = owned_version,
+                    dropped,
+                    "dropped the items of buckets that moved away"
+                );
+            }
+        }
+        if state.retired.contains(&node_id) && !control.is_voter() {
+            let mut retired = identity.clone();
+            retired.retired = true;
+            if let Err(e) = retired.store(&data_dir) {
+                tracing::error!(error = %e, "could not record that this node left");
+            }
+            tracing::info!(node_id, "this node has left the cluster; stopping");
+            shutdown.send_replace(true);
+            return;
+        }
+        // Membership changes (voter demotion) show in Raft's metrics, not always in a new
+        // applied entry, so wake up periodically too.
+        let _ = tokio::time::timeout(Duration::from_millis(500), applied.changed()).await;
+    }
+}
