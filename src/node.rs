@@ -128,8 +128,9 @@ impl NodeHandle {
         for server in self.servers {
             let _ = server.await;
         }
-        for task in &self.tasks {
+        for task in self.tasks {
             task.abort();
+            let _ = task.await;
         }
         self.control.shutdown().await;
         tracing::info!(node_id = self.node_id, "node stopped");

@@ -452,8 +452,10 @@ impl ControlPlane {
 
     /// Stops Raft and the reconciler. The sled database closes when the last handle drops.
     pub async fn shutdown(&self) {
-        if let Some(task) = self.inner.reconciler.lock().take() {
+        let reconciler = self.inner.reconciler.lock().take();
+        if let Some(task) = reconciler {
             task.abort();
+            let _ = task.await;
         }
         if let Err(e) = self.inner.raft.shutdown().await {
             tracing::warn!(error = %e, "raft shutdown");
@@ -490,7 +492,8 @@ async fn open_db(dir: &std::path::Path) -> Result<sled::Db, ControlError> {
         let result = sled::Config::new().path(dir).cache_capacity(16 * 1024 * 1024).flush_every_ms(Some(1000)).open();
         match result {
             Ok(db) => return Ok(db),
-            Err(sled::Error::Io(e)) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
+            // A previous instance of this node in the same process may still be closing.
+            Err(e) if e.to_string().contains("could not acquire lock") && Instant::now() < deadline => {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
             Err(e) => {

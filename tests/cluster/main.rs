@@ -1,1 +1,9 @@
-//! x
+//! Cluster tests: real nodes (in this process, or as processes where a signal is the point)
+//! with real HTTP on loopback ports the OS picks and real sled in temp dirs.
+
+mod harness;
+mod membership;
+mod process;
+mod readme;
+mod restart;
+mod routing;

@@ -1,0 +1,206 @@
+//! `TestCluster`: starts, grows, shrinks and restarts in-process nodes; polls conditions
+//! with deadlines instead of sleeping.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde_json::Value;
+use shoal::config::ServeConfig;
+use shoal::node::{self, Listeners, NodeHandle};
+use tempfile::TempDir;
+use tokio::net::TcpListener;
+
+/// How long any condition may take to become true on two busy cores.
+pub const DEADLINE: Duration = Duration::from_secs(60);
+
+/// Polls `condition` until it returns `Some`, or panics with `what` after [`DEADLINE`].
+pub async fn wait_for<T, F, Fut>(what: &str, mut condition: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        if let Some(v) = condition().await {
+            return v;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// One node slot: its addresses and data dir survive restarts.
+struct Slot {
+    config: ServeConfig,
+    node: Option<NodeHandle>,
+}
+
+/// A cluster of in-process nodes.
+pub struct TestCluster {
+    _dir: TempDir,
+    root: PathBuf,
+    slots: Vec<Slot>,
+    pub http: reqwest::Client,
+}
+
+async fn bind(addr: SocketAddr) -> TcpListener {
+    for _ in 0..50 {
+        if let Ok(l) = TcpListener::bind(addr).await {
+            return l;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("cannot bind {addr}");
+}
+
+impl TestCluster {
+    /// A cluster of `n` nodes, joined one after the other (join order = slot order).
+    pub async fn start(n: usize) -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let http = reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(30)).build().expect("client");
+        let mut cluster = TestCluster { root: dir.path().to_path_buf(), _dir: dir, slots: Vec::new(), http };
+        for _ in 0..n {
+            cluster.add_node().await;
+        }
+        cluster
+    }
+
+    /// Starts a new node that joins through the first running node; returns its slot.
+    pub async fn add_node(&mut self) -> usize {
+        let slot = self.slots.len();
+        let api = bind("127.0.0.1:0".parse().expect("addr")).await;
+        let peer = bind("127.0.0.1:0".parse().expect("addr")).await;
+        let mut config = ServeConfig::for_test(
+            api.local_addr().expect("addr"),
+            peer.local_addr().expect("addr"),
+            self.root.join(format!("node{slot}")),
+        );
+        config.raft_heartbeat = Duration::from_millis(150);
+        config.raft_election_timeout = Duration::from_millis(1000);
+        config.max_value_bytes = 1024 * 1024;
+        if let Some(seed) = self.running().next() {
+            config.join = vec![self.api(seed)];
+        }
+        let node = node::start_with(config.clone(), Listeners { api, peer }).await.expect("node starts");
+        self.slots.push(Slot { config, node: Some(node) });
+        slot
+    }
+
+    /// The slots whose node runs.
+    pub fn running(&self) -> impl Iterator<Item = usize> + '_ {
+        self.slots.iter().enumerate().filter(|(_, s)| s.node.is_some()).map(|(i, _)| i)
+    }
+
+    /// The node in `slot`.
+    pub fn node(&self, slot: usize) -> &NodeHandle {
+        self.slots[slot].node.as_ref().expect("node is running")
+    }
+
+    /// The API address (`host:port`) of `slot`.
+    pub fn api(&self, slot: usize) -> String {
+        self.slots[slot].config.listen.to_string()
+    }
+
+    /// The node id in `slot`.
+    pub fn id(&self, slot: usize) -> u64 {
+        self.node(slot).node_id()
+    }
+
+    /// `http://<api of slot><path>`.
+    pub fn url(&self, slot: usize, path: &str) -> String {
+        format!("http://{}{}", self.api(slot), path)
+    }
+
+    /// Stops the node in `slot` gracefully (its data dir stays).
+    pub async fn stop(&mut self, slot: usize) {
+        if let Some(node) = self.slots[slot].node.take() {
+            node.shutdown().await;
+        }
+    }
+
+    /// Waits until the node in `slot` stops by itself (after leaving), then releases it.
+    pub async fn wait_stopped(&mut self, slot: usize) {
+        let node = self.slots[slot].node.take().expect("running");
+        tokio::time::timeout(DEADLINE, node.stopped()).await.expect("node stops by itself");
+        node.shutdown().await;
+    }
+
+    /// Starts the node of `slot` again on its data dir and addresses.
+    pub async fn restart(&mut self, slot: usize) -> Result<(), node::StartError> {
+        self.stop(slot).await;
+        let config = self.slots[slot].config.clone();
+        let api = bind(config.listen).await;
+        let peer = bind(config.peer_listen.expect("set")).await;
+        let node = node::start_with(config, Listeners { api, peer }).await?;
+        self.slots[slot].node = Some(node);
+        Ok(())
+    }
+
+    /// GET a JSON document from `slot`.
+    pub async fn json(&self, slot: usize, path: &str) -> Value {
+        let r = self.http.get(self.url(slot, path)).send().await.expect("request");
+        assert!(r.status().is_success(), "GET {path} on slot {slot}: {}", r.status());
+        r.json().await.expect("json")
+    }
+
+    /// The bucket counts of the map as `slot` sees it, sorted, with the map version.
+    pub async fn counts(&self, slot: usize) -> (u64, Vec<usize>) {
+        let map = self.json(slot, "/v1/cluster/map").await;
+        let owners = map["owners"].as_array().expect("owners");
+        assert_eq!(owners.len(), 1000);
+        let mut counts = std::collections::BTreeMap::<u64, usize>::new();
+        for o in owners {
+            *counts.entry(o.as_u64().expect("id")).or_default() += 1;
+        }
+        let mut c: Vec<usize> = counts.into_values().collect();
+        c.sort();
+        (map["version"].as_u64().expect("version"), c)
+    }
+
+    /// Waits until every running node has applied the same map with these sorted counts.
+    pub async fn wait_for_counts(&self, expected: &[usize]) -> u64 {
+        let slots: Vec<usize> = self.running().collect();
+        wait_for(&format!("every node to see counts {expected:?}"), || async {
+            let mut versions = Vec::new();
+            for &s in &slots {
+                let (v, c) = self.counts(s).await;
+                if c != expected {
+                    return None;
+                }
+                versions.push(v);
+            }
+            versions.windows(2).all(|w| w[0] == w[1]).then(|| versions[0])
+        })
+        .await
+    }
+
+    /// PUT `value` at `key` through `slot`; returns the status.
+    pub async fn put(&self, slot: usize, key: &str, value: &str) -> reqwest::StatusCode {
+        self.http
+            .put(self.url(slot, &format!("/v1/kv/{key}")))
+            .body(value.to_string())
+            .send()
+            .await
+            .expect("put")
+            .status()
+    }
+
+    /// GET `key` through `slot`: the value, or None on 404.
+    pub async fn get(&self, slot: usize, key: &str) -> Option<String> {
+        let r = self.http.get(self.url(slot, &format!("/v1/kv/{key}"))).send().await.expect("get");
+        match r.status().as_u16() {
+            200 => Some(r.text().await.expect("body")),
+            404 => None,
+            s => panic!("GET {key} through slot {slot}: {s} {}", r.text().await.unwrap_or_default()),
+        }
+    }
+
+    /// Stops every node.
+    pub async fn shutdown(mut self) {
+        for slot in 0..self.slots.len() {
+            self.stop(slot).await;
+        }
+    }
+}

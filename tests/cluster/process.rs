@@ -1,0 +1,130 @@
+//! The `shoal` binary as a process: start-up errors, the client commands, SIGTERM.
+
+use std::net::TcpListener;
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_shoal");
+
+/// A node process, killed by its PID if the test ends early.
+pub struct NodeProcess {
+    child: Child,
+    pub addr: String,
+}
+
+impl Drop for NodeProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A port nobody listens on right now.
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+}
+
+impl NodeProcess {
+    /// Starts `shoal serve` on fresh ports in `data_dir` and waits until it is ready.
+    pub fn start(data_dir: &Path) -> Self {
+        let (api, peer) = (free_port(), free_port());
+        let addr = format!("127.0.0.1:{api}");
+        let log = std::fs::File::create(data_dir.with_extension("log")).expect("log file");
+        let child = Command::new(BIN)
+            .args(["serve", "--listen", &addr, "--peer-listen", &format!("127.0.0.1:{peer}"), "--cache-size", "64MiB"])
+            .arg("--data-dir")
+            .arg(data_dir)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn shoal");
+        let node = NodeProcess { child, addr };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while client(&node.addr, &["status"]).status.code() != Some(0) {
+            assert!(Instant::now() < deadline, "node did not become ready");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        node
+    }
+
+    /// Sends SIGTERM and waits (bounded) for the exit status.
+    pub fn terminate(mut self) -> std::process::ExitStatus {
+        let pid = self.child.id();
+        let sent = Command::new("sh").arg("-c").arg(format!("kill -TERM {pid}")).status().expect("kill");
+        assert!(sent.success());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait") {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "node did not stop after SIGTERM");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// Runs a client command against `addr`.
+fn client(addr: &str, args: &[&str]) -> Output {
+    Command::new(BIN).args(args).args(["--addr", addr]).output().expect("run client")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+#[test]
+fn the_client_commands_work_against_a_node_and_sigterm_stops_it_cleanly() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let data = dir.path().join("node");
+    let node = NodeProcess::start(&data);
+    let addr = node.addr.clone();
+
+    let put = client(&addr, &["put", "greeting", "hello", "--ttl", "1h"]);
+    assert!(put.status.success(), "{}", text(&put.stderr));
+    assert!(text(&put.stdout).starts_with("OK version=1 bucket="), "{}", text(&put.stdout));
+    assert_eq!(text(&client(&addr, &["get", "greeting"]).stdout), "hello");
+    let status = text(&client(&addr, &["status"]).stdout);
+    assert!(status.contains("voter") && status.contains("1000"), "{status}");
+    let json: serde_json::Value = serde_json::from_slice(&client(&addr, &["map", "-o", "json"]).stdout).expect("json");
+    assert_eq!(json["owners"].as_array().map(Vec::len), Some(1000));
+    assert!(client(&addr, &["del", "greeting"]).status.success());
+    let missing = client(&addr, &["get", "greeting"]);
+    assert_eq!(missing.status.code(), Some(1));
+    assert!(text(&missing.stderr).contains("not_found"), "{}", text(&missing.stderr));
+
+    let status = node.terminate();
+    assert!(status.success(), "exit status after SIGTERM: {status}");
+    let log = std::fs::read_to_string(data.with_extension("log")).expect("log");
+    assert!(log.contains("node stopped"), "{log}");
+}
+
+#[test]
+fn bad_flags_are_refused_at_startup_with_a_clear_message() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    for (args, needle) in [
+        (vec!["--voters", "4"], "3 or 5 voters"),
+        (vec!["--cache-size", "lots"], "is not a size"),
+        (vec!["--listen", "0.0.0.0:0"], "--advertise is required"),
+    ] {
+        let out = Command::new(BIN).arg("serve").args(&args).arg("--data-dir").arg(dir.path()).output().expect("run");
+        assert!(!out.status.success(), "{args:?} should fail");
+        assert!(text(&out.stderr).contains(needle), "{args:?}: {}", text(&out.stderr));
+    }
+    let help = Command::new(BIN).args(["serve", "--help"]).output().expect("help");
+    for flag in [
+        "--listen",
+        "--peer-listen",
+        "--advertise",
+        "--peer-advertise",
+        "--data-dir",
+        "--join",
+        "--cache-size",
+        "--max-key-bytes",
+        "--max-value-bytes",
+        "--voters",
+        "SHOAL_CACHE_SIZE",
+    ] {
+        assert!(text(&help.stdout).contains(flag), "serve --help documents {flag}");
+    }
+}

@@ -1,0 +1,54 @@
+//! Restarts: nodes come back from their data dirs as the same members with the same map; a
+//! node that left refuses to start.
+
+use serde_json::Value;
+
+use crate::harness::{wait_for, TestCluster};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_leave_every_node_restarts_with_its_membership_and_map_version() {
+    let mut c = TestCluster::start(3).await;
+    c.wait_for_counts(&[333, 333, 334]).await;
+    let r = c.http.post(c.url(0, "/v1/cluster/nodes/2/leave")).send().await.expect("leave");
+    assert_eq!(r.status(), 200);
+    c.wait_stopped(1).await;
+    let version = c.wait_for_counts(&[500, 500]).await;
+
+    for slot in [0, 2] {
+        c.stop(slot).await;
+    }
+    for slot in [0, 2] {
+        c.restart(slot).await.expect("restart from the data dir");
+    }
+    let after = c.wait_for_counts(&[500, 500]).await;
+    assert_eq!(after, version, "the map version survives the restart");
+    let ids = |v: Value| -> Vec<u64> {
+        v["members"].as_array().expect("m").iter().map(|m| m["id"].as_u64().expect("id")).collect()
+    };
+    wait_for("a leader after the restart", || async { c.json(2, "/v1/cluster").await["leader"].as_u64() }).await;
+    assert_eq!(ids(c.json(2, "/v1/cluster").await), vec![1, 3]);
+    assert_eq!((c.id(0), c.id(2)), (1, 3), "same ids as before");
+    assert_eq!(c.put(0, "k", "v").await, 200);
+    assert_eq!(c.get(2, "k").await.as_deref(), Some("v"));
+
+    // The node that left refuses its old data dir with a clear message.
+    let err = c.restart(1).await.expect_err("a retired node must not start");
+    assert!(err.to_string().contains("has left its cluster"), "{err}");
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_node_restarts_as_the_same_cluster() {
+    let mut c = TestCluster::start(1).await;
+    let before = c.json(0, "/v1/cluster").await;
+    c.restart(0).await.expect("restart");
+    wait_for("readiness after restart", || async {
+        let r = c.http.get(c.url(0, "/readyz")).send().await.ok()?;
+        (r.status() == 200).then_some(())
+    })
+    .await;
+    let after = c.json(0, "/v1/cluster").await;
+    assert_eq!(after["cluster_id"], before["cluster_id"]);
+    assert_eq!(after["map_version"], before["map_version"]);
+    c.shutdown().await;
+}

@@ -1,0 +1,154 @@
+//! Routing: any node serves any key, forwarding to the owner; keyless operations see every
+//! node; forwarded requests are refused by non-owners.
+
+use serde_json::{json, Value};
+use shoal_raft::bucket_of;
+
+use crate::harness::TestCluster;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_put_through_one_node_is_read_through_every_other() {
+    let c = TestCluster::start(3).await;
+    c.wait_for_counts(&[333, 333, 334]).await;
+    for i in 0..60 {
+        assert_eq!(c.put(i % 3, &format!("user:{i}"), &format!("value {i}")).await, 200);
+    }
+    for i in 0..60 {
+        for slot in 0..3 {
+            assert_eq!(c.get(slot, &format!("user:{i}")).await, Some(format!("value {i}")), "user:{i} via {slot}");
+        }
+    }
+    // The key's holder is its bucket's owner, whichever node answered.
+    let map = c.json(0, "/v1/cluster/map").await;
+    let r = c.http.get(c.url(1, "/v1/kv/user:7")).send().await.expect("get");
+    let bucket = bucket_of(b"user:7").0;
+    assert_eq!(r.headers()["x-shoal-bucket"], bucket.to_string().as_str());
+    assert_eq!(r.headers()["x-shoal-node"], map["owners"][bucket as usize].to_string().as_str());
+    // Deletes are forwarded too.
+    let r = c.http.delete(c.url(2, "/v1/kv/user:7")).send().await.expect("delete");
+    assert_eq!(r.status(), 204);
+    assert_eq!(c.get(0, "user:7").await, None);
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tags_prefixes_and_bulk_operations_see_every_node() {
+    let c = TestCluster::start(3).await;
+    c.wait_for_counts(&[333, 333, 334]).await;
+    let items: Vec<Value> = (0..30)
+        .map(|i| json!({"key": format!("p:{i:02}"), "value": format!("v{i}"), "tags": if i % 2 == 0 { vec!["even"] } else { vec![] }}))
+        .collect();
+    let r = c.http.post(c.url(1, "/v1/bulk/put")).json(&json!({ "items": items })).send().await.expect("bulk put");
+    let put: Value = r.json().await.expect("json");
+    assert!(put["results"].as_array().expect("results").iter().all(|r| r["error"].is_null()), "{put}");
+    c.put(2, "other", "x").await;
+
+    let listed = c.json(0, "/v1/kv?prefix=p:&limit=100").await;
+    let keys: Vec<&str> =
+        listed["keys"].as_array().expect("keys").iter().map(|k| k["key"].as_str().expect("key")).collect();
+    let expected: Vec<String> = (0..30).map(|i| format!("p:{i:02}")).collect();
+    assert_eq!(keys, expected);
+    assert_eq!(listed["incomplete"], false);
+    let nodes: std::collections::BTreeSet<u64> =
+        listed["keys"].as_array().expect("keys").iter().map(|k| k["node"].as_u64().expect("node")).collect();
+    assert_eq!(nodes.len(), 3, "the keys came from every node");
+    assert_eq!(c.json(2, "/v1/kv?prefix=p:&limit=5").await["keys"].as_array().expect("keys").len(), 5);
+
+    let tagged = c.json(1, "/v1/tags/even").await;
+    assert_eq!(tagged["keys"].as_array().expect("keys").len(), 15);
+
+    let keys: Vec<String> = (0..32).map(|i| format!("p:{i:02}")).collect();
+    let got: Value = c
+        .http
+        .post(c.url(2, "/v1/bulk/get"))
+        .json(&json!({ "keys": keys }))
+        .send()
+        .await
+        .expect("bulk get")
+        .json()
+        .await
+        .expect("json");
+    let results = got["results"].as_array().expect("results");
+    assert_eq!(results.len(), 32);
+    assert_eq!(results[3]["value"], "v3");
+    assert_eq!(results[31]["found"], false);
+
+    let removed: Value =
+        c.http.delete(c.url(0, "/v1/tags/even")).send().await.expect("remove").json().await.expect("json");
+    assert_eq!(removed["removed"], 15);
+    assert_eq!(c.get(1, "p:04").await, None);
+    assert_eq!(c.get(1, "p:05").await.as_deref(), Some("v5"));
+
+    let deleted: Value = c
+        .http
+        .post(c.url(1, "/v1/bulk/delete"))
+        .json(&json!({"keys": ["p:05", "p:06"]}))
+        .send()
+        .await
+        .expect("bulk delete")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(deleted["results"][0]["deleted"], true);
+    assert_eq!(deleted["results"][1]["deleted"], false);
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forwarded_request_to_a_non_owner_is_refused_and_redirects_point_to_the_owner() {
+    let c = TestCluster::start(2).await;
+    let version = c.wait_for_counts(&[500, 500]).await;
+    let map = c.json(0, "/v1/cluster/map").await;
+    let owner_of = |key: &str| map["owners"][bucket_of(key.as_bytes()).0 as usize].as_u64().expect("owner");
+    let key = (0..).map(|i| format!("k{i}")).find(|k| owner_of(k) == c.id(1)).expect("a key of node 2");
+
+    let r = c
+        .http
+        .get(c.url(0, &format!("/v1/kv/{key}")))
+        .header("x-shoal-map-version", version)
+        .send()
+        .await
+        .expect("get");
+    assert_eq!(r.status(), 421);
+    let p: Value = r.json().await.expect("problem");
+    assert_eq!((p["code"].as_str(), p["map_version"].as_u64()), (Some("not_owner"), Some(version)));
+
+    let r = reqwest::Client::builder()
+        .no_proxy()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .expect("client")
+        .put(c.url(0, &format!("/v1/kv/{key}?redirect=true&ttl=5m")))
+        .body("v")
+        .send()
+        .await
+        .expect("put");
+    assert_eq!(r.status(), 307);
+    assert_eq!(r.headers()["location"], c.url(1, &format!("/v1/kv/{key}?ttl=5m")).as_str());
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_and_conditional_writes_fail_whole_through_any_node() {
+    let c = TestCluster::start(2).await;
+    c.wait_for_counts(&[500, 500]).await;
+    let big = "x".repeat(1024 * 1024 + 1);
+    let r = c.http.put(c.url(0, "/v1/kv/big")).body(big).send().await.expect("put");
+    assert_eq!(r.status(), 413);
+    assert_eq!(r.headers()["content-type"], "application/problem+json");
+    assert_eq!(c.get(1, "big").await, None);
+
+    for slot in 0..2 {
+        let key = format!("cas{slot}");
+        let put = |q: &str| c.http.put(c.url(1 - slot, &format!("/v1/kv/{key}{q}"))).body("v").send();
+        assert_eq!(put("?cas=0").await.expect("put").status(), 200);
+        let r = put("?cas=0").await.expect("put");
+        assert_eq!(r.status(), 412);
+        let version = r.json::<Value>().await.expect("problem")["current_version"].as_u64().expect("version");
+        assert_eq!(put(&format!("?cas={}", version + 1)).await.expect("put").status(), 412);
+        assert_eq!(put(&format!("?cas={version}")).await.expect("put").status(), 200);
+        assert_eq!(put("?mode=add").await.expect("put").status(), 412);
+        assert_eq!(put("?mode=replace").await.expect("put").status(), 200);
+    }
+    c.shutdown().await;
+}
