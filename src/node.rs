@@ -125,13 +125,16 @@ impl NodeHandle {
     /// the Raft storage is flushed and closed.
     pub async fn shutdown(self) {
         self.shutdown.send_replace(true);
+        tracing::debug!(node_id = self.node_id, "stopping servers");
         for server in self.servers {
             let _ = server.await;
         }
+        tracing::debug!(node_id = self.node_id, "servers stopped; stopping tasks");
         for task in self.tasks {
             task.abort();
             let _ = task.await;
         }
+        tracing::debug!(node_id = self.node_id, "tasks stopped; stopping raft");
         self.control.shutdown().await;
         tracing::info!(node_id = self.node_id, "node stopped");
     }

@@ -181,6 +181,7 @@ impl ApiError {
             "not_ready" => ApiError::unavailable("not_ready", problem.detail.clone()),
             "owner_unreachable" => ApiError::unavailable("owner_unreachable", problem.detail.clone()),
             "unavailable" => ApiError::unavailable("unavailable", problem.detail.clone()),
+            "map_changing" => ApiError::unavailable("map_changing", problem.detail.clone()),
             _ => ApiError::Internal(format!("peer answered {}: {}", problem.code, problem.detail)),
         }
     }

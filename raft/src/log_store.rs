@@ -129,12 +129,15 @@ impl RaftLogStorage<TypeConfig> for SledLogStore {
         I: IntoIterator<Item = Entry> + OptionalSend,
         I::IntoIter: OptionalSend,
     {
-        let mut batch = sled::Batch::default();
+        // One insert per entry, in index order: a crash part-way leaves a shorter log, never
+        // a hole. (No sled batch: batches take sled's process-wide write lock, which can
+        // deadlock against a concurrent flush in sled 0.34.)
         for entry in entries {
             let bytes = serde_json::to_vec(&entry).map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Write, &e))?;
-            batch.insert(&index_key(entry.log_id.index), bytes);
+            self.log
+                .insert(index_key(entry.log_id.index), bytes)
+                .map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Write, &e))?;
         }
-        self.log.apply_batch(batch).map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Write, &e))?;
         let flushed = self.db.flush_async().await.map(|_| ()).map_err(std::io::Error::other);
         callback.log_io_completed(flushed);
         Ok(())
@@ -154,17 +157,28 @@ impl RaftLogStorage<TypeConfig> for SledLogStore {
 }
 
 impl SledLogStore {
-    /// Removes the entries from index `from` up to `to` (inclusive; `None`: to the end) in one
-    /// atomic batch, so no hole can appear.
+    /// Removes the entries from index `from` up to `to` (inclusive; `None`: to the end).
+    ///
+    /// A tail (`to == None`) is removed from the last entry backwards and a head from the
+    /// first entry forwards, so the entries left are contiguous at every moment and a crash
+    /// part-way leaves no hole. Single-key removes only: sled batches take a process-wide
+    /// write lock that can deadlock against a concurrent flush in sled 0.34.
     fn remove_range(&self, from: u64, to: Option<u64>) -> Result<(), StorageError> {
-        let keys = match to {
-            Some(to) => self.log.range(index_key(from)..=index_key(to)),
-            None => self.log.range(index_key(from)..),
+        let read_err = |e: sled::Error| io_err(ErrorSubject::Logs, ErrorVerb::Read, &e);
+        let keys: Vec<sled::IVec> = match to {
+            Some(to) => {
+                self.log.range(index_key(from)..=index_key(to)).keys().collect::<Result<_, _>>().map_err(read_err)?
+            }
+            None => {
+                let mut keys: Vec<sled::IVec> =
+                    self.log.range(index_key(from)..).keys().collect::<Result<_, _>>().map_err(read_err)?;
+                keys.reverse();
+                keys
+            }
         };
-        let mut batch = sled::Batch::default();
-        for key in keys.keys() {
-            batch.remove(key.map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Read, &e))?);
+        for key in keys {
+            self.log.remove(key).map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Write, &e))?;
         }
-        self.log.apply_batch(batch).map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Write, &e))
+        Ok(())
     }
 }

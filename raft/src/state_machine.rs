@@ -3,8 +3,11 @@
 //!
 //! The whole control-plane state is small (members and 1000 owners, a few KiB), so after every
 //! `apply` batch it is written as one sled value together with the last applied log id and
-//! membership, and flushed: a single-key insert is atomic, so a restart finds exactly the
-//! state of some applied prefix of the log, never a mix. Snapshots are the same bytes.
+//! membership, and flushed. The current snapshot lives in the same value, so the state and the
+//! snapshot change together: every write is a compare-and-swap of that one key, which sled
+//! makes atomic, and a restart finds exactly the state of some applied prefix of the log.
+//! (No sled batches or transactions: they take sled's process-wide write lock, which can
+//! deadlock against a concurrent flush in sled 0.34.)
 
 use std::io::Cursor;
 use std::sync::Arc;
@@ -19,8 +22,7 @@ use crate::command::CommandResponse;
 use crate::state::ClusterState;
 use crate::types::{Entry, LogId, SnapshotMeta, StorageError, StoredMembership, TypeConfig};
 
-const KEY_MACHINE: &str = "machine";
-const KEY_SNAPSHOT: &str = "snapshot";
+const KEY_STORED: &str = "stored";
 
 /// What is persisted: the state plus the Raft positions that must survive with it.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -30,10 +32,41 @@ struct PersistedMachine {
     state: ClusterState,
 }
 
-#[derive(Serialize, Deserialize)]
+#[derive(Clone, Serialize, Deserialize)]
 struct PersistedSnapshot {
     meta: SnapshotMeta,
     data: Vec<u8>,
+}
+
+/// The one sled value of the state machine.
+#[derive(Default, Serialize, Deserialize)]
+struct Stored {
+    machine: PersistedMachine,
+    snapshot: Option<PersistedSnapshot>,
+}
+
+fn decode_stored(bytes: Option<&[u8]>) -> Result<Stored, StorageError> {
+    match bytes {
+        Some(b) => serde_json::from_slice(b).map_err(|e| sm_err(ErrorVerb::Read, &e)),
+        None => Ok(Stored::default()),
+    }
+}
+
+/// Read-modify-writes the stored value with compare-and-swap, then flushes.
+async fn update_stored(db: &sled::Db, tree: &sled::Tree, change: impl Fn(&mut Stored)) -> Result<(), StorageError> {
+    loop {
+        let old = tree.get(KEY_STORED).map_err(|e| sm_err(ErrorVerb::Read, &e))?;
+        let mut stored = decode_stored(old.as_deref())?;
+        change(&mut stored);
+        let new = serde_json::to_vec(&stored).map_err(|e| sm_err(ErrorVerb::Write, &e))?;
+        match tree.compare_and_swap(KEY_STORED, old, Some(new)) {
+            Ok(Ok(())) => break,
+            Ok(Err(_conflict)) => continue,
+            Err(e) => return Err(sm_err(ErrorVerb::Write, &e)),
+        }
+    }
+    db.flush_async().await.map_err(|e| sm_err(ErrorVerb::Write, &e))?;
+    Ok(())
 }
 
 /// A read handle on the applied state, shared by the whole node.
@@ -80,10 +113,8 @@ impl SledStateMachine {
     /// Opens the state machine in `db`, loading the state persisted by the last run.
     pub fn open(db: &sled::Db) -> Result<Self, StorageError> {
         let tree = db.open_tree("state_machine").map_err(|e| sm_err(ErrorVerb::Read, &e))?;
-        let machine: PersistedMachine = match tree.get(KEY_MACHINE).map_err(|e| sm_err(ErrorVerb::Read, &e))? {
-            Some(bytes) => serde_json::from_slice(&bytes).map_err(|e| sm_err(ErrorVerb::Read, &e))?,
-            None => PersistedMachine::default(),
-        };
+        let stored = tree.get(KEY_STORED).map_err(|e| sm_err(ErrorVerb::Read, &e))?;
+        let machine = decode_stored(stored.as_deref())?.machine;
         let view = StateView::new(machine.state.clone());
         Ok(SledStateMachine { db: db.clone(), tree, machine, view, snapshot_seq: 0 })
     }
@@ -93,16 +124,15 @@ impl SledStateMachine {
         self.view.clone()
     }
 
+    /// Persists the machine (and, when installing one, the snapshot) in one atomic write.
     async fn persist(&self, snapshot: Option<&PersistedSnapshot>) -> Result<(), StorageError> {
-        let bytes = serde_json::to_vec(&self.machine).map_err(|e| sm_err(ErrorVerb::Write, &e))?;
-        let mut batch = sled::Batch::default();
-        batch.insert(KEY_MACHINE, bytes);
-        if let Some(snapshot) = snapshot {
-            batch.insert(KEY_SNAPSHOT, serde_json::to_vec(snapshot).map_err(|e| sm_err(ErrorVerb::Write, &e))?);
-        }
-        self.tree.apply_batch(batch).map_err(|e| sm_err(ErrorVerb::Write, &e))?;
-        self.db.flush_async().await.map_err(|e| sm_err(ErrorVerb::Write, &e))?;
-        Ok(())
+        update_stored(&self.db, &self.tree, |stored| {
+            stored.machine = self.machine.clone();
+            if let Some(snapshot) = snapshot {
+                stored.snapshot = Some(snapshot.clone());
+            }
+        })
+        .await
     }
 
     fn publish(&self) {
@@ -137,9 +167,7 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
             snapshot_id,
         };
         let stored = PersistedSnapshot { meta: meta.clone(), data: data.clone() };
-        let bytes = serde_json::to_vec(&stored).map_err(|e| sm_err(ErrorVerb::Write, &e))?;
-        self.tree.insert(KEY_SNAPSHOT, bytes).map_err(|e| sm_err(ErrorVerb::Write, &e))?;
-        self.db.flush_async().await.map_err(|e| sm_err(ErrorVerb::Write, &e))?;
+        update_stored(&self.db, &self.tree, |s| s.snapshot = Some(stored.clone())).await?;
         Ok(Snapshot { meta, snapshot: Box::new(Cursor::new(data)) })
     }
 }
@@ -212,10 +240,10 @@ impl RaftStateMachine<TypeConfig> for SledStateMachine {
     }
 
     async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, StorageError> {
-        let Some(bytes) = self.tree.get(KEY_SNAPSHOT).map_err(|e| sm_err(ErrorVerb::Read, &e))? else {
+        let bytes = self.tree.get(KEY_STORED).map_err(|e| sm_err(ErrorVerb::Read, &e))?;
+        let Some(stored) = decode_stored(bytes.as_deref())?.snapshot else {
             return Ok(None);
         };
-        let stored: PersistedSnapshot = serde_json::from_slice(&bytes).map_err(|e| sm_err(ErrorVerb::Read, &e))?;
         Ok(Some(Snapshot { meta: stored.meta, snapshot: Box::new(Cursor::new(stored.data)) }))
     }
 }

@@ -58,6 +58,12 @@ async fn bind(addr: SocketAddr) -> TcpListener {
 impl TestCluster {
     /// A cluster of `n` nodes, joined one after the other (join order = slot order).
     pub async fn start(n: usize) -> Self {
+        if std::env::var_os("RUST_LOG").is_some() {
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+                .with_test_writer()
+                .try_init();
+        }
         let dir = tempfile::tempdir().expect("temp dir");
         let http = reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(30)).build().expect("client");
         let mut cluster = TestCluster { root: dir.path().to_path_buf(), _dir: dir, slots: Vec::new(), http };
