@@ -12,11 +12,13 @@
 //! - `cluster.rs`: cluster, map, leave, health and metrics routes.
 //! - `types.rs`: request and response bodies.
 //! - `error.rs`: [`ApiError`] and [`Problem`].
+//! - [`openapi`]: the OpenAPI description served at `/openapi.json`.
 
 mod api;
 mod cluster;
 mod error;
 mod kv;
+pub mod openapi;
 pub mod types;
 
 #[cfg(test)]
@@ -56,6 +58,10 @@ pub fn router<N: ShoalApi>(node: Arc<N>) -> Router {
         .route("/livez", get(cluster::livez))
         .route("/readyz", get(cluster::readyz::<N>))
         .route("/metrics", get(cluster::metrics::<N>))
+        .route(
+            "/openapi.json",
+            get(|| async { ([(axum::http::header::CONTENT_TYPE, "application/json")], openapi::document()) }),
+        )
         .fallback(|| async { ApiError::UnknownResource("no such route".into()) })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .with_state(node)

@@ -326,3 +326,23 @@ async fn readyz_lists_checks_when_verbose() {
     assert_eq!(text, "[+] member ok\n[-] leader failed: no leader known\nnot ready\n");
     assert_eq!(call(&node, Method::GET, "/livez", Body::empty()).await.status(), StatusCode::OK);
 }
+
+#[tokio::test]
+async fn the_openapi_document_describes_every_route() {
+    let node = FakeNode::new();
+    let r = call(&node, Method::GET, "/openapi.json", Body::empty()).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let doc: Value = serde_json::from_slice(&body_bytes(r).await).expect("json");
+    assert!(doc["openapi"].as_str().is_some_and(|v| v.starts_with("3.")));
+    let documented: Vec<String> = doc["paths"].as_object().expect("paths").keys().cloned().collect();
+    // Every route of the router, as written in lib.rs (wildcards as OpenAPI parameters).
+    let routes = include_str!("lib.rs")
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix(".route(\"").and_then(|r| r.split('"').next()))
+        .map(|r| r.replace("{*key}", "{key}"))
+        .collect::<Vec<_>>();
+    assert!(routes.len() >= 14, "{routes:?}");
+    for route in routes {
+        assert!(documented.contains(&route), "{route} is not in the OpenAPI document");
+    }
+}

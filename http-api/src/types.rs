@@ -25,7 +25,7 @@ pub enum Scope {
 }
 
 /// The precondition of a write, from `cas=` and `mode=`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum WriteCondition {
     /// Insert or replace.
@@ -66,7 +66,7 @@ pub struct GetOk {
 }
 
 /// The answer to a successful `PUT /v1/kv/{key}`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct PutOk {
     /// The key written.
     pub key: String,
@@ -79,7 +79,7 @@ pub struct PutOk {
 }
 
 /// `POST /v1/bulk/get` and `/v1/bulk/delete` request.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct BulkKeys {
     /// The keys.
@@ -87,7 +87,7 @@ pub struct BulkKeys {
 }
 
 /// One item of `POST /v1/bulk/put`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct BulkPutItem {
     /// The key.
@@ -116,7 +116,7 @@ pub struct BulkPutItem {
 }
 
 /// `POST /v1/bulk/put` request.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct BulkPut {
     /// The items.
@@ -124,7 +124,7 @@ pub struct BulkPut {
 }
 
 /// The error of one key in a bulk answer.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct KeyError {
     /// The stable code, as in problem documents.
     pub code: String,
@@ -135,7 +135,7 @@ pub struct KeyError {
 }
 
 /// One key's result in a bulk answer.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default, utoipa::ToSchema)]
 pub struct KeyResult {
     /// The key.
     pub key: String,
@@ -162,14 +162,14 @@ pub struct KeyResult {
 }
 
 /// A bulk answer: one result per requested key, in request order.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default, utoipa::ToSchema)]
 pub struct BulkResults {
     /// The results.
     pub results: Vec<KeyResult>,
 }
 
 /// A key found by a keyless search.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, PartialOrd, Ord)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, PartialOrd, Ord, utoipa::ToSchema)]
 pub struct FoundKey {
     /// The key.
     pub key: String,
@@ -182,7 +182,7 @@ pub struct FoundKey {
 }
 
 /// A member that a broadcast could not reach.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct NodeFailure {
     /// The member.
     pub node: NodeId,
@@ -191,7 +191,7 @@ pub struct NodeFailure {
 }
 
 /// The answer to `GET /v1/kv?prefix=` and `GET /v1/tags/{tag}`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default, utoipa::ToSchema)]
 pub struct KeyList {
     /// The keys, sorted, at most `limit`.
     pub keys: Vec<FoundKey>,
@@ -203,7 +203,7 @@ pub struct KeyList {
 }
 
 /// The answer to `DELETE /v1/tags/{tag}`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default, utoipa::ToSchema)]
 pub struct Removed {
     /// How many items were removed.
     pub removed: u64,
@@ -215,7 +215,7 @@ pub struct Removed {
 }
 
 /// A member as `GET /v1/cluster` shows it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct MemberView {
     /// Its id.
     pub id: NodeId,
@@ -238,7 +238,7 @@ pub struct MemberView {
 }
 
 /// `GET /v1/cluster`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ClusterView {
     /// The cluster's id.
     pub cluster_id: String,
@@ -255,7 +255,7 @@ pub struct ClusterView {
 }
 
 /// A node in `GET /v1/cluster/map`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct MapNode {
     /// Its id.
     pub id: NodeId,
@@ -266,7 +266,7 @@ pub struct MapNode {
 }
 
 /// `GET /v1/cluster/map`: what a client needs to route keys itself.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct MapView {
     /// The map's version.
     pub version: u64,
@@ -277,7 +277,7 @@ pub struct MapView {
 }
 
 /// `GET /v1/node`: the answering node's own figures.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct NodeStats {
     /// Its id.
     pub node_id: NodeId,
@@ -292,7 +292,7 @@ pub struct NodeStats {
 }
 
 /// The answer to `POST /v1/cluster/nodes/{id}/leave`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct LeaveOk {
     /// The member that left.
     pub node_id: NodeId,
@@ -301,7 +301,7 @@ pub struct LeaveOk {
 }
 
 /// One readiness check.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Check {
     /// Its name.
     pub name: String,

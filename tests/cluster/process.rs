@@ -128,3 +128,28 @@ fn bad_flags_are_refused_at_startup_with_a_clear_message() {
         assert!(text(&help.stdout).contains(flag), "serve --help documents {flag}");
     }
 }
+
+#[test]
+fn a_join_that_cannot_reach_the_cluster_gives_up_at_its_deadline_with_a_clear_error() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let nobody = format!("127.0.0.1:{}", free_port());
+    let started = Instant::now();
+    let out = Command::new(BIN)
+        .args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{}", free_port()),
+            "--peer-listen",
+            &format!("127.0.0.1:{}", free_port()),
+        ])
+        .args(["--join", &nobody, "--join-timeout", "2s"])
+        .arg("--data-dir")
+        .arg(dir.path())
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(err.contains("could not join through") && err.contains(&nobody), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(30), "bounded by --join-timeout");
+    assert!(!dir.path().join("node.json").exists(), "no identity was written");
+}

@@ -1,0 +1,174 @@
+//! The OpenAPI 3 description of the public API, served at `GET /openapi.json`.
+//!
+//! The functions below are documentation only (utoipa reads their attributes); the real
+//! handlers are in `kv.rs` and `cluster.rs`. A test checks that every route of [`router`]
+//! is described here, so the two cannot drift apart.
+//!
+//! [`router`]: crate::router
+
+#![allow(dead_code)]
+
+use utoipa::OpenApi;
+
+use crate::error::Problem;
+use crate::types::*;
+
+/// The document.
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "shoal",
+        description = "A distributed in-memory cache. Values are raw bytes in and out; everything else is JSON; \
+                       every error is an RFC 9457 application/problem+json document with a stable `code`.",
+        license(name = "Apache-2.0")
+    ),
+    paths(
+        get_key, put_key, delete_key, list_keys, bulk_get, bulk_put, bulk_delete, get_tag, delete_tag,
+        cluster, cluster_map, leave, node, livez, readyz, metrics, openapi
+    ),
+    components(schemas(
+        Problem, PutOk, BulkKeys, BulkPut, BulkPutItem, BulkResults, KeyResult, KeyError, KeyList, FoundKey,
+        NodeFailure, Removed, ClusterView, MemberView, MapView, MapNode, NodeStats, LeaveOk
+    )),
+    tags(
+        (name = "keys", description = "Key operations, served by the owner of the key's bucket (any node forwards)"),
+        (name = "cluster", description = "Membership and the distribution map"),
+        (name = "operations", description = "Health, readiness, metrics")
+    )
+)]
+pub struct ApiDoc;
+
+/// The document as JSON.
+pub fn document() -> String {
+    ApiDoc::openapi().to_pretty_json().unwrap_or_default()
+}
+
+#[utoipa::path(get, path = "/v1/kv/{key}", tag = "keys",
+    summary = "Read a key",
+    params(
+        ("key" = String, Path, description = "The key (everything after /v1/kv/, percent-decoded)"),
+        ("redirect" = Option<bool>, Query, description = "Answer 307 to the owner instead of forwarding"),
+    ),
+    responses(
+        (status = 200, description = "The raw value", content_type = "application/octet-stream", body = String,
+            headers(("etag" = String, description = "\"<version>\""),
+                    ("x-shoal-bucket" = u16, description = "The key's bucket"),
+                    ("x-shoal-node" = u64, description = "The node that holds it"))),
+        (status = 307, description = "redirect=true: the owner's URL in Location"),
+        (status = 404, description = "not_found", body = Problem, content_type = "application/problem+json"),
+        (status = 413, description = "key_too_large", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "no_leader, not_ready, owner_unreachable, map_changing", body = Problem, content_type = "application/problem+json"),
+    ))]
+fn get_key() {}
+
+#[utoipa::path(put, path = "/v1/kv/{key}", tag = "keys",
+    summary = "Write a key",
+    params(
+        ("key" = String, Path, description = "The key"),
+        ("ttl" = Option<String>, Query, description = "Absolute expiration: 30s, 5m, 1h30m or seconds"),
+        ("sliding" = Option<String>, Query, description = "Sliding expiration (not with ttl)"),
+        ("tags" = Option<String>, Query, description = "Comma-separated tags"),
+        ("cas" = Option<u64>, Query, description = "Only if the current version is this; 0: only if absent"),
+        ("mode" = Option<String>, Query, description = "add (only if absent) or replace (only if present)"),
+        ("redirect" = Option<bool>, Query, description = "Answer 307 to the owner instead of forwarding"),
+    ),
+    request_body(content = String, content_type = "application/octet-stream", description = "The raw value"),
+    responses(
+        (status = 200, description = "Written", body = PutOk),
+        (status = 400, description = "bad_request", body = Problem, content_type = "application/problem+json"),
+        (status = 412, description = "precondition_failed, with current_version", body = Problem, content_type = "application/problem+json"),
+        (status = 413, description = "key_too_large, value_too_large, item_too_large", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "Retry after Retry-After", body = Problem, content_type = "application/problem+json"),
+    ))]
+fn put_key() {}
+
+#[utoipa::path(delete, path = "/v1/kv/{key}", tag = "keys",
+    summary = "Delete a key",
+    params(
+        ("key" = String, Path, description = "The key"),
+        ("cas" = Option<u64>, Query, description = "Only if the current version is this"),
+        ("redirect" = Option<bool>, Query, description = "Answer 307 to the owner instead of forwarding"),
+    ),
+    responses(
+        (status = 204, description = "Deleted"),
+        (status = 404, description = "not_found", body = Problem, content_type = "application/problem+json"),
+        (status = 412, description = "precondition_failed", body = Problem, content_type = "application/problem+json"),
+    ))]
+fn delete_key() {}
+
+#[utoipa::path(get, path = "/v1/kv", tag = "keys",
+    summary = "List keys by prefix (all members)",
+    params(
+        ("prefix" = Option<String>, Query, description = "Key prefix (default: every key)"),
+        ("limit" = Option<usize>, Query, description = "1 to 100000, default 1000"),
+    ),
+    responses((status = 200, description = "Sorted keys; incomplete when a member did not answer", body = KeyList)))]
+fn list_keys() {}
+
+#[utoipa::path(post, path = "/v1/bulk/get", tag = "keys", summary = "Read many keys",
+    request_body = BulkKeys,
+    responses((status = 200, description = "One result per key, in order", body = BulkResults),
+              (status = 400, description = "bad_request", body = Problem, content_type = "application/problem+json")))]
+fn bulk_get() {}
+
+#[utoipa::path(post, path = "/v1/bulk/put", tag = "keys", summary = "Write many keys",
+    request_body = BulkPut,
+    responses((status = 200, description = "One result per item, in order", body = BulkResults),
+              (status = 400, description = "bad_request", body = Problem, content_type = "application/problem+json")))]
+fn bulk_put() {}
+
+#[utoipa::path(post, path = "/v1/bulk/delete", tag = "keys", summary = "Delete many keys",
+    request_body = BulkKeys,
+    responses((status = 200, description = "One result per key, in order", body = BulkResults),
+              (status = 400, description = "bad_request", body = Problem, content_type = "application/problem+json")))]
+fn bulk_delete() {}
+
+#[utoipa::path(get, path = "/v1/tags/{tag}", tag = "keys", summary = "List keys by tag (all members)",
+    params(("tag" = String, Path, description = "The tag"),
+           ("limit" = Option<usize>, Query, description = "1 to 100000, default 1000")),
+    responses((status = 200, description = "Sorted keys", body = KeyList)))]
+fn get_tag() {}
+
+#[utoipa::path(delete, path = "/v1/tags/{tag}", tag = "keys", summary = "Remove every item with a tag (all members)",
+    params(("tag" = String, Path, description = "The tag")),
+    responses((status = 200, description = "Removed", body = Removed),
+              (status = 502, description = "Some member did not answer; its items may remain", body = Removed)))]
+fn delete_tag() {}
+
+#[utoipa::path(get, path = "/v1/cluster", tag = "cluster", summary = "Members, roles, buckets, items",
+    responses((status = 200, description = "The cluster", body = ClusterView),
+              (status = 503, description = "not_ready", body = Problem, content_type = "application/problem+json")))]
+fn cluster() {}
+
+#[utoipa::path(get, path = "/v1/cluster/map", tag = "cluster", summary = "The distribution map",
+    responses((status = 200, description = "owners[b] owns bucket b", body = MapView)))]
+fn cluster_map() {}
+
+#[utoipa::path(post, path = "/v1/cluster/nodes/{id}/leave", tag = "cluster", summary = "Make a member leave",
+    params(("id" = u64, Path, description = "The member's id")),
+    responses((status = 200, description = "Left", body = LeaveOk),
+              (status = 404, description = "unknown_resource: not a member", body = Problem, content_type = "application/problem+json"),
+              (status = 409, description = "conflict: the last member", body = Problem, content_type = "application/problem+json")))]
+fn leave() {}
+
+#[utoipa::path(get, path = "/v1/node", tag = "cluster", summary = "This node's own figures",
+    responses((status = 200, description = "Figures", body = NodeStats)))]
+fn node() {}
+
+#[utoipa::path(get, path = "/livez", tag = "operations", summary = "Liveness",
+    responses((status = 200, description = "The process serves", body = String, content_type = "text/plain")))]
+fn livez() {}
+
+#[utoipa::path(get, path = "/readyz", tag = "operations", summary = "Readiness",
+    params(("verbose" = Option<bool>, Query, description = "List each check")),
+    responses((status = 200, description = "Ready", body = String, content_type = "text/plain"),
+              (status = 503, description = "Not ready", body = String, content_type = "text/plain")))]
+fn readyz() {}
+
+#[utoipa::path(get, path = "/metrics", tag = "operations", summary = "Prometheus metrics",
+    responses((status = 200, description = "Prometheus text format", body = String, content_type = "text/plain")))]
+fn metrics() {}
+
+#[utoipa::path(get, path = "/openapi.json", tag = "operations", summary = "This document",
+    responses((status = 200, description = "OpenAPI 3", content_type = "application/json")))]
+fn openapi() {}
