@@ -1,0 +1,132 @@
+//! Cluster views, leave, readiness and the state gauges.
+
+use futures::future::join_all;
+use shoal_http_api::types::{Check, ClusterView, LeaveOk, MapNode, MapView, MemberView, NodeStats};
+use shoal_http_api::ApiError;
+use shoal_raft::{AdminRequest, AdminResponse, ControlError, NodeId};
+
+use super::NodeApi;
+
+impl NodeApi {
+    pub(super) async fn cluster_view(&self) -> Result<ClusterView, ApiError> {
+        let state = self.control.state();
+        let Some(cluster_id) = state.cluster_id.clone() else {
+            return Err(ApiError::unavailable("not_ready", "this node has not joined a cluster yet"));
+        };
+        let raft = self.control.raft_metrics();
+        let voters: Vec<NodeId> = raft.membership_config.membership().voter_ids().collect();
+        let counts = state.map.counts();
+        let stats = join_all(state.members.iter().map(|m| async move {
+            if m.id == self.node_id {
+                Some(self.own_stats())
+            } else {
+                self.peers.node_stats(&m.api_addr).await.ok()
+            }
+        }))
+        .await;
+        let members = state
+            .members
+            .iter()
+            .zip(stats)
+            .map(|(m, stats)| MemberView {
+                id: m.id,
+                api_addr: m.api_addr.clone(),
+                peer_addr: m.peer_addr.clone(),
+                join_seq: m.join_seq,
+                role: if voters.contains(&m.id) { "voter" } else { "learner" }.to_string(),
+                buckets: counts.get(&m.id).copied().unwrap_or(0),
+                replica_on: state.replica_of(m.id),
+                items: stats.as_ref().map(|s| s.items),
+                bytes: stats.as_ref().map(|s| s.bytes),
+            })
+            .collect();
+        Ok(ClusterView {
+            cluster_id,
+            node_id: self.node_id,
+            leader: raft.current_leader,
+            map_version: state.map.version,
+            voters: state.settings.voters,
+            members,
+        })
+    }
+
+    pub(super) fn map_view(&self) -> Result<MapView, ApiError> {
+        let state = self.control.state();
+        if state.map.is_empty() {
+            return Err(ApiError::unavailable("not_ready", "this node has not joined a cluster yet"));
+        }
+        let nodes = state
+            .members
+            .iter()
+            .map(|m| MapNode { id: m.id, api_addr: m.api_addr.clone(), replica_on: state.replica_of(m.id) })
+            .collect();
+        Ok(MapView { version: state.map.version, owners: state.map.owners.clone(), nodes })
+    }
+
+    pub(super) fn own_stats(&self) -> NodeStats {
+        let stats = self.cache.stats();
+        NodeStats {
+            node_id: self.node_id,
+            items: stats.items,
+            bytes: stats.bytes,
+            limit_bytes: stats.limit_bytes,
+            map_version: self.control.state().map.version,
+        }
+    }
+
+    pub(super) async fn make_leave(&self, node_id: NodeId) -> Result<LeaveOk, ApiError> {
+        let state = self.control.state();
+        if !state.is_member(node_id) {
+            let why = if state.retired.contains(&node_id) { "has already left" } else { "is not a member" };
+            return Err(ApiError::UnknownResource(format!("node {node_id} {why}")));
+        }
+        match self.control.admin(AdminRequest::Leave { node_id }).await.map_err(control_error)? {
+            AdminResponse::Left { map_version } => Ok(LeaveOk { node_id, map_version }),
+            other => Err(ApiError::Internal(format!("unexpected answer to leave: {other:?}"))),
+        }
+    }
+
+    pub(super) fn checks(&self) -> Vec<Check> {
+        let state = self.control.state();
+        let check = |name: &str, ok: bool, detail: &str| Check { name: name.into(), ok, detail: detail.into() };
+        vec![
+            check("member", state.is_member(self.node_id), "this node is not a member of a cluster (yet)"),
+            check("leader", self.control.leader().is_some(), "no Raft leader is known"),
+            check("map", !state.map.is_empty(), "no distribution map applied"),
+        ]
+    }
+
+    /// Refreshes the state gauges from the store and the control plane.
+    pub(super) fn refresh_gauges(&self) {
+        let g = &self.metrics.state;
+        let stats = self.cache.stats();
+        g.items.set(stats.items as f64);
+        g.bytes.set(stats.bytes as f64);
+        g.limit_bytes.set(stats.limit_bytes as f64);
+        g.evictions.absolute(stats.evictions);
+        g.expirations.absolute(stats.expirations);
+        let state = self.control.state();
+        g.map_version.set(state.map.version as f64);
+        g.buckets_owned.set(state.map.buckets_of(self.node_id).len() as f64);
+        g.members.set(state.members.len() as f64);
+        let raft = self.control.raft_metrics();
+        g.is_leader.set(if raft.current_leader == Some(self.node_id) { 1.0 } else { 0.0 });
+        g.leader_id.set(raft.current_leader.unwrap_or(0) as f64);
+        g.raft_term.set(raft.current_term as f64);
+        g.raft_last_log_index.set(raft.last_log_index.unwrap_or(0) as f64);
+        g.raft_applied_index.set(raft.last_applied.map(|l| l.index).unwrap_or(0) as f64);
+        g.raft_storage_bytes.set(self.control.storage_bytes() as f64);
+    }
+}
+
+fn control_error(e: ControlError) -> ApiError {
+    match e {
+        ControlError::Rejected { reason } => ApiError::Conflict(reason),
+        ControlError::NoLeader { detail } => ApiError::unavailable("no_leader", detail),
+        ControlError::NotLeader { .. } | ControlError::ChangeInProgress | ControlError::Network { .. } => {
+            ApiError::unavailable("unavailable", e.to_string())
+        }
+        ControlError::Timeout { what } => ApiError::unavailable("unavailable", format!("timed out: {what}")),
+        ControlError::Fatal { detail } => ApiError::Internal(detail),
+    }
+}

@@ -1,0 +1,195 @@
+//! Bulk operations: keys grouped by owner, one forwarded request per owner, all at once.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::time::Instant;
+
+use base64::Engine;
+use bytes::Bytes;
+use futures::future::join_all;
+use shoal_http_api::types::{BulkResults, GetOk, KeyError, KeyResult, PutOk, RouteContext};
+use shoal_http_api::{ApiError, Problem, PutItem};
+use shoal_raft::{bucket_of, BucketId, NodeId};
+
+use super::{NodeApi, Target, ROUTE_ATTEMPTS};
+use crate::metrics::Op;
+
+impl NodeApi {
+    /// Runs a bulk operation: items grouped by owner, local ones here, each remote group in
+    /// one forwarded request, all groups at once; groups refused with `not_owner` are routed
+    /// again. Results come back in request order.
+    async fn bulk<I, T, Fut>(
+        &self,
+        items: &[I],
+        key_of: impl Fn(&I) -> &str,
+        ctx: RouteContext,
+        local: impl Fn(&I, BucketId) -> Result<T, ApiError>,
+        remote: impl Fn(String, NodeId, Vec<I>, u64) -> Fut,
+    ) -> Result<Vec<Result<T, ApiError>>, ApiError>
+    where
+        I: Clone,
+        Fut: Future<Output = Result<Vec<Result<T, ApiError>>, ApiError>>,
+    {
+        let mut results: Vec<Option<Result<T, ApiError>>> = (0..items.len()).map(|_| None).collect();
+        let mut pending: Vec<usize> = (0..items.len()).collect();
+        for _ in 0..ROUTE_ATTEMPTS {
+            if pending.is_empty() {
+                break;
+            }
+            let mut groups: BTreeMap<NodeId, (String, u64, Vec<usize>)> = BTreeMap::new();
+            for &i in &pending {
+                let bucket = bucket_of(key_of(&items[i]).as_bytes());
+                match self.target(bucket, ctx).await {
+                    Ok((Target::Local, _)) => results[i] = Some(local(&items[i], bucket)),
+                    Ok((Target::Remote { api_addr, owner }, v)) => {
+                        groups.entry(owner).or_insert((api_addr, v, vec![])).2.push(i)
+                    }
+                    Err(e @ ApiError::NotOwner { .. }) if ctx.forwarded_map_version.is_some() => return Err(e),
+                    Err(e) => results[i] = Some(Err(e)),
+                }
+            }
+            let calls = groups.into_iter().map(|(owner, (api_addr, version, idx))| {
+                let batch: Vec<I> = idx.iter().map(|&i| items[i].clone()).collect();
+                self.metrics.forwarded.increment(idx.len() as u64);
+                let call = remote(api_addr, owner, batch, version);
+                async move { (idx, version, call.await) }
+            });
+            let mut retry = Vec::new();
+            let mut newest = 0;
+            for (idx, version, answer) in join_all(calls).await {
+                match answer {
+                    Ok(answers) if answers.len() == idx.len() => {
+                        for (i, a) in idx.into_iter().zip(answers) {
+                            results[i] = Some(a);
+                        }
+                    }
+                    Ok(_) => {
+                        let e = ApiError::Internal("a peer answered a bulk request with the wrong count".into());
+                        idx.into_iter().for_each(|i| results[i] = Some(Err(e.clone())));
+                    }
+                    Err(ApiError::NotOwner { map_version, .. }) => {
+                        newest = newest.max(map_version.max(version + 1));
+                        retry.extend(idx);
+                    }
+                    Err(e) => idx.into_iter().for_each(|i| results[i] = Some(Err(e.clone()))),
+                }
+            }
+            if !retry.is_empty() {
+                self.state_at_least(newest).await;
+            }
+            pending = retry;
+        }
+        let changing = || ApiError::unavailable("map_changing", "the key's bucket is changing owner; retry");
+        Ok(results.into_iter().map(|r| r.unwrap_or_else(|| Err(changing()))).collect())
+    }
+
+    pub(super) async fn bulk_get_routed(
+        &self,
+        keys: Vec<String>,
+        ctx: RouteContext,
+    ) -> Result<Vec<Result<Option<GetOk>, ApiError>>, ApiError> {
+        let started = Instant::now();
+        let local = |key: &String, bucket| match self.local_get(key, bucket) {
+            Ok(ok) => Ok(Some(ok)),
+            Err(ApiError::NotFound) => Ok(None),
+            Err(e) => Err(e),
+        };
+        let remote = |api: String, owner: NodeId, batch: Vec<String>, v: u64| {
+            let peers = &self.peers;
+            async move {
+                let answer: BulkResults = peers.bulk_get(&api, batch, v).await?;
+                Ok(answer
+                    .results
+                    .iter()
+                    .map(|r| match (&r.error, r.found) {
+                        (Some(e), _) => Err(key_error(e)),
+                        (None, Some(true)) => Ok(Some(GetOk {
+                            value: value_of(r)?,
+                            version: r.version.unwrap_or(0),
+                            bucket: r.bucket,
+                            node: owner,
+                        })),
+                        (None, _) => Ok(None),
+                    })
+                    .collect())
+            }
+        };
+        let result = self.bulk(&keys, |k| k.as_str(), ctx, local, remote).await;
+        self.timed(Op::BulkGet, started, result)
+    }
+
+    pub(super) async fn bulk_put_routed(
+        &self,
+        items: Vec<PutItem>,
+        ctx: RouteContext,
+    ) -> Result<Vec<Result<PutOk, ApiError>>, ApiError> {
+        let started = Instant::now();
+        let remote = |api: String, owner: NodeId, batch: Vec<PutItem>, v: u64| {
+            let peers = &self.peers;
+            async move {
+                let answer = peers.bulk_put(&api, &batch, v).await?;
+                Ok(answer
+                    .results
+                    .into_iter()
+                    .map(|r| match r.error {
+                        Some(e) => Err(key_error(&e)),
+                        None => {
+                            Ok(PutOk { version: r.version.unwrap_or(0), bucket: r.bucket, node: owner, key: r.key })
+                        }
+                    })
+                    .collect())
+            }
+        };
+        let result =
+            self.bulk(&items, |i| i.key.as_str(), ctx, |item, bucket| self.local_put(item, bucket), remote).await;
+        self.timed(Op::BulkPut, started, result)
+    }
+
+    pub(super) async fn bulk_delete_routed(
+        &self,
+        keys: Vec<String>,
+        ctx: RouteContext,
+    ) -> Result<Vec<Result<bool, ApiError>>, ApiError> {
+        let started = Instant::now();
+        let remote = |api: String, _owner: NodeId, batch: Vec<String>, v: u64| {
+            let peers = &self.peers;
+            async move {
+                let answer = peers.bulk_delete(&api, batch, v).await?;
+                Ok(answer
+                    .results
+                    .iter()
+                    .map(|r| match &r.error {
+                        Some(e) => Err(key_error(e)),
+                        None => Ok(r.deleted.unwrap_or(false)),
+                    })
+                    .collect())
+            }
+        };
+        let local = |key: &String, bucket| self.local_delete(key, None, bucket);
+        let result = self.bulk(&keys, |k| k.as_str(), ctx, local, remote).await;
+        self.timed(Op::BulkDelete, started, result)
+    }
+}
+
+fn key_error(e: &KeyError) -> ApiError {
+    ApiError::from_problem(&Problem {
+        type_uri: String::new(),
+        title: String::new(),
+        status: e.status,
+        detail: e.detail.clone(),
+        code: e.code.clone(),
+        current_version: None,
+        map_version: None,
+    })
+}
+
+fn value_of(r: &KeyResult) -> Result<Bytes, ApiError> {
+    match (&r.value, &r.value_base64) {
+        (Some(text), _) => Ok(Bytes::from(text.clone())),
+        (None, Some(b64)) => base64::engine::general_purpose::STANDARD
+            .decode(b64)
+            .map(Bytes::from)
+            .map_err(|e| ApiError::Internal(format!("peer sent bad base64: {e}"))),
+        (None, None) => Ok(Bytes::new()),
+    }
+}

@@ -1,0 +1,133 @@
+//! Keyless operations (prefix listing, tags): broadcast to every member and merged.
+
+use std::future::Future;
+use std::time::Instant;
+
+use futures::future::join_all;
+use shoal_http_api::types::{FoundKey, KeyList, NodeFailure, Removed, Scope};
+use shoal_http_api::ApiError;
+use shoal_raft::{BucketId, NodeId};
+
+use super::NodeApi;
+use crate::metrics::Op;
+
+impl NodeApi {
+    /// Runs `local` here and `remote` at every other member, at once. Members that fail are
+    /// reported, not fatal.
+    async fn broadcast<T, Fut>(
+        &self,
+        local: impl FnOnce() -> T,
+        remote: impl Fn(String) -> Fut,
+    ) -> (Vec<(NodeId, T)>, Vec<NodeFailure>)
+    where
+        Fut: Future<Output = Result<T, ApiError>>,
+    {
+        let state = self.control.state();
+        let calls = state.members.iter().filter(|m| m.id != self.node_id).map(|m| {
+            let call = remote(m.api_addr.clone());
+            async move { (m.id, call.await) }
+        });
+        let mut answers = vec![(self.node_id, local())];
+        let mut failures = Vec::new();
+        for (node, answer) in join_all(calls).await {
+            match answer {
+                Ok(a) => answers.push((node, a)),
+                Err(e) => failures.push(NodeFailure { node, detail: e.to_string() }),
+            }
+        }
+        (answers, failures)
+    }
+
+    /// The buckets this node owns in its map.
+    fn owned_buckets(&self) -> Vec<BucketId> {
+        self.control.state().map.buckets_of(self.node_id)
+    }
+
+    fn found_keys(&self, keys: Vec<(Vec<u8>, BucketId, u64)>) -> Vec<FoundKey> {
+        keys.into_iter()
+            .map(|(k, bucket, version)| FoundKey {
+                key: String::from_utf8_lossy(&k).into_owned(),
+                bucket: bucket.0,
+                version,
+                node: self.node_id,
+            })
+            .collect()
+    }
+
+    async fn list<Fut>(
+        &self,
+        limit: usize,
+        scope: Scope,
+        local: impl FnOnce(&[BucketId]) -> Vec<(Vec<u8>, BucketId, u64)>,
+        remote: impl Fn(String) -> Fut,
+    ) -> KeyList
+    where
+        Fut: Future<Output = Result<KeyList, ApiError>>,
+    {
+        let local_list = || KeyList { keys: self.found_keys(local(&self.owned_buckets())), ..Default::default() };
+        if scope == Scope::Local {
+            return local_list();
+        }
+        let (answers, errors) = self.broadcast(local_list, remote).await;
+        let mut keys: Vec<FoundKey> = answers.into_iter().flat_map(|(_, list)| list.keys).collect();
+        keys.sort();
+        keys.truncate(limit);
+        KeyList { keys, incomplete: !errors.is_empty(), errors }
+    }
+
+    pub(super) async fn keys_everywhere(
+        &self,
+        prefix: String,
+        limit: usize,
+        scope: Scope,
+    ) -> Result<KeyList, ApiError> {
+        let started = Instant::now();
+        let list = self
+            .list(
+                limit,
+                scope,
+                |buckets| self.cache.keys_with_prefix(prefix.as_bytes(), buckets, limit),
+                |api| {
+                    let (peers, prefix) = (&self.peers, &prefix);
+                    async move { peers.keys(&api, prefix, limit).await }
+                },
+            )
+            .await;
+        self.timed(Op::List, started, Ok(list))
+    }
+
+    pub(super) async fn tagged_everywhere(&self, tag: String, limit: usize, scope: Scope) -> Result<KeyList, ApiError> {
+        let started = Instant::now();
+        let list = self
+            .list(
+                limit,
+                scope,
+                |buckets| self.cache.keys_with_tag(&tag, buckets, limit),
+                |api| {
+                    let (peers, tag) = (&self.peers, &tag);
+                    async move { peers.tagged(&api, tag, limit).await }
+                },
+            )
+            .await;
+        self.timed(Op::Tagged, started, Ok(list))
+    }
+
+    pub(super) async fn remove_tagged_everywhere(&self, tag: String, scope: Scope) -> Result<Removed, ApiError> {
+        let started = Instant::now();
+        let local =
+            || Removed { removed: self.cache.remove_tagged(&tag, &self.owned_buckets()) as u64, ..Default::default() };
+        let removed = if scope == Scope::Local {
+            local()
+        } else {
+            let (answers, errors) = self
+                .broadcast(local, |api| {
+                    let (peers, tag) = (&self.peers, &tag);
+                    async move { peers.remove_tagged(&api, tag).await }
+                })
+                .await;
+            let removed = answers.iter().map(|(_, r)| r.removed).sum();
+            Removed { removed, incomplete: !errors.is_empty(), errors }
+        };
+        self.timed(Op::RemoveTagged, started, Ok(removed))
+    }
+}

@@ -1,0 +1,285 @@
+//! [`NodeApi`]: the node behind the public API. Every key operation is served here if this
+//! node owns the key's bucket, or forwarded to the owner in one hop.
+//!
+//! ```text
+//!  client ──> any node ── owner_of(bucket_of(key)) == me ? ──yes──> CacheStore
+//!                │                                    no
+//!                └── forward (x-shoal-map-version: v) ──> owner ── owns it in its map ≥ v?
+//!                         ^                                          yes: serve; no: 421 not_owner
+//!                         └──── wait until our map ≥ theirs, route again (bounded) ────┘
+//! ```
+//!
+//! A forwarded request is never forwarded again, so a request makes at most one hop; the
+//! receiver first waits (briefly) until it has applied the sender's map version, so the two
+//! nodes decide on the same or a newer map. Keyless operations (prefix listing, tags) are
+//! broadcast to every member and merged.
+//!
+//! Not done here yet (next issue): data does not move when the map changes, so the buckets
+//! that change owner lose their items.
+//!
+//! # Layout
+//! - `mod.rs`: routing (`target`, `route`), the single-key operations, the `ShoalApi` impl.
+//! - `bulk.rs`: bulk operations, grouped by owner.
+//! - `keyless.rs`: broadcasts (prefix listing, tags).
+//! - `admin.rs`: cluster views, leave, readiness, state gauges.
+
+mod admin;
+mod bulk;
+mod keyless;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use shoal_http_api::types::{
+    Check, ClusterView, GetOk, KeyList, LeaveOk, MapView, NodeStats, PutOk, Removed, RouteContext, Scope,
+    WriteCondition,
+};
+use shoal_http_api::{ApiError, Limits, PutItem, ShoalApi};
+use shoal_raft::{bucket_of, BucketId, ClusterState, ControlPlane, NodeId};
+
+use crate::cache::{CacheError, CacheStore, Condition, Write};
+use crate::metrics::{NodeMetrics, Op};
+use crate::peer::PeerClient;
+
+/// How long a node waits to catch up with a newer map version before answering.
+const MAP_CATCH_UP: Duration = Duration::from_secs(2);
+/// How many times a key operation is routed again after `not_owner`.
+const ROUTE_ATTEMPTS: usize = 3;
+
+/// Where a key operation runs.
+enum Target {
+    Local,
+    Remote { api_addr: String, owner: NodeId },
+}
+
+/// The node's implementation of the public API.
+pub struct NodeApi {
+    node_id: NodeId,
+    control: ControlPlane,
+    cache: Arc<CacheStore>,
+    peers: PeerClient,
+    limits: Limits,
+    metrics: Arc<NodeMetrics>,
+}
+
+impl NodeApi {
+    /// Wires the API over this node's parts.
+    pub fn new(control: ControlPlane, cache: Arc<CacheStore>, limits: Limits, metrics: Arc<NodeMetrics>) -> Self {
+        NodeApi { node_id: control.node_id(), control, cache, peers: PeerClient::new(), limits, metrics }
+    }
+
+    /// The applied state, after waiting (bounded) until its map is at least `version`.
+    async fn state_at_least(&self, version: u64) -> Arc<ClusterState> {
+        let state = self.control.state();
+        if state.map.version >= version {
+            return state;
+        }
+        self.control.wait_for_state(MAP_CATCH_UP, |s| s.map.version >= version).await;
+        self.control.state()
+    }
+
+    /// Decides where an operation on `bucket` runs, and under which map version.
+    async fn target(&self, bucket: BucketId, ctx: RouteContext) -> Result<(Target, u64), ApiError> {
+        let state = self.state_at_least(ctx.forwarded_map_version.unwrap_or(0)).await;
+        let map_version = state.map.version;
+        let Some(owner) = state.map.owner_of(bucket) else {
+            return Err(ApiError::unavailable("not_ready", "this node has not joined a cluster yet"));
+        };
+        if owner == self.node_id {
+            return Ok((Target::Local, map_version));
+        }
+        if ctx.forwarded_map_version.is_some() {
+            return Err(ApiError::NotOwner { bucket: bucket.0, map_version });
+        }
+        let member = state.member_of(owner).ok_or_else(|| ApiError::Internal(format!("owner {owner} not a member")))?;
+        if ctx.redirect {
+            return Err(ApiError::Redirect { api_addr: member.api_addr.clone() });
+        }
+        Ok((Target::Remote { api_addr: member.api_addr.clone(), owner }, map_version))
+    }
+
+    /// Runs a key operation locally or at the owner, routing again when the owner's map
+    /// disagrees with ours.
+    async fn route<T, Fut>(
+        &self,
+        key: &str,
+        ctx: RouteContext,
+        local: impl Fn(BucketId) -> Result<T, ApiError>,
+        remote: impl Fn(String, u64) -> Fut,
+    ) -> Result<T, ApiError>
+    where
+        Fut: Future<Output = Result<T, ApiError>>,
+    {
+        let bucket = bucket_of(key.as_bytes());
+        for _ in 0..ROUTE_ATTEMPTS {
+            match self.target(bucket, ctx).await? {
+                (Target::Local, _) => return local(bucket),
+                (Target::Remote { api_addr, .. }, version) => {
+                    self.metrics.forwarded.increment(1);
+                    match remote(api_addr, version).await {
+                        Err(ApiError::NotOwner { map_version, .. }) => {
+                            self.state_at_least(map_version.max(version + 1)).await;
+                        }
+                        other => return other,
+                    }
+                }
+            }
+        }
+        Err(ApiError::unavailable("map_changing", format!("bucket {bucket} is changing owner; retry")))
+    }
+
+    fn local_get(&self, key: &str, bucket: BucketId) -> Result<GetOk, ApiError> {
+        match self.cache.get(bucket, key.as_bytes()) {
+            Some(item) => {
+                self.metrics.hits.increment(1);
+                Ok(GetOk { value: item.value, version: item.version, bucket: bucket.0, node: self.node_id })
+            }
+            None => {
+                self.metrics.misses.increment(1);
+                Err(ApiError::NotFound)
+            }
+        }
+    }
+
+    fn local_put(&self, item: &PutItem, bucket: BucketId) -> Result<PutOk, ApiError> {
+        let o = &item.options;
+        let write = Write {
+            key: item.key.as_bytes(),
+            value: &item.value,
+            ttl: o.ttl,
+            sliding: o.sliding,
+            tags: &o.tags,
+            condition: match o.condition {
+                WriteCondition::Always => Condition::Always,
+                WriteCondition::Absent => Condition::Absent,
+                WriteCondition::Present => Condition::Present,
+                WriteCondition::Version(v) => Condition::Version(v),
+            },
+        };
+        let version = self.cache.put(bucket, &write).map_err(cache_error)?;
+        Ok(PutOk { key: item.key.clone(), version, bucket: bucket.0, node: self.node_id })
+    }
+
+    fn local_delete(&self, key: &str, cas: Option<u64>, bucket: BucketId) -> Result<bool, ApiError> {
+        self.cache.delete(bucket, key.as_bytes(), cas).map_err(cache_error)
+    }
+
+    fn timed<T>(&self, op: Op, started: Instant, result: Result<T, ApiError>) -> Result<T, ApiError> {
+        self.metrics.record(op, started, &result);
+        result
+    }
+}
+
+fn cache_error(e: CacheError) -> ApiError {
+    match e {
+        CacheError::ConditionFailed { current } => ApiError::PreconditionFailed { current_version: current },
+        CacheError::TooLarge { .. } => ApiError::ItemTooLarge(e.to_string()),
+    }
+}
+
+impl ShoalApi for NodeApi {
+    fn limits(&self) -> Limits {
+        self.limits
+    }
+
+    async fn get(&self, key: String, ctx: RouteContext) -> Result<GetOk, ApiError> {
+        let started = Instant::now();
+        let result = self
+            .route(
+                &key,
+                ctx,
+                |bucket| self.local_get(&key, bucket),
+                |api, v| {
+                    let (peers, key) = (&self.peers, &key);
+                    async move { peers.get(&api, key, v).await }
+                },
+            )
+            .await;
+        self.timed(Op::Get, started, result)
+    }
+
+    async fn put(&self, item: PutItem, ctx: RouteContext) -> Result<PutOk, ApiError> {
+        let started = Instant::now();
+        let result = self
+            .route(
+                &item.key,
+                ctx,
+                |bucket| self.local_put(&item, bucket),
+                |api, v| {
+                    let (peers, item) = (&self.peers, &item);
+                    async move { peers.put(&api, item, v).await }
+                },
+            )
+            .await;
+        self.timed(Op::Put, started, result)
+    }
+
+    async fn delete(&self, key: String, cas: Option<u64>, ctx: RouteContext) -> Result<(), ApiError> {
+        let started = Instant::now();
+        let local = |bucket| match self.local_delete(&key, cas, bucket)? {
+            true => Ok(()),
+            false => Err(ApiError::NotFound),
+        };
+        let result = self
+            .route(&key, ctx, local, |api, v| {
+                let (peers, key) = (&self.peers, &key);
+                async move { peers.delete(&api, key, cas, v).await }
+            })
+            .await;
+        self.timed(Op::Delete, started, result)
+    }
+
+    async fn bulk_get(
+        &self,
+        keys: Vec<String>,
+        ctx: RouteContext,
+    ) -> Result<Vec<Result<Option<GetOk>, ApiError>>, ApiError> {
+        self.bulk_get_routed(keys, ctx).await
+    }
+
+    async fn bulk_put(&self, items: Vec<PutItem>, ctx: RouteContext) -> Result<Vec<Result<PutOk, ApiError>>, ApiError> {
+        self.bulk_put_routed(items, ctx).await
+    }
+
+    async fn bulk_delete(&self, keys: Vec<String>, ctx: RouteContext) -> Result<Vec<Result<bool, ApiError>>, ApiError> {
+        self.bulk_delete_routed(keys, ctx).await
+    }
+
+    async fn keys(&self, prefix: String, limit: usize, scope: Scope) -> Result<KeyList, ApiError> {
+        self.keys_everywhere(prefix, limit, scope).await
+    }
+
+    async fn tagged(&self, tag: String, limit: usize, scope: Scope) -> Result<KeyList, ApiError> {
+        self.tagged_everywhere(tag, limit, scope).await
+    }
+
+    async fn remove_tagged(&self, tag: String, scope: Scope) -> Result<Removed, ApiError> {
+        self.remove_tagged_everywhere(tag, scope).await
+    }
+
+    async fn cluster(&self) -> Result<ClusterView, ApiError> {
+        self.cluster_view().await
+    }
+
+    fn map(&self) -> Result<MapView, ApiError> {
+        self.map_view()
+    }
+
+    fn node_stats(&self) -> NodeStats {
+        self.own_stats()
+    }
+
+    async fn leave(&self, node_id: NodeId) -> Result<LeaveOk, ApiError> {
+        self.make_leave(node_id).await
+    }
+
+    fn readiness(&self) -> Vec<Check> {
+        self.checks()
+    }
+
+    fn metrics(&self) -> String {
+        self.refresh_gauges();
+        self.metrics.render()
+    }
+}
