@@ -152,3 +152,39 @@ async fn oversized_and_conditional_writes_fail_whole_through_any_node() {
     }
     c.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_operations_hits_misses_and_forwards() {
+    let cluster = TestCluster::start(2).await;
+    let c = &cluster;
+    c.wait_for_counts(&[500, 500]).await;
+    let metrics = |slot: usize| async move {
+        c.http.get(c.url(slot, "/metrics")).send().await.expect("metrics").text().await.expect("text")
+    };
+    let value = |text: &str, series: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
+            .unwrap_or_else(|| panic!("{series} missing from\n{text}"))
+    };
+    let before = metrics(0).await;
+    for series in ["shoal_map_version ", "shoal_buckets_owned ", "shoal_is_leader ", "shoal_items "] {
+        value(&before, series);
+    }
+    assert_eq!(value(&before, "shoal_buckets_owned "), 500.0);
+    for i in 0..20 {
+        c.put(0, &format!("m{i}"), "v").await;
+        c.get(0, &format!("m{i}")).await;
+        c.get(0, &format!("absent{i}")).await;
+    }
+    let (after0, after1) = (metrics(0).await, metrics(1).await);
+    let ok = |t: &str, op: &str| value(t, &format!("shoal_operations_total{{op=\"{op}\",outcome=\"ok\"}}"));
+    assert_eq!(ok(&after0, "put"), 20.0, "slot 0 answered every put, local or forwarded");
+    assert!(value(&after0, "shoal_forwarded_operations_total ") > 0.0);
+    let hits = value(&after0, "shoal_cache_hits_total ") + value(&after1, "shoal_cache_hits_total ");
+    let misses = value(&after0, "shoal_cache_misses_total ") + value(&after1, "shoal_cache_misses_total ");
+    assert_eq!((hits, misses), (20.0, 20.0), "every read is counted once, by the owner");
+    let items = value(&after0, "shoal_items ") + value(&after1, "shoal_items ");
+    assert_eq!(items, 20.0);
+    assert!(after0.contains("shoal_operation_duration_seconds_bucket{op=\"get\",le=\"0.005\"}"));
+    cluster.shutdown().await;
+}
