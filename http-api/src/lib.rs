@@ -42,6 +42,10 @@ pub const HEADER_BUCKET: &str = "x-shoal-bucket";
 /// The node that holds the key in a GET answer.
 pub const HEADER_NODE: &str = "x-shoal-node";
 
+async fn openapi_json() -> impl axum::response::IntoResponse {
+    ([(axum::http::header::CONTENT_TYPE, "application/json")], openapi::document())
+}
+
 /// The public routes over `node`.
 pub fn router<N: ShoalApi>(node: Arc<N>) -> Router {
     Router::new()
@@ -58,10 +62,7 @@ pub fn router<N: ShoalApi>(node: Arc<N>) -> Router {
         .route("/livez", get(cluster::livez))
         .route("/readyz", get(cluster::readyz::<N>))
         .route("/metrics", get(cluster::metrics::<N>))
-        .route(
-            "/openapi.json",
-            get(|| async { ([(axum::http::header::CONTENT_TYPE, "application/json")], openapi::document()) }),
-        )
+        .route("/openapi.json", get(openapi_json))
         .fallback(|| async { ApiError::UnknownResource("no such route".into()) })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .with_state(node)
