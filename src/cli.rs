@@ -12,7 +12,7 @@ use crate::config::{ClientArgs, Command, Output};
 /// Runs a client command; the error is the message to print.
 pub async fn run(command: Command) -> Result<(), String> {
     match command {
-        Command::Serve(_) => Err("serve is not a client command".into()),
+        Command::Serve(_) | Command::Bench(_) => Err("not a client command".into()),
         Command::Get(a) => {
             let response = send(&a.client, Method::GET, &["v1", "kv", &a.key], &[], None).await?;
             let version = header(&response, "etag").trim_matches('"').to_string();

@@ -33,6 +33,8 @@ pub enum Command {
     Map(ClientArgs),
     /// Make a member leave the cluster (its buckets are spread over the others).
     Leave(LeaveArgs),
+    /// Measure throughput, latency and server CPU per operation against a node or cluster.
+    Bench(crate::bench::BenchArgs),
 }
 
 /// How `shoal serve` runs a node.
@@ -84,6 +86,10 @@ pub struct ServeConfig {
     #[arg(long, env = "SHOAL_VOTERS", default_value = "3", value_parser = parse_voters)]
     pub voters: u8,
 
+    /// Threads serving requests [default: one per core].
+    #[arg(long, env = "SHOAL_WORKER_THREADS")]
+    pub worker_threads: Option<usize>,
+
     /// Raft heartbeat interval.
     #[arg(long, env = "SHOAL_RAFT_HEARTBEAT", default_value = "250ms", value_parser = parse_duration, hide = true)]
     pub raft_heartbeat: Duration,
@@ -121,14 +127,17 @@ impl ServeConfig {
 
     /// Checks what clap cannot; the message says which flag to fix.
     pub fn validate(&self) -> Result<(), String> {
-        if self.max_key_bytes == 0 || self.max_key_bytes > 65_536 {
-            return Err("--max-key-bytes must be between 1 and 65536".into());
+        if self.max_key_bytes == 0 || self.max_key_bytes > 65_535 {
+            return Err("--max-key-bytes must be between 1 and 65535".into());
         }
         if self.max_value_bytes == 0 || self.max_value_bytes > 512 * 1024 * 1024 {
             return Err("--max-value-bytes must be between 1 byte and 512MiB".into());
         }
         if self.cache_size < 1024 * 1024 {
             return Err("--cache-size must be at least 1MiB".into());
+        }
+        if self.worker_threads == Some(0) {
+            return Err("--worker-threads must be at least 1".into());
         }
         if self.raft_election_timeout <= self.raft_heartbeat * 2 {
             return Err("the Raft election timeout must be more than twice the heartbeat".into());

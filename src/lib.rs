@@ -10,15 +10,19 @@
 //! - [`node`]: [`node::start`] builds a node and returns a [`node::NodeHandle`].
 //! - [`proxy`]: [`proxy::NodeApi`], one key operation: local if we own the bucket, else forward.
 //! - [`peer`]: the node-to-node HTTP client for forwarding and broadcasts.
+//! - [`http_server`]: the HTTP/1.1 accept loop (pipelining, TCP_NODELAY, graceful drain).
 //! - [`cache`]: the store of the buckets this node holds.
 //! - [`identity`]: the node's id in its data dir.
 //! - [`join`]: the joiner's side of the join protocol.
 //! - [`metrics`]: the node's Prometheus metrics.
 //! - [`cli`]: the command-line client.
+//! - [`bench`]: `shoal bench`, the load generator.
 
+pub mod bench;
 pub mod cache;
 pub mod cli;
 pub mod config;
+pub mod http_server;
 pub mod identity;
 pub mod join;
 pub mod metrics;

@@ -21,7 +21,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::serve::ListenerExt;
 use shoal_http_api::Limits;
 use shoal_raft::{BucketId, ControlConfig, ControlPlane, MemberStatus, NodeId};
 use tokio::net::TcpListener;
@@ -30,6 +29,7 @@ use tokio::task::JoinHandle;
 
 use crate::cache::{CacheStore, Clock};
 use crate::config::ServeConfig;
+use crate::http_server;
 use crate::identity::Identity;
 use crate::join::Joiner;
 use crate::metrics::NodeMetrics;
@@ -196,8 +196,8 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
     let api = Arc::new(NodeApi::new(control.clone(), cache.clone(), limits, metrics));
     let (shutdown, _) = watch::channel(false);
     let servers = vec![
-        serve(listeners.peer, shoal_raft::peer_router(control.clone()), shutdown.subscribe()),
-        serve(listeners.api, shoal_http_api::router(api), shutdown.subscribe()),
+        http_server::serve(listeners.peer, shoal_raft::peer_router(control.clone()), shutdown.subscribe()),
+        http_server::serve(listeners.api, shoal_http_api::router(api), shutdown.subscribe()),
     ];
     let handle = NodeHandle {
         node_id,
@@ -292,21 +292,6 @@ fn new_cluster_id() -> String {
     use rand::Rng;
     let bytes: [u8; 16] = rand::rng().random();
     bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// Serves `router` on `listener` (TCP_NODELAY on every connection) until shutdown.
-fn serve(listener: TcpListener, router: axum::Router, mut shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    tokio::spawn(async move {
-        let stop = async move {
-            let _ = shutdown.wait_for(|stop| *stop).await;
-        };
-        if let Err(e) = axum::serve(listener, router).with_graceful_shutdown(stop).await {
-            tracing::error!(error = %e, "server failed");
-        }
-    })
 }
 
 /// Removes expired items in the background: a tenth of the buckets per second, so every

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::rejection::QueryRejection;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, Query, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -194,64 +194,76 @@ pub fn value_response(ok: GetOk) -> Response {
     response
 }
 
+/// Parses the query of `uri` into `T` (all defaults when there is none, without touching
+/// the parser: the hot GET path usually has no query).
+fn query_of<T: Default + serde::de::DeserializeOwned>(uri: &Uri) -> Result<T, ApiError> {
+    if uri.query().is_none() {
+        return Ok(T::default());
+    }
+    query(Query::try_from_uri(uri))
+}
+
+// The key handlers take the whole request instead of `HeaderMap`/`Uri`/`Query` extractors,
+// which would clone the headers and URI of every request on the hottest path.
+
 pub(crate) async fn get_key<N: ShoalApi>(
     State(node): State<Arc<N>>,
     Path(key): Path<String>,
-    q: Result<Query<GetQuery>, QueryRejection>,
-    headers: HeaderMap,
-    uri: Uri,
+    request: Request,
 ) -> Response {
+    // Parts, not the request: the body type is not Sync, so a borrowed request cannot be
+    // held across an await.
+    let (parts, _) = request.into_parts();
     let result = async {
-        let q = query(q)?;
+        let q: GetQuery = query_of(&parts.uri)?;
         check_key(&key, &node.limits())?;
-        let ctx = route_context(&headers, q.redirect.as_deref())?;
+        let ctx = route_context(&parts.headers, q.redirect.as_deref())?;
         Ok(value_response(node.get(key, ctx).await?))
     }
     .await;
-    with_redirect(result, &uri)
+    with_redirect(result, &parts.uri)
 }
 
 pub(crate) async fn put_key<N: ShoalApi>(
     State(node): State<Arc<N>>,
     Path(key): Path<String>,
-    q: Result<Query<PutQuery>, QueryRejection>,
-    headers: HeaderMap,
-    uri: Uri,
-    body: Body,
+    request: Request,
 ) -> Response {
+    let (parts, body) = request.into_parts();
     let result = async {
-        let q = query(q)?;
+        let q: PutQuery = query_of(&parts.uri)?;
         let limits = node.limits();
         check_key(&key, &limits)?;
         let cas = parse_cas(q.cas.as_deref())?;
         let options =
             put_options(q.ttl.as_deref(), q.sliding.as_deref(), split_tags(q.tags.as_deref()), cas, q.mode.as_deref())?;
-        let ctx = route_context(&headers, q.redirect.as_deref())?;
+        let ctx = route_context(&parts.headers, q.redirect.as_deref())?;
         let value = read_body(body, limits.max_value_bytes).await?;
         let ok = node.put(PutItem { key, value, options }, ctx).await?;
         Ok(Json(ok).into_response())
     }
     .await;
-    with_redirect(result, &uri)
+    with_redirect(result, &parts.uri)
 }
 
 pub(crate) async fn delete_key<N: ShoalApi>(
     State(node): State<Arc<N>>,
     Path(key): Path<String>,
-    q: Result<Query<DeleteQuery>, QueryRejection>,
-    headers: HeaderMap,
-    uri: Uri,
+    request: Request,
 ) -> Response {
+    // Parts, not the request: the body type is not Sync, so a borrowed request cannot be
+    // held across an await.
+    let (parts, _) = request.into_parts();
     let result = async {
-        let q = query(q)?;
+        let q: DeleteQuery = query_of(&parts.uri)?;
         check_key(&key, &node.limits())?;
         let cas = parse_cas(q.cas.as_deref())?;
-        let ctx = route_context(&headers, q.redirect.as_deref())?;
+        let ctx = route_context(&parts.headers, q.redirect.as_deref())?;
         node.delete(key, cas, ctx).await?;
         Ok(StatusCode::NO_CONTENT.into_response())
     }
     .await;
-    with_redirect(result, &uri)
+    with_redirect(result, &parts.uri)
 }
 
 /// Reads a body of at most `limit` bytes; a longer one is refused whole with 413.

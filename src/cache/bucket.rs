@@ -1,6 +1,7 @@
 //! One bucket's items: a slab of items and a hash index into it.
 //!
-//! The slab makes random sampling (for eviction) O(1) and scans cache-friendly; the index is
+//! The slab ([`Slab`], records in fixed chunks) makes random sampling (for eviction) O(1)
+//! and scans cache-friendly; the index is
 //! a `hashbrown::HashTable` of slab positions, hashed with the store's per-process seed
 //! (this hash never leaves the process; routing uses the stable hash of `shoal-raft`).
 
@@ -9,6 +10,7 @@ use std::hash::BuildHasher;
 use hashbrown::HashTable;
 
 use super::item::Item;
+use super::slab::Slab;
 
 /// The hasher of the per-bucket indexes.
 pub type IndexHasher = foldhash::fast::RandomState;
@@ -16,7 +18,7 @@ pub type IndexHasher = foldhash::fast::RandomState;
 /// The items of one bucket.
 #[derive(Debug, Default)]
 pub struct Bucket {
-    slab: Vec<Item>,
+    slab: Slab,
     index: HashTable<u32>,
     /// Sum of the items' charged bytes.
     bytes: u64,
@@ -44,9 +46,9 @@ impl Bucket {
 
     /// Allocates the next version of this bucket.
     pub fn next_version(&mut self) -> u64 {
-        self.next_version = self.next_version.max(1);
+        self.next_version = self.next_version.clamp(1, super::MAX_VERSION);
         let v = self.next_version;
-        self.next_version += 1;
+        self.next_version = (self.next_version + 1).min(super::MAX_VERSION);
         v
     }
 
@@ -62,26 +64,26 @@ impl Bucket {
 
     fn position(&self, hash: u64, key: &[u8]) -> Option<usize> {
         let slab = &self.slab;
-        self.index.find(hash, |&i| slab[i as usize].key() == key).map(|&i| i as usize)
+        self.index.find(hash, |&i| slab.get(i as usize).is_some_and(|item| item.key() == key)).map(|&i| i as usize)
     }
 
     /// The item stored under `key` (whose index hash is `hash`).
     pub fn get(&self, hash: u64, key: &[u8]) -> Option<&Item> {
-        self.position(hash, key).map(|i| &self.slab[i])
+        self.position(hash, key).and_then(|i| self.slab.get(i))
     }
 
     /// Stores `item`, returning the item it replaced.
     pub fn insert(&mut self, hasher: &IndexHasher, hash: u64, item: Item) -> Option<Item> {
         self.bytes += item.charged_bytes();
         if let Some(i) = self.position(hash, item.key()) {
-            let old = std::mem::replace(&mut self.slab[i], item);
+            let old = self.slab.replace(i, item);
             self.bytes -= old.charged_bytes();
             return Some(old);
         }
         let pos = self.slab.len() as u32;
         self.slab.push(item);
         let slab = &self.slab;
-        self.index.insert_unique(hash, pos, |&i| hasher.hash_one(slab[i as usize].key()));
+        self.index.insert_unique(hash, pos, |&i| hasher.hash_one(key_at(slab, i)));
         None
     }
 
@@ -99,16 +101,16 @@ impl Bucket {
         }
         let last = self.slab.len() - 1;
         if pos != last {
-            let moved_hash = hasher.hash_one(self.slab[last].key());
+            let moved_hash = hasher.hash_one(key_at(&self.slab, last as u32));
             if let Some(slot) = self.index.find_mut(moved_hash, |&i| i as usize == last) {
                 *slot = pos as u32;
             }
         }
         let item = self.slab.swap_remove(pos);
         self.bytes -= item.charged_bytes();
-        if self.slab.capacity() > 64 && self.slab.len() < self.slab.capacity() / 4 {
-            self.slab.shrink_to(self.slab.len() * 2);
-            self.index.shrink_to(self.slab.len() * 2, |&i| hasher.hash_one(self.slab[i as usize].key()));
+        if self.index.capacity() > 64 && self.slab.len() < self.index.capacity() / 4 {
+            let slab = &self.slab;
+            self.index.shrink_to(slab.len() * 2, |&i| hasher.hash_one(key_at(slab, i)));
         }
         item
     }
@@ -127,9 +129,9 @@ impl Bucket {
     pub fn remove_where(&mut self, hasher: &IndexHasher, mut remove: impl FnMut(&Item) -> bool) -> Vec<Item> {
         let mut removed = Vec::new();
         let mut pos = 0;
-        while pos < self.slab.len() {
-            if remove(&self.slab[pos]) {
-                let hash = hasher.hash_one(self.slab[pos].key());
+        while let Some(item) = self.slab.get(pos) {
+            if remove(item) {
+                let hash = hasher.hash_one(item.key());
                 removed.push(self.remove_at(hasher, hash, pos));
             } else {
                 pos += 1;
@@ -137,4 +139,10 @@ impl Bucket {
         }
         removed
     }
+}
+
+/// The key of the item at index position `i` (empty if out of range, which the index never
+/// holds).
+fn key_at(slab: &Slab, i: u32) -> &[u8] {
+    slab.get(i as usize).map_or(&[], Item::key)
 }

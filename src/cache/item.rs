@@ -1,13 +1,23 @@
-//! One cached item, laid out compactly: key and value share one allocation.
+//! One cached item, laid out compactly.
+//!
+//! An item is a 40-byte record in its bucket's slab plus one allocation holding the key and
+//! the value back to back (no reference count, no separate key allocation), so a 16-byte key
+//! with a 100-byte value costs about 190 bytes in all (see `tests/perf/README.md`). Values
+//! larger than [`LARGE_VALUE_BYTES`] live in a shared `Bytes` instead, so reading them never
+//! copies megabytes while the bucket is locked; below that, a read copies the value, which
+//! costs no more than sharing it would.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 
 use bytes::Bytes;
 
-/// Bytes charged per item on top of its key, value and tags: the item record, its index
-/// slot and allocator overhead, so that `--cache-size` bounds real memory, not payload.
-pub const ITEM_OVERHEAD_BYTES: u64 = 96;
+/// Bytes charged per item on top of its key, value and tags: the slab record, its index slot
+/// and allocator rounding, as measured (see `tests/perf/README.md`), so that `--cache-size`
+/// bounds real memory, not payload.
+pub const ITEM_OVERHEAD_BYTES: u64 = 80;
+
+/// Values longer than this are kept in a shared buffer, read without copying.
+pub const LARGE_VALUE_BYTES: usize = 4096;
 
 /// Options that most items do not have, kept out of line so plain items stay small.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -16,29 +26,40 @@ pub struct ItemMeta {
     pub tags: Box<[Box<str>]>,
     /// Sliding expiration: every access pushes the expiry this far into the future.
     pub sliding_ms: u64,
+    /// The value, when it is larger than [`LARGE_VALUE_BYTES`].
+    pub large_value: Option<Bytes>,
 }
 
-/// A cached item.
+/// Versions are 44-bit numbers (17.6 trillion writes per bucket); the bucket's counter
+/// saturates there rather than wrap, so a version never goes back.
+pub const MAX_VERSION: u64 = (1 << 44) - 1;
+
+/// The LRU clock: seconds, 20 bits, wrapping every 12 days (Redis's ticks in seconds too,
+/// with 24 bits). Idle times are computed modulo the wrap.
+const CLOCK_BITS: u32 = 20;
+const CLOCK_MASK: u64 = (1 << CLOCK_BITS) - 1;
+/// Expiry is a 48-bit Unix millisecond time (good until the year 10889).
+const EXPIRY_MASK: u64 = (1 << 48) - 1;
+
+/// A cached item: a 40-byte record.
 ///
-/// `expires_at_ms` and `last_access_ms` are atomics so that a read under the bucket's shared
-/// lock can extend a sliding expiry and record the access for LRU.
+/// Two words pack small fields: `version_clock` holds the version (44 high bits, immutable)
+/// and the LRU clock (20 low bits); `keylen_expiry` holds the key length (16 high bits,
+/// immutable) and the expiry (48 low bits). Both are atomics so that a read under the
+/// bucket's shared lock can record the access and extend a sliding expiry.
 #[derive(Debug)]
 pub struct Item {
-    /// `key ++ value` in one allocation; shared with readers without copying.
-    data: Arc<[u8]>,
-    key_len: u32,
-    /// The item's version: increases with every write of the bucket (see `Bucket`).
-    pub version: u64,
-    /// Absolute expiry in Unix ms; 0 means never.
-    expires_at_ms: AtomicU64,
-    /// Last read or write in Unix ms, for approximate LRU eviction.
-    last_access_ms: AtomicU64,
-    /// Tags and sliding expiry, if any.
+    /// `key ++ value`, or only the key when the value is large.
+    data: Box<[u8]>,
+    /// Tags, sliding expiry, large value, if any.
     pub meta: Option<Box<ItemMeta>>,
+    version_clock: AtomicU64,
+    keylen_expiry: AtomicU64,
 }
 
 impl Item {
-    /// A new item. `expires_at_ms == 0` means no expiry.
+    /// A new item. `expires_at_ms == 0` means no expiry. Keys are at most 65535 bytes (the
+    /// configuration refuses a larger `--max-key-bytes`).
     pub fn new(
         key: &[u8],
         value: &[u8],
@@ -47,42 +68,72 @@ impl Item {
         now_ms: u64,
         meta: Option<ItemMeta>,
     ) -> Self {
-        let mut data = Vec::with_capacity(key.len() + value.len());
-        data.extend_from_slice(key);
-        data.extend_from_slice(value);
+        let key_len = key.len().min(usize::from(u16::MAX));
+        let key = &key[..key_len];
+        let (data, meta) = if value.len() > LARGE_VALUE_BYTES {
+            let mut meta = meta.unwrap_or_default();
+            meta.large_value = Some(Bytes::copy_from_slice(value));
+            (Box::<[u8]>::from(key), Some(meta))
+        } else {
+            let mut data = Vec::with_capacity(key.len() + value.len());
+            data.extend_from_slice(key);
+            data.extend_from_slice(value);
+            (data.into_boxed_slice(), meta)
+        };
+        let version = version.min(MAX_VERSION);
         Item {
-            data: data.into(),
-            key_len: key.len() as u32,
-            version,
-            expires_at_ms: AtomicU64::new(expires_at_ms),
-            last_access_ms: AtomicU64::new(now_ms),
+            data,
             meta: meta.map(Box::new),
+            version_clock: AtomicU64::new(version << CLOCK_BITS | clock(now_ms)),
+            keylen_expiry: AtomicU64::new((key_len as u64) << 48 | (expires_at_ms & EXPIRY_MASK)),
         }
+    }
+
+    fn key_len(&self) -> usize {
+        (self.keylen_expiry.load(Ordering::Relaxed) >> 48) as usize
+    }
+
+    /// The item's version: increases with every write of the bucket (see `Bucket`).
+    pub fn version(&self) -> u64 {
+        self.version_clock.load(Ordering::Relaxed) >> CLOCK_BITS
+    }
+
+    /// Sets the version (only before the item is shared).
+    pub fn set_version(&mut self, version: u64) {
+        let clock = *self.version_clock.get_mut() & CLOCK_MASK;
+        *self.version_clock.get_mut() = version.min(MAX_VERSION) << CLOCK_BITS | clock;
     }
 
     /// The key.
     pub fn key(&self) -> &[u8] {
-        &self.data[..self.key_len as usize]
+        &self.data[..self.key_len()]
     }
 
     /// The value, as a slice.
     pub fn value(&self) -> &[u8] {
-        &self.data[self.key_len as usize..]
+        match self.meta.as_ref().and_then(|m| m.large_value.as_ref()) {
+            Some(large) => large,
+            None => &self.data[self.key_len()..],
+        }
     }
 
-    /// The value as `Bytes` that share the item's allocation (no copy).
+    /// The value as `Bytes`: shared for large values, a copy for small ones.
     pub fn value_bytes(&self) -> Bytes {
-        Bytes::from_owner(ValueSlice { data: self.data.clone(), start: self.key_len as usize })
+        match self.meta.as_ref().and_then(|m| m.large_value.as_ref()) {
+            Some(large) => large.clone(),
+            None => Bytes::copy_from_slice(&self.data[self.key_len()..]),
+        }
     }
 
     /// Absolute expiry in Unix ms, 0 for none.
     pub fn expires_at_ms(&self) -> u64 {
-        self.expires_at_ms.load(Ordering::Relaxed)
+        self.keylen_expiry.load(Ordering::Relaxed) & EXPIRY_MASK
     }
 
-    /// Last access in Unix ms.
-    pub fn last_access_ms(&self) -> u64 {
-        self.last_access_ms.load(Ordering::Relaxed)
+    /// Seconds since the last access (modulo the 12-day wrap of the LRU clock).
+    pub fn idle_seconds(&self, now_ms: u64) -> u64 {
+        let last = self.version_clock.load(Ordering::Relaxed) & CLOCK_MASK;
+        clock(now_ms).wrapping_sub(last) & CLOCK_MASK
     }
 
     /// Whether the item has expired at `now_ms`.
@@ -93,10 +144,19 @@ impl Item {
 
     /// Records an access: LRU time, and a sliding expiry pushed forward.
     pub fn touch(&self, now_ms: u64) {
-        self.last_access_ms.store(now_ms, Ordering::Relaxed);
+        let now = clock(now_ms);
+        let word = self.version_clock.load(Ordering::Relaxed);
+        // Skip the store when nothing changes: most reads of a hot key land in the same
+        // second, and a write to a shared cache line is what slows concurrent readers. The
+        // version bits never change after the item is shared, so a plain store is safe.
+        if word & CLOCK_MASK != now {
+            self.version_clock.store(word & !CLOCK_MASK | now, Ordering::Relaxed);
+        }
         if let Some(meta) = &self.meta {
             if meta.sliding_ms > 0 {
-                self.expires_at_ms.store(now_ms.saturating_add(meta.sliding_ms), Ordering::Relaxed);
+                let key_bits = self.keylen_expiry.load(Ordering::Relaxed) & !EXPIRY_MASK;
+                let at = now_ms.saturating_add(meta.sliding_ms) & EXPIRY_MASK;
+                self.keylen_expiry.store(key_bits | at, Ordering::Relaxed);
             }
         }
     }
@@ -114,18 +174,59 @@ impl Item {
     /// The bytes this item is charged against the cache size.
     pub fn charged_bytes(&self) -> u64 {
         let tags: usize = self.tags().iter().map(|t| t.len() + 16).sum();
-        self.data.len() as u64 + tags as u64 + ITEM_OVERHEAD_BYTES
+        let large = self.meta.as_ref().and_then(|m| m.large_value.as_ref()).map_or(0, Bytes::len);
+        (self.data.len() + large + tags) as u64 + ITEM_OVERHEAD_BYTES
     }
 }
 
-/// The value part of an item's allocation, owned by a `Bytes`.
-struct ValueSlice {
-    data: Arc<[u8]>,
-    start: usize,
+/// The LRU clock at `ms`.
+fn clock(ms: u64) -> u64 {
+    (ms / 1000) & CLOCK_MASK
 }
 
-impl AsRef<[u8]> for ValueSlice {
-    fn as_ref(&self) -> &[u8] {
-        &self.data[self.start..]
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_item_record_stays_small() {
+        assert!(std::mem::size_of::<Item>() <= 40, "{}", std::mem::size_of::<Item>());
+    }
+
+    #[test]
+    fn small_and_large_values_read_back_whole() {
+        let small = Item::new(b"k", b"value", 1, 0, 0, None);
+        assert_eq!((small.key(), small.value()), (&b"k"[..], &b"value"[..]));
+        let big = vec![7u8; LARGE_VALUE_BYTES + 1];
+        let large = Item::new(b"key", &big, 1, 0, 0, None);
+        assert_eq!(large.key(), b"key");
+        assert_eq!(large.value_bytes(), big);
+        assert_eq!(large.charged_bytes(), (3 + big.len()) as u64 + ITEM_OVERHEAD_BYTES);
+    }
+}
+
+#[cfg(test)]
+mod packing_tests {
+    use super::*;
+
+    #[test]
+    fn packed_fields_keep_their_values() {
+        let now = 1_700_000_123_456;
+        let mut item = Item::new(b"key", b"v", 42, now + 5_000, now, None);
+        assert_eq!((item.version(), item.expires_at_ms(), item.key()), (42, now + 5_000, &b"key"[..]));
+        item.set_version(MAX_VERSION + 10);
+        assert_eq!(item.version(), MAX_VERSION, "versions saturate, never wrap");
+        assert_eq!(item.idle_seconds(now + 7_000), 7);
+        item.touch(now + 7_000);
+        assert_eq!(item.idle_seconds(now + 7_500), 0);
+        assert_eq!(item.version(), MAX_VERSION, "touching keeps the version");
+        assert_eq!(item.expires_at_ms(), now + 5_000, "and the expiry of a non-sliding item");
+    }
+
+    #[test]
+    fn idle_time_survives_the_clock_wrap() {
+        let wrap_ms = (CLOCK_MASK + 1) * 1000;
+        let item = Item::new(b"k", b"v", 1, 0, wrap_ms - 2_000, None);
+        assert_eq!(item.idle_seconds(wrap_ms + 3_000), 5);
     }
 }

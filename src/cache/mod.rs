@@ -13,11 +13,13 @@
 //! # Layout
 //! - `item.rs`: [`Item`], key and value in one allocation, version, expiry, tags.
 //! - `bucket.rs`: [`Bucket`], a slab of items with a hash index; the version counter.
+//! - `slab.rs`: the slab, item records in fixed-size chunks (no reallocation as it grows).
 //! - `clock.rs`: [`Clock`], Unix milliseconds that follow tokio's pausable time.
 
 mod bucket;
 mod clock;
 mod item;
+mod slab;
 #[cfg(test)]
 mod tests;
 
@@ -32,7 +34,7 @@ use shoal_raft::{BucketId, BUCKET_COUNT};
 
 pub use bucket::{Bucket, IndexHasher};
 pub use clock::Clock;
-pub use item::{Item, ItemMeta, ITEM_OVERHEAD_BYTES};
+pub use item::{Item, ItemMeta, ITEM_OVERHEAD_BYTES, LARGE_VALUE_BYTES, MAX_VERSION};
 
 /// A write's precondition.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -194,6 +196,7 @@ impl CacheStore {
         let meta = (!write.tags.is_empty() || write.sliding.is_some()).then(|| ItemMeta {
             tags: write.tags.iter().map(|t| t.as_str().into()).collect(),
             sliding_ms: write.sliding.map(|d| d.as_millis() as u64).unwrap_or(0),
+            large_value: None,
         });
         let expires_at_ms = match (write.ttl, write.sliding) {
             (Some(ttl), _) => self.clock.after_ms(ttl),
@@ -202,7 +205,7 @@ impl CacheStore {
         };
         let hash = self.hasher.hash_one(write.key);
         let version = self.mutate(bucket, |b, hasher| {
-            let current = b.get(hash, write.key).filter(|i| !i.is_expired(now)).map(|i| i.version);
+            let current = b.get(hash, write.key).filter(|i| !i.is_expired(now)).map(Item::version);
             let holds = match write.condition {
                 Condition::Always => true,
                 Condition::Absent => current.is_none(),
@@ -218,7 +221,7 @@ impl CacheStore {
                 return Err(CacheError::TooLarge { charged: item.charged_bytes(), limit });
             }
             let version = b.next_version();
-            item.version = version;
+            item.set_version(version);
             b.insert(hasher, hash, item);
             Ok(version)
         })?;
@@ -232,7 +235,7 @@ impl CacheStore {
         let now = self.clock.now_ms();
         let hash = self.hasher.hash_one(key);
         self.mutate(bucket, |b, hasher| {
-            let current = b.get(hash, key).filter(|i| !i.is_expired(now)).map(|i| i.version);
+            let current = b.get(hash, key).filter(|i| !i.is_expired(now)).map(Item::version);
             match (current, expected) {
                 (None, None) => Ok(false),
                 (None, Some(_)) => Err(CacheError::ConditionFailed { current: None }),
@@ -264,7 +267,7 @@ impl CacheStore {
         for &bucket in buckets {
             let b = self.bucket(bucket).read();
             found.extend(
-                b.iter().filter(|i| !i.is_expired(now) && matches(i)).map(|i| (i.key().to_vec(), bucket, i.version)),
+                b.iter().filter(|i| !i.is_expired(now) && matches(i)).map(|i| (i.key().to_vec(), bucket, i.version())),
             );
         }
         found.sort();
@@ -356,19 +359,20 @@ impl CacheStore {
             }
             let Some(item) = b.at(rng.random_range(0..b.len())) else { continue };
             sampled += 1;
-            let score = if item.is_expired(now) { 0 } else { item.last_access_ms().max(1) };
-            if victim.as_ref().is_none_or(|v| score < v.3) {
-                victim = Some((bucket, item.key().to_vec(), item.version, score));
+            // Expired items go first, then the longest idle.
+            let score = if item.is_expired(now) { u64::MAX } else { item.idle_seconds(now) };
+            if victim.as_ref().is_none_or(|v| score > v.3) {
+                victim = Some((bucket, item.key().to_vec(), item.version(), score));
             }
         }
         let Some((bucket, key, version, score)) = victim else { return false };
         let hash = self.hasher.hash_one(&key);
         let removed = self.mutate(bucket, |b, hasher| {
-            let same = b.get(hash, &key).is_some_and(|i| i.version == version);
+            let same = b.get(hash, &key).is_some_and(|i| i.version() == version);
             same.then(|| b.remove(hasher, hash, &key)).flatten()
         });
         if removed.is_some() {
-            let counter = if score == 0 { &self.expirations } else { &self.evictions };
+            let counter = if score == u64::MAX { &self.expirations } else { &self.evictions };
             counter.fetch_add(1, Ordering::Relaxed);
         }
         true
@@ -376,7 +380,7 @@ impl CacheStore {
 }
 
 fn view_of(item: &Item) -> ItemView {
-    ItemView { value: item.value_bytes(), version: item.version, expires_at_ms: item.expires_at_ms() }
+    ItemView { value: item.value_bytes(), version: item.version(), expires_at_ms: item.expires_at_ms() }
 }
 
 fn add_signed(counter: &AtomicU64, delta: i64) {

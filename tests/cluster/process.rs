@@ -93,6 +93,38 @@ fn the_client_commands_work_against_a_node_and_sigterm_stops_it_cleanly() {
     assert_eq!(missing.status.code(), Some(1));
     assert!(text(&missing.stderr).contains("not_found"), "{}", text(&missing.stderr));
 
+    // The load generator runs against it and reports server CPU per operation.
+    let pid = node.child.id().to_string();
+    let bench = Command::new(BIN)
+        .args(["bench", "--addr", &addr, "--duration", "1s", "--keys", "2000", "--connections", "4"])
+        .args(["--ratio", "3:1", "--server-pid", &pid, "-o", "json"])
+        .output()
+        .expect("bench");
+    assert!(bench.status.success(), "{}", text(&bench.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&bench.stdout).expect("bench json");
+    assert!(report["requests"].as_u64().unwrap_or(0) > 100, "{report}");
+    assert_eq!(report["errors"], serde_json::json!({}), "{report}");
+    assert!(report["server_us_per_request"].as_f64().is_some_and(|us| us > 0.0), "{report}");
+    let batched = Command::new(BIN)
+        .args([
+            "bench",
+            "--addr",
+            &addr,
+            "--duration",
+            "1s",
+            "--keys",
+            "2000",
+            "--batch",
+            "8",
+            "--no-fill",
+            "-o",
+            "json",
+        ])
+        .output()
+        .expect("bench");
+    let report: serde_json::Value = serde_json::from_slice(&batched.stdout).expect("bench json");
+    assert_eq!(report["keys"].as_u64(), report["requests"].as_u64().map(|r| r * 8), "{report}");
+
     let status = node.terminate();
     assert!(status.success(), "exit status after SIGTERM: {status}");
     let log = std::fs::read_to_string(data.with_extension("log")).expect("log");

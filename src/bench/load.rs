@@ -1,0 +1,274 @@
+//! The closed-loop load: each connection sends a request, waits for the answer, records its
+//! latency, and sends the next, until the deadline.
+//!
+//! Requests go over hyper's low-level HTTP/1.1 client (one TCP connection per worker and
+//! node, no pool, no URL parsing per request), so the generator spends as little of the
+//! shared cores as it can.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use hdrhistogram::Histogram;
+use http_body_util::{BodyExt, Full};
+use hyper::client::conn::http1::SendRequest;
+use hyper::{Method, Request};
+use hyper_util::rt::TokioIo;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use tokio::net::TcpStream;
+
+/// How to route requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Routing {
+    /// Fetch the map and send each key to its owner.
+    Direct,
+    /// Send each request to a random node, which forwards it.
+    Any,
+}
+
+/// What the workers send.
+#[derive(Debug, Clone)]
+pub struct Workload {
+    /// The nodes' API addresses.
+    pub nodes: Vec<String>,
+    /// For direct routing: the index in `nodes` of each key's owner.
+    pub owner_of_key: Option<Vec<u16>>,
+    /// For direct routing: the keys each node owns.
+    pub keys_of_node: Vec<Vec<u32>>,
+    /// Number of keys.
+    pub keys: u32,
+    /// The value written by puts.
+    pub value: Bytes,
+    /// Probability that an operation is a get.
+    pub get_share: f64,
+    /// Keys per request (1: single-key endpoints, more: bulk endpoints).
+    pub batch: usize,
+    /// Per-request timeout.
+    pub timeout: Duration,
+}
+
+/// The text of key `i`: `key:` and 12 digits, 16 bytes (as redis-benchmark's keys).
+pub fn key_name(i: u32) -> String {
+    format!("key:{i:012}")
+}
+
+/// What one worker saw.
+pub struct WorkerStats {
+    /// Requests answered successfully.
+    pub requests: u64,
+    /// Keys in those requests.
+    pub keys: u64,
+    /// Latency of successful requests, in microseconds.
+    pub latency_us: Histogram<u64>,
+    /// Failures by kind.
+    pub errors: BTreeMap<String, u64>,
+}
+
+impl WorkerStats {
+    fn new() -> Self {
+        WorkerStats {
+            requests: 0,
+            keys: 0,
+            latency_us: Histogram::new_with_bounds(1, 60_000_000, 3).expect("valid histogram bounds"),
+            errors: BTreeMap::new(),
+        }
+    }
+
+    fn error(&mut self, kind: impl Into<String>) {
+        *self.errors.entry(kind.into()).or_insert(0) += 1;
+    }
+
+    /// Adds another worker's figures.
+    pub fn merge(&mut self, other: WorkerStats) {
+        self.requests += other.requests;
+        self.keys += other.keys;
+        let _ = self.latency_us.add(&other.latency_us);
+        for (k, v) in other.errors {
+            *self.errors.entry(k).or_insert(0) += v;
+        }
+    }
+
+    /// Empty figures.
+    pub fn empty() -> Self {
+        Self::new()
+    }
+}
+
+/// An HTTP/1.1 connection to one node.
+struct Conn {
+    sender: SendRequest<Full<Bytes>>,
+    host: String,
+}
+
+async fn connect(addr: &str) -> Result<Conn, String> {
+    let tcp = TcpStream::connect(addr).await.map_err(|e| format!("connect {addr}: {e}"))?;
+    let _ = tcp.set_nodelay(true);
+    let (sender, conn) =
+        hyper::client::conn::http1::handshake(TokioIo::new(tcp)).await.map_err(|e| format!("handshake {addr}: {e}"))?;
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    Ok(Conn { sender, host: addr.to_string() })
+}
+
+/// One request to build: method, path, body, how many keys it carries.
+struct Op {
+    node: usize,
+    method: Method,
+    path: String,
+    body: Bytes,
+    keys: u64,
+}
+
+impl Workload {
+    fn pick_keys(&self, rng: &mut SmallRng) -> (usize, Vec<u32>) {
+        let first = rng.random_range(0..self.keys);
+        let node = match &self.owner_of_key {
+            Some(owners) => owners[first as usize] as usize,
+            None => rng.random_range(0..self.nodes.len()),
+        };
+        let mut keys = vec![first];
+        for _ in 1..self.batch {
+            let k = match &self.owner_of_key {
+                Some(_) => {
+                    let mine = &self.keys_of_node[node];
+                    mine[rng.random_range(0..mine.len())]
+                }
+                None => rng.random_range(0..self.keys),
+            };
+            keys.push(k);
+        }
+        (node, keys)
+    }
+
+    fn next_op(&self, rng: &mut SmallRng) -> Op {
+        let get = rng.random_bool(self.get_share.clamp(0.0, 1.0));
+        let (node, keys) = self.pick_keys(rng);
+        let n = keys.len() as u64;
+        if self.batch <= 1 {
+            let path = format!("/v1/kv/{}", key_name(keys[0]));
+            return if get {
+                Op { node, method: Method::GET, path, body: Bytes::new(), keys: n }
+            } else {
+                Op { node, method: Method::PUT, path, body: self.value.clone(), keys: n }
+            };
+        }
+        let body = if get {
+            let names: Vec<String> = keys.iter().map(|&k| key_name(k)).collect();
+            serde_json::json!({ "keys": names })
+        } else {
+            let value = String::from_utf8_lossy(&self.value);
+            let items: Vec<_> = keys.iter().map(|&k| serde_json::json!({"key": key_name(k), "value": value})).collect();
+            serde_json::json!({ "items": items })
+        };
+        let path = if get { "/v1/bulk/get" } else { "/v1/bulk/put" }.to_string();
+        Op { node, method: Method::POST, path, body: Bytes::from(body.to_string()), keys: n }
+    }
+}
+
+/// Runs one worker until `deadline`.
+pub async fn worker(work: std::sync::Arc<Workload>, seed: u64, deadline: Instant) -> WorkerStats {
+    let mut stats = WorkerStats::new();
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let mut conns: Vec<Option<Conn>> = work.nodes.iter().map(|_| None).collect();
+    while Instant::now() < deadline {
+        let op = work.next_op(&mut rng);
+        if conns[op.node].is_none() {
+            match connect(&work.nodes[op.node]).await {
+                Ok(c) => conns[op.node] = Some(c),
+                Err(_) => {
+                    stats.error("connect");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            }
+        }
+        let Some(conn) = conns[op.node].as_mut() else { continue };
+        let started = Instant::now();
+        match send(conn, &op, work.timeout).await {
+            Ok(()) => {
+                stats.requests += 1;
+                stats.keys += op.keys;
+                let _ = stats.latency_us.record(started.elapsed().as_micros().max(1) as u64);
+            }
+            Err(kind) => {
+                if kind == "timeout" || kind == "connection" {
+                    conns[op.node] = None;
+                }
+                stats.error(kind);
+            }
+        }
+    }
+    stats
+}
+
+/// Sends one request and reads the whole answer; `Err` names the kind of failure.
+async fn send(conn: &mut Conn, op: &Op, timeout: Duration) -> Result<(), String> {
+    let request = Request::builder()
+        .method(op.method.clone())
+        .uri(&op.path)
+        .header(hyper::header::HOST, &conn.host)
+        .body(Full::new(op.body.clone()))
+        .map_err(|e| format!("request: {e}"))?;
+    let exchange = async {
+        conn.sender.ready().await.map_err(|_| "connection".to_string())?;
+        let response = conn.sender.send_request(request).await.map_err(|_| "connection".to_string())?;
+        let status = response.status();
+        let body = response.into_body().collect().await.map_err(|_| "connection".to_string())?.to_bytes();
+        if !status.is_success() {
+            return Err(format!("http_{}", status.as_u16()));
+        }
+        if op.method == Method::POST && memchr_error(&body) {
+            return Err("bulk_miss_or_error".to_string());
+        }
+        Ok(())
+    };
+    match tokio::time::timeout(timeout, exchange).await {
+        Ok(result) => result,
+        Err(_) => Err("timeout".to_string()),
+    }
+}
+
+/// Whether a bulk answer reports a per-key error (or a missing key).
+fn memchr_error(body: &[u8]) -> bool {
+    let needle = b"\"error\"";
+    let missing = b"\"found\":false";
+    body.windows(needle.len()).any(|w| w == needle) || body.windows(missing.len()).any(|w| w == missing)
+}
+
+/// Writes every key once (bulk puts of 100 through the first node), with `parallel` requests
+/// at a time. Returns how long it took.
+pub async fn fill(work: &Workload, parallel: usize) -> Result<Duration, String> {
+    let started = Instant::now();
+    let chunks: Vec<(u32, u32)> = (0..work.keys).step_by(100).map(|s| (s, (s + 100).min(work.keys))).collect();
+    let value = String::from_utf8_lossy(&work.value).into_owned();
+    let per_task = chunks.len().div_ceil(parallel.max(1));
+    let mut tasks = tokio::task::JoinSet::new();
+    for part in chunks.chunks(per_task.max(1)) {
+        let part = part.to_vec();
+        let value = value.clone();
+        let addr = work.nodes[0].clone();
+        tasks.spawn(async move {
+            let mut conn = connect(&addr).await?;
+            for (start, end) in part {
+                let items: Vec<_> =
+                    (start..end).map(|k| serde_json::json!({"key": key_name(k), "value": value})).collect();
+                let op = Op {
+                    node: 0,
+                    method: Method::POST,
+                    path: "/v1/bulk/put".into(),
+                    body: Bytes::from(serde_json::json!({ "items": items }).to_string()),
+                    keys: 0,
+                };
+                send(&mut conn, &op, Duration::from_secs(30)).await.map_err(|e| format!("fill: {e}"))?;
+            }
+            Ok::<(), String>(())
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.map_err(|e| e.to_string())??;
+    }
+    Ok(started.elapsed())
+}
