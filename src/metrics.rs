@@ -202,6 +202,13 @@ impl NodeMetrics {
         self.latency[i].record(started.elapsed().as_secs_f64());
     }
 
+    /// Folds recorded latency samples into the histograms. The exporter buffers every sample
+    /// until this runs, so the node calls it periodically (and `render` does too): without it
+    /// memory grows with every request while nobody scrapes.
+    pub fn upkeep(&self) {
+        self.handle.run_upkeep();
+    }
+
     /// The Prometheus text exposition.
     pub fn render(&self) -> String {
         self.handle.run_upkeep();

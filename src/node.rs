@@ -193,7 +193,7 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
         max_value_bytes: config.max_value_bytes as usize,
         ..Limits::default()
     };
-    let api = Arc::new(NodeApi::new(control.clone(), cache.clone(), limits, metrics));
+    let api = Arc::new(NodeApi::new(control.clone(), cache.clone(), limits, metrics.clone()));
     let (shutdown, _) = watch::channel(false);
     let servers = vec![
         http_server::serve(listeners.peer, shoal_raft::peer_router(control.clone()), shutdown.subscribe()),
@@ -216,6 +216,7 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
     }
     let mut handle = handle;
     handle.tasks.push(tokio::spawn(sweep_expired(cache.clone())));
+    handle.tasks.push(tokio::spawn(metrics_upkeep(metrics)));
     handle.tasks.push(tokio::spawn(follow_map(
         control,
         cache,
@@ -292,6 +293,15 @@ fn new_cluster_id() -> String {
     use rand::Rng;
     let bytes: [u8; 16] = rand::rng().random();
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Folds buffered latency samples into the histograms every few seconds.
+async fn metrics_upkeep(metrics: Arc<NodeMetrics>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(5));
+    loop {
+        tick.tick().await;
+        metrics.upkeep();
+    }
 }
 
 /// Removes expired items in the background: a tenth of the buckets per second, so every

@@ -181,14 +181,31 @@ fn with_redirect(result: Result<Response, ApiError>, uri: &Uri) -> Response {
     }
 }
 
+/// `"<n>"` as a header value, without going through `format!`.
+pub(crate) fn quoted(n: u64) -> HeaderValue {
+    let mut digits = [0u8; 22];
+    let mut i = digits.len() - 1;
+    digits[i] = b'"';
+    let mut n = n;
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    i -= 1;
+    digits[i] = b'"';
+    HeaderValue::from_bytes(&digits[i..]).unwrap_or(HeaderValue::from_static("\"0\""))
+}
+
 /// The raw-value answer of a GET, with its version and location in headers.
 pub fn value_response(ok: GetOk) -> Response {
     let mut response = (StatusCode::OK, Body::from(ok.value)).into_response();
     let headers = response.headers_mut();
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
-    if let Ok(etag) = HeaderValue::from_str(&format!("\"{}\"", ok.version)) {
-        headers.insert(header::ETAG, etag);
-    }
+    headers.insert(header::ETAG, quoted(ok.version));
     headers.insert(HEADER_BUCKET, HeaderValue::from(ok.bucket));
     headers.insert(HEADER_NODE, HeaderValue::from(ok.node));
     response

@@ -33,14 +33,19 @@ pub use api::{Limits, PutItem, ShoalApi};
 pub use error::{ApiError, Problem, PROBLEM_JSON};
 pub use kv::{parse_duration, put_options, value_response};
 
+use axum::http::HeaderName;
+
+// Header names are constants (`from_static` is evaluated at compile time), so the hot path
+// never parses or hashes a name string.
+
 /// Set by a node that forwards a key request: the map version it routed by.
-pub const HEADER_FORWARDED_MAP_VERSION: &str = "x-shoal-map-version";
+pub const HEADER_FORWARDED_MAP_VERSION: HeaderName = HeaderName::from_static("x-shoal-map-version");
 /// `local` on a keyless request: answer from this node's buckets only (used by broadcasts).
-pub const HEADER_SCOPE: &str = "x-shoal-scope";
+pub const HEADER_SCOPE: HeaderName = HeaderName::from_static("x-shoal-scope");
 /// The bucket of the key in a GET answer.
-pub const HEADER_BUCKET: &str = "x-shoal-bucket";
+pub const HEADER_BUCKET: HeaderName = HeaderName::from_static("x-shoal-bucket");
 /// The node that holds the key in a GET answer.
-pub const HEADER_NODE: &str = "x-shoal-node";
+pub const HEADER_NODE: HeaderName = HeaderName::from_static("x-shoal-node");
 
 async fn openapi_json() -> impl axum::response::IntoResponse {
     ([(axum::http::header::CONTENT_TYPE, "application/json")], openapi::document())

@@ -193,6 +193,8 @@ async fn put_then_get_returns_the_raw_value_with_version_headers() {
     let r = call(&node, Method::GET, "/v1/kv/user:1", Body::empty()).await;
     assert_eq!(r.status(), StatusCode::OK);
     assert_eq!(r.headers()[header::ETAG], "\"1\"");
+    assert_eq!(kv::quoted(u64::MAX), format!("\"{}\"", u64::MAX).as_str());
+    assert_eq!(kv::quoted(0), "\"0\"");
     assert_eq!(r.headers()[HEADER_NODE], "1");
     assert_eq!(r.headers()[HEADER_BUCKET], bucket_of(b"user:1").0.to_string().as_str());
     assert_eq!(body_bytes(r).await, "hello");

@@ -24,6 +24,23 @@ async fn a_put_through_one_node_is_read_through_every_other() {
     let bucket = bucket_of(b"user:7").0;
     assert_eq!(r.headers()["x-shoal-bucket"], bucket.to_string().as_str());
     assert_eq!(r.headers()["x-shoal-node"], map["owners"][bucket as usize].to_string().as_str());
+    // Keys with characters that need escaping arrive whole at their owner, whichever node
+    // forwards them.
+    for key in ["a/b c", "100%", "ü:{tag}?x=1#y", "plus+and&"] {
+        let url = |slot| {
+            let mut u = reqwest::Url::parse(&c.url(slot, "/v1/kv/")).expect("url");
+            u.path_segments_mut().expect("base").pop_if_empty().push(key);
+            u
+        };
+        for slot in 0..3 {
+            let r = c.http.put(url(slot)).body(format!("{key}@{slot}")).send().await.expect("put");
+            assert_eq!(r.status(), 200, "PUT {key:?} via {slot}");
+            for reader in 0..3 {
+                let got = c.http.get(url(reader)).send().await.expect("get").text().await.expect("body");
+                assert_eq!(got, format!("{key}@{slot}"), "GET {key:?} via {reader}");
+            }
+        }
+    }
     // Deletes are forwarded too.
     let r = c.http.delete(c.url(2, "/v1/kv/user:7")).send().await.expect("delete");
     assert_eq!(r.status(), 204);

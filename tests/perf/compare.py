@@ -329,6 +329,7 @@ def main():
     ap.add_argument("--value-size", type=int, default=100)
     ap.add_argument("--memory-items", type=int, default=1_000_000)
     ap.add_argument("--json", help="also write the raw results here")
+    ap.add_argument("--only", choices=["cluster"], help="measure only part (for quick iterations)")
     args = ap.parse_args()
     for tool in ("redis-server", "redis-benchmark", "redis-cli", "taskset", "curl"):
         if not shutil.which(tool):
@@ -336,6 +337,11 @@ def main():
     procs = Processes()
     tmp = tempfile.mkdtemp(prefix="shoal-perf-")
     try:
+        if args.only == "cluster":
+            cluster = cluster_figures(args, procs, tmp)
+            for k in ("one", "direct", "any"):
+                print(k, {f: round(median(cluster[k], f), 2) for f in ("ops", "server_us", "p99", "foreign")})
+            return
         redis = redis_figures(args, procs)
         shoal = shoal_figures(args, procs, tmp)
         cluster = cluster_figures(args, procs, tmp)
