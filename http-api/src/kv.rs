@@ -20,6 +20,7 @@ use shoal_raft::bucket_of;
 
 use crate::api::{Limits, PutItem, ShoalApi};
 use crate::error::ApiError;
+use crate::json;
 use crate::types::{
     BulkKeys, BulkPut, BulkPutItem, BulkResults, GetOk, KeyError, KeyResult, PutOptions, RouteContext, Scope,
     WriteCondition,
@@ -330,31 +331,38 @@ pub(crate) async fn bulk_get<N: ShoalApi>(State(node): State<Arc<N>>, headers: H
         check_bulk_keys(req.keys.iter(), &limits)?;
         let ctx = route_context(&headers, None)?;
         // Invalid keys fail alone; the others are asked of the node.
-        let (valid, invalid): (Vec<_>, Vec<_>) =
-            req.keys.iter().cloned().enumerate().partition(|(_, k)| check_key(k, &limits).is_ok());
-        let answers = node.bulk_get(valid.iter().map(|(_, k)| k.clone()).collect(), ctx).await?;
-        let mut results: Vec<Option<KeyResult>> = vec![None; req.keys.len()];
-        for ((i, key), answer) in valid.into_iter().zip(answers) {
-            let mut r = result_of(key, None);
-            match answer {
-                Ok(Some(ok)) => {
-                    r.found = Some(true);
-                    r.version = Some(ok.version);
-                    match std::str::from_utf8(&ok.value) {
-                        Ok(text) => r.value = Some(text.to_string()),
-                        Err(_) => r.value_base64 = Some(base64::engine::general_purpose::STANDARD.encode(&ok.value)),
-                    }
-                }
-                Ok(None) => r.found = Some(false),
-                Err(e) => r.error = Some(key_error(&e)),
+        let valid: Vec<usize> = (0..req.keys.len()).filter(|&i| check_key(&req.keys[i], &limits).is_ok()).collect();
+        let answers = node.bulk_get(valid.iter().map(|&i| req.keys[i].clone()).collect(), ctx).await?;
+        let mut by_position: Vec<Option<Result<Option<GetOk>, ApiError>>> = (0..req.keys.len()).map(|_| None).collect();
+        let mut value_bytes = 0;
+        for (i, answer) in valid.into_iter().zip(answers) {
+            if let Ok(Some(ok)) = &answer {
+                value_bytes += ok.value.len();
             }
-            results[i] = Some(r);
+            by_position[i] = Some(answer);
         }
-        for (i, key) in invalid {
-            let e = check_key(&key, &limits).err().map(|e| key_error(&e));
-            results[i] = Some(result_of(key, e));
+        let mut out = Vec::with_capacity(16 + req.keys.len() * 96 + value_bytes * 4 / 3);
+        out.extend_from_slice(b"{\"results\":[");
+        for (i, (key, answer)) in req.keys.iter().zip(by_position).enumerate() {
+            if i > 0 {
+                out.push(b',');
+            }
+            match answer {
+                Some(Ok(Some(ok))) => json::write_found(&mut out, key, &ok),
+                Some(Ok(None)) => {
+                    let mut r = result_of(key.clone(), None);
+                    r.found = Some(false);
+                    json::write_result(&mut out, &r);
+                }
+                Some(Err(e)) => json::write_result(&mut out, &result_of(key.clone(), Some(key_error(&e)))),
+                None => {
+                    let e = check_key(key, &limits).err().map(|e| key_error(&e));
+                    json::write_result(&mut out, &result_of(key.clone(), e));
+                }
+            }
         }
-        Ok(Json(BulkResults { results: results.into_iter().flatten().collect() }).into_response())
+        out.extend_from_slice(b"]}");
+        Ok(([(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))], out).into_response())
     }
     .await;
     result.unwrap_or_else(|e: ApiError| e.into_response())

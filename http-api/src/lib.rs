@@ -9,6 +9,7 @@
 //! # Layout
 //! - `api.rs`: [`ShoalApi`], the contract with the node, and [`Limits`].
 //! - `kv.rs`: key, bulk, listing and tag routes.
+//! - `json.rs`: the bulk-get answer written straight into a buffer.
 //! - `cluster.rs`: cluster, map, leave, health and metrics routes.
 //! - `types.rs`: request and response bodies.
 //! - `error.rs`: [`ApiError`] and [`Problem`].
@@ -17,6 +18,7 @@
 mod api;
 mod cluster;
 mod error;
+mod json;
 mod kv;
 pub mod openapi;
 pub mod types;

@@ -11,7 +11,7 @@ use shoal_http_api::types::{BulkResults, GetOk, KeyError, KeyResult, PutOk, Rout
 use shoal_http_api::{ApiError, Problem, PutItem};
 use shoal_raft::{bucket_of, BucketId, NodeId};
 
-use super::{NodeApi, Target, ROUTE_ATTEMPTS};
+use super::{api_addr_of, NodeApi, Target, ROUTE_ATTEMPTS};
 use crate::metrics::Op;
 
 impl NodeApi {
@@ -36,24 +36,32 @@ impl NodeApi {
             if pending.is_empty() {
                 break;
             }
-            let mut groups: BTreeMap<NodeId, (String, u64, Vec<usize>)> = BTreeMap::new();
+            // Every key of this attempt is decided on the same state.
+            let state = self.state_at_least(ctx.forwarded_map_version.unwrap_or(0)).await;
+            let mut groups: BTreeMap<NodeId, (u64, Vec<usize>)> = BTreeMap::new();
             for &i in &pending {
                 let bucket = bucket_of(key_of(&items[i]).as_bytes());
-                match self.target(bucket, ctx).await {
+                match self.target_in(&state, bucket, ctx) {
                     Ok((Target::Local, _)) => results[i] = Some(local(&items[i], bucket)),
-                    Ok((Target::Remote { api_addr, owner }, v)) => {
-                        groups.entry(owner).or_insert((api_addr, v, vec![])).2.push(i)
-                    }
+                    Ok((Target::Remote { owner }, v)) => groups.entry(owner).or_insert((v, vec![])).1.push(i),
                     Err(e @ ApiError::NotOwner { .. }) if ctx.forwarded_map_version.is_some() => return Err(e),
                     Err(e) => results[i] = Some(Err(e)),
                 }
             }
-            let calls = groups.into_iter().map(|(owner, (api_addr, version, idx))| {
+            let mut calls = Vec::new();
+            for (owner, (version, idx)) in groups {
+                let api_addr = match api_addr_of(&state, owner) {
+                    Ok(a) => a,
+                    Err(e) => {
+                        idx.into_iter().for_each(|i| results[i] = Some(Err(e.clone())));
+                        continue;
+                    }
+                };
                 let batch: Vec<I> = idx.iter().map(|&i| items[i].clone()).collect();
                 self.metrics.forwarded.increment(idx.len() as u64);
                 let call = remote(api_addr, owner, batch, version);
-                async move { (idx, version, call.await) }
-            });
+                calls.push(async move { (idx, version, call.await) });
+            }
             let mut retry = Vec::new();
             let mut newest = 0;
             for (idx, version, answer) in join_all(calls).await {

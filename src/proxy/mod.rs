@@ -50,7 +50,15 @@ const ROUTE_ATTEMPTS: usize = 3;
 /// Where a key operation runs.
 enum Target {
     Local,
-    Remote { api_addr: String, owner: NodeId },
+    Remote { owner: NodeId },
+}
+
+/// The API address of member `id` in `state`.
+fn api_addr_of(state: &ClusterState, id: NodeId) -> Result<String, ApiError> {
+    state
+        .member_of(id)
+        .map(|m| m.api_addr.clone())
+        .ok_or_else(|| ApiError::Internal(format!("owner {id} not a member")))
 }
 
 /// The node's implementation of the public API.
@@ -82,6 +90,11 @@ impl NodeApi {
     /// Decides where an operation on `bucket` runs, and under which map version.
     async fn target(&self, bucket: BucketId, ctx: RouteContext) -> Result<(Target, u64), ApiError> {
         let state = self.state_at_least(ctx.forwarded_map_version.unwrap_or(0)).await;
+        self.target_in(&state, bucket, ctx)
+    }
+
+    /// [`Self::target`] on a given state (bulk operations decide every key on one state).
+    fn target_in(&self, state: &ClusterState, bucket: BucketId, ctx: RouteContext) -> Result<(Target, u64), ApiError> {
         let map_version = state.map.version;
         let Some(owner) = state.map.owner_of(bucket) else {
             return Err(ApiError::unavailable("not_ready", "this node has not joined a cluster yet"));
@@ -92,11 +105,10 @@ impl NodeApi {
         if ctx.forwarded_map_version.is_some() {
             return Err(ApiError::NotOwner { bucket: bucket.0, map_version });
         }
-        let member = state.member_of(owner).ok_or_else(|| ApiError::Internal(format!("owner {owner} not a member")))?;
         if ctx.redirect {
-            return Err(ApiError::Redirect { api_addr: member.api_addr.clone() });
+            return Err(ApiError::Redirect { api_addr: api_addr_of(state, owner)? });
         }
-        Ok((Target::Remote { api_addr: member.api_addr.clone(), owner }, map_version))
+        Ok((Target::Remote { owner }, map_version))
     }
 
     /// Runs a key operation locally or at the owner, routing again when the owner's map
@@ -115,7 +127,8 @@ impl NodeApi {
         for _ in 0..ROUTE_ATTEMPTS {
             match self.target(bucket, ctx).await? {
                 (Target::Local, _) => return local(bucket),
-                (Target::Remote { api_addr, .. }, version) => {
+                (Target::Remote { owner }, version) => {
+                    let api_addr = api_addr_of(&self.control.state(), owner)?;
                     self.metrics.forwarded.increment(1);
                     match remote(api_addr, version).await {
                         Err(ApiError::NotOwner { map_version, .. }) => {
