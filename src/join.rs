@@ -65,6 +65,7 @@ impl Joiner {
         loop {
             for seed in &self.seeds {
                 let result = match self.peer_of(seed).await {
+                    // A running transfer is worth waiting for; a rejection is final.
                     Ok(peer) => self.admin.call(&peer, request).await.map_err(|e| match e {
                         ControlError::Rejected { reason } => Err(reason),
                         other => Ok(format!("{seed}: {other}")),
@@ -103,7 +104,7 @@ impl Joiner {
     /// Step 2: become a member (this node's Raft must be serving by now). Returns the map
     /// version that includes it.
     pub async fn admit(&self, node_id: NodeId) -> Result<u64, String> {
-        match self.send(&AdminRequest::Admit { node_id }).await? {
+        match self.send(&AdminRequest::Admit { node_id, force: false }).await? {
             AdminResponse::Admitted { map_version } => Ok(map_version),
             other => Err(format!("unexpected answer to admit: {other:?}")),
         }

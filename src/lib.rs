@@ -12,6 +12,7 @@
 //! - [`peer`]: the node-to-node HTTP client for forwarding and broadcasts.
 //! - [`http_server`]: the HTTP/1.1 accept loop (pipelining, TCP_NODELAY, graceful drain).
 //! - [`cache`]: the store of the buckets this node holds.
+//! - [`transfer`]: state transfer: acknowledging transitions, moving buckets with their data.
 //! - [`identity`]: the node's id in its data dir.
 //! - [`join`]: the joiner's side of the join protocol.
 //! - [`metrics`]: the node's Prometheus metrics.
@@ -29,3 +30,4 @@ pub mod metrics;
 pub mod node;
 pub mod peer;
 pub mod proxy;
+pub mod transfer;

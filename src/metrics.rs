@@ -62,6 +62,7 @@ fn outcome_of(result: Result<(), &ApiError>) -> usize {
             | ApiError::ValueTooLarge { .. }
             | ApiError::ItemTooLarge(_)
             | ApiError::Conflict(_)
+            | ApiError::MembershipChangeInProgress(_)
             | ApiError::UnknownResource(_)
             | ApiError::MethodNotAllowed,
         ) => 3,

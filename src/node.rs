@@ -34,6 +34,7 @@ use crate::identity::Identity;
 use crate::join::Joiner;
 use crate::metrics::NodeMetrics;
 use crate::proxy::NodeApi;
+use crate::transfer::Transfers;
 
 /// Why a node could not start.
 #[derive(Debug, thiserror::Error)]
@@ -87,6 +88,7 @@ pub struct NodeHandle {
     shutdown: watch::Sender<bool>,
     servers: Vec<JoinHandle<()>>,
     tasks: Vec<JoinHandle<()>>,
+    transfers: Option<Transfers>,
 }
 
 impl NodeHandle {
@@ -130,6 +132,9 @@ impl NodeHandle {
             let _ = server.await;
         }
         tracing::debug!(node_id = self.node_id, "servers stopped; stopping tasks");
+        if let Some(transfers) = self.transfers {
+            transfers.stop().await;
+        }
         for task in self.tasks {
             task.abort();
             let _ = task.await;
@@ -208,6 +213,7 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
         shutdown,
         servers,
         tasks: Vec::new(),
+        transfers: None,
     };
     let joined = join_or_resume(&config, &identity, &control, &joiner).await;
     if let Err(e) = joined {
@@ -215,6 +221,7 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
         return Err(e);
     }
     let mut handle = handle;
+    handle.transfers = Some(Transfers::start(control.clone(), cache.clone()));
     handle.tasks.push(tokio::spawn(sweep_expired(cache.clone())));
     handle.tasks.push(tokio::spawn(metrics_upkeep(metrics)));
     handle.tasks.push(tokio::spawn(follow_map(
@@ -334,8 +341,14 @@ async fn follow_map(
         if state.map.version != owned_version && !state.map.is_empty() {
             owned_version = state.map.version;
             let mut dropped = 0;
+            // Keep what this node serves, and what the target brings to it (a bucket being
+            // pulled sits here before its flip).
+            let keep = |b: BucketId| {
+                state.map.owner_of(b) == Some(node_id)
+                    || state.target.as_ref().is_some_and(|t| t.owner_of(b) == Some(node_id))
+            };
             for bucket in BucketId::all() {
-                if state.map.owner_of(bucket) != Some(node_id) && cache.bucket_stats(bucket).0 > 0 {
+                if !keep(bucket) && cache.bucket_stats(bucket).0 > 0 {
                     dropped += cache.take_bucket(bucket).len();
                 }
             }

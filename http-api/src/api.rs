@@ -108,8 +108,8 @@ pub trait ShoalApi: Send + Sync + 'static {
     /// This node's own figures.
     fn node_stats(&self) -> NodeStats;
 
-    /// Makes member `node_id` leave the cluster.
-    fn leave(&self, node_id: NodeId) -> impl Future<Output = Result<LeaveOk, ApiError>> + Send;
+    /// Starts member `node_id`'s leave (with `force`, even while a transfer runs).
+    fn leave(&self, node_id: NodeId, force: bool) -> impl Future<Output = Result<LeaveOk, ApiError>> + Send;
 
     /// The readiness checks; ready when all pass.
     fn readiness(&self) -> Vec<Check>;

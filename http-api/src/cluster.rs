@@ -3,7 +3,8 @@
 
 use std::sync::Arc;
 
-use axum::extract::{Path, RawQuery, State};
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Path, Query, RawQuery, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -11,6 +12,7 @@ use shoal_raft::NodeId;
 
 use crate::api::ShoalApi;
 use crate::error::ApiError;
+use crate::kv::{flag, query};
 
 pub(crate) async fn cluster<N: ShoalApi>(State(node): State<Arc<N>>) -> Response {
     match node.cluster().await {
@@ -30,11 +32,26 @@ pub(crate) async fn node_stats<N: ShoalApi>(State(node): State<Arc<N>>) -> Respo
     Json(node.node_stats()).into_response()
 }
 
-pub(crate) async fn leave<N: ShoalApi>(State(node): State<Arc<N>>, Path(id): Path<String>) -> Response {
+/// Query of `POST /v1/cluster/nodes/{id}/leave`.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct LeaveQuery {
+    force: Option<String>,
+}
+
+pub(crate) async fn leave<N: ShoalApi>(
+    State(node): State<Arc<N>>,
+    Path(id): Path<String>,
+    q: Result<Query<LeaveQuery>, QueryRejection>,
+) -> Response {
     let Ok(id) = id.parse::<NodeId>() else {
         return ApiError::BadRequest(format!("node id must be a number, not {id:?}")).into_response();
     };
-    match node.leave(id).await {
+    let force = match query(q).and_then(|q| flag("force", q.force.as_deref())) {
+        Ok(f) => f,
+        Err(e) => return e.into_response(),
+    };
+    match node.leave(id, force).await {
         Ok(ok) => Json(ok).into_response(),
         Err(e) => e.into_response(),
     }

@@ -75,6 +75,10 @@ pub enum ApiError {
     /// The request conflicts with the cluster's state (for example: the last member leaves).
     #[error("{0}")]
     Conflict(String),
+    /// A transition or state transfer is running; membership changes wait (or use
+    /// `?force=true`).
+    #[error("membership change in progress: {0}")]
+    MembershipChangeInProgress(String),
     /// The node cannot serve now (no leader, not joined, owner unreachable, ...): retry.
     #[error("{detail}")]
     Unavailable {
@@ -116,7 +120,7 @@ impl ApiError {
             ApiError::NotFound | ApiError::UnknownResource(_) => StatusCode::NOT_FOUND,
             ApiError::PreconditionFailed { .. } => StatusCode::PRECONDITION_FAILED,
             ApiError::NotOwner { .. } => StatusCode::MISDIRECTED_REQUEST,
-            ApiError::Conflict(_) => StatusCode::CONFLICT,
+            ApiError::Conflict(_) | ApiError::MembershipChangeInProgress(_) => StatusCode::CONFLICT,
             ApiError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Redirect { .. } => StatusCode::TEMPORARY_REDIRECT,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
@@ -136,6 +140,7 @@ impl ApiError {
             ApiError::PreconditionFailed { .. } => "precondition_failed",
             ApiError::NotOwner { .. } => "not_owner",
             ApiError::Conflict(_) => "conflict",
+            ApiError::MembershipChangeInProgress(_) => "membership_change_in_progress",
             ApiError::Unavailable { code, .. } => code,
             ApiError::Redirect { .. } => "redirect",
             ApiError::MethodNotAllowed => "method_not_allowed",
@@ -177,6 +182,7 @@ impl ApiError {
             "not_owner" => ApiError::NotOwner { bucket: 0, map_version: problem.map_version.unwrap_or(0) },
             "item_too_large" => ApiError::ItemTooLarge(problem.detail.clone()),
             "conflict" => ApiError::Conflict(problem.detail.clone()),
+            "membership_change_in_progress" => ApiError::MembershipChangeInProgress(problem.detail.clone()),
             "no_leader" => ApiError::unavailable("no_leader", problem.detail.clone()),
             "not_ready" => ApiError::unavailable("not_ready", problem.detail.clone()),
             "owner_unreachable" => ApiError::unavailable("owner_unreachable", problem.detail.clone()),

@@ -70,7 +70,7 @@ pub(crate) fn query<T: Default>(q: Result<Query<T>, QueryRejection>) -> Result<T
     q.map(|Query(q)| q).map_err(|e| ApiError::BadRequest(format!("invalid query: {}", e.body_text())))
 }
 
-fn flag(name: &str, value: Option<&str>) -> Result<bool, ApiError> {
+pub(crate) fn flag(name: &str, value: Option<&str>) -> Result<bool, ApiError> {
     match value {
         None | Some("false") | Some("0") => Ok(false),
         Some("") | Some("true") | Some("1") => Ok(true),

@@ -28,7 +28,7 @@ use crate::types::*;
     ),
     components(schemas(
         Problem, PutOk, BulkKeys, BulkPut, BulkPutItem, BulkResults, KeyResult, KeyError, KeyList, FoundKey,
-        NodeFailure, Removed, ClusterView, MemberView, MapView, MapNode, NodeStats, LeaveOk
+        NodeFailure, Removed, ClusterView, MemberView, TransitionView, TransferSummary, MapView, MapNode, NodeStats, LeaveOk
     )),
     tags(
         (name = "keys", description = "Key operations, served by the owner of the key's bucket (any node forwards)"),
@@ -145,10 +145,11 @@ fn cluster() {}
 fn cluster_map() {}
 
 #[utoipa::path(post, path = "/v1/cluster/nodes/{id}/leave", tag = "cluster", summary = "Make a member leave",
-    params(("id" = u64, Path, description = "The member's id")),
-    responses((status = 200, description = "Left", body = LeaveOk),
+    params(("id" = u64, Path, description = "The member's id"),
+           ("force" = Option<bool>, Query, description = "Even while a transition or state transfer runs")),
+    responses((status = 200, description = "Leaving: its buckets move, then it stops", body = LeaveOk),
               (status = 404, description = "unknown_resource: not a member", body = Problem, content_type = "application/problem+json"),
-              (status = 409, description = "conflict: the last member", body = Problem, content_type = "application/problem+json")))]
+              (status = 409, description = "conflict (the last member) or membership_change_in_progress", body = Problem, content_type = "application/problem+json")))]
 fn leave() {}
 
 #[utoipa::path(get, path = "/v1/node", tag = "cluster", summary = "This node's own figures",

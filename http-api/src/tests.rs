@@ -146,7 +146,7 @@ impl ShoalApi for FakeNode {
         NodeStats { node_id: ME, items: 0, bytes: 0, limit_bytes: 0, map_version: 1 }
     }
 
-    async fn leave(&self, node_id: NodeId) -> Result<LeaveOk, ApiError> {
+    async fn leave(&self, node_id: NodeId, _force: bool) -> Result<LeaveOk, ApiError> {
         Err(ApiError::UnknownResource(format!("node {node_id} is not a member")))
     }
 

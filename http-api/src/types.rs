@@ -231,6 +231,9 @@ pub struct MemberView {
     pub buckets: usize,
     /// The member that holds its replica (none in a one-node cluster).
     pub replica_on: Option<NodeId>,
+    /// Leaving: it serves its buckets until they have moved, then it stops.
+    #[serde(default)]
+    pub leaving: bool,
     /// Items it holds (None when it did not answer).
     pub items: Option<u64>,
     /// Charged bytes it holds (None when it did not answer).
@@ -252,6 +255,32 @@ pub struct ClusterView {
     pub voters: u8,
     /// The members, in join order.
     pub members: Vec<MemberView>,
+    /// The membership change waiting for acknowledgements, if any.
+    pub transition: Option<TransitionView>,
+    /// The state transfer moving buckets, if any.
+    pub transfer: Option<TransferSummary>,
+}
+
+/// A transition in `GET /v1/cluster`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct TransitionView {
+    /// The serving map's version when it started.
+    pub from_version: u64,
+    /// The pending map's version.
+    pub to_version: u64,
+    /// The members that have applied the pending map.
+    pub acked: Vec<NodeId>,
+}
+
+/// A state transfer in `GET /v1/cluster`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct TransferSummary {
+    /// The target map's version.
+    pub target_version: u64,
+    /// Buckets still to move.
+    pub buckets_left: usize,
+    /// Whether membership changes wait for it (cleared by the stuck detector).
+    pub blocking: bool,
 }
 
 /// A node in `GET /v1/cluster/map`.

@@ -34,16 +34,60 @@ pub enum ClusterCommand {
         peer_addr: String,
     },
     /// A registered node, now a Raft learner that has caught up, becomes a member: it is
-    /// appended to the join order and the map is rebalanced to give it its share.
+    /// appended to the join order and a transition to a map that gives it its share starts.
     Admit {
         /// The id allocated by `Register`.
         node_id: NodeId,
+        /// Start even while another membership change or a transfer runs.
+        #[serde(default)]
+        force: bool,
     },
-    /// A member leaves: it is removed from the join order, its id is retired for good, and
-    /// the map is rebalanced over the remaining members.
+    /// A member starts leaving: a transition to a map without it starts; it keeps serving
+    /// its buckets until they have moved, then it is retired (its id never comes back).
     Remove {
         /// The member that leaves.
         node_id: NodeId,
+        /// Start even while another membership change or a transfer runs.
+        #[serde(default)]
+        force: bool,
+    },
+    /// A member has applied the pending map of the transition to `to_version`.
+    AckTransition {
+        /// The member.
+        node_id: NodeId,
+        /// The version of the pending map it applied.
+        to_version: u64,
+    },
+    /// Every member acknowledged: the pending map becomes the target and state transfer
+    /// starts (the leader commits this).
+    EndTransition {
+        /// The version of the pending map.
+        to_version: u64,
+    },
+    /// A bucket's data is now held by its new owner, which serves it from now on.
+    BucketMoved {
+        /// The bucket.
+        bucket: u16,
+        /// The node that served it.
+        from: NodeId,
+        /// The node that serves it now.
+        to: NodeId,
+        /// The bucket's move epoch when the transfer started; a move whose epoch is stale
+        /// (another move or an abort came first) is rejected.
+        epoch: u64,
+    },
+    /// Cancels whatever move of `bucket` started at `epoch` (its source gives up waiting).
+    AbortMove {
+        /// The bucket.
+        bucket: u16,
+        /// The epoch of the move to cancel.
+        epoch: u64,
+    },
+    /// The stuck-transfer detector clears the state-transfer flag so that membership may
+    /// change again; the buckets still to move stay in the target.
+    ClearTransferFlag {
+        /// Why, for the log.
+        reason: String,
     },
 }
 
@@ -66,6 +110,12 @@ pub enum CommandResponse {
     /// The command was not applicable to the current state, which is unchanged.
     Rejected {
         /// Why, for the operator.
+        reason: String,
+    },
+    /// A membership change was refused because another one, or a state transfer, is
+    /// running (retry later, or force it).
+    Busy {
+        /// What is running.
         reason: String,
     },
 }

@@ -301,8 +301,27 @@ impl ControlPlane {
                     other => Err(unexpected(other)),
                 }
             }
-            AdminRequest::Admit { node_id } => self.admit(node_id).await,
-            AdminRequest::Leave { node_id } => self.remove(node_id).await,
+            AdminRequest::Admit { node_id, force } => self.admit(node_id, force).await,
+            AdminRequest::Leave { node_id, force } => self.remove(node_id, force).await,
+            AdminRequest::Ack { node_id, to_version } => {
+                self.write(ClusterCommand::AckTransition { node_id, to_version }).await?;
+                self.end_transition_if_acked().await;
+                Ok(AdminResponse::Done)
+            }
+            AdminRequest::Moved { bucket, from, to, epoch } => {
+                match self.write(ClusterCommand::BucketMoved { bucket, from, to, epoch }).await? {
+                    CommandResponse::MapChanged { map_version } => Ok(AdminResponse::Moved { map_version }),
+                    other => Err(unexpected(other)),
+                }
+            }
+            AdminRequest::Abort { bucket, epoch } => {
+                self.write(ClusterCommand::AbortMove { bucket, epoch }).await?;
+                Ok(AdminResponse::Done)
+            }
+            AdminRequest::ClearTransferFlag { reason } => {
+                self.write(ClusterCommand::ClearTransferFlag { reason }).await?;
+                Ok(AdminResponse::Done)
+            }
         }
     }
 
@@ -318,11 +337,14 @@ impl ControlPlane {
             .map_err(|_| ControlError::ChangeInProgress)
     }
 
-    async fn admit(&self, node_id: NodeId) -> Result<AdminResponse, ControlError> {
+    async fn admit(&self, node_id: NodeId, force: bool) -> Result<AdminResponse, ControlError> {
         let _guard = self.lock_membership().await?;
         let state = self.state();
         if state.is_member(node_id) {
             return Ok(AdminResponse::Admitted { map_version: state.map.version });
+        }
+        if let Some(reason) = state.membership_busy().filter(|_| !force) {
+            return Err(ControlError::MembershipChangeInProgress { reason });
         }
         let Some(registration) = state.registered.get(&node_id) else {
             return Err(ControlError::Rejected {
@@ -332,7 +354,7 @@ impl ControlPlane {
         let node = MemberNode { api_addr: registration.api_addr.clone(), peer_addr: registration.peer_addr.clone() };
         self.inner.raft.add_learner(node_id, node, false).await.map_err(write_error)?;
         self.wait_caught_up(node_id).await?;
-        let map_version = match self.write(ClusterCommand::Admit { node_id }).await? {
+        let map_version = match self.write(ClusterCommand::Admit { node_id, force }).await? {
             CommandResponse::MapChanged { map_version } => map_version,
             other => return Err(unexpected(other)),
         };
@@ -343,13 +365,13 @@ impl ControlPlane {
         Ok(AdminResponse::Admitted { map_version })
     }
 
-    async fn remove(&self, node_id: NodeId) -> Result<AdminResponse, ControlError> {
+    async fn remove(&self, node_id: NodeId, force: bool) -> Result<AdminResponse, ControlError> {
         let _guard = self.lock_membership().await?;
         let state = self.state();
         if !state.is_member(node_id) && state.retired.contains(&node_id) {
             return Ok(AdminResponse::Left { map_version: state.map.version });
         }
-        let map_version = match self.write(ClusterCommand::Remove { node_id }).await? {
+        let map_version = match self.write(ClusterCommand::Remove { node_id, force }).await? {
             CommandResponse::MapChanged { map_version } => map_version,
             other => return Err(unexpected(other)),
         };
@@ -388,7 +410,19 @@ impl ControlPlane {
         let response = self.inner.raft.client_write(command).await.map_err(write_error)?;
         match response.data {
             CommandResponse::Rejected { reason } => Err(ControlError::Rejected { reason }),
+            CommandResponse::Busy { reason } => Err(ControlError::MembershipChangeInProgress { reason }),
             other => Ok(other),
+        }
+    }
+
+    /// On the leader: ends the pending transition once every member acknowledged it.
+    async fn end_transition_if_acked(&self) {
+        let state = self.state();
+        let Some(t) = state.transition.as_ref().filter(|_| state.transition_acked()) else { return };
+        let to_version = t.to.version;
+        match self.write(ClusterCommand::EndTransition { to_version }).await {
+            Ok(_) => tracing::info!(to_version, "transition ended; state transfer starts"),
+            Err(e) => tracing::debug!(error = %e, "ending the transition"),
         }
     }
 
@@ -460,21 +494,25 @@ impl ControlPlane {
         if let Err(e) = self.inner.raft.shutdown().await {
             tracing::warn!(error = %e, "raft shutdown");
         }
-        let _ = self.inner.db.flush_async().await;
+        let _ = crate::flush(&self.inner.db).await;
     }
 }
 
-/// Every second on the leader: finish whatever a membership change left undone.
+/// On the leader, after every applied change and at least every second: end a transition
+/// every member acknowledged, and finish whatever a membership change left undone.
 async fn reconcile_loop(inner: std::sync::Weak<Inner>) {
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut applied = match inner.upgrade() {
+        Some(inner) => inner.view.subscribe(),
+        None => return,
+    };
     loop {
-        tick.tick().await;
+        let _ = tokio::time::timeout(Duration::from_secs(1), applied.changed()).await;
         let Some(inner) = inner.upgrade() else { return };
         let control = ControlPlane { inner };
         if !control.is_leader() {
             continue;
         }
+        control.end_transition_if_acked().await;
         let Ok(_guard) = control.inner.membership_lock.try_lock() else {
             continue;
         };

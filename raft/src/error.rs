@@ -30,9 +30,16 @@ pub enum ControlError {
         /// Why, for the operator.
         reason: String,
     },
-    /// Another membership change is running; try again when it is done.
+    /// Raft is busy with another membership change (its joint consensus); try again soon.
     #[error("another membership change is in progress")]
     ChangeInProgress,
+    /// A transition or a state transfer is running; membership may change again when it is
+    /// done (or with `force`).
+    #[error("membership change in progress: {reason}")]
+    MembershipChangeInProgress {
+        /// What is running.
+        reason: String,
+    },
     /// A bounded wait ran out.
     #[error("timed out: {what}")]
     Timeout {

@@ -34,6 +34,19 @@ pub mod types;
 mod storage_suite;
 
 pub use command::{ClusterCommand, CommandResponse};
+
+/// Makes every earlier write of `db` durable.
+///
+/// sled's own `flush_async` runs the flush on sled's I/O thread pool, whose seven threads
+/// also write the log buffers the flush waits for: with a few flushes at once (several nodes
+/// in one process, or a busy node) every pool thread ends up waiting and nothing is left to
+/// write (seen as a hang in our tests). The flush therefore runs on tokio's blocking pool.
+pub(crate) async fn flush(db: &sled::Db) -> Result<usize, sled::Error> {
+    let db = db.clone();
+    tokio::task::spawn_blocking(move || db.flush())
+        .await
+        .unwrap_or_else(|e| Err(sled::Error::Io(std::io::Error::other(e))))
+}
 pub use control::{ControlConfig, ControlPlane};
 pub use distribution::{bucket_of, BucketId, DistributionMap, NodeId, BUCKET_COUNT};
 pub use error::ControlError;

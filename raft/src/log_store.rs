@@ -2,7 +2,7 @@
 //!
 //! One sled `Db` per node holds two trees of this store (`raft_log`: big-endian index →
 //! JSON entry; `raft_meta`: `vote`, `last_purged`, `committed`) and the state machine's
-//! tree. sled's flush is global, so one `flush_async` makes every earlier write of the
+//! tree. sled's flush is global, so one flush makes every earlier write of the
 //! whole `Db` durable; the vote and appended entries are flushed before they are
 //! acknowledged, as openraft requires.
 
@@ -46,7 +46,7 @@ impl SledLogStore {
     }
 
     async fn flush(&self, subject: ErrorSubject<u64>) -> Result<(), StorageError> {
-        self.db.flush_async().await.map_err(|e| io_err(subject, ErrorVerb::Write, &e))?;
+        crate::flush(&self.db).await.map_err(|e| io_err(subject, ErrorVerb::Write, &e))?;
         Ok(())
     }
 }
@@ -138,7 +138,7 @@ impl RaftLogStorage<TypeConfig> for SledLogStore {
                 .insert(index_key(entry.log_id.index), bytes)
                 .map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Write, &e))?;
         }
-        let flushed = self.db.flush_async().await.map(|_| ()).map_err(std::io::Error::other);
+        let flushed = crate::flush(&self.db).await.map(|_| ()).map_err(std::io::Error::other);
         callback.log_io_completed(flushed);
         Ok(())
     }

@@ -65,7 +65,7 @@ async fn update_stored(db: &sled::Db, tree: &sled::Tree, change: impl Fn(&mut St
             Err(e) => return Err(sm_err(ErrorVerb::Write, &e)),
         }
     }
-    db.flush_async().await.map_err(|e| sm_err(ErrorVerb::Write, &e))?;
+    crate::flush(db).await.map_err(|e| sm_err(ErrorVerb::Write, &e))?;
     Ok(())
 }
 

@@ -41,7 +41,7 @@ async fn vote_and_purge_watermark_survive_a_reopen() {
         let (db, mut log, _sm) = open(dir.path());
         log.save_vote(&vote).await.expect("save vote");
         log.purge(purged).await.expect("purge");
-        db.flush_async().await.expect("flush");
+        crate::flush(&db).await.expect("flush");
     }
     let (_db, mut log, mut sm) = open(dir.path());
     assert_eq!(log.read_vote().await.expect("read vote"), Some(vote));

@@ -1,7 +1,9 @@
 //! Cluster views, leave, readiness and the state gauges.
 
 use futures::future::join_all;
-use shoal_http_api::types::{Check, ClusterView, LeaveOk, MapNode, MapView, MemberView, NodeStats};
+use shoal_http_api::types::{
+    Check, ClusterView, LeaveOk, MapNode, MapView, MemberView, NodeStats, TransferSummary, TransitionView,
+};
 use shoal_http_api::ApiError;
 use shoal_raft::{AdminRequest, AdminResponse, ControlError, NodeId};
 
@@ -36,6 +38,7 @@ impl NodeApi {
                 role: if voters.contains(&m.id) { "voter" } else { "learner" }.to_string(),
                 buckets: counts.get(&m.id).copied().unwrap_or(0),
                 replica_on: state.replica_of(m.id),
+                leaving: m.leaving,
                 items: stats.as_ref().map(|s| s.items),
                 bytes: stats.as_ref().map(|s| s.bytes),
             })
@@ -47,6 +50,16 @@ impl NodeApi {
             map_version: state.map.version,
             voters: state.settings.voters,
             members,
+            transition: state.transition.as_ref().map(|t| TransitionView {
+                from_version: t.from_version,
+                to_version: t.to.version,
+                acked: t.acked.iter().copied().collect(),
+            }),
+            transfer: state.target.as_ref().map(|t| TransferSummary {
+                target_version: t.version,
+                buckets_left: state.map.moved_buckets(t).len(),
+                blocking: state.transfer_flag,
+            }),
         })
     }
 
@@ -74,13 +87,13 @@ impl NodeApi {
         }
     }
 
-    pub(super) async fn make_leave(&self, node_id: NodeId) -> Result<LeaveOk, ApiError> {
+    pub(super) async fn make_leave(&self, node_id: NodeId, force: bool) -> Result<LeaveOk, ApiError> {
         let state = self.control.state();
         if !state.is_member(node_id) {
             let why = if state.retired.contains(&node_id) { "has already left" } else { "is not a member" };
             return Err(ApiError::UnknownResource(format!("node {node_id} {why}")));
         }
-        match self.control.admin(AdminRequest::Leave { node_id }).await.map_err(control_error)? {
+        match self.control.admin(AdminRequest::Leave { node_id, force }).await.map_err(control_error)? {
             AdminResponse::Left { map_version } => Ok(LeaveOk { node_id, map_version }),
             other => Err(ApiError::Internal(format!("unexpected answer to leave: {other:?}"))),
         }
@@ -122,6 +135,7 @@ impl NodeApi {
 fn control_error(e: ControlError) -> ApiError {
     match e {
         ControlError::Rejected { reason } => ApiError::Conflict(reason),
+        ControlError::MembershipChangeInProgress { reason } => ApiError::MembershipChangeInProgress(reason),
         ControlError::NoLeader { detail } => ApiError::unavailable("no_leader", detail),
         ControlError::NotLeader { .. } | ControlError::ChangeInProgress | ControlError::Network { .. } => {
             ApiError::unavailable("unavailable", e.to_string())

@@ -283,8 +283,8 @@ impl ShoalApi for NodeApi {
         self.own_stats()
     }
 
-    async fn leave(&self, node_id: NodeId) -> Result<LeaveOk, ApiError> {
-        self.make_leave(node_id).await
+    async fn leave(&self, node_id: NodeId, force: bool) -> Result<LeaveOk, ApiError> {
+        self.make_leave(node_id, force).await
     }
 
     fn readiness(&self) -> Vec<Check> {

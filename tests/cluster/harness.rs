@@ -73,8 +73,32 @@ impl TestCluster {
         cluster
     }
 
-    /// Starts a new node that joins through the first running node; returns its slot.
+    /// Starts a new node that joins through the first running node, and waits until the
+    /// buckets it gets have moved; returns its slot.
     pub async fn add_node(&mut self) -> usize {
+        let slot = self.add_node_no_wait().await;
+        self.wait_settled().await;
+        slot
+    }
+
+    /// Waits until no transition or state transfer is running, as every node sees it.
+    pub async fn wait_settled(&self) {
+        let slots: Vec<usize> = self.running().collect();
+        wait_for("the cluster to settle", || async {
+            for &s in &slots {
+                let view = self.json(s, "/v1/cluster").await;
+                if !view["transition"].is_null() || !view["transfer"].is_null() {
+                    return None;
+                }
+            }
+            Some(())
+        })
+        .await;
+    }
+
+    /// Starts a new node that joins through the first running node; returns its slot as soon
+    /// as it is a member (its buckets may still be moving).
+    pub async fn add_node_no_wait(&mut self) -> usize {
         let slot = self.slots.len();
         let api = bind("127.0.0.1:0".parse().expect("addr")).await;
         let peer = bind("127.0.0.1:0".parse().expect("addr")).await;

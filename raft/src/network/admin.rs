@@ -26,11 +26,47 @@ pub enum AdminRequest {
     Admit {
         /// The id from step 1.
         node_id: NodeId,
+        /// Even while a transition or transfer runs.
+        #[serde(default)]
+        force: bool,
     },
-    /// Remove a member: its buckets are spread over the others and its id is retired.
+    /// Start a member's leave: its buckets move to the others, then its id is retired.
     Leave {
         /// The member that leaves.
         node_id: NodeId,
+        /// Even while a transition or transfer runs.
+        #[serde(default)]
+        force: bool,
+    },
+    /// A member applied the pending map of a transition.
+    Ack {
+        /// The member.
+        node_id: NodeId,
+        /// The pending map's version.
+        to_version: u64,
+    },
+    /// A bucket's new owner holds its data: flip the bucket to it.
+    Moved {
+        /// The bucket.
+        bucket: u16,
+        /// Its server so far.
+        from: NodeId,
+        /// Its new server.
+        to: NodeId,
+        /// Its move epoch when the transfer started.
+        epoch: u64,
+    },
+    /// Cancel the move of a bucket started at `epoch`.
+    Abort {
+        /// The bucket.
+        bucket: u16,
+        /// The move's epoch.
+        epoch: u64,
+    },
+    /// Clear the state-transfer flag (the stuck detector).
+    ClearTransferFlag {
+        /// Why.
+        reason: String,
     },
 }
 
@@ -50,9 +86,17 @@ pub enum AdminResponse {
         /// The map version that includes the new member.
         map_version: u64,
     },
-    /// The node left; the map now has this version.
+    /// The node is leaving: the pending map without it has this version; the node stops
+    /// once its buckets have moved.
     Left {
-        /// The map version without the member.
+        /// The version of the pending map without the member.
+        map_version: u64,
+    },
+    /// The request was applied; nothing to report.
+    Done,
+    /// The bucket moved; the serving map has this version.
+    Moved {
+        /// The serving map's version.
         map_version: u64,
     },
 }

@@ -1,0 +1,104 @@
+//! Membership commands: bootstrap, register, admit, remove.
+
+use super::{rejected, ClusterState, Member, Registration, Transition};
+use crate::command::CommandResponse;
+use crate::distribution::{rebalance, DistributionMap, NodeId};
+
+impl ClusterState {
+    pub(super) fn bootstrap(
+        &mut self,
+        cluster_id: &str,
+        node_id: NodeId,
+        api_addr: &str,
+        peer_addr: &str,
+        voters: u8,
+    ) -> CommandResponse {
+        if self.cluster_id.is_some() {
+            return rejected("the cluster is already bootstrapped");
+        }
+        self.cluster_id = Some(cluster_id.to_string());
+        self.settings.voters = voters;
+        self.members = vec![Member {
+            id: node_id,
+            api_addr: api_addr.into(),
+            peer_addr: peer_addr.into(),
+            join_seq: 1,
+            leaving: false,
+        }];
+        self.next_node_id = node_id + 1;
+        self.next_join_seq = 2;
+        self.map = DistributionMap::single(node_id);
+        CommandResponse::MapChanged { map_version: self.map.version }
+    }
+
+    pub(super) fn register(&mut self, api_addr: &str, peer_addr: &str) -> CommandResponse {
+        if self.cluster_id.is_none() {
+            return rejected("the cluster is not bootstrapped");
+        }
+        if let Some(m) = self.members.iter().find(|m| m.api_addr == api_addr || m.peer_addr == peer_addr) {
+            return rejected(&format!("address already used by member {}", m.id));
+        }
+        // A joiner that crashed and registers again gets a fresh id; drop its old one.
+        self.registered.retain(|_, r| r.api_addr != api_addr && r.peer_addr != peer_addr);
+        let node_id = self.next_node_id;
+        self.next_node_id += 1;
+        self.registered.insert(node_id, Registration { api_addr: api_addr.into(), peer_addr: peer_addr.into() });
+        CommandResponse::Registered { node_id }
+    }
+
+    pub(super) fn admit(&mut self, node_id: NodeId, force: bool) -> CommandResponse {
+        if self.is_member(node_id) {
+            return CommandResponse::MapChanged { map_version: self.map.version };
+        }
+        if !self.registered.contains_key(&node_id) {
+            return rejected(&format!("node {node_id} is not registered"));
+        }
+        if let Some(reason) = self.membership_busy().filter(|_| !force) {
+            return CommandResponse::Busy { reason };
+        }
+        let Some(reg) = self.registered.remove(&node_id) else { return rejected("unreachable") };
+        self.members.push(Member {
+            id: node_id,
+            api_addr: reg.api_addr,
+            peer_addr: reg.peer_addr,
+            join_seq: self.next_join_seq,
+            leaving: false,
+        });
+        self.next_join_seq += 1;
+        self.begin_transition()
+    }
+
+    pub(super) fn remove(&mut self, node_id: NodeId, force: bool) -> CommandResponse {
+        let Some(member) = self.member_of(node_id) else {
+            self.registered.remove(&node_id);
+            return rejected(&format!("node {node_id} is not a member"));
+        };
+        if member.leaving {
+            return CommandResponse::MapChanged { map_version: self.map.version };
+        }
+        if self.active_ids().len() == 1 {
+            return rejected("the last member cannot leave");
+        }
+        if let Some(reason) = self.membership_busy().filter(|_| !force) {
+            return CommandResponse::Busy { reason };
+        }
+        if let Some(m) = self.members.iter_mut().find(|m| m.id == node_id) {
+            m.leaving = true;
+        }
+        self.begin_transition()
+    }
+
+    /// Starts a transition to a map for the active members, made from the newest map
+    /// there is (pending, target, or serving) so that buckets already on their way keep
+    /// going where they were going.
+    fn begin_transition(&mut self) -> CommandResponse {
+        let base = self.transition.as_ref().map(|t| &t.to).or(self.target.as_ref()).unwrap_or(&self.map);
+        let mut to = rebalance(base, &self.active_ids());
+        // Pending maps get versions above every map seen, so a version names one map.
+        to.version = self.map.version.max(base.version) + 1;
+        self.transition =
+            Some(Transition { from_version: self.map.version, to: to.clone(), acked: Default::default() });
+        self.transfer_flag = true;
+        CommandResponse::MapChanged { map_version: to.version }
+    }
+}

@@ -1,0 +1,205 @@
+//! The replicated control-plane state and the pure function that applies commands to it.
+//!
+//! [`ClusterState`] is what every node agrees on through Raft: the cluster's identity and
+//! settings, the members in join order, the ids that are retired, the map of who serves each
+//! bucket now, and — while membership changes — the pending map of a transition and the
+//! target map that state transfer is moving buckets towards. [`ClusterState::apply`] is
+//! deterministic, so every node that applies the same log reaches the same state. The views
+//! (`replica_of`, `desired_voters`, `incoming_of`) are derived from it, never stored, so they
+//! cannot disagree with it.
+//!
+//! # Layout
+//! - `membership.rs`: bootstrap, register, admit, remove.
+//! - `transfer.rs`: the transition (acks, end), bucket moves, completion.
+
+mod membership;
+#[cfg(test)]
+mod tests;
+mod transfer;
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+
+use crate::command::{ClusterCommand, CommandResponse};
+use crate::distribution::{BucketId, DistributionMap, NodeId};
+
+/// A member of the cluster.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Member {
+    /// The member's id.
+    pub id: NodeId,
+    /// Its client API address.
+    pub api_addr: String,
+    /// Its internal (Raft and node-to-node) address.
+    pub peer_addr: String,
+    /// Its position in join order, counted over the whole life of the cluster (1 for the
+    /// first member); increases with every admission, never reused.
+    pub join_seq: u64,
+    /// Leaving: it owns nothing in the pending or target map, serves its buckets until they
+    /// have moved, and is retired once it serves none.
+    #[serde(default)]
+    pub leaving: bool,
+}
+
+/// A node that registered (has an id) but is not a member yet.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Registration {
+    /// Its client API address.
+    pub api_addr: String,
+    /// Its internal address.
+    pub peer_addr: String,
+}
+
+/// Settings fixed when the cluster is bootstrapped.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct ClusterSettings {
+    /// How many members vote in Raft: the first `voters` members in join order.
+    pub voters: u8,
+}
+
+/// A membership change waiting for every member to apply its pending map (R34).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Transition {
+    /// The serving map's version when the transition started.
+    pub from_version: u64,
+    /// The pending map.
+    pub to: DistributionMap,
+    /// The members that have applied it.
+    pub acked: BTreeSet<NodeId>,
+}
+
+/// The control-plane state replicated by Raft.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct ClusterState {
+    /// The cluster's id; `None` until the `Bootstrap` entry is applied.
+    pub cluster_id: Option<String>,
+    /// Settings from the bootstrap.
+    pub settings: ClusterSettings,
+    /// The members, in join order (leaving ones included until retired).
+    pub members: Vec<Member>,
+    /// Nodes that registered and are waiting to be admitted.
+    pub registered: BTreeMap<NodeId, Registration>,
+    /// Ids of members that left; they are never reused and such a node may not come back.
+    pub retired: BTreeSet<NodeId>,
+    /// The id the next `Register` allocates.
+    pub next_node_id: NodeId,
+    /// The join sequence the next `Admit` assigns.
+    pub next_join_seq: u64,
+    /// Who serves each bucket now. Its version increases with every change, including each
+    /// bucket that moves.
+    pub map: DistributionMap,
+    /// The membership change whose pending map members are acknowledging, if any.
+    #[serde(default)]
+    pub transition: Option<Transition>,
+    /// Where state transfer is moving buckets, if it is not done.
+    #[serde(default)]
+    pub target: Option<DistributionMap>,
+    /// The state-transfer flag: set from the start of a transition until the transfer is
+    /// complete (or the stuck detector clears it); membership changes wait while it is set.
+    #[serde(default)]
+    pub transfer_flag: bool,
+    /// Per bucket, how many moves or aborts it has seen: a move proposed against an older
+    /// epoch is stale and rejected. Missing means 0.
+    #[serde(default)]
+    pub bucket_epochs: BTreeMap<u16, u64>,
+}
+
+impl ClusterState {
+    /// Applies one command. Deterministic; a command that does not fit the state is
+    /// answered with [`CommandResponse::Rejected`] (or `Busy`) and changes nothing.
+    pub fn apply(&mut self, command: &ClusterCommand) -> CommandResponse {
+        match command {
+            ClusterCommand::Bootstrap { cluster_id, node_id, api_addr, peer_addr, voters } => {
+                self.bootstrap(cluster_id, *node_id, api_addr, peer_addr, *voters)
+            }
+            ClusterCommand::Register { api_addr, peer_addr } => self.register(api_addr, peer_addr),
+            ClusterCommand::Admit { node_id, force } => self.admit(*node_id, *force),
+            ClusterCommand::Remove { node_id, force } => self.remove(*node_id, *force),
+            ClusterCommand::AckTransition { node_id, to_version } => self.ack_transition(*node_id, *to_version),
+            ClusterCommand::EndTransition { to_version } => self.end_transition(*to_version),
+            ClusterCommand::BucketMoved { bucket, from, to, epoch } => self.bucket_moved(*bucket, *from, *to, *epoch),
+            ClusterCommand::AbortMove { bucket, epoch } => self.abort_move(*bucket, *epoch),
+            ClusterCommand::ClearTransferFlag { .. } => {
+                self.transfer_flag = false;
+                CommandResponse::Done
+            }
+        }
+    }
+
+    /// Whether `id` is a current member (leaving ones included).
+    pub fn is_member(&self, id: NodeId) -> bool {
+        self.members.iter().any(|m| m.id == id)
+    }
+
+    /// The member with id `id`.
+    pub fn member_of(&self, id: NodeId) -> Option<&Member> {
+        self.members.iter().find(|m| m.id == id)
+    }
+
+    /// The member ids in join order (leaving ones included).
+    pub fn member_ids(&self) -> Vec<NodeId> {
+        self.members.iter().map(|m| m.id).collect()
+    }
+
+    /// The members that are not leaving, in join order: the ones maps are made for.
+    pub fn active_ids(&self) -> Vec<NodeId> {
+        self.members.iter().filter(|m| !m.leaving).map(|m| m.id).collect()
+    }
+
+    /// The member that holds `id`'s replica: the next active member in join order, the
+    /// first for the last one (R13). `None` in a one-node cluster or for a non-member.
+    pub fn replica_of(&self, id: NodeId) -> Option<NodeId> {
+        let active = self.active_ids();
+        if active.len() < 2 {
+            return None;
+        }
+        let pos = active.iter().position(|&m| m == id)?;
+        Some(active[(pos + 1) % active.len()])
+    }
+
+    /// The members that should vote in Raft: the first `settings.voters` active members in
+    /// join order.
+    pub fn desired_voters(&self) -> BTreeSet<NodeId> {
+        self.active_ids().into_iter().take(usize::from(self.settings.voters.max(1))).collect()
+    }
+
+    /// Whether a membership change must wait: a transition or a transfer is running.
+    pub fn membership_busy(&self) -> Option<String> {
+        if let Some(t) = &self.transition {
+            return Some(format!(
+                "a transition to map version {} is waiting for {} of {} members",
+                t.to.version,
+                self.members.len() - t.acked.len(),
+                self.members.len()
+            ));
+        }
+        if self.transfer_flag {
+            let left = self.target.as_ref().map_or(0, |t| self.map.moved_buckets(t).len());
+            return Some(format!("state transfer is moving {left} buckets"));
+        }
+        None
+    }
+
+    /// The buckets `node` should receive: the target gives them to it, another node serves
+    /// them now. Each comes with its current server and move epoch.
+    pub fn incoming_of(&self, node: NodeId) -> Vec<(BucketId, NodeId, u64)> {
+        let Some(target) = &self.target else { return Vec::new() };
+        BucketId::all()
+            .filter_map(|b| {
+                let to = target.owner_of(b)?;
+                let from = self.map.owner_of(b)?;
+                (to == node && from != node).then(|| (b, from, self.epoch_of(b)))
+            })
+            .collect()
+    }
+
+    /// The move epoch of `bucket`.
+    pub fn epoch_of(&self, bucket: BucketId) -> u64 {
+        self.bucket_epochs.get(&bucket.0).copied().unwrap_or(0)
+    }
+}
+
+fn rejected(reason: &str) -> CommandResponse {
+    CommandResponse::Rejected { reason: reason.to_string() }
+}

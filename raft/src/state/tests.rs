@@ -1,0 +1,245 @@
+//! `ClusterState::apply`: membership, transitions, moves, and their invariants.
+
+use std::collections::BTreeSet;
+
+use super::*;
+use crate::distribution::BUCKET_COUNT;
+
+fn bootstrapped(voters: u8) -> ClusterState {
+    let mut s = ClusterState::default();
+    s.apply(&ClusterCommand::Bootstrap {
+        cluster_id: "c".into(),
+        node_id: 1,
+        api_addr: "a1".into(),
+        peer_addr: "p1".into(),
+        voters,
+    });
+    s
+}
+
+/// Acks the pending transition from every member and ends it.
+fn settle_transition(s: &mut ClusterState) {
+    let to_version = s.transition.as_ref().expect("a pending transition").to.version;
+    for id in s.member_ids() {
+        assert_eq!(s.apply(&ClusterCommand::AckTransition { node_id: id, to_version }), CommandResponse::Done);
+    }
+    assert!(s.transition_acked());
+    assert!(matches!(s.apply(&ClusterCommand::EndTransition { to_version }), CommandResponse::MapChanged { .. }));
+}
+
+/// Moves every bucket the target gives away, as the receivers would.
+fn move_everything(s: &mut ClusterState) {
+    for id in s.member_ids() {
+        for (bucket, from, epoch) in s.incoming_of(id) {
+            let r = s.apply(&ClusterCommand::BucketMoved { bucket: bucket.0, from, to: id, epoch });
+            assert!(matches!(r, CommandResponse::MapChanged { .. }), "{r:?}");
+        }
+    }
+}
+
+fn join(s: &mut ClusterState, n: u32) -> NodeId {
+    let CommandResponse::Registered { node_id } =
+        s.apply(&ClusterCommand::Register { api_addr: format!("a{n}"), peer_addr: format!("p{n}") })
+    else {
+        panic!("register failed")
+    };
+    assert!(matches!(s.apply(&ClusterCommand::Admit { node_id, force: false }), CommandResponse::MapChanged { .. }));
+    settle_transition(s);
+    move_everything(s);
+    node_id
+}
+
+fn leave(s: &mut ClusterState, node_id: NodeId) {
+    assert!(matches!(s.apply(&ClusterCommand::Remove { node_id, force: false }), CommandResponse::MapChanged { .. }));
+    settle_transition(s);
+    move_everything(s);
+}
+
+fn counts(s: &ClusterState) -> Vec<usize> {
+    let mut c: Vec<usize> = s.map.counts().into_values().collect();
+    c.sort();
+    c
+}
+
+#[test]
+fn a_join_keeps_the_stable_map_until_every_member_acknowledged() {
+    let mut s = bootstrapped(3);
+    let CommandResponse::Registered { node_id } =
+        s.apply(&ClusterCommand::Register { api_addr: "a2".into(), peer_addr: "p2".into() })
+    else {
+        panic!()
+    };
+    let before = s.map.clone();
+    s.apply(&ClusterCommand::Admit { node_id, force: false });
+    assert_eq!(s.map, before, "clients keep the stable map during the transition");
+    assert!(s.target.is_none() && s.transfer_flag);
+    let to_version = s.transition.as_ref().map(|t| t.to.version).unwrap_or_default();
+    s.apply(&ClusterCommand::AckTransition { node_id: 1, to_version });
+    assert!(!s.transition_acked(), "node 2 has not acknowledged yet");
+    assert!(matches!(
+        s.apply(&ClusterCommand::AckTransition { node_id: 1, to_version: 99 }),
+        CommandResponse::Rejected { .. }
+    ));
+    s.apply(&ClusterCommand::AckTransition { node_id, to_version });
+    s.apply(&ClusterCommand::EndTransition { to_version });
+    assert_eq!(s.map, before, "ending the transition moves no bucket by itself");
+    assert_eq!(s.incoming_of(node_id).len(), 500);
+    move_everything(&mut s);
+    assert_eq!(counts(&s), vec![500, 500]);
+    assert!(s.target.is_none() && !s.transfer_flag && s.transition.is_none());
+}
+
+#[test]
+fn every_move_bumps_the_serving_map_version() {
+    let mut s = bootstrapped(3);
+    let v = s.map.version;
+    join(&mut s, 2);
+    assert_eq!(s.map.version, v + 500);
+}
+
+#[test]
+fn stale_and_aborted_moves_are_rejected() {
+    let mut s = bootstrapped(3);
+    let CommandResponse::Registered { node_id } =
+        s.apply(&ClusterCommand::Register { api_addr: "a2".into(), peer_addr: "p2".into() })
+    else {
+        panic!()
+    };
+    s.apply(&ClusterCommand::Admit { node_id, force: false });
+    let (bucket, from, epoch) = {
+        let before_end = s.incoming_of(node_id);
+        assert!(before_end.is_empty(), "nothing moves before the transition ends");
+        settle_transition(&mut s);
+        s.incoming_of(node_id)[0]
+    };
+    assert!(matches!(
+        s.apply(&ClusterCommand::BucketMoved { bucket: bucket.0, from, to: node_id, epoch: epoch + 1 }),
+        CommandResponse::Rejected { .. }
+    ));
+    assert_eq!(s.apply(&ClusterCommand::AbortMove { bucket: bucket.0, epoch }), CommandResponse::Done);
+    let late = s.apply(&ClusterCommand::BucketMoved { bucket: bucket.0, from, to: node_id, epoch });
+    assert!(matches!(late, CommandResponse::Rejected { .. }), "a move started before the abort is dead: {late:?}");
+    assert_eq!(s.map.owner_of(bucket), Some(from));
+    let retry = s.apply(&ClusterCommand::BucketMoved { bucket: bucket.0, from, to: node_id, epoch: epoch + 1 });
+    assert!(matches!(retry, CommandResponse::MapChanged { .. }));
+    assert!(
+        matches!(
+            s.apply(&ClusterCommand::BucketMoved { bucket: bucket.0, from, to: node_id, epoch: epoch + 2 }),
+            CommandResponse::Rejected { .. }
+        ),
+        "a bucket moves once"
+    );
+}
+
+#[test]
+fn membership_changes_wait_for_a_running_transfer_unless_forced() {
+    let mut s = bootstrapped(3);
+    let reg = |s: &mut ClusterState, n: u32| match s
+        .apply(&ClusterCommand::Register { api_addr: format!("a{n}"), peer_addr: format!("p{n}") })
+    {
+        CommandResponse::Registered { node_id } => node_id,
+        other => panic!("{other:?}"),
+    };
+    let two = reg(&mut s, 2);
+    let three = reg(&mut s, 3);
+    s.apply(&ClusterCommand::Admit { node_id: two, force: false });
+    assert!(matches!(s.apply(&ClusterCommand::Admit { node_id: three, force: false }), CommandResponse::Busy { .. }));
+    assert!(!s.is_member(three), "a refused change changes nothing");
+    settle_transition(&mut s);
+    assert!(matches!(s.apply(&ClusterCommand::Remove { node_id: 1, force: false }), CommandResponse::Busy { .. }));
+    // Forced: the new pending map starts from the target, so moves in flight stay valid.
+    assert!(matches!(
+        s.apply(&ClusterCommand::Admit { node_id: three, force: true }),
+        CommandResponse::MapChanged { .. }
+    ));
+    settle_transition(&mut s);
+    move_everything(&mut s);
+    assert_eq!(counts(&s), vec![333, 333, 334]);
+    assert!(!s.transfer_flag);
+    // The stuck detector can clear the flag while buckets remain to move.
+    let four = reg(&mut s, 4);
+    s.apply(&ClusterCommand::Admit { node_id: four, force: false });
+    settle_transition(&mut s);
+    assert!(s.membership_busy().is_some());
+    s.apply(&ClusterCommand::ClearTransferFlag { reason: "stuck".into() });
+    assert!(s.membership_busy().is_none());
+    assert!(s.target.is_some(), "the target stays: transfer may still finish");
+}
+
+#[test]
+fn a_leaving_member_serves_until_its_buckets_moved_then_is_retired() {
+    let mut s = bootstrapped(3);
+    join(&mut s, 2);
+    join(&mut s, 3);
+    s.apply(&ClusterCommand::Remove { node_id: 2, force: false });
+    assert!(s.is_member(2) && s.member_of(2).is_some_and(|m| m.leaving));
+    assert_eq!(s.replica_of(1), Some(3), "replica placement skips the leaver");
+    settle_transition(&mut s);
+    assert!(s.is_member(2), "still serving");
+    let owned_by_2 = s.map.buckets_of(2).len();
+    assert!(owned_by_2 > 0);
+    move_everything(&mut s);
+    assert!(!s.is_member(2) && s.retired.contains(&2));
+    assert_eq!(counts(&s), vec![500, 500]);
+    assert!(matches!(s.apply(&ClusterCommand::Admit { node_id: 2, force: true }), CommandResponse::Rejected { .. }));
+}
+
+#[test]
+fn replica_on_follows_join_order_and_wraps_to_the_first() {
+    let mut s = bootstrapped(3);
+    assert_eq!(s.replica_of(1), None);
+    join(&mut s, 2);
+    join(&mut s, 3);
+    assert_eq!((s.replica_of(1), s.replica_of(2), s.replica_of(3)), (Some(2), Some(3), Some(1)));
+    leave(&mut s, 2);
+    assert_eq!((s.replica_of(1), s.replica_of(3)), (Some(3), Some(1)));
+}
+
+#[test]
+fn ids_are_never_reused_and_retired_ids_cannot_be_admitted() {
+    let mut s = bootstrapped(3);
+    let two = join(&mut s, 2);
+    leave(&mut s, two);
+    let three = join(&mut s, 3);
+    assert!(three > two);
+    assert!(matches!(s.apply(&ClusterCommand::Admit { node_id: two, force: false }), CommandResponse::Rejected { .. }));
+    assert!(s.retired.contains(&two));
+}
+
+#[test]
+fn the_oldest_learner_becomes_a_voter_when_a_voter_leaves() {
+    let mut s = bootstrapped(3);
+    for n in 2..=6 {
+        join(&mut s, n);
+    }
+    assert_eq!(s.desired_voters(), BTreeSet::from([1, 2, 3]));
+    s.apply(&ClusterCommand::Remove { node_id: 2, force: false });
+    assert_eq!(s.desired_voters(), BTreeSet::from([1, 3, 4]), "demoted as soon as it starts leaving");
+}
+
+#[test]
+fn the_last_member_cannot_leave_and_rejections_change_nothing() {
+    let mut s = bootstrapped(3);
+    let before = s.clone();
+    assert!(matches!(s.apply(&ClusterCommand::Remove { node_id: 1, force: true }), CommandResponse::Rejected { .. }));
+    assert!(matches!(s.apply(&ClusterCommand::Admit { node_id: 9, force: true }), CommandResponse::Rejected { .. }));
+    assert!(matches!(s.apply(&ClusterCommand::EndTransition { to_version: 2 }), CommandResponse::Rejected { .. }));
+    assert_eq!(s, before);
+}
+
+#[test]
+fn maps_stay_valid_through_joins_and_leaves() {
+    let mut s = bootstrapped(3);
+    let mut ids = vec![1];
+    for n in 2..=7 {
+        ids.push(join(&mut s, n));
+        s.map.check(&s.member_ids()).expect("valid");
+        assert_eq!(s.map.owners.len(), BUCKET_COUNT);
+    }
+    for id in [3, 1, 6] {
+        leave(&mut s, id);
+        s.map.check(&s.member_ids()).expect("valid");
+        let c = counts(&s);
+        assert!(c[c.len() - 1] - c[0] <= 1, "{c:?}");
+    }
+}
