@@ -86,6 +86,18 @@ pub struct ServeConfig {
     #[arg(long, env = "SHOAL_VOTERS", default_value = "3", value_parser = parse_voters)]
     pub voters: u8,
 
+    /// Buckets pulled at once during state transfer.
+    #[arg(long, env = "SHOAL_TRANSFER_PARALLELISM", default_value_t = 1)]
+    pub transfer_parallelism: usize,
+
+    /// Most bytes per second one bucket transfer sends (e.g. 50MB; 0: unlimited).
+    #[arg(long, env = "SHOAL_TRANSFER_RATE", default_value = "0", value_parser = parse_size)]
+    pub transfer_rate: u64,
+
+    /// Connect timeout of node-to-node connections; 2 more attempts follow, 2 s apart (5s–30s).
+    #[arg(long, env = "SHOAL_RECONNECT_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub reconnect_timeout: Duration,
+
     /// Threads serving requests [default: one per core].
     #[arg(long, env = "SHOAL_WORKER_THREADS")]
     pub worker_threads: Option<usize>,
@@ -109,6 +121,16 @@ impl ServeConfig {
         config.data_dir = data_dir;
         config.cache_size = 64 * 1024 * 1024;
         config
+    }
+
+    /// How state transfer runs.
+    pub fn transfer_config(&self) -> crate::transfer::TransferConfig {
+        crate::transfer::TransferConfig {
+            parallelism: self.transfer_parallelism,
+            rate_bytes_per_sec: self.transfer_rate,
+            reconnect_timeout: self.reconnect_timeout,
+            ..Default::default()
+        }
     }
 
     /// The peer listen address: as given, or the API host with port + 10000.
@@ -135,6 +157,15 @@ impl ServeConfig {
         }
         if self.cache_size < 1024 * 1024 {
             return Err("--cache-size must be at least 1MiB".into());
+        }
+        if !(Duration::from_secs(5)..=Duration::from_secs(30)).contains(&self.reconnect_timeout) {
+            return Err(format!(
+                "--reconnect-timeout must be between 5s and 30s, not {}",
+                humantime::format_duration(self.reconnect_timeout)
+            ));
+        }
+        if self.transfer_parallelism == 0 || self.transfer_parallelism > 64 {
+            return Err("--transfer-parallelism must be between 1 and 64".into());
         }
         if self.worker_threads == Some(0) {
             return Err("--worker-threads must be at least 1".into());
@@ -268,5 +299,10 @@ mod tests {
         assert_eq!(c.validate(), Err("--advertise is required when listening on 0.0.0.0".into()));
         let c = serve(&["--listen", "127.0.0.1:60000"]).expect("parse");
         assert!(c.validate().expect_err("port overflow").contains("--peer-listen"));
+        for bad in ["4s", "31s"] {
+            let c = serve(&["--reconnect-timeout", bad]).expect("parse");
+            assert!(c.validate().expect_err("out of range").contains("between 5s and 30s"), "{bad}");
+        }
+        assert!(serve(&["--reconnect-timeout", "30s"]).expect("parse").validate().is_ok());
     }
 }

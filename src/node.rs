@@ -34,7 +34,8 @@ use crate::identity::Identity;
 use crate::join::Joiner;
 use crate::metrics::NodeMetrics;
 use crate::proxy::NodeApi;
-use crate::transfer::Transfers;
+use crate::transfer::progress::Progress;
+use crate::transfer::{self, Transfers};
 
 /// Why a node could not start.
 #[derive(Debug, thiserror::Error)]
@@ -198,10 +199,18 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
         max_value_bytes: config.max_value_bytes as usize,
         ..Limits::default()
     };
-    let api = Arc::new(NodeApi::new(control.clone(), cache.clone(), limits, metrics.clone()));
+    let transfer_config = config.transfer_config();
+    let progress = Arc::new(Progress::default());
+    let api = Arc::new(NodeApi::new(control.clone(), cache.clone(), limits, metrics.clone(), progress.clone()));
     let (shutdown, _) = watch::channel(false);
+    let peer_router = shoal_raft::peer_router(control.clone()).merge(transfer::peer_routes(
+        control.clone(),
+        cache.clone(),
+        transfer_config,
+        progress.clone(),
+    ));
     let servers = vec![
-        http_server::serve(listeners.peer, shoal_raft::peer_router(control.clone()), shutdown.subscribe()),
+        http_server::serve(listeners.peer, peer_router, shutdown.subscribe()),
         http_server::serve(listeners.api, shoal_http_api::router(api), shutdown.subscribe()),
     ];
     let handle = NodeHandle {
@@ -221,7 +230,7 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
         return Err(e);
     }
     let mut handle = handle;
-    handle.transfers = Some(Transfers::start(control.clone(), cache.clone()));
+    handle.transfers = Some(Transfers::start(control.clone(), cache.clone(), transfer_config, progress));
     handle.tasks.push(tokio::spawn(sweep_expired(cache.clone())));
     handle.tasks.push(tokio::spawn(metrics_upkeep(metrics)));
     handle.tasks.push(tokio::spawn(follow_map(
@@ -353,7 +362,7 @@ async fn follow_map(
                 }
             }
             if dropped > 0 {
-                tracing::warn!(
+                tracing::debug!(
                     node_id,
                     map_version = owned_version,
                     dropped,

@@ -19,7 +19,8 @@ use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use shoal_http_api::types::{
-    BulkKeys, BulkPut, BulkPutItem, BulkResults, GetOk, KeyList, NodeStats, PutOk, Removed, WriteCondition,
+    BulkKeys, BulkPut, BulkPutItem, BulkResults, GetOk, KeyList, NodeStats, PutOk, Removed, TransferStatus,
+    WriteCondition,
 };
 use shoal_http_api::{
     ApiError, Problem, PutItem, HEADER_BUCKET, HEADER_FORWARDED_MAP_VERSION, HEADER_NODE, HEADER_SCOPE,
@@ -220,6 +221,13 @@ impl PeerClient {
     pub async fn remove_tagged(&self, api_addr: &str, tag: &str) -> Result<Removed, ApiError> {
         let path = format!("/v1/tags/{}", utf8_percent_encode(tag, SEGMENT));
         self.call_json(Method::DELETE, api_addr, &path, &Self::local_scope(), Bytes::new()).await
+    }
+
+    /// One member's transfer status, from its peer listener.
+    pub async fn transfer_status(&self, peer_addr: &str) -> Result<TransferStatus, ApiError> {
+        let answer =
+            self.call_ok(Method::GET, peer_addr, "/internal/transfer/status", &[], Bytes::new(), STATS_TIMEOUT).await?;
+        serde_json::from_slice(&answer.body).map_err(|e| ApiError::Internal(e.to_string()))
     }
 
     /// One member's own figures, with a short timeout (for `GET /v1/cluster`).

@@ -9,6 +9,7 @@ use shoal_raft::NodeId;
 use crate::error::ApiError;
 use crate::types::{
     Check, ClusterView, GetOk, KeyList, LeaveOk, MapView, NodeStats, PutOk, PutOptions, Removed, RouteContext, Scope,
+    TransferView,
 };
 
 /// A validated write of one item (from `PUT /v1/kv/{key}` or one entry of a bulk put).
@@ -104,6 +105,9 @@ pub trait ShoalApi: Send + Sync + 'static {
 
     /// The distribution map.
     fn map(&self) -> Result<MapView, ApiError>;
+
+    /// The state transfer as every member reports it.
+    fn transfer(&self) -> impl Future<Output = Result<TransferView, ApiError>> + Send;
 
     /// This node's own figures.
     fn node_stats(&self) -> NodeStats;

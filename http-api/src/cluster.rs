@@ -28,6 +28,13 @@ pub(crate) async fn map<N: ShoalApi>(State(node): State<Arc<N>>) -> Response {
     }
 }
 
+pub(crate) async fn transfer<N: ShoalApi>(State(node): State<Arc<N>>) -> Response {
+    match node.transfer().await {
+        Ok(view) => Json(view).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
 pub(crate) async fn node_stats<N: ShoalApi>(State(node): State<Arc<N>>) -> Response {
     Json(node.node_stats()).into_response()
 }

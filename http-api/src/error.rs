@@ -188,6 +188,7 @@ impl ApiError {
             "owner_unreachable" => ApiError::unavailable("owner_unreachable", problem.detail.clone()),
             "unavailable" => ApiError::unavailable("unavailable", problem.detail.clone()),
             "map_changing" => ApiError::unavailable("map_changing", problem.detail.clone()),
+            "bucket_moving" => ApiError::unavailable("bucket_moving", problem.detail.clone()),
             _ => ApiError::Internal(format!("peer answered {}: {}", problem.code, problem.detail)),
         }
     }

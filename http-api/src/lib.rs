@@ -64,6 +64,7 @@ pub fn router<N: ShoalApi>(node: Arc<N>) -> Router {
         .route("/v1/tags/{tag}", get(kv::get_tag::<N>).delete(kv::delete_tag::<N>))
         .route("/v1/cluster", get(cluster::cluster::<N>))
         .route("/v1/cluster/map", get(cluster::map::<N>))
+        .route("/v1/cluster/transfer", get(cluster::transfer::<N>))
         .route("/v1/cluster/nodes/{id}/leave", post(cluster::leave::<N>))
         .route("/v1/node", get(cluster::node_stats::<N>))
         .route("/livez", get(cluster::livez))

@@ -24,11 +24,11 @@ use crate::types::*;
     ),
     paths(
         get_key, put_key, delete_key, list_keys, bulk_get, bulk_put, bulk_delete, get_tag, delete_tag,
-        cluster, cluster_map, leave, node, livez, readyz, metrics, openapi
+        cluster, cluster_map, cluster_transfer, leave, node, livez, readyz, metrics, openapi
     ),
     components(schemas(
         Problem, PutOk, BulkKeys, BulkPut, BulkPutItem, BulkResults, KeyResult, KeyError, KeyList, FoundKey,
-        NodeFailure, Removed, ClusterView, MemberView, TransitionView, TransferSummary, MapView, MapNode, NodeStats, LeaveOk
+        NodeFailure, Removed, ClusterView, MemberView, TransitionView, TransferSummary, TransferView, TransferStatus, MapView, MapNode, NodeStats, LeaveOk
     )),
     tags(
         (name = "keys", description = "Key operations, served by the owner of the key's bucket (any node forwards)"),
@@ -143,6 +143,10 @@ fn cluster() {}
 #[utoipa::path(get, path = "/v1/cluster/map", tag = "cluster", summary = "The distribution map",
     responses((status = 200, description = "owners[b] owns bucket b", body = MapView)))]
 fn cluster_map() {}
+
+#[utoipa::path(get, path = "/v1/cluster/transfer", tag = "cluster", summary = "State transfer progress, per node",
+    responses((status = 200, description = "Buckets done and total, bytes, rate, idle time of every member", body = TransferView)))]
+fn cluster_transfer() {}
 
 #[utoipa::path(post, path = "/v1/cluster/nodes/{id}/leave", tag = "cluster", summary = "Make a member leave",
     params(("id" = u64, Path, description = "The member's id"),

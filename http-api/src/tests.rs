@@ -138,6 +138,10 @@ impl ShoalApi for FakeNode {
         Err(ApiError::unavailable("no_leader", "no leader"))
     }
 
+    async fn transfer(&self) -> Result<TransferView, ApiError> {
+        Ok(TransferView { target_version: None, buckets_left: 0, blocking: false, nodes: vec![], errors: vec![] })
+    }
+
     fn map(&self) -> Result<MapView, ApiError> {
         Ok(MapView { version: 1, owners: vec![ME; 1000], nodes: vec![] })
     }

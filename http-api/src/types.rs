@@ -339,3 +339,42 @@ pub struct Check {
     /// Why not, when it fails.
     pub detail: String,
 }
+
+/// One node's part of a state transfer (`GET /v1/cluster/transfer`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct TransferStatus {
+    /// The node.
+    pub node_id: NodeId,
+    /// Whether it is pulling buckets.
+    pub active: bool,
+    /// Buckets it has pulled in the current round.
+    pub buckets_done: u64,
+    /// Buckets in the current round.
+    pub buckets_total: u64,
+    /// Bytes received in the current round.
+    pub bytes: u64,
+    /// Bytes per second over the current round.
+    pub rate_bytes_per_sec: f64,
+    /// Seconds since it last sent or received transfer data.
+    pub idle_seconds: f64,
+    /// Buckets pulled since the node started.
+    pub buckets_pulled_total: u64,
+    /// Bytes sent to other nodes since the node started.
+    pub bytes_sent_total: u64,
+}
+
+/// `GET /v1/cluster/transfer`: the transfer as every member reports it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct TransferView {
+    /// The target map's version, if a transfer runs.
+    pub target_version: Option<u64>,
+    /// Buckets still to move.
+    pub buckets_left: usize,
+    /// Whether membership changes wait for it.
+    pub blocking: bool,
+    /// Each member's part (members that did not answer are missing).
+    pub nodes: Vec<TransferStatus>,
+    /// The members that did not answer.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub errors: Vec<NodeFailure>,
+}

@@ -9,6 +9,7 @@ use std::hash::BuildHasher;
 
 use hashbrown::HashTable;
 
+use super::export::ExportLog;
 use super::item::Item;
 use super::slab::Slab;
 
@@ -26,6 +27,8 @@ pub struct Bucket {
     /// the bucket, so a key deleted and written again never reuses an old version, and the
     /// counter travels with the bucket when it moves.
     next_version: u64,
+    /// Set while the bucket is being exported: the writes to record, and whether it is frozen.
+    pub(super) export: Option<ExportLog>,
 }
 
 impl Bucket {

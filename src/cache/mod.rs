@@ -18,6 +18,7 @@
 
 mod bucket;
 mod clock;
+mod export;
 mod item;
 mod slab;
 #[cfg(test)]
@@ -34,6 +35,7 @@ use shoal_raft::{BucketId, BUCKET_COUNT};
 
 pub use bucket::{Bucket, IndexHasher};
 pub use clock::Clock;
+pub use export::{Change, ExportedItem};
 pub use item::{Item, ItemMeta, ITEM_OVERHEAD_BYTES, LARGE_VALUE_BYTES, MAX_VERSION};
 
 /// A write's precondition.
@@ -87,6 +89,9 @@ pub enum CacheError {
         /// The version found, if the key exists.
         current: Option<u64>,
     },
+    /// The bucket is frozen while it moves to another node; retry once the move is settled.
+    #[error("the bucket is moving to another node")]
+    Frozen,
     /// The item alone is larger than the whole cache.
     #[error("item of {charged} bytes exceeds the cache size of {limit} bytes")]
     TooLarge {
@@ -122,6 +127,8 @@ pub struct CacheStore {
     items: AtomicU64,
     evictions: AtomicU64,
     expirations: AtomicU64,
+    /// Woken when a frozen bucket thaws.
+    thawed: tokio::sync::Notify,
 }
 
 /// How many random items one eviction round compares.
@@ -139,6 +146,7 @@ impl CacheStore {
             items: AtomicU64::new(0),
             evictions: AtomicU64::new(0),
             expirations: AtomicU64::new(0),
+            thawed: tokio::sync::Notify::new(),
         }
     }
 
@@ -205,6 +213,9 @@ impl CacheStore {
         };
         let hash = self.hasher.hash_one(write.key);
         let version = self.mutate(bucket, |b, hasher| {
+            if b.export.as_ref().is_some_and(|e| e.frozen()) {
+                return Err(CacheError::Frozen);
+            }
             let current = b.get(hash, write.key).filter(|i| !i.is_expired(now)).map(Item::version);
             let holds = match write.condition {
                 Condition::Always => true,
@@ -222,6 +233,9 @@ impl CacheStore {
             }
             let version = b.next_version();
             item.set_version(version);
+            if let Some(export) = b.export.as_mut() {
+                export.record(Change::Put(ExportedItem::of(&item)));
+            }
             b.insert(hasher, hash, item);
             Ok(version)
         })?;
@@ -235,12 +249,20 @@ impl CacheStore {
         let now = self.clock.now_ms();
         let hash = self.hasher.hash_one(key);
         self.mutate(bucket, |b, hasher| {
+            if b.export.as_ref().is_some_and(|e| e.frozen()) {
+                return Err(CacheError::Frozen);
+            }
             let current = b.get(hash, key).filter(|i| !i.is_expired(now)).map(Item::version);
             match (current, expected) {
                 (None, None) => Ok(false),
                 (None, Some(_)) => Err(CacheError::ConditionFailed { current: None }),
                 (Some(v), Some(e)) if v != e => Err(CacheError::ConditionFailed { current: Some(v) }),
-                (Some(_), _) => Ok(b.remove(hasher, hash, key).is_some()),
+                (Some(version), _) => {
+                    if let Some(export) = b.export.as_mut() {
+                        export.record(Change::Delete { key: Bytes::copy_from_slice(key), version });
+                    }
+                    Ok(b.remove(hasher, hash, key).is_some())
+                }
             }
         })
     }
@@ -279,7 +301,23 @@ impl CacheStore {
     pub fn remove_tagged(&self, tag: &str, buckets: &[BucketId]) -> usize {
         buckets
             .iter()
-            .map(|&bucket| self.mutate(bucket, |b, hasher| b.remove_where(hasher, |i| i.has_tag(tag)).len()))
+            .map(|&bucket| {
+                self.mutate(bucket, |b, hasher| {
+                    if b.export.as_ref().is_some_and(|e| e.frozen()) {
+                        return 0;
+                    }
+                    let removed = b.remove_where(hasher, |i| i.has_tag(tag));
+                    if let Some(export) = b.export.as_mut() {
+                        for item in &removed {
+                            export.record(Change::Delete {
+                                key: Bytes::copy_from_slice(item.key()),
+                                version: item.version(),
+                            });
+                        }
+                    }
+                    removed.len()
+                })
+            })
             .sum()
     }
 

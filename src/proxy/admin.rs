@@ -2,7 +2,8 @@
 
 use futures::future::join_all;
 use shoal_http_api::types::{
-    Check, ClusterView, LeaveOk, MapNode, MapView, MemberView, NodeStats, TransferSummary, TransitionView,
+    Check, ClusterView, LeaveOk, MapNode, MapView, MemberView, NodeFailure, NodeStats, TransferSummary, TransferView,
+    TransitionView,
 };
 use shoal_http_api::ApiError;
 use shoal_raft::{AdminRequest, AdminResponse, ControlError, NodeId};
@@ -10,6 +11,35 @@ use shoal_raft::{AdminRequest, AdminResponse, ControlError, NodeId};
 use super::NodeApi;
 
 impl NodeApi {
+    /// Every member's transfer status (this node's own from memory).
+    pub(super) async fn transfer_view(&self) -> TransferView {
+        let state = self.control.state();
+        let calls = state.members.iter().map(|m| async move {
+            if m.id == self.node_id {
+                Ok(self.progress.status(self.node_id))
+            } else {
+                self.peers
+                    .transfer_status(&m.peer_addr)
+                    .await
+                    .map_err(|e| NodeFailure { node: m.id, detail: e.to_string() })
+            }
+        });
+        let (mut nodes, mut errors) = (Vec::new(), Vec::new());
+        for answer in join_all(calls).await {
+            match answer {
+                Ok(s) => nodes.push(s),
+                Err(f) => errors.push(f),
+            }
+        }
+        TransferView {
+            target_version: state.target.as_ref().map(|t| t.version),
+            buckets_left: state.target.as_ref().map_or(0, |t| state.map.moved_buckets(t).len()),
+            blocking: state.transfer_flag,
+            nodes,
+            errors,
+        }
+    }
+
     pub(super) async fn cluster_view(&self) -> Result<ClusterView, ApiError> {
         let state = self.control.state();
         let Some(cluster_id) = state.cluster_id.clone() else {

@@ -38,11 +38,16 @@ impl NodeApi {
             }
             // Every key of this attempt is decided on the same state.
             let state = self.state_at_least(ctx.forwarded_map_version.unwrap_or(0)).await;
+            let mut moving = Vec::new();
             let mut groups: BTreeMap<NodeId, (u64, Vec<usize>)> = BTreeMap::new();
             for &i in &pending {
                 let bucket = bucket_of(key_of(&items[i]).as_bytes());
                 match self.target_in(&state, bucket, ctx) {
-                    Ok((Target::Local, _)) => results[i] = Some(local(&items[i], bucket)),
+                    Ok((Target::Local, _)) => match local(&items[i], bucket) {
+                        // Frozen by a handover: try again once the flip (or abort) is settled.
+                        Err(e) if super::is_moving(&e) => moving.push(i),
+                        other => results[i] = Some(other),
+                    },
                     Ok((Target::Remote { owner }, v)) => groups.entry(owner).or_insert((v, vec![])).1.push(i),
                     Err(e @ ApiError::NotOwner { .. }) if ctx.forwarded_map_version.is_some() => return Err(e),
                     Err(e) => results[i] = Some(Err(e)),
@@ -84,6 +89,10 @@ impl NodeApi {
             }
             if !retry.is_empty() {
                 self.state_at_least(newest).await;
+            }
+            if !moving.is_empty() {
+                self.cache.wait_thawed().await;
+                retry.extend(moving);
             }
             pending = retry;
         }

@@ -32,7 +32,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use shoal_http_api::types::{
-    Check, ClusterView, GetOk, KeyList, LeaveOk, MapView, NodeStats, PutOk, Removed, RouteContext, Scope,
+    Check, ClusterView, GetOk, KeyList, LeaveOk, MapView, NodeStats, PutOk, Removed, RouteContext, Scope, TransferView,
     WriteCondition,
 };
 use shoal_http_api::{ApiError, Limits, PutItem, ShoalApi};
@@ -41,11 +41,14 @@ use shoal_raft::{bucket_of, BucketId, ClusterState, ControlPlane, NodeId};
 use crate::cache::{CacheError, CacheStore, Condition, Write};
 use crate::metrics::{NodeMetrics, Op};
 use crate::peer::PeerClient;
+use crate::transfer::progress::Progress;
 
 /// How long a node waits to catch up with a newer map version before answering.
 const MAP_CATCH_UP: Duration = Duration::from_secs(2);
 /// How many times a key operation is routed again after `not_owner`.
 const ROUTE_ATTEMPTS: usize = 3;
+/// How long a write waits for a bucket frozen by a handover before answering 503.
+const FROZEN_WAIT: Duration = Duration::from_secs(10);
 
 /// Where a key operation runs.
 enum Target {
@@ -69,12 +72,19 @@ pub struct NodeApi {
     peers: PeerClient,
     limits: Limits,
     metrics: Arc<NodeMetrics>,
+    progress: Arc<Progress>,
 }
 
 impl NodeApi {
     /// Wires the API over this node's parts.
-    pub fn new(control: ControlPlane, cache: Arc<CacheStore>, limits: Limits, metrics: Arc<NodeMetrics>) -> Self {
-        NodeApi { node_id: control.node_id(), control, cache, peers: PeerClient::new(), limits, metrics }
+    pub fn new(
+        control: ControlPlane,
+        cache: Arc<CacheStore>,
+        limits: Limits,
+        metrics: Arc<NodeMetrics>,
+        progress: Arc<Progress>,
+    ) -> Self {
+        NodeApi { node_id: control.node_id(), control, cache, peers: PeerClient::new(), limits, metrics, progress }
     }
 
     /// The applied state, after waiting (bounded) until its map is at least `version`.
@@ -124,10 +134,18 @@ impl NodeApi {
         Fut: Future<Output = Result<T, ApiError>>,
     {
         let bucket = bucket_of(key.as_bytes());
-        for _ in 0..ROUTE_ATTEMPTS {
+        let frozen_until = Instant::now() + FROZEN_WAIT;
+        let mut attempts = 0;
+        while attempts < ROUTE_ATTEMPTS {
             match self.target(bucket, ctx).await? {
-                (Target::Local, _) => return local(bucket),
+                (Target::Local, _) => match local(bucket) {
+                    // The bucket is being handed over: wait for the flip (or the abort), then
+                    // route again; the answer then comes from whoever serves it.
+                    Err(e) if is_moving(&e) && Instant::now() < frozen_until => self.cache.wait_thawed().await,
+                    other => return other,
+                },
                 (Target::Remote { owner }, version) => {
+                    attempts += 1;
                     let api_addr = api_addr_of(&self.control.state(), owner)?;
                     self.metrics.forwarded.increment(1);
                     match remote(api_addr, version).await {
@@ -188,7 +206,15 @@ fn cache_error(e: CacheError) -> ApiError {
     match e {
         CacheError::ConditionFailed { current } => ApiError::PreconditionFailed { current_version: current },
         CacheError::TooLarge { .. } => ApiError::ItemTooLarge(e.to_string()),
+        CacheError::Frozen => {
+            ApiError::unavailable("bucket_moving", "the key's bucket is moving to another node; retry")
+        }
     }
+}
+
+/// Whether `e` says the bucket is frozen for a handover.
+fn is_moving(e: &ApiError) -> bool {
+    matches!(e, ApiError::Unavailable { code: "bucket_moving", .. })
 }
 
 impl ShoalApi for NodeApi {
@@ -277,6 +303,10 @@ impl ShoalApi for NodeApi {
 
     fn map(&self) -> Result<MapView, ApiError> {
         self.map_view()
+    }
+
+    async fn transfer(&self) -> Result<TransferView, ApiError> {
+        Ok(self.transfer_view().await)
     }
 
     fn node_stats(&self) -> NodeStats {

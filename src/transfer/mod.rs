@@ -1,31 +1,93 @@
 //! State transfer: when the map changes, buckets move with their data (R20–R26, R34).
 //!
-//! This module runs a node's part of it:
+//! A node's part of it:
 //! - the **acker** acknowledges every pending map of a transition, so the leader can end it;
-//! - the **puller** brings in, one bucket at a time, the buckets the target map gives this
-//!   node, and asks the leader to flip each one to it once it holds the data.
+//! - the **puller** brings in the buckets the target map gives this node, one at a time
+//!   (or `--transfer-parallelism` at a time), from whoever serves each now, and asks the
+//!   leader to flip each one here once it holds the data;
+//! - the **exporter** (`GET /internal/transfer/{bucket}` on the peer listener) streams a
+//!   bucket this node serves to its new owner, and freezes it until the flip is settled.
 //!
 //! The protocol and its invariant (one writable owner per bucket at every moment, no lost
 //! write) are in `raft/DESIGN.md`.
+//!
+//! # Layout
+//! - `frame.rs`: the stream format (framed, checksummed, values in chunks).
+//! - `export.rs`: the source side.
+//! - `import.rs`: the receiving side.
+//! - `progress.rs`: counters for `/v1/cluster/transfer`, metrics and the stuck detector.
+
+pub mod export;
+pub mod frame;
+pub mod import;
+pub mod progress;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use shoal_raft::{AdminRequest, AdminResponse, ControlError, ControlPlane, NodeId};
+use axum::extract::State;
+use axum::routing::get;
+use axum::{Json, Router};
+use futures::stream::{self, StreamExt};
+use shoal_raft::{AdminRequest, ControlPlane};
 use tokio::task::JoinHandle;
 
 use crate::cache::CacheStore;
+use export::Exporter;
+use import::{backoff, Puller};
+use progress::Progress;
 
-/// A node's transfer tasks.
+/// How transfers run (from the command line).
+#[derive(Debug, Clone, Copy)]
+pub struct TransferConfig {
+    /// Buckets pulled at once (default 1).
+    pub parallelism: usize,
+    /// Most bytes per second one export sends (0: unlimited).
+    pub rate_bytes_per_sec: u64,
+    /// Connect timeout of node-to-node connections (R35: 10 s, within 5–30 s).
+    pub reconnect_timeout: Duration,
+    /// Extra connection attempts after the first fails (R35: 2).
+    pub reconnect_attempts: u32,
+    /// Pause between connection attempts (R35: 2 s).
+    pub reconnect_pause: Duration,
+}
+
+impl Default for TransferConfig {
+    fn default() -> Self {
+        TransferConfig {
+            parallelism: 1,
+            rate_bytes_per_sec: 0,
+            reconnect_timeout: Duration::from_secs(10),
+            reconnect_attempts: 2,
+            reconnect_pause: Duration::from_secs(2),
+        }
+    }
+}
+
+/// A node's transfer tasks and the state its endpoints share.
 pub struct Transfers {
     tasks: Vec<JoinHandle<()>>,
+    progress: Arc<Progress>,
 }
 
 impl Transfers {
     /// Starts the acker and the puller of this node.
-    pub fn start(control: ControlPlane, cache: Arc<CacheStore>) -> Self {
-        let tasks = vec![tokio::spawn(ack_transitions(control.clone())), tokio::spawn(pull_buckets(control, cache))];
-        Transfers { tasks }
+    pub fn start(
+        control: ControlPlane,
+        cache: Arc<CacheStore>,
+        config: TransferConfig,
+        progress: Arc<Progress>,
+    ) -> Self {
+        let tasks = vec![
+            tokio::spawn(ack_transitions(control.clone())),
+            tokio::spawn(pull_buckets(control, cache, config, progress.clone())),
+        ];
+        Transfers { tasks, progress }
+    }
+
+    /// The progress counters.
+    pub fn progress(&self) -> &Arc<Progress> {
+        &self.progress
     }
 
     /// Stops the tasks.
@@ -37,7 +99,26 @@ impl Transfers {
     }
 }
 
-/// How long to wait before trying a failed step again.
+/// The transfer routes of the peer listener: `GET /internal/transfer/{bucket}` (the stream)
+/// and `GET /internal/transfer/status`.
+pub fn peer_routes(
+    control: ControlPlane,
+    cache: Arc<CacheStore>,
+    config: TransferConfig,
+    progress: Arc<Progress>,
+) -> Router {
+    let exporter = Exporter { control, cache, config, progress };
+    Router::new()
+        .route("/internal/transfer/status", get(status))
+        .route("/internal/transfer/{bucket}", get(export::stream_bucket))
+        .with_state(exporter)
+}
+
+async fn status(State(exporter): State<Exporter>) -> Json<shoal_http_api::types::TransferStatus> {
+    Json(exporter.progress.status(exporter.control.node_id()))
+}
+
+/// How long to wait before trying a failed acknowledgement again.
 const RETRY: Duration = Duration::from_millis(500);
 
 /// Acknowledges each pending map once, as soon as this node has applied it.
@@ -64,43 +145,55 @@ async fn ack_transitions(control: ControlPlane) {
     }
 }
 
-/// Pulls the buckets the target gives this node, one at a time.
-async fn pull_buckets(control: ControlPlane, cache: Arc<CacheStore>) {
+/// Pulls the buckets the target gives this node, `parallelism` at a time, until there are
+/// none; then waits for the next change.
+async fn pull_buckets(control: ControlPlane, cache: Arc<CacheStore>, config: TransferConfig, progress: Arc<Progress>) {
     let me = control.node_id();
+    let puller = Puller::new(config);
     let mut applied = control.view().subscribe();
+    let mut failures = 0u32;
+    let mut round_open = false;
     loop {
         let incoming = control.state().incoming_of(me);
         if incoming.is_empty() {
+            if round_open {
+                round_open = false;
+                progress.end_round();
+                tracing::info!(node_id = me, "state transfer: all buckets received");
+            }
             if applied.changed().await.is_err() {
                 return;
             }
             continue;
         }
-        tracing::info!(node_id = me, buckets = incoming.len(), "state transfer: pulling buckets");
-        for (bucket, from, epoch) in incoming {
-            if let Err(e) = move_bucket(&control, &cache, bucket.0, from, me, epoch).await {
-                tracing::warn!(node_id = me, bucket = bucket.0, from, error = %e, "bucket transfer failed; will retry");
-                tokio::time::sleep(RETRY).await;
-                break;
-            }
+        if !round_open {
+            round_open = true;
+            progress.start_round(incoming.len());
+            tracing::info!(node_id = me, buckets = incoming.len(), "state transfer: pulling buckets");
         }
-    }
-}
-
-/// Brings one bucket here and flips it to this node.
-async fn move_bucket(
-    control: &ControlPlane,
-    _cache: &CacheStore,
-    bucket: u16,
-    from: NodeId,
-    to: NodeId,
-    epoch: u64,
-) -> Result<(), ControlError> {
-    match control.admin(AdminRequest::Moved { bucket, from, to, epoch }).await? {
-        AdminResponse::Moved { map_version } => {
-            tracing::debug!(bucket, from, to, map_version, "bucket moved");
-            Ok(())
+        let results: Vec<_> = stream::iter(incoming)
+            .map(|(bucket, from, epoch)| {
+                let (puller, control, cache, progress) = (&puller, &control, &cache, &progress);
+                async move {
+                    let result = puller.pull(control, cache, progress, bucket, from, epoch).await;
+                    match &result {
+                        Ok(_) => progress.bucket_done(),
+                        Err(e) => {
+                            tracing::warn!(node_id = me, bucket = bucket.0, from, error = %e, "bucket transfer failed")
+                        }
+                    }
+                    result.is_ok()
+                }
+            })
+            .buffer_unordered(config.parallelism.max(1))
+            .take_while(|ok| std::future::ready(*ok))
+            .collect()
+            .await;
+        if results.iter().all(|ok| *ok) && !results.is_empty() {
+            failures = 0;
+        } else {
+            failures += 1;
+            let _ = tokio::time::timeout(backoff(failures), applied.changed()).await;
         }
-        other => Err(ControlError::Fatal { detail: format!("unexpected answer {other:?}") }),
     }
 }

@@ -43,6 +43,8 @@ pub struct TestCluster {
     root: PathBuf,
     slots: Vec<Slot>,
     pub http: reqwest::Client,
+    /// Applied to the configuration of every node this cluster starts.
+    tweak: fn(&mut ServeConfig),
 }
 
 async fn bind(addr: SocketAddr) -> TcpListener {
@@ -58,6 +60,11 @@ async fn bind(addr: SocketAddr) -> TcpListener {
 impl TestCluster {
     /// A cluster of `n` nodes, joined one after the other (join order = slot order).
     pub async fn start(n: usize) -> Self {
+        Self::start_with(n, |_| {}).await
+    }
+
+    /// A cluster of `n` nodes whose configuration `tweak` adjusts.
+    pub async fn start_with(n: usize, tweak: fn(&mut ServeConfig)) -> Self {
         if std::env::var_os("RUST_LOG").is_some() {
             let _ = tracing_subscriber::fmt()
                 .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
@@ -66,7 +73,7 @@ impl TestCluster {
         }
         let dir = tempfile::tempdir().expect("temp dir");
         let http = reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(30)).build().expect("client");
-        let mut cluster = TestCluster { root: dir.path().to_path_buf(), _dir: dir, slots: Vec::new(), http };
+        let mut cluster = TestCluster { root: dir.path().to_path_buf(), _dir: dir, slots: Vec::new(), http, tweak };
         for _ in 0..n {
             cluster.add_node().await;
         }
@@ -110,6 +117,7 @@ impl TestCluster {
         config.raft_heartbeat = Duration::from_millis(150);
         config.raft_election_timeout = Duration::from_millis(1000);
         config.max_value_bytes = 1024 * 1024;
+        (self.tweak)(&mut config);
         if let Some(seed) = self.running().next() {
             config.join = vec![self.api(seed)];
         }
@@ -192,6 +200,12 @@ impl TestCluster {
     /// Waits until every running node has applied the same map with these sorted counts.
     pub async fn wait_for_counts(&self, expected: &[usize]) -> u64 {
         let slots: Vec<usize> = self.running().collect();
+        self.wait_for_counts_among(expected, &slots).await
+    }
+
+    /// Like [`Self::wait_for_counts`], asking only the nodes in `slots`.
+    pub async fn wait_for_counts_among(&self, expected: &[usize], slots: &[usize]) -> u64 {
+        let slots = slots.to_vec();
         wait_for(&format!("every node to see counts {expected:?}"), || async {
             let mut versions = Vec::new();
             for &s in &slots {

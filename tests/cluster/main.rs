@@ -7,3 +7,5 @@ mod process;
 mod readme;
 mod restart;
 mod routing;
+mod transfer;
+mod workload;

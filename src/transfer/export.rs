@@ -1,0 +1,202 @@
+//! The source side: `GET /internal/transfer/{bucket}?to=&epoch=` on the peer listener
+//! streams a bucket to its new owner, then keeps it frozen until Raft settles the move.
+//!
+//! ```text
+//!  new owner B                                source A (serves the bucket)
+//!    GET /internal/transfer/b?to=B&epoch=e ─▶  check: A serves b, target gives b to B, epoch e
+//!                                              begin_export: snapshot + record writes
+//!    ◀── header, snapshot items ──────────────
+//!    ◀── recorded writes (a few rounds) ───────
+//!                                              freeze: writes to b now wait
+//!    ◀── last writes, END ─────────────────────
+//!    install, propose BucketMoved(b, A→B, e) ─▶ Raft
+//!                                              applied: epoch(b) > e →
+//!                                                moved: drop b, thaw (writes now go to B)
+//!                                                aborted: thaw, keep serving
+//!                                              no news for FREEZE_TIMEOUT: propose AbortMove(b, e)
+//! ```
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use futures::StreamExt;
+use shoal_raft::{AdminRequest, BucketId, ClusterState, ControlPlane, NodeId};
+use tokio::sync::mpsc;
+
+use super::frame::{change_frames, end_frame, error_frame, item_frames, HEADER};
+use super::progress::Progress;
+use super::TransferConfig;
+use crate::cache::CacheStore;
+
+/// How long a frozen bucket waits for its move to be settled before the source aborts it.
+pub const FREEZE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Rounds of recorded writes sent before freezing, at most.
+const CATCH_UP_ROUNDS: usize = 8;
+/// Freeze once a round has this few recorded writes or fewer.
+const FREEZE_BELOW: usize = 64;
+
+/// What the export handler needs.
+#[derive(Clone)]
+pub struct Exporter {
+    pub(super) control: ControlPlane,
+    pub(super) cache: Arc<CacheStore>,
+    pub(super) config: TransferConfig,
+    pub(super) progress: Arc<Progress>,
+}
+
+/// Query of the transfer endpoint.
+#[derive(serde::Deserialize)]
+pub(super) struct StreamQuery {
+    to: NodeId,
+    epoch: u64,
+}
+
+/// Why the source will not stream the bucket (yet).
+fn refusal(state: &ClusterState, me: NodeId, bucket: BucketId, to: NodeId, epoch: u64) -> Option<String> {
+    if state.map.owner_of(bucket) != Some(me) {
+        return Some(format!("node {me} does not serve bucket {bucket}"));
+    }
+    if state.target.as_ref().and_then(|t| t.owner_of(bucket)) != Some(to) {
+        return Some(format!("the target does not give bucket {bucket} to node {to}"));
+    }
+    if state.epoch_of(bucket) != epoch {
+        return Some(format!("bucket {bucket} is at move epoch {}, not {epoch}", state.epoch_of(bucket)));
+    }
+    None
+}
+
+/// `GET /internal/transfer/{bucket}`: streams the bucket (see the module docs).
+pub(super) async fn stream_bucket(
+    State(exporter): State<Exporter>,
+    Path(bucket): Path<u16>,
+    Query(q): Query<StreamQuery>,
+) -> Response {
+    let me = exporter.control.node_id();
+    let bucket = BucketId(bucket);
+    // The new owner may have applied the target a moment before us.
+    exporter.control.wait_for_state(Duration::from_secs(2), |s| refusal(s, me, bucket, q.to, q.epoch).is_none()).await;
+    if let Some(reason) = refusal(&exporter.control.state(), me, bucket, q.to, q.epoch) {
+        return (StatusCode::CONFLICT, reason).into_response();
+    }
+    tracing::debug!(bucket = bucket.0, to = q.to, epoch = q.epoch, "exporting bucket");
+    let (tx, rx) = mpsc::channel::<Bytes>(16);
+    tokio::spawn(produce(exporter, bucket, q.epoch, tx));
+    let body = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx).map(Ok::<_, std::io::Error>));
+    (StatusCode::OK, [("content-type", "application/vnd.shoal.transfer")], body).into_response()
+}
+
+/// Sends the bucket into `tx`; a failed send means the receiver went away.
+async fn produce(exporter: Exporter, bucket: BucketId, epoch: u64, tx: mpsc::Sender<Bytes>) {
+    let cache = &exporter.cache;
+    let snapshot = cache.begin_export(bucket);
+    let mut throttle = Throttle::new(exporter.config.rate_bytes_per_sec);
+    let mut sent: u64 = 0;
+    let mut send = async |frames: Vec<Bytes>| -> bool {
+        for f in frames {
+            let n = f.len();
+            if tx.send(f).await.is_err() {
+                return false;
+            }
+            exporter.progress.sent(n as u64);
+            throttle.pause(n).await;
+        }
+        true
+    };
+    let mut ok = send(vec![Bytes::from_static(HEADER)]).await;
+    for item in &snapshot {
+        ok = ok && send(item_frames(item)).await;
+        sent += 1;
+    }
+    drop(snapshot);
+    for _ in 0..CATCH_UP_ROUNDS {
+        if !ok {
+            break;
+        }
+        let changes = cache.drain_changes(bucket);
+        let small = changes.len() <= FREEZE_BELOW;
+        for c in &changes {
+            ok = ok && send(change_frames(c)).await;
+            sent += 1;
+        }
+        if small {
+            break;
+        }
+    }
+    if !ok {
+        // Nothing was frozen: the bucket just stops recording.
+        cache.end_export(bucket);
+        return;
+    }
+    let (last, counter) = cache.freeze(bucket);
+    for c in &last {
+        ok = ok && send(change_frames(c)).await;
+        sent += 1;
+    }
+    if ok {
+        ok = send(vec![end_frame(counter, sent)]).await;
+    }
+    if !ok {
+        let _ = tx.send(error_frame("the source stopped sending")).await;
+    }
+    drop(tx);
+    settle_freeze(&exporter, bucket, epoch).await;
+}
+
+/// Keeps `bucket` frozen until Raft has either moved it (its data is dropped here) or the
+/// move was aborted (it thaws and this node serves it on). Aborts the move itself when the
+/// new owner does not settle it in time.
+async fn settle_freeze(exporter: &Exporter, bucket: BucketId, epoch: u64) {
+    let control = &exporter.control;
+    let settled = |s: &ClusterState| s.epoch_of(bucket) > epoch;
+    let mut deadline = Instant::now() + FREEZE_TIMEOUT;
+    loop {
+        if control.wait_for_state(deadline.saturating_duration_since(Instant::now()), settled).await {
+            break;
+        }
+        tracing::warn!(bucket = bucket.0, epoch, "the new owner did not take the bucket in time; aborting the move");
+        match control.admin(AdminRequest::Abort { bucket: bucket.0, epoch }).await {
+            Ok(_) => {}
+            Err(e) => tracing::debug!(bucket = bucket.0, error = %e, "abort (a move may have won)"),
+        }
+        deadline = Instant::now() + FREEZE_TIMEOUT;
+    }
+    let state = control.state();
+    if state.map.owner_of(bucket) == Some(control.node_id()) {
+        tracing::info!(bucket = bucket.0, "move aborted; serving the bucket again");
+        exporter.cache.end_export(bucket);
+    } else {
+        tracing::debug!(bucket = bucket.0, to = ?state.map.owner_of(bucket), "bucket handed over");
+        exporter.cache.take_bucket(bucket);
+        exporter.cache.end_export(bucket);
+    }
+}
+
+/// Spaces out sends to stay under a byte rate (0: unlimited).
+struct Throttle {
+    rate: u64,
+    started: Instant,
+    bytes: u64,
+}
+
+impl Throttle {
+    fn new(rate: u64) -> Self {
+        Throttle { rate, started: Instant::now(), bytes: 0 }
+    }
+
+    async fn pause(&mut self, n: usize) {
+        if self.rate == 0 {
+            return;
+        }
+        self.bytes += n as u64;
+        let due = Duration::from_secs_f64(self.bytes as f64 / self.rate as f64);
+        let elapsed = self.started.elapsed();
+        if due > elapsed {
+            tokio::time::sleep(due - elapsed).await;
+        }
+    }
+}

@@ -1,0 +1,191 @@
+//! The receiving side: pull one bucket from its current server, install it, and ask the
+//! leader to flip it here.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty};
+use hyper::{Request, StatusCode};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use shoal_raft::{AdminRequest, AdminResponse, BucketId, ControlError, ControlPlane, NodeId};
+
+use super::frame::{Decoded, Decoder, FrameError};
+use super::progress::Progress;
+use super::TransferConfig;
+use crate::cache::CacheStore;
+
+/// How long a puller waits to apply the flip it asked for.
+const FLIP_WAIT: Duration = Duration::from_secs(10);
+
+/// Why pulling a bucket failed (it is retried).
+#[derive(Debug, thiserror::Error)]
+pub enum PullError {
+    /// The source could not be reached (after the reconnect attempts of R35).
+    #[error("cannot reach node {node} at {addr}: {detail}")]
+    Unreachable {
+        /// The source.
+        node: NodeId,
+        /// Its peer address.
+        addr: String,
+        /// What happened.
+        detail: String,
+    },
+    /// The source refused (not ready yet, or the move is stale).
+    #[error("node {node} refused: {detail}")]
+    Refused {
+        /// The source.
+        node: NodeId,
+        /// Why.
+        detail: String,
+    },
+    /// The stream was broken or corrupt.
+    #[error("stream from node {node}: {error}")]
+    Stream {
+        /// The source.
+        node: NodeId,
+        /// What was wrong.
+        error: FrameError,
+    },
+    /// The leader did not flip the bucket.
+    #[error("flip: {0}")]
+    Flip(#[from] ControlError),
+}
+
+/// The HTTP client that pulls buckets.
+#[derive(Clone)]
+pub struct Puller {
+    http: Client<HttpConnector, Empty<Bytes>>,
+    config: TransferConfig,
+}
+
+impl Puller {
+    /// A client whose connections give up after `config.reconnect_timeout`.
+    pub fn new(config: TransferConfig) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(config.reconnect_timeout));
+        Puller { http: Client::builder(TokioExecutor::new()).build(connector), config }
+    }
+
+    /// Opens the stream of `bucket` at `peer_addr`, with R35's reconnect attempts: up to
+    /// three tries, two seconds apart, when the connection itself fails.
+    async fn open(
+        &self,
+        from: NodeId,
+        peer_addr: &str,
+        bucket: BucketId,
+        to: NodeId,
+        epoch: u64,
+    ) -> Result<hyper::body::Incoming, PullError> {
+        let uri = format!("http://{peer_addr}/internal/transfer/{}?to={to}&epoch={epoch}", bucket.0);
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let request = Request::get(&uri)
+                .body(Empty::new())
+                .map_err(|e| PullError::Refused { node: from, detail: e.to_string() })?;
+            match self.http.request(request).await {
+                Ok(response) if response.status() == StatusCode::OK => return Ok(response.into_body()),
+                Ok(response) => {
+                    let status = response.status();
+                    let body = response.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+                    let detail = format!("{status}: {}", String::from_utf8_lossy(&body));
+                    return Err(PullError::Refused { node: from, detail });
+                }
+                Err(e) if attempt < 1 + self.config.reconnect_attempts => {
+                    tracing::debug!(node = from, error = %e, attempt, "cannot reach the source; retrying");
+                    tokio::time::sleep(self.config.reconnect_pause).await;
+                }
+                Err(e) => {
+                    return Err(PullError::Unreachable { node: from, addr: peer_addr.into(), detail: e.to_string() });
+                }
+            }
+        }
+    }
+
+    /// Pulls `bucket` from `from` into `cache`, then has the leader flip it to `to`. On any
+    /// failure the partial copy is dropped, so a retry starts clean.
+    pub async fn pull(
+        &self,
+        control: &ControlPlane,
+        cache: &CacheStore,
+        progress: &Progress,
+        bucket: BucketId,
+        from: NodeId,
+        epoch: u64,
+    ) -> Result<u64, PullError> {
+        let to = control.node_id();
+        let state = control.state();
+        // The list of buckets to pull may be older than the state: skip what has moved since.
+        if state.map.owner_of(bucket) == Some(to) || state.epoch_of(bucket) != epoch {
+            return Ok(0);
+        }
+        let peer_addr = state
+            .member_of(from)
+            .map(|m| m.peer_addr.clone())
+            .ok_or_else(|| PullError::Refused { node: from, detail: "not a member".into() })?;
+        cache.take_bucket(bucket);
+        let result = self.receive(cache, progress, from, &peer_addr, bucket, to, epoch).await;
+        let flipped = match result {
+            Ok(bytes) => match control.admin(AdminRequest::Moved { bucket: bucket.0, from, to, epoch }).await {
+                Ok(AdminResponse::Moved { map_version }) => {
+                    tracing::debug!(bucket = bucket.0, from, map_version, bytes, "bucket moved here");
+                    // Serve it (and never pull it again) only once this node applied the flip.
+                    control.wait_for_state(FLIP_WAIT, |s| s.map.owner_of(bucket) == Some(to)).await;
+                    Ok(bytes)
+                }
+                Ok(other) => Err(PullError::Flip(ControlError::Fatal { detail: format!("unexpected {other:?}") })),
+                Err(e) => Err(PullError::Flip(e)),
+            },
+            Err(e) => Err(e),
+        };
+        // A failed pull leaves nothing behind, unless the bucket is ours after all (a flip
+        // whose answer was lost): never drop a bucket this node serves.
+        if flipped.is_err() && control.state().map.owner_of(bucket) != Some(to) {
+            cache.take_bucket(bucket);
+        }
+        flipped
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn receive(
+        &self,
+        cache: &CacheStore,
+        progress: &Progress,
+        from: NodeId,
+        peer_addr: &str,
+        bucket: BucketId,
+        to: NodeId,
+        epoch: u64,
+    ) -> Result<u64, PullError> {
+        let mut body = self.open(from, peer_addr, bucket, to, epoch).await?;
+        let mut decoder = Decoder::default();
+        let broken = |error| PullError::Stream { node: from, error };
+        loop {
+            let Some(frame) = body.frame().await else { return Err(broken(FrameError::Truncated)) };
+            let frame = frame.map_err(|_| broken(FrameError::Truncated))?;
+            let Ok(data) = frame.into_data() else { continue };
+            progress.received(data.len() as u64);
+            decoder.feed(&data);
+            while let Some(decoded) = decoder.next_decoded().map_err(broken)? {
+                match decoded {
+                    Decoded::Change(change) => {
+                        let _ = cache.apply_change(bucket, &change);
+                    }
+                    Decoded::End { version_counter, .. } => {
+                        cache.raise_version_counter(bucket, version_counter);
+                        return Ok(decoder.bytes);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// How long to wait before pulling again after a failure: doubling from half a second, at
+/// most five seconds.
+pub fn backoff(failures: u32) -> Duration {
+    Duration::from_millis(500u64.saturating_mul(1 << failures.min(4))).min(Duration::from_secs(5))
+}

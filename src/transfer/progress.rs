@@ -1,0 +1,107 @@
+//! A node's transfer progress: what it has pulled, what it has sent, and when it last did
+//! anything (the leader's stuck detector asks for that).
+
+use std::time::Instant;
+
+use parking_lot::Mutex;
+use shoal_http_api::types::TransferStatus;
+
+/// Progress counters, shared by the puller, the exporter and the status endpoint.
+#[derive(Debug)]
+pub struct Progress {
+    inner: Mutex<Counters>,
+}
+
+#[derive(Debug, Clone)]
+struct Counters {
+    /// Buckets planned in the current round of pulls.
+    total: u64,
+    /// Of those, done.
+    done: u64,
+    /// Bytes received in the current round.
+    bytes_in: u64,
+    /// Bytes sent, ever.
+    bytes_out: u64,
+    /// Buckets pulled, ever.
+    buckets_in_total: u64,
+    /// When the current round started.
+    round_started: Option<Instant>,
+    /// The last time a byte moved in either direction.
+    last_activity: Instant,
+    /// Whether a round of pulls is running.
+    active: bool,
+}
+
+impl Default for Progress {
+    fn default() -> Self {
+        Progress {
+            inner: Mutex::new(Counters {
+                total: 0,
+                done: 0,
+                bytes_in: 0,
+                bytes_out: 0,
+                buckets_in_total: 0,
+                round_started: None,
+                last_activity: Instant::now(),
+                active: false,
+            }),
+        }
+    }
+}
+
+impl Progress {
+    /// A round of `buckets` pulls starts.
+    pub fn start_round(&self, buckets: usize) {
+        let mut c = self.inner.lock();
+        c.total = buckets as u64;
+        c.done = 0;
+        c.bytes_in = 0;
+        c.round_started = Some(Instant::now());
+        c.last_activity = Instant::now();
+        c.active = true;
+    }
+
+    /// The round is over (nothing left to pull).
+    pub fn end_round(&self) {
+        self.inner.lock().active = false;
+    }
+
+    /// Bytes received.
+    pub fn received(&self, n: u64) {
+        let mut c = self.inner.lock();
+        c.bytes_in += n;
+        c.last_activity = Instant::now();
+    }
+
+    /// Bytes sent.
+    pub fn sent(&self, n: u64) {
+        let mut c = self.inner.lock();
+        c.bytes_out += n;
+        c.last_activity = Instant::now();
+    }
+
+    /// A bucket was pulled and flipped.
+    pub fn bucket_done(&self) {
+        let mut c = self.inner.lock();
+        c.done += 1;
+        c.buckets_in_total += 1;
+        c.last_activity = Instant::now();
+    }
+
+    /// The status of `node_id`.
+    pub fn status(&self, node_id: u64) -> TransferStatus {
+        let c = self.inner.lock().clone();
+        let elapsed = c.round_started.map(|s| s.elapsed().as_secs_f64()).unwrap_or(0.0);
+        TransferStatus {
+            node_id,
+            active: c.active,
+            buckets_done: c.done,
+            buckets_total: c.total,
+            bytes: c.bytes_in,
+            rate_bytes_per_sec: if elapsed > 0.0 { c.bytes_in as f64 / elapsed } else { 0.0 },
+            idle_seconds: c.last_activity.elapsed().as_secs_f64(),
+            buckets_pulled_total: c.buckets_in_total,
+            bytes_sent_total: c.bytes_out,
+        }
+    }
+}
