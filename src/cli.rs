@@ -4,7 +4,7 @@ use std::io::{Read, Write};
 
 use reqwest::{Method, Url};
 use serde_json::Value;
-use shoal_http_api::types::{ClusterView, MapView};
+use shoal_http_api::types::{ClusterView, MapView, TransferView};
 use shoal_http_api::Problem;
 
 use crate::config::{ClientArgs, Command, Output};
@@ -53,14 +53,25 @@ pub async fn run(command: Command) -> Result<(), String> {
             }
             Ok(())
         }
-        Command::Status(c) => {
-            let view: ClusterView = json(send(&c, Method::GET, &["v1", "cluster"], &[], None).await?).await?;
-            match c.output {
-                Output::Table => {
-                    print!("{}", status_table(&view));
-                    Ok(())
+        Command::Status(a) => {
+            let c = &a.client;
+            loop {
+                let view: ClusterView = json(send(c, Method::GET, &["v1", "cluster"], &[], None).await?).await?;
+                let moving = view.transition.is_some() || view.transfer.is_some();
+                let transfer: Option<TransferView> = if moving {
+                    Some(json(send(c, Method::GET, &["v1", "cluster", "transfer"], &[], None).await?).await?)
+                } else {
+                    None
+                };
+                match c.output {
+                    Output::Table => print!("{}{}", status_table(&view), transfer_bars(&view, transfer.as_ref())),
+                    Output::Json => print_json(&serde_json::json!({ "cluster": view, "transfer": transfer }))?,
                 }
-                Output::Json => print_json(&view),
+                if !(a.watch && moving) {
+                    return Ok(());
+                }
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                println!();
             }
         }
         Command::Map(c) => {
@@ -160,6 +171,47 @@ pub fn status_table(view: &ClusterView) -> String {
     out
 }
 
+/// The transition and transfer lines of `shoal status`: one progress bar per receiving node.
+pub fn transfer_bars(view: &ClusterView, transfer: Option<&TransferView>) -> String {
+    let mut out = String::new();
+    if let Some(t) = &view.transition {
+        out.push_str(&format!(
+            "transition to map version {}: {} of {} members acknowledged\n",
+            t.to_version,
+            t.acked.len(),
+            view.members.len()
+        ));
+    }
+    let Some(transfer) = transfer else { return out };
+    if let Some(summary) = &view.transfer {
+        out.push_str(&format!(
+            "state transfer to map version {}: {} buckets left{}\n",
+            summary.target_version,
+            summary.buckets_left,
+            if summary.blocking { "" } else { " (flag cleared: membership may change)" }
+        ));
+    }
+    for n in transfer.nodes.iter().filter(|n| n.buckets_total > 0) {
+        const WIDTH: u64 = 30;
+        let filled = (n.buckets_done * WIDTH).checked_div(n.buckets_total).unwrap_or(0).min(WIDTH) as usize;
+        out.push_str(&format!(
+            "  node {:>3} [{}{}] {:>4}/{:<4} buckets  {:>10}  {:>8}/s  idle {:.0}s\n",
+            n.node_id,
+            "#".repeat(filled),
+            "-".repeat(WIDTH as usize - filled),
+            n.buckets_done,
+            n.buckets_total,
+            bytesize::ByteSize(n.bytes).to_string(),
+            bytesize::ByteSize(n.rate_bytes_per_sec as u64).to_string(),
+            n.idle_seconds
+        ));
+    }
+    for f in &transfer.errors {
+        out.push_str(&format!("  node {:>3} did not answer: {}\n", f.node, f.detail));
+    }
+    out
+}
+
 /// `shoal map` as a table: each node's bucket count and bucket ranges.
 pub fn map_table(map: &MapView) -> String {
     let mut out = format!("map version {}\n{:>4}  {:>7}  BUCKETS\n", map.version, "NODE", "COUNT");
@@ -187,6 +239,44 @@ fn ranges(sorted: &[usize]) -> String {
 
 #[cfg(test)]
 mod tests {
+    use shoal_http_api::types::{ClusterView, TransferStatus, TransferSummary, TransferView};
+
+    #[test]
+    fn a_running_transfer_is_drawn_as_progress_bars() {
+        let view = ClusterView {
+            cluster_id: "c".into(),
+            node_id: 1,
+            leader: Some(1),
+            map_version: 7,
+            voters: 3,
+            members: vec![],
+            transition: None,
+            transfer: Some(TransferSummary { target_version: 3, buckets_left: 250, blocking: true }),
+        };
+        let status = TransferStatus {
+            node_id: 2,
+            active: true,
+            buckets_done: 250,
+            buckets_total: 500,
+            bytes: 2_000_000,
+            rate_bytes_per_sec: 1_000_000.0,
+            idle_seconds: 0.0,
+            buckets_pulled_total: 250,
+            bytes_sent_total: 0,
+            bytes_received_total: 2_000_000,
+        };
+        let transfer = TransferView {
+            target_version: Some(3),
+            buckets_left: 250,
+            blocking: true,
+            nodes: vec![status],
+            errors: vec![],
+        };
+        let text = super::transfer_bars(&view, Some(&transfer));
+        assert!(text.contains("state transfer to map version 3: 250 buckets left"), "{text}");
+        assert!(text.contains("[###############---------------]  250/500"), "{text}");
+    }
+
     #[test]
     fn ranges_compress_runs() {
         assert_eq!(super::ranges(&[0, 1, 2, 5, 7, 8]), "0-2,5,7-8");

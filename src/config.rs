@@ -18,6 +18,8 @@ pub struct Cli {
 
 /// The subcommands.
 #[derive(Debug, Subcommand)]
+// Parsed once at start-up: the size of the serve variant does not matter.
+#[allow(clippy::large_enum_variant)]
 pub enum Command {
     /// Run a node: bootstrap a new cluster, join one (--join), or restart from --data-dir.
     Serve(ServeConfig),
@@ -27,8 +29,8 @@ pub enum Command {
     Put(PutArgs),
     /// Delete a key.
     Del(KeyArgs),
-    /// Show the cluster's members, roles, buckets, items and bytes.
-    Status(ClientArgs),
+    /// Show the cluster's members, roles, buckets, items and bytes (and transfer progress).
+    Status(StatusArgs),
     /// Show the distribution map.
     Map(ClientArgs),
     /// Make a member leave the cluster (its buckets are spread over the others).
@@ -98,6 +100,15 @@ pub struct ServeConfig {
     #[arg(long, env = "SHOAL_RECONNECT_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub reconnect_timeout: Duration,
 
+    /// How often the leader checks a running state transfer for progress.
+    #[arg(long, env = "SHOAL_TRANSFER_CHECK_INTERVAL", default_value = "30s", value_parser = parse_duration)]
+    pub transfer_check_interval: Duration,
+
+    /// A transfer with no activity for this long is stuck: the leader clears the
+    /// state-transfer flag so membership may change again.
+    #[arg(long, env = "SHOAL_TRANSFER_STUCK_AFTER", default_value = "3m", value_parser = parse_duration)]
+    pub transfer_stuck_after: Duration,
+
     /// Threads serving requests [default: one per core].
     #[arg(long, env = "SHOAL_WORKER_THREADS")]
     pub worker_threads: Option<usize>,
@@ -129,6 +140,8 @@ impl ServeConfig {
             parallelism: self.transfer_parallelism,
             rate_bytes_per_sec: self.transfer_rate,
             reconnect_timeout: self.reconnect_timeout,
+            check_interval: self.transfer_check_interval,
+            stuck_after: self.transfer_stuck_after,
             ..Default::default()
         }
     }
@@ -163,6 +176,9 @@ impl ServeConfig {
                 "--reconnect-timeout must be between 5s and 30s, not {}",
                 humantime::format_duration(self.reconnect_timeout)
             ));
+        }
+        if self.transfer_check_interval.is_zero() || self.transfer_stuck_after.is_zero() {
+            return Err("--transfer-check-interval and --transfer-stuck-after must be positive".into());
         }
         if self.transfer_parallelism == 0 || self.transfer_parallelism > 64 {
             return Err("--transfer-parallelism must be between 1 and 64".into());
@@ -225,6 +241,17 @@ pub struct PutArgs {
     /// Expire after this long (30s, 5m, 2h).
     #[arg(long)]
     pub ttl: Option<String>,
+    /// Where to connect and how to print.
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+/// `shoal status`.
+#[derive(Debug, Clone, Args)]
+pub struct StatusArgs {
+    /// Redraw every second until no transition or transfer runs.
+    #[arg(long)]
+    pub watch: bool,
     /// Where to connect and how to print.
     #[command(flatten)]
     pub client: ClientArgs,

@@ -106,6 +106,24 @@ pub struct StateGauges {
     pub raft_applied_index: Gauge,
     /// Bytes of the Raft storage on disk.
     pub raft_storage_bytes: Gauge,
+    /// 1 while this node pulls buckets.
+    pub transfer_in_progress: Gauge,
+    /// Buckets the target gives this node that it does not serve yet.
+    pub transfer_buckets_pending: Gauge,
+    /// Buckets in this node's current round of pulls.
+    pub transfer_buckets_round: Gauge,
+    /// Buckets of the current round already pulled.
+    pub transfer_buckets_round_done: Gauge,
+    /// Buckets pulled since start.
+    pub transfer_buckets: Counter,
+    /// Transfer bytes received since start.
+    pub transfer_bytes_received: Counter,
+    /// Transfer bytes sent since start.
+    pub transfer_bytes_sent: Counter,
+    /// Seconds since this node last sent or received transfer data.
+    pub transfer_idle: Gauge,
+    /// 1 while the state-transfer flag holds membership changes.
+    pub transfer_flag: Gauge,
 }
 
 /// The node's metrics. See the module docs.
@@ -121,6 +139,10 @@ pub struct NodeMetrics {
     pub forwarded: Counter,
     /// State mirrors.
     pub state: StateGauges,
+    /// Time to pull one bucket (stream, install, flip).
+    pub transfer_bucket_duration: Histogram,
+    /// Transfers the leader found stuck (and cleared the flag of).
+    pub transfer_stuck: Counter,
 }
 
 static METADATA: Metadata<'static> = Metadata::new("shoal", Level::INFO, Some(module_path!()));
@@ -184,8 +206,30 @@ impl NodeMetrics {
             raft_last_log_index: gauge("shoal_raft_last_log_index", "Last Raft log index."),
             raft_applied_index: gauge("shoal_raft_applied_index", "Last applied Raft log index."),
             raft_storage_bytes: gauge("shoal_raft_storage_bytes", "Size of the Raft storage on disk."),
+            transfer_in_progress: gauge("shoal_transfer_in_progress", "1 while this node pulls buckets."),
+            transfer_buckets_pending: gauge(
+                "shoal_transfer_buckets_pending",
+                "Buckets the target map gives this node that it does not serve yet.",
+            ),
+            transfer_buckets_round: gauge(
+                "shoal_transfer_round_buckets",
+                "Buckets in this node's current round of pulls.",
+            ),
+            transfer_buckets_round_done: gauge(
+                "shoal_transfer_round_buckets_done",
+                "Buckets of the current round already pulled.",
+            ),
+            transfer_buckets: counter("shoal_transfer_buckets_total", "Buckets pulled by this node."),
+            transfer_bytes_received: counter("shoal_transfer_received_bytes_total", "State-transfer bytes received."),
+            transfer_bytes_sent: counter("shoal_transfer_sent_bytes_total", "State-transfer bytes sent."),
+            transfer_idle: gauge("shoal_transfer_idle_seconds", "Seconds since this node last moved transfer data."),
+            transfer_flag: gauge("shoal_transfer_flag", "1 while the state-transfer flag holds membership changes."),
         };
+        describe(r, "shoal_transfer_bucket_duration_seconds", "Time to pull one bucket: stream, install, flip.");
         NodeMetrics {
+            transfer_bucket_duration: r
+                .register_histogram(&Key::from_name("shoal_transfer_bucket_duration_seconds"), &METADATA),
+            transfer_stuck: counter("shoal_transfer_stuck_total", "State transfers found stuck by the leader."),
             hits: counter("shoal_cache_hits_total", "Reads that found their key."),
             misses: counter("shoal_cache_misses_total", "Reads that did not find their key."),
             forwarded: counter("shoal_forwarded_operations_total", "Key operations forwarded to their owner."),

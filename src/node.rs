@@ -230,7 +230,8 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
         return Err(e);
     }
     let mut handle = handle;
-    handle.transfers = Some(Transfers::start(control.clone(), cache.clone(), transfer_config, progress));
+    handle.transfers =
+        Some(Transfers::start(control.clone(), cache.clone(), transfer_config, progress, metrics.clone()));
     handle.tasks.push(tokio::spawn(sweep_expired(cache.clone())));
     handle.tasks.push(tokio::spawn(metrics_upkeep(metrics)));
     handle.tasks.push(tokio::spawn(follow_map(

@@ -361,6 +361,9 @@ pub struct TransferStatus {
     pub buckets_pulled_total: u64,
     /// Bytes sent to other nodes since the node started.
     pub bytes_sent_total: u64,
+    /// Bytes received from other nodes since the node started.
+    #[serde(default)]
+    pub bytes_received_total: u64,
 }
 
 /// `GET /v1/cluster/transfer`: the transfer as every member reports it.

@@ -142,6 +142,17 @@ impl NodeApi {
     /// Refreshes the state gauges from the store and the control plane.
     pub(super) fn refresh_gauges(&self) {
         let g = &self.metrics.state;
+        let t = self.progress.status(self.node_id);
+        let state = self.control.state();
+        g.transfer_in_progress.set(if t.active { 1.0 } else { 0.0 });
+        g.transfer_buckets_pending.set(state.incoming_of(self.node_id).len() as f64);
+        g.transfer_buckets_round.set(t.buckets_total as f64);
+        g.transfer_buckets_round_done.set(t.buckets_done as f64);
+        g.transfer_buckets.absolute(t.buckets_pulled_total);
+        g.transfer_bytes_received.absolute(t.bytes_received_total);
+        g.transfer_bytes_sent.absolute(t.bytes_sent_total);
+        g.transfer_idle.set(t.idle_seconds);
+        g.transfer_flag.set(if state.transfer_flag { 1.0 } else { 0.0 });
         let stats = self.cache.stats();
         g.items.set(stats.items as f64);
         g.bytes.set(stats.bytes as f64);

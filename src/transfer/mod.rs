@@ -16,11 +16,13 @@
 //! - `export.rs`: the source side.
 //! - `import.rs`: the receiving side.
 //! - `progress.rs`: counters for `/v1/cluster/transfer`, metrics and the stuck detector.
+//! - `stuck.rs`: the leader's stuck-transfer detector.
 
 pub mod export;
 pub mod frame;
 pub mod import;
 pub mod progress;
+pub mod stuck;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,6 +35,7 @@ use shoal_raft::{AdminRequest, ControlPlane};
 use tokio::task::JoinHandle;
 
 use crate::cache::CacheStore;
+use crate::metrics::NodeMetrics;
 use export::Exporter;
 use import::{backoff, Puller};
 use progress::Progress;
@@ -50,6 +53,10 @@ pub struct TransferConfig {
     pub reconnect_attempts: u32,
     /// Pause between connection attempts (R35: 2 s).
     pub reconnect_pause: Duration,
+    /// How often the leader checks transfers for progress (R25: 30 s).
+    pub check_interval: Duration,
+    /// No transfer activity for this long means stuck (R25: 3 min).
+    pub stuck_after: Duration,
 }
 
 impl Default for TransferConfig {
@@ -60,6 +67,8 @@ impl Default for TransferConfig {
             reconnect_timeout: Duration::from_secs(10),
             reconnect_attempts: 2,
             reconnect_pause: Duration::from_secs(2),
+            check_interval: Duration::from_secs(30),
+            stuck_after: Duration::from_secs(180),
         }
     }
 }
@@ -71,16 +80,18 @@ pub struct Transfers {
 }
 
 impl Transfers {
-    /// Starts the acker and the puller of this node.
+    /// Starts the acker, the puller and the stuck detector of this node.
     pub fn start(
         control: ControlPlane,
         cache: Arc<CacheStore>,
         config: TransferConfig,
         progress: Arc<Progress>,
+        metrics: Arc<NodeMetrics>,
     ) -> Self {
         let tasks = vec![
             tokio::spawn(ack_transitions(control.clone())),
-            tokio::spawn(pull_buckets(control, cache, config, progress.clone())),
+            tokio::spawn(stuck::detect_stuck(control.clone(), config, metrics.clone())),
+            tokio::spawn(pull_buckets(control, cache, config, progress.clone(), metrics)),
         ];
         Transfers { tasks, progress }
     }
@@ -147,7 +158,13 @@ async fn ack_transitions(control: ControlPlane) {
 
 /// Pulls the buckets the target gives this node, `parallelism` at a time, until there are
 /// none; then waits for the next change.
-async fn pull_buckets(control: ControlPlane, cache: Arc<CacheStore>, config: TransferConfig, progress: Arc<Progress>) {
+async fn pull_buckets(
+    control: ControlPlane,
+    cache: Arc<CacheStore>,
+    config: TransferConfig,
+    progress: Arc<Progress>,
+    metrics: Arc<NodeMetrics>,
+) {
     let me = control.node_id();
     let puller = Puller::new(config);
     let mut applied = control.view().subscribe();
@@ -173,11 +190,15 @@ async fn pull_buckets(control: ControlPlane, cache: Arc<CacheStore>, config: Tra
         }
         let results: Vec<_> = stream::iter(incoming)
             .map(|(bucket, from, epoch)| {
-                let (puller, control, cache, progress) = (&puller, &control, &cache, &progress);
+                let (puller, control, cache, progress, metrics) = (&puller, &control, &cache, &progress, &metrics);
                 async move {
+                    let started = std::time::Instant::now();
                     let result = puller.pull(control, cache, progress, bucket, from, epoch).await;
                     match &result {
-                        Ok(_) => progress.bucket_done(),
+                        Ok(_) => {
+                            progress.bucket_done();
+                            metrics.transfer_bucket_duration.record(started.elapsed().as_secs_f64());
+                        }
                         Err(e) => {
                             tracing::warn!(node_id = me, bucket = bucket.0, from, error = %e, "bucket transfer failed")
                         }

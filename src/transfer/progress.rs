@@ -22,6 +22,8 @@ struct Counters {
     bytes_in: u64,
     /// Bytes sent, ever.
     bytes_out: u64,
+    /// Bytes received, ever.
+    bytes_in_total: u64,
     /// Buckets pulled, ever.
     buckets_in_total: u64,
     /// When the current round started.
@@ -40,6 +42,7 @@ impl Default for Progress {
                 done: 0,
                 bytes_in: 0,
                 bytes_out: 0,
+                bytes_in_total: 0,
                 buckets_in_total: 0,
                 round_started: None,
                 last_activity: Instant::now(),
@@ -70,6 +73,7 @@ impl Progress {
     pub fn received(&self, n: u64) {
         let mut c = self.inner.lock();
         c.bytes_in += n;
+        c.bytes_in_total += n;
         c.last_activity = Instant::now();
     }
 
@@ -102,6 +106,7 @@ impl Progress {
             idle_seconds: c.last_activity.elapsed().as_secs_f64(),
             buckets_pulled_total: c.buckets_in_total,
             bytes_sent_total: c.bytes_out,
+            bytes_received_total: c.bytes_in_total,
         }
     }
 }

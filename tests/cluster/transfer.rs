@@ -148,3 +148,39 @@ async fn the_transition_and_transfer_are_visible_and_guard_membership_changes() 
     assert_eq!(c.json(0, "/v1/cluster").await["members"].as_array().map(Vec::len), Some(2), "nothing changed");
     c.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stuck_transfer_is_detected_and_its_flag_cleared() {
+    let mut c = TestCluster::start_with(2, |config| {
+        config.transfer_check_interval = Duration::from_millis(500);
+        config.transfer_stuck_after = Duration::from_secs(2);
+    })
+    .await;
+    // A third node joins and dies at once: its transition or its transfer cannot finish.
+    let slot = c.add_node_no_wait().await;
+    let dead = c.id(slot);
+    c.stop(slot).await;
+    wait_for("the stuck detector to fire", || async {
+        for s in [0, 1] {
+            let text = c.http.get(c.url(s, "/metrics")).send().await.ok()?.text().await.ok()?;
+            let stuck = text
+                .lines()
+                .find_map(|l| l.strip_prefix("shoal_transfer_stuck_total "))
+                .and_then(|v| v.parse::<f64>().ok());
+            if stuck.unwrap_or(0.0) >= 1.0 {
+                return Some(());
+            }
+        }
+        None
+    })
+    .await;
+    wait_for("the flag to be cleared", || async {
+        let text = c.http.get(c.url(0, "/metrics")).send().await.ok()?.text().await.ok()?;
+        text.contains("\nshoal_transfer_flag 0").then_some(())
+    })
+    .await;
+    // Membership may change again, without force.
+    let r = c.http.post(c.url(0, &format!("/v1/cluster/nodes/{dead}/leave"))).send().await.expect("leave");
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
+    c.shutdown().await;
+}

@@ -164,8 +164,12 @@ impl ClusterState {
         self.active_ids().into_iter().take(usize::from(self.settings.voters.max(1))).collect()
     }
 
-    /// Whether a membership change must wait: a transition or a transfer is running.
+    /// Whether a membership change must wait: the state-transfer flag is set (a transition
+    /// or a transfer runs, and the stuck detector has not cleared the flag).
     pub fn membership_busy(&self) -> Option<String> {
+        if !self.transfer_flag {
+            return None;
+        }
         if let Some(t) = &self.transition {
             return Some(format!(
                 "a transition to map version {} is waiting for {} of {} members",
@@ -174,11 +178,8 @@ impl ClusterState {
                 self.members.len()
             ));
         }
-        if self.transfer_flag {
-            let left = self.target.as_ref().map_or(0, |t| self.map.moved_buckets(t).len());
-            return Some(format!("state transfer is moving {left} buckets"));
-        }
-        None
+        let left = self.target.as_ref().map_or(0, |t| self.map.moved_buckets(t).len());
+        Some(format!("state transfer is moving {left} buckets"))
     }
 
     /// The buckets `node` should receive: the target gives them to it, another node serves

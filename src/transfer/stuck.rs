@@ -1,0 +1,77 @@
+//! The leader's stuck-transfer detector (R25).
+//!
+//! Every `--transfer-check-interval` the leader asks every member that still has buckets to
+//! receive for the time since its last transfer activity (`/internal/transfer/status`). If one
+//! has been idle longer than `--transfer-stuck-after` — or a transition has waited that long
+//! for acknowledgements — the transfer is stuck: the leader logs it, counts it
+//! (`shoal_transfer_stuck_total`) and clears the state-transfer flag, so membership may change
+//! again. The buckets still to move stay in the target; a member that comes back resumes.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use shoal_raft::{AdminRequest, ControlPlane, NodeId};
+
+use super::TransferConfig;
+use crate::metrics::NodeMetrics;
+use crate::peer::PeerClient;
+
+/// Runs the detector (it acts only while this node leads).
+pub async fn detect_stuck(control: ControlPlane, config: TransferConfig, metrics: Arc<NodeMetrics>) {
+    let peers = PeerClient::new();
+    let mut tick = tokio::time::interval(config.check_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Leader-local memory: when each pending map was first seen, and when each member last
+    // answered or moved data.
+    let mut transition_seen: Option<(u64, Instant)> = None;
+    let mut last_heard: HashMap<NodeId, Instant> = HashMap::new();
+    loop {
+        tick.tick().await;
+        let state = control.state();
+        if !control.is_leader() || !state.transfer_flag {
+            transition_seen = None;
+            last_heard.clear();
+            continue;
+        }
+        let mut stuck: Option<String> = None;
+        if let Some(t) = &state.transition {
+            let since = match transition_seen {
+                Some((v, since)) if v == t.to.version => since,
+                _ => {
+                    transition_seen = Some((t.to.version, Instant::now()));
+                    Instant::now()
+                }
+            };
+            if since.elapsed() > config.stuck_after {
+                let missing: Vec<NodeId> = state.member_ids().into_iter().filter(|m| !t.acked.contains(m)).collect();
+                stuck = Some(format!(
+                    "the transition to map version {} has waited {:?} for members {missing:?}",
+                    t.to.version,
+                    since.elapsed()
+                ));
+            }
+        }
+        for member in state.members.iter().filter(|m| !state.incoming_of(m.id).is_empty()) {
+            let idle = match peers.transfer_status(&member.peer_addr).await {
+                Ok(status) => {
+                    let active_at = Instant::now() - Duration::from_secs_f64(status.idle_seconds.max(0.0));
+                    last_heard.insert(member.id, active_at);
+                    Duration::from_secs_f64(status.idle_seconds.max(0.0))
+                }
+                // Unreachable: idle since it last answered (or since we started looking).
+                Err(_) => last_heard.entry(member.id).or_insert_with(Instant::now).elapsed(),
+            };
+            if idle > config.stuck_after && stuck.is_none() {
+                stuck = Some(format!("node {} has moved no transfer data for {idle:?}", member.id));
+            }
+        }
+        if let Some(reason) = stuck {
+            tracing::warn!(%reason, "state transfer stuck; clearing the state-transfer flag");
+            metrics.transfer_stuck.increment(1);
+            if let Err(e) = control.admin(AdminRequest::ClearTransferFlag { reason }).await {
+                tracing::warn!(error = %e, "could not clear the state-transfer flag");
+            }
+        }
+    }
+}
