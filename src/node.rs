@@ -33,8 +33,10 @@ use crate::http_server;
 use crate::identity::Identity;
 use crate::join::Joiner;
 use crate::metrics::NodeMetrics;
-use crate::proxy::NodeApi;
+use crate::proxy::{NodeApi, NodeParts};
 use crate::transfer::progress::Progress;
+use crate::transfer::restore::Restoring;
+use crate::transfer::shadow::ShadowWriter;
 use crate::transfer::{self, Transfers};
 
 /// Why a node could not start.
@@ -201,7 +203,17 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
     };
     let transfer_config = config.transfer_config();
     let progress = Arc::new(Progress::default());
-    let api = Arc::new(NodeApi::new(control.clone(), cache.clone(), limits, metrics.clone(), progress.clone()));
+    // Buckets handed to this node in a transfer that is still running come back from their
+    // shadows before this node serves them (its memory is empty after a restart).
+    let restoring = Arc::new(Restoring::default());
+    restoring.mark(&control.state(), node_id);
+    let parts = NodeParts {
+        metrics: metrics.clone(),
+        progress: progress.clone(),
+        shadows: Arc::new(ShadowWriter::default()),
+        restoring: restoring.clone(),
+    };
+    let api = Arc::new(NodeApi::new(control.clone(), cache.clone(), limits, parts));
     let (shutdown, _) = watch::channel(false);
     let peer_router = shoal_raft::peer_router(control.clone()).merge(transfer::peer_routes(
         control.clone(),
@@ -230,6 +242,13 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
         return Err(e);
     }
     let mut handle = handle;
+    handle.tasks.push(tokio::spawn(transfer::restore::restore(
+        control.clone(),
+        cache.clone(),
+        transfer::import::Puller::new(transfer_config),
+        restoring,
+        progress.clone(),
+    )));
     handle.transfers =
         Some(Transfers::start(control.clone(), cache.clone(), transfer_config, progress, metrics.clone()));
     handle.tasks.push(tokio::spawn(sweep_expired(cache.clone())));
@@ -356,6 +375,7 @@ async fn follow_map(
             let keep = |b: BucketId| {
                 state.map.owner_of(b) == Some(node_id)
                     || state.target.as_ref().is_some_and(|t| t.owner_of(b) == Some(node_id))
+                    || state.shadow_of(b) == Some(node_id)
             };
             for bucket in BucketId::all() {
                 if !keep(bucket) && cache.bucket_stats(bucket).0 > 0 {

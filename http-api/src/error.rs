@@ -189,6 +189,7 @@ impl ApiError {
             "unavailable" => ApiError::unavailable("unavailable", problem.detail.clone()),
             "map_changing" => ApiError::unavailable("map_changing", problem.detail.clone()),
             "bucket_moving" => ApiError::unavailable("bucket_moving", problem.detail.clone()),
+            "bucket_restoring" => ApiError::unavailable("bucket_restoring", problem.detail.clone()),
             _ => ApiError::Internal(format!("peer answered {}: {}", problem.code, problem.detail)),
         }
     }

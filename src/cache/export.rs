@@ -68,9 +68,15 @@ pub enum Change {
 /// A bucket's export in progress.
 #[derive(Debug, Default)]
 pub(super) struct ExportLog {
+    /// Identifies this export: a newer export of the bucket replaces it, and the calls of
+    /// the older one (still winding down) must not touch the newer one.
+    token: u64,
     changes: Vec<Change>,
     frozen: bool,
 }
+
+/// Hands out export tokens.
+static NEXT_TOKEN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl ExportLog {
     pub(super) fn record(&mut self, change: Change) {
@@ -86,27 +92,51 @@ impl CacheStore {
     /// Starts exporting `bucket`: returns a snapshot of its live items, and records every
     /// write to it from now on until [`Self::end_export`]. A previous export of the bucket is
     /// cancelled.
-    pub fn begin_export(&self, bucket: BucketId) -> Vec<ExportedItem> {
+    pub fn begin_export(&self, bucket: BucketId) -> (Vec<ExportedItem>, u64) {
         let now = self.clock.now_ms();
+        let token = NEXT_TOKEN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut b = self.bucket(bucket).write();
-        b.export = Some(ExportLog::default());
-        b.iter().filter(|i| !i.is_expired(now)).map(ExportedItem::of).collect()
+        b.export = Some(ExportLog { token, ..ExportLog::default() });
+        (b.iter().filter(|i| !i.is_expired(now)).map(ExportedItem::of).collect(), token)
     }
 
-    /// The writes recorded since the snapshot or the previous drain.
-    pub fn drain_changes(&self, bucket: BucketId) -> Vec<Change> {
+    /// A snapshot of `bucket`'s live items and its version counter, without recording.
+    pub fn snapshot(&self, bucket: BucketId) -> (Vec<ExportedItem>, u64) {
+        let now = self.clock.now_ms();
+        let b = self.bucket(bucket).read();
+        (b.iter().filter(|i| !i.is_expired(now)).map(ExportedItem::of).collect(), b.version_counter())
+    }
+
+    /// The item stored under `key`, as it would travel.
+    pub fn export_item(&self, bucket: BucketId, key: &[u8]) -> Option<ExportedItem> {
+        use std::hash::BuildHasher;
+        let hash = self.hasher.hash_one(key);
+        let b = self.bucket(bucket).read();
+        b.get(hash, key).map(ExportedItem::of)
+    }
+
+    /// The writes recorded since the snapshot or the previous drain (of export `token`).
+    pub fn drain_changes(&self, bucket: BucketId, token: u64) -> Vec<Change> {
         let mut b = self.bucket(bucket).write();
-        b.export.as_mut().map(|e| std::mem::take(&mut e.changes)).unwrap_or_default()
+        match b.export.as_mut() {
+            Some(e) if e.token == token => std::mem::take(&mut e.changes),
+            _ => Vec::new(),
+        }
     }
 
     /// Freezes `bucket`: from now on writes to it are refused with [`CacheError::Frozen`]
-    /// (reads go on). Returns the last recorded writes and the bucket's version counter.
-    pub fn freeze(&self, bucket: BucketId) -> (Vec<Change>, u64) {
+    /// (reads go on). Returns the last recorded writes and the bucket's version counter, or
+    /// `None` if export `token` was replaced by a newer one.
+    pub fn freeze(&self, bucket: BucketId, token: u64) -> Option<(Vec<Change>, u64)> {
         let mut b = self.bucket(bucket).write();
         let counter = b.version_counter();
-        let export = b.export.get_or_insert_with(ExportLog::default);
-        export.frozen = true;
-        (std::mem::take(&mut export.changes), counter)
+        match b.export.as_mut() {
+            Some(e) if e.token == token => {
+                e.frozen = true;
+                Some((std::mem::take(&mut e.changes), counter))
+            }
+            _ => None,
+        }
     }
 
     /// Whether `bucket` is frozen.
@@ -114,9 +144,14 @@ impl CacheStore {
         self.bucket(bucket).read().export.as_ref().is_some_and(|e| e.frozen)
     }
 
-    /// Ends an export: stops recording and thaws the bucket.
-    pub fn end_export(&self, bucket: BucketId) {
-        self.bucket(bucket).write().export = None;
+    /// Ends export `token`: stops recording and thaws the bucket (a newer export is left
+    /// alone).
+    pub fn end_export(&self, bucket: BucketId, token: u64) {
+        let mut b = self.bucket(bucket).write();
+        if b.export.as_ref().is_some_and(|e| e.token == token) {
+            b.export = None;
+        }
+        drop(b);
         self.thawed.notify_waiters();
     }
 
@@ -187,15 +222,16 @@ mod tests {
         for k in &keys {
             put(&source, k, "old").expect("put");
         }
-        let snapshot = source.begin_export(b);
+        let (snapshot, token) = source.begin_export(b);
         // Writes during the export: overwrite, new key, delete.
         put(&source, &keys[0], "new").expect("put");
         put(&source, "{t}fresh", "x").expect("put");
         source.delete(b, keys[1].as_bytes(), None).expect("delete");
-        let changes = source.drain_changes(b);
+        let changes = source.drain_changes(b, token);
         assert_eq!(changes.len(), 3);
         put(&source, &keys[2], "late").expect("put");
-        let (last, counter) = source.freeze(b);
+        assert!(source.freeze(b, token + 1).is_none(), "another export's token does nothing");
+        let (last, counter) = source.freeze(b, token).expect("our export");
         assert_eq!(last.len(), 1);
         assert_eq!(put(&source, &keys[3], "refused"), Err(CacheError::Frozen), "frozen buckets refuse writes");
         assert!(source.get(b, keys[3].as_bytes()).is_some(), "reads go on");
@@ -213,7 +249,9 @@ mod tests {
         let next = put(&target, &keys[0], "after").expect("put");
         assert!(next > read(&source, &keys[2]).map_or(0, |v| v.1), "versions keep increasing after the move");
 
-        source.end_export(b);
+        source.end_export(b, token + 1);
+        assert_eq!(put(&source, &keys[3], "still frozen"), Err(CacheError::Frozen));
+        source.end_export(b, token);
         assert!(put(&source, &keys[3], "thawed").is_ok());
         let _ = Condition::Always;
     }

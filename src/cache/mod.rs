@@ -338,7 +338,10 @@ impl CacheStore {
     /// Takes every item of `bucket` out of the store (to move it), leaving it empty; the
     /// version counter goes with the items.
     pub fn take_bucket(&self, bucket: BucketId) -> Bucket {
-        self.mutate(bucket, |b, _| std::mem::take(b))
+        let taken = self.mutate(bucket, |b, _| std::mem::take(b));
+        // Writes waiting on a frozen bucket re-route now.
+        self.thawed.notify_waiters();
+        taken
     }
 
     /// Puts a whole bucket in place of whatever `bucket` held.

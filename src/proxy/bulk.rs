@@ -12,7 +12,9 @@ use shoal_http_api::{ApiError, Problem, PutItem};
 use shoal_raft::{bucket_of, BucketId, NodeId};
 
 use super::{api_addr_of, NodeApi, Target, ROUTE_ATTEMPTS};
+use crate::cache::Change;
 use crate::metrics::Op;
+use crate::transfer::shadow::ShadowGuard;
 
 impl NodeApi {
     /// Runs a bulk operation: items grouped by owner, local ones here, each remote group in
@@ -135,6 +137,21 @@ impl NodeApi {
         self.timed(Op::BulkGet, started, result)
     }
 
+    /// Locks the buckets of `keys` that have shadows (see `transfer::shadow`).
+    async fn shadow_guards<'a>(&'a self, keys: impl Iterator<Item = &'a str>) -> Vec<ShadowGuard<'a>> {
+        let buckets: Vec<BucketId> = keys.map(|k| bucket_of(k.as_bytes())).collect();
+        self.shadows.guards(&self.control.state(), self.node_id, &buckets).await
+    }
+
+    /// Writes the local results of a bulk write through to the shadows of `guards`.
+    async fn write_through_all(&self, guards: &[ShadowGuard<'_>], changes: Vec<(BucketId, Change)>) {
+        for guard in guards {
+            let mine: Vec<Change> =
+                changes.iter().filter(|(b, _)| *b == guard.bucket).map(|(_, c)| c.clone()).collect();
+            self.shadows.write_through(guard, &mine).await;
+        }
+    }
+
     pub(super) async fn bulk_put_routed(
         &self,
         items: Vec<PutItem>,
@@ -157,8 +174,21 @@ impl NodeApi {
                     .collect())
             }
         };
+        let guards = self.shadow_guards(items.iter().map(|i| i.key.as_str())).await;
         let result =
             self.bulk(&items, |i| i.key.as_str(), ctx, |item, bucket| self.local_put(item, bucket), remote).await;
+        if let (false, Ok(results)) = (guards.is_empty(), &result) {
+            let changes = items
+                .iter()
+                .zip(results)
+                .filter(|(_, r)| r.as_ref().is_ok_and(|ok| ok.node == self.node_id))
+                .filter_map(|(item, _)| {
+                    let b = bucket_of(item.key.as_bytes());
+                    self.cache.export_item(b, item.key.as_bytes()).map(|stored| (b, Change::Put(stored)))
+                })
+                .collect();
+            self.write_through_all(&guards, changes).await;
+        }
         self.timed(Op::BulkPut, started, result)
     }
 
@@ -183,7 +213,24 @@ impl NodeApi {
             }
         };
         let local = |key: &String, bucket| self.local_delete(key, None, bucket);
+        let guards = self.shadow_guards(keys.iter().map(String::as_str)).await;
+        let before: Vec<Option<crate::cache::ExportedItem>> = keys
+            .iter()
+            .map(|k| {
+                (!guards.is_empty()).then(|| self.cache.export_item(bucket_of(k.as_bytes()), k.as_bytes())).flatten()
+            })
+            .collect();
         let result = self.bulk(&keys, |k| k.as_str(), ctx, local, remote).await;
+        if let (false, Ok(results)) = (guards.is_empty(), &result) {
+            let changes = before
+                .into_iter()
+                .zip(results)
+                .filter(|(_, r)| matches!(r, Ok(true)))
+                .filter_map(|(gone, _)| gone)
+                .map(|gone| (bucket_of(&gone.key), Change::Delete { key: gone.key, version: gone.version }))
+                .collect();
+            self.write_through_all(&guards, changes).await;
+        }
         self.timed(Op::BulkDelete, started, result)
     }
 }

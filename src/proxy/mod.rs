@@ -38,10 +38,13 @@ use shoal_http_api::types::{
 use shoal_http_api::{ApiError, Limits, PutItem, ShoalApi};
 use shoal_raft::{bucket_of, BucketId, ClusterState, ControlPlane, NodeId};
 
+use crate::cache::Change;
 use crate::cache::{CacheError, CacheStore, Condition, Write};
 use crate::metrics::{NodeMetrics, Op};
 use crate::peer::PeerClient;
 use crate::transfer::progress::Progress;
+use crate::transfer::restore::Restoring;
+use crate::transfer::shadow::ShadowWriter;
 
 /// How long a node waits to catch up with a newer map version before answering.
 const MAP_CATCH_UP: Duration = Duration::from_secs(2);
@@ -64,6 +67,18 @@ fn api_addr_of(state: &ClusterState, id: NodeId) -> Result<String, ApiError> {
         .ok_or_else(|| ApiError::Internal(format!("owner {id} not a member")))
 }
 
+/// The node's shared parts the API reads besides the store and the control plane.
+pub struct NodeParts {
+    /// Metrics.
+    pub metrics: Arc<NodeMetrics>,
+    /// Transfer progress.
+    pub progress: Arc<Progress>,
+    /// Write-through to shadows during a transfer.
+    pub shadows: Arc<ShadowWriter>,
+    /// Buckets not restored yet after a restart.
+    pub restoring: Arc<Restoring>,
+}
+
 /// The node's implementation of the public API.
 pub struct NodeApi {
     node_id: NodeId,
@@ -73,18 +88,24 @@ pub struct NodeApi {
     limits: Limits,
     metrics: Arc<NodeMetrics>,
     progress: Arc<Progress>,
+    shadows: Arc<ShadowWriter>,
+    restoring: Arc<Restoring>,
 }
 
 impl NodeApi {
     /// Wires the API over this node's parts.
-    pub fn new(
-        control: ControlPlane,
-        cache: Arc<CacheStore>,
-        limits: Limits,
-        metrics: Arc<NodeMetrics>,
-        progress: Arc<Progress>,
-    ) -> Self {
-        NodeApi { node_id: control.node_id(), control, cache, peers: PeerClient::new(), limits, metrics, progress }
+    pub fn new(control: ControlPlane, cache: Arc<CacheStore>, limits: Limits, parts: NodeParts) -> Self {
+        NodeApi {
+            node_id: control.node_id(),
+            control,
+            cache,
+            peers: PeerClient::new(),
+            limits,
+            metrics: parts.metrics,
+            progress: parts.progress,
+            shadows: parts.shadows,
+            restoring: parts.restoring,
+        }
     }
 
     /// The applied state, after waiting (bounded) until its map is at least `version`.
@@ -110,6 +131,12 @@ impl NodeApi {
             return Err(ApiError::unavailable("not_ready", "this node has not joined a cluster yet"));
         };
         if owner == self.node_id {
+            if self.restoring.contains(bucket) {
+                return Err(ApiError::unavailable(
+                    "bucket_restoring",
+                    format!("bucket {bucket} is being restored after a restart; retry"),
+                ));
+            }
             return Ok((Target::Local, map_version));
         }
         if ctx.forwarded_map_version.is_some() {
@@ -240,6 +267,8 @@ impl ShoalApi for NodeApi {
 
     async fn put(&self, item: PutItem, ctx: RouteContext) -> Result<PutOk, ApiError> {
         let started = Instant::now();
+        let bucket = bucket_of(item.key.as_bytes());
+        let shadow = self.shadows.guard(&self.control.state(), self.node_id, bucket).await;
         let result = self
             .route(
                 &item.key,
@@ -251,11 +280,21 @@ impl ShoalApi for NodeApi {
                 },
             )
             .await;
+        if let (Some(guard), Ok(ok)) = (&shadow, &result) {
+            if ok.node == self.node_id {
+                if let Some(stored) = self.cache.export_item(bucket, item.key.as_bytes()) {
+                    self.shadows.write_through(guard, &[Change::Put(stored)]).await;
+                }
+            }
+        }
         self.timed(Op::Put, started, result)
     }
 
     async fn delete(&self, key: String, cas: Option<u64>, ctx: RouteContext) -> Result<(), ApiError> {
         let started = Instant::now();
+        let bucket = bucket_of(key.as_bytes());
+        let shadow = self.shadows.guard(&self.control.state(), self.node_id, bucket).await;
+        let before = shadow.as_ref().and_then(|_| self.cache.export_item(bucket, key.as_bytes()));
         let local = |bucket| match self.local_delete(&key, cas, bucket)? {
             true => Ok(()),
             false => Err(ApiError::NotFound),
@@ -266,6 +305,11 @@ impl ShoalApi for NodeApi {
                 async move { peers.delete(&api, key, cas, v).await }
             })
             .await;
+        if let (Some(guard), Some(gone), Ok(())) = (&shadow, before, &result) {
+            if self.cache.export_item(bucket, key.as_bytes()).is_none() {
+                self.shadows.write_through(guard, &[Change::Delete { key: gone.key, version: gone.version }]).await;
+            }
+        }
         self.timed(Op::Delete, started, result)
     }
 

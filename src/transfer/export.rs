@@ -54,6 +54,21 @@ pub struct Exporter {
 pub(super) struct StreamQuery {
     to: NodeId,
     epoch: u64,
+    /// Send the shadow copy back to the bucket's owner (after it restarted): a plain
+    /// snapshot, no freeze.
+    #[serde(default)]
+    restore: bool,
+}
+
+/// Why this node will not send its shadow of `bucket` to `to`.
+fn restore_refusal(state: &ClusterState, me: NodeId, bucket: BucketId, to: NodeId) -> Option<String> {
+    if state.shadow_of(bucket) != Some(me) {
+        return Some(format!("node {me} holds no shadow of bucket {bucket}"));
+    }
+    if state.map.owner_of(bucket) != Some(to) {
+        return Some(format!("node {to} does not serve bucket {bucket}"));
+    }
+    None
 }
 
 /// Why the source will not stream the bucket (yet).
@@ -78,6 +93,19 @@ pub(super) async fn stream_bucket(
 ) -> Response {
     let me = exporter.control.node_id();
     let bucket = BucketId(bucket);
+    if q.restore {
+        if let Some(reason) = restore_refusal(&exporter.control.state(), me, bucket, q.to) {
+            return (StatusCode::CONFLICT, reason).into_response();
+        }
+        let (items, counter) = exporter.cache.snapshot(bucket);
+        let mut frames = vec![Bytes::from_static(HEADER)];
+        frames.extend(items.iter().flat_map(item_frames));
+        frames.push(end_frame(counter, items.len() as u64));
+        let sent: u64 = frames.iter().map(|f| f.len() as u64).sum();
+        exporter.progress.sent(sent);
+        let body = Body::from_stream(futures::stream::iter(frames.into_iter().map(Ok::<_, std::io::Error>)));
+        return (StatusCode::OK, [("content-type", "application/vnd.shoal.transfer")], body).into_response();
+    }
     // The new owner may have applied the target a moment before us.
     exporter.control.wait_for_state(Duration::from_secs(2), |s| refusal(s, me, bucket, q.to, q.epoch).is_none()).await;
     if let Some(reason) = refusal(&exporter.control.state(), me, bucket, q.to, q.epoch) {
@@ -93,7 +121,7 @@ pub(super) async fn stream_bucket(
 /// Sends the bucket into `tx`; a failed send means the receiver went away.
 async fn produce(exporter: Exporter, bucket: BucketId, epoch: u64, tx: mpsc::Sender<Bytes>) {
     let cache = &exporter.cache;
-    let snapshot = cache.begin_export(bucket);
+    let (snapshot, token) = cache.begin_export(bucket);
     let mut throttle = Throttle::new(exporter.config.rate_bytes_per_sec);
     let mut sent: u64 = 0;
     let mut send = async |frames: Vec<Bytes>| -> bool {
@@ -117,7 +145,7 @@ async fn produce(exporter: Exporter, bucket: BucketId, epoch: u64, tx: mpsc::Sen
         if !ok {
             break;
         }
-        let changes = cache.drain_changes(bucket);
+        let changes = cache.drain_changes(bucket, token);
         let small = changes.len() <= FREEZE_BELOW;
         for c in &changes {
             ok = ok && send(change_frames(c)).await;
@@ -129,10 +157,14 @@ async fn produce(exporter: Exporter, bucket: BucketId, epoch: u64, tx: mpsc::Sen
     }
     if !ok {
         // Nothing was frozen: the bucket just stops recording.
-        cache.end_export(bucket);
+        cache.end_export(bucket, token);
         return;
     }
-    let (last, counter) = cache.freeze(bucket);
+    let Some((last, counter)) = cache.freeze(bucket, token) else {
+        // A newer export of the bucket replaced this one.
+        let _ = tx.send(error_frame("a newer transfer of this bucket started")).await;
+        return;
+    };
     for c in &last {
         ok = ok && send(change_frames(c)).await;
         sent += 1;
@@ -144,13 +176,13 @@ async fn produce(exporter: Exporter, bucket: BucketId, epoch: u64, tx: mpsc::Sen
         let _ = tx.send(error_frame("the source stopped sending")).await;
     }
     drop(tx);
-    settle_freeze(&exporter, bucket, epoch).await;
+    settle_freeze(&exporter, bucket, epoch, token).await;
 }
 
 /// Keeps `bucket` frozen until Raft has either moved it (its data is dropped here) or the
 /// move was aborted (it thaws and this node serves it on). Aborts the move itself when the
 /// new owner does not settle it in time.
-async fn settle_freeze(exporter: &Exporter, bucket: BucketId, epoch: u64) {
+async fn settle_freeze(exporter: &Exporter, bucket: BucketId, epoch: u64, token: u64) {
     let control = &exporter.control;
     let settled = |s: &ClusterState| s.epoch_of(bucket) > epoch;
     let mut deadline = Instant::now() + FREEZE_TIMEOUT;
@@ -166,14 +198,16 @@ async fn settle_freeze(exporter: &Exporter, bucket: BucketId, epoch: u64) {
         deadline = Instant::now() + FREEZE_TIMEOUT;
     }
     let state = control.state();
-    if state.map.owner_of(bucket) == Some(control.node_id()) {
+    let me = control.node_id();
+    if state.map.owner_of(bucket) == Some(me) {
         tracing::info!(bucket = bucket.0, "move aborted; serving the bucket again");
-        exporter.cache.end_export(bucket);
+    } else if state.shadow_of(bucket) == Some(me) {
+        tracing::debug!(bucket = bucket.0, to = ?state.map.owner_of(bucket), "bucket handed over; keeping a shadow");
     } else {
         tracing::debug!(bucket = bucket.0, to = ?state.map.owner_of(bucket), "bucket handed over");
         exporter.cache.take_bucket(bucket);
-        exporter.cache.end_export(bucket);
     }
+    exporter.cache.end_export(bucket, token);
 }
 
 /// Spaces out sends to stay under a byte rate (0: unlimited).

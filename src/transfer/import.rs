@@ -75,11 +75,10 @@ impl Puller {
         &self,
         from: NodeId,
         peer_addr: &str,
+        query: &str,
         bucket: BucketId,
-        to: NodeId,
-        epoch: u64,
     ) -> Result<hyper::body::Incoming, PullError> {
-        let uri = format!("http://{peer_addr}/internal/transfer/{}?to={to}&epoch={epoch}", bucket.0);
+        let uri = format!("http://{peer_addr}/internal/transfer/{}?{query}", bucket.0);
         let mut attempt = 0;
         loop {
             attempt += 1;
@@ -127,7 +126,8 @@ impl Puller {
             .map(|m| m.peer_addr.clone())
             .ok_or_else(|| PullError::Refused { node: from, detail: "not a member".into() })?;
         cache.take_bucket(bucket);
-        let result = self.receive(cache, progress, from, &peer_addr, bucket, to, epoch).await;
+        let query = format!("to={to}&epoch={epoch}");
+        let result = self.receive(cache, progress, from, &peer_addr, &query, bucket).await;
         let flipped = match result {
             Ok(bytes) => match control.admin(AdminRequest::Moved { bucket: bucket.0, from, to, epoch }).await {
                 Ok(AdminResponse::Moved { map_version }) => {
@@ -149,18 +149,40 @@ impl Puller {
         flipped
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// Gets `bucket` back from the shadow on `from` (after a restart); no flip: this node
+    /// serves it already.
+    pub async fn restore(
+        &self,
+        control: &ControlPlane,
+        cache: &CacheStore,
+        progress: &Progress,
+        bucket: BucketId,
+        from: NodeId,
+    ) -> Result<u64, PullError> {
+        let state = control.state();
+        let peer_addr = state
+            .member_of(from)
+            .map(|m| m.peer_addr.clone())
+            .ok_or_else(|| PullError::Refused { node: from, detail: "not a member".into() })?;
+        cache.take_bucket(bucket);
+        let query = format!("to={}&epoch={}&restore=true", control.node_id(), state.epoch_of(bucket));
+        let result = self.receive(cache, progress, from, &peer_addr, &query, bucket).await;
+        if result.is_err() {
+            cache.take_bucket(bucket);
+        }
+        result
+    }
+
     async fn receive(
         &self,
         cache: &CacheStore,
         progress: &Progress,
         from: NodeId,
         peer_addr: &str,
+        query: &str,
         bucket: BucketId,
-        to: NodeId,
-        epoch: u64,
     ) -> Result<u64, PullError> {
-        let mut body = self.open(from, peer_addr, bucket, to, epoch).await?;
+        let mut body = self.open(from, peer_addr, query, bucket).await?;
         let mut decoder = Decoder::default();
         let broken = |error| PullError::Stream { node: from, error };
         loop {

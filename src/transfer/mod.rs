@@ -16,12 +16,16 @@
 //! - `export.rs`: the source side.
 //! - `import.rs`: the receiving side.
 //! - `progress.rs`: counters for `/v1/cluster/transfer`, metrics and the stuck detector.
+//! - `shadow.rs`: the previous owner's shadow copy and the new owner's write-through.
+//! - `restore.rs`: getting buckets back from shadows after a restart.
 //! - `stuck.rs`: the leader's stuck-transfer detector.
 
 pub mod export;
 pub mod frame;
 pub mod import;
 pub mod progress;
+pub mod restore;
+pub mod shadow;
 pub mod stuck;
 
 use std::sync::Arc;
@@ -121,6 +125,7 @@ pub fn peer_routes(
     let exporter = Exporter { control, cache, config, progress };
     Router::new()
         .route("/internal/transfer/status", get(status))
+        .route("/internal/shadow/{bucket}", axum::routing::post(shadow::apply_shadow))
         .route("/internal/transfer/{bucket}", get(export::stream_bucket))
         .with_state(exporter)
 }

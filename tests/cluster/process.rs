@@ -11,6 +11,9 @@ const BIN: &str = env!("CARGO_BIN_EXE_shoal");
 pub struct NodeProcess {
     child: Child,
     pub addr: String,
+    /// Everything needed to start it again on the same ports and data dir.
+    args: Vec<String>,
+    log: std::path::PathBuf,
 }
 
 impl Drop for NodeProcess {
@@ -21,31 +24,53 @@ impl Drop for NodeProcess {
 }
 
 /// A port nobody listens on right now.
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
 }
 
 impl NodeProcess {
     /// Starts `shoal serve` on fresh ports in `data_dir` and waits until it is ready.
     pub fn start(data_dir: &Path) -> Self {
+        Self::start_with(data_dir, &[])
+    }
+
+    /// Like [`Self::start`], with more `shoal serve` flags.
+    pub fn start_with(data_dir: &Path, extra: &[&str]) -> Self {
         let (api, peer) = (free_port(), free_port());
         let addr = format!("127.0.0.1:{api}");
-        let log = std::fs::File::create(data_dir.with_extension("log")).expect("log file");
-        let child = Command::new(BIN)
-            .args(["serve", "--listen", &addr, "--peer-listen", &format!("127.0.0.1:{peer}"), "--cache-size", "64MiB"])
-            .arg("--data-dir")
-            .arg(data_dir)
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("spawn shoal");
-        let node = NodeProcess { child, addr };
+        let mut args: Vec<String> =
+            ["serve", "--listen", &addr, "--peer-listen", &format!("127.0.0.1:{peer}"), "--cache-size", "64MiB"]
+                .iter()
+                .map(|s| s.to_string())
+                .collect();
+        args.push("--data-dir".into());
+        args.push(data_dir.display().to_string());
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let log = data_dir.with_extension("log");
+        let child = spawn(&args, &log, false);
+        let node = NodeProcess { child, addr, args, log };
+        node.wait_ready();
+        node
+    }
+
+    fn wait_ready(&self) {
         let deadline = Instant::now() + Duration::from_secs(60);
-        while client(&node.addr, &["status"]).status.code() != Some(0) {
-            assert!(Instant::now() < deadline, "node did not become ready");
+        while client(&self.addr, &["status"]).status.code() != Some(0) {
+            assert!(Instant::now() < deadline, "node at {} did not become ready", self.addr);
             std::thread::sleep(Duration::from_millis(100));
         }
-        node
+    }
+
+    /// Kills the process with SIGKILL and reaps it.
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts the process again with the same flags (ports, data dir), appending to its log.
+    pub fn restart(&mut self) {
+        self.child = spawn(&self.args, &self.log, true);
+        self.wait_ready();
     }
 
     /// Sends SIGTERM and waits (bounded) for the exit status.
@@ -64,8 +89,19 @@ impl NodeProcess {
     }
 }
 
+fn spawn(args: &[String], log: &Path, append: bool) -> Child {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(append)
+        .write(true)
+        .truncate(!append)
+        .open(log)
+        .expect("log file");
+    Command::new(BIN).args(args).stdout(Stdio::null()).stderr(log).spawn().expect("spawn shoal")
+}
+
 /// Runs a client command against `addr`.
-fn client(addr: &str, args: &[&str]) -> Output {
+pub fn client(addr: &str, args: &[&str]) -> Output {
     Command::new(BIN).args(args).args(["--addr", addr]).output().expect("run client")
 }
 

@@ -17,7 +17,7 @@ async fn assert_nothing_lost(c: &TestCluster, w: &Workload, step: &str) {
     }
     let acked = history.values().filter(|h| h.acked.is_some()).count();
     if let Some(p) = problems.first() {
-        let key = p.split(' ').next().unwrap_or_default().to_string();
+        let key = p.split(':').next().unwrap_or_default().to_string();
         let bucket = shoal_raft::bucket_of(key.as_bytes()).0;
         let map = c.json(0, "/v1/cluster/map").await;
         eprintln!(

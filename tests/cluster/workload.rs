@@ -139,12 +139,20 @@ impl Workload {
 /// problems: acknowledged writes lost or overwritten by an older value, and values nobody
 /// wrote.
 pub async fn check(cluster: &TestCluster, slot: usize, history: &History) -> Vec<String> {
+    check_addr(&cluster.http, &cluster.api(slot), history)
+        .await
+        .into_iter()
+        .map(|p| format!("{p} (slot {slot})"))
+        .collect()
+}
+
+/// [`check`] against the node at API address `addr`.
+pub async fn check_addr(http: &reqwest::Client, addr: &str, history: &History) -> Vec<String> {
     let mut problems = Vec::new();
     let keys: Vec<&String> = history.keys().collect();
     for chunk in keys.chunks(500) {
-        let answer: Value = cluster
-            .http
-            .post(cluster.url(slot, "/v1/bulk/get"))
+        let answer: Value = http
+            .post(format!("http://{addr}/v1/bulk/get"))
             .json(&json!({ "keys": chunk }))
             .send()
             .await
@@ -159,12 +167,11 @@ pub async fn check(cluster: &TestCluster, slot: usize, history: &History) -> Vec
             let found: Option<u64> =
                 r["value"].as_str().and_then(|v| v.strip_prefix(&format!("{writer}:"))).and_then(|s| s.parse().ok());
             if !r["error"].is_null() {
-                problems.push(format!("{key} via slot {slot}: error {}", r["error"]));
+                problems.push(format!("{key}: error {}", r["error"]));
                 continue;
             }
             if let Some(what) = verdict(h, found) {
-                problems
-                    .push(format!("{key} via slot {slot}: {what} (found {found:?}, last acknowledged {:?})", h.acked));
+                problems.push(format!("{key}: {what} (found {found:?}, last acknowledged {:?})", h.acked));
             }
         }
     }

@@ -103,6 +103,12 @@ pub struct ClusterState {
     /// epoch is stale and rejected. Missing means 0.
     #[serde(default)]
     pub bucket_epochs: BTreeMap<u16, u64>,
+    /// Buckets moved during the running transfer, and the node that handed each over. That
+    /// node keeps a shadow copy, which the new owner writes through to before acknowledging,
+    /// so a new owner that crashes before the transfer ends recovers its buckets from it.
+    /// Cleared when the transfer is complete.
+    #[serde(default)]
+    pub handoffs: BTreeMap<u16, NodeId>,
 }
 
 impl ClusterState {
@@ -193,6 +199,12 @@ impl ClusterState {
                 (to == node && from != node).then(|| (b, from, self.epoch_of(b)))
             })
             .collect()
+    }
+
+    /// The node holding the shadow copy of `bucket`, if it moved during the running transfer
+    /// (and is not served by that node again).
+    pub fn shadow_of(&self, bucket: BucketId) -> Option<NodeId> {
+        self.handoffs.get(&bucket.0).copied().filter(|&n| self.map.owner_of(bucket) != Some(n))
     }
 
     /// The move epoch of `bucket`.

@@ -243,3 +243,24 @@ fn maps_stay_valid_through_joins_and_leaves() {
         assert!(c[c.len() - 1] - c[0] <= 1, "{c:?}");
     }
 }
+
+#[test]
+fn the_previous_owner_holds_a_shadow_until_the_transfer_is_complete() {
+    let mut s = bootstrapped(3);
+    let CommandResponse::Registered { node_id } =
+        s.apply(&ClusterCommand::Register { api_addr: "a2".into(), peer_addr: "p2".into() })
+    else {
+        panic!()
+    };
+    s.apply(&ClusterCommand::Admit { node_id, force: false });
+    settle_transition(&mut s);
+    let incoming = s.incoming_of(node_id);
+    let (first, from, epoch) = incoming[0];
+    s.apply(&ClusterCommand::BucketMoved { bucket: first.0, from, to: node_id, epoch });
+    assert_eq!(s.shadow_of(first), Some(1), "node 1 shadows what it handed over");
+    assert_eq!(s.shadow_of(incoming[1].0), None, "not moved yet: node 1 serves it");
+    move_everything(&mut s);
+    assert!(s.target.is_none());
+    assert_eq!(s.shadow_of(first), None, "shadows end with the transfer");
+    assert!(s.handoffs.is_empty());
+}

@@ -53,6 +53,7 @@ impl ClusterState {
         self.map.owners[b.index()] = to;
         self.map.version += 1;
         self.bucket_epochs.insert(bucket, epoch + 1);
+        self.handoffs.insert(bucket, from);
         self.settle();
         CommandResponse::MapChanged { map_version: self.map.version }
     }
@@ -75,10 +76,15 @@ impl ClusterState {
         if self.target.is_none() && self.transition.is_none() {
             self.transfer_flag = false;
         }
+        if self.target.is_none() {
+            self.handoffs.clear();
+        }
         let pending = |id: NodeId| {
             self.transition.as_ref().is_some_and(|t| t.to.owners.contains(&id))
                 || self.target.as_ref().is_some_and(|t| t.owners.contains(&id))
         };
+        // A leaver is retired once it serves nothing; the shadows it holds go with it (a
+        // leaver's shadows only matter while its buckets' new owners could still crash).
         let done: Vec<NodeId> = self
             .members
             .iter()
@@ -88,6 +94,7 @@ impl ClusterState {
         for id in done {
             self.members.retain(|m| m.id != id);
             self.retired.insert(id);
+            self.handoffs.retain(|_, n| *n != id);
             if let Some(t) = self.transition.as_mut() {
                 t.acked.remove(&id);
             }
