@@ -146,6 +146,13 @@ async fn the_transition_and_transfer_are_visible_and_guard_membership_changes() 
     let problem: serde_json::Value = r.json().await.expect("problem");
     assert_eq!(problem["code"], "membership_change_in_progress");
     assert_eq!(c.json(0, "/v1/cluster").await["members"].as_array().map(Vec::len), Some(2), "nothing changed");
+    // Forced, the leave starts at once: the new pending map leaves node 1 out.
+    let r = leave(true).await.expect("leave");
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
+    let view = c.json(0, "/v1/cluster").await;
+    let leaving: Vec<bool> =
+        view["members"].as_array().expect("members").iter().map(|m| m["leaving"] == true).collect();
+    assert_eq!(leaving, vec![true, false]);
     c.shutdown().await;
 }
 

@@ -1,0 +1,181 @@
+#!/usr/bin/env python3
+"""State-transfer benchmark: load ~1 GiB into 3 nodes, join a fourth, and measure the transfer.
+
+Reports, per run and as medians over --runs: transfer time (join to settled), bytes moved,
+MB/s, and the client p99 latency of GETs during the transfer against before it (from
+1-second `shoal bench` windows: those before the join, and those whose middle falls inside the
+transfer). Everything listens on 127.0.0.1 and every process is stopped by its PID.
+
+    cargo build --release && python3 tests/perf/transfer.py --shoal target/release/shoal
+"""
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get_json(addr, path):
+    with urllib.request.urlopen(f"http://{addr}{path}", timeout=10) as r:
+        return json.load(r)
+
+
+class Cluster:
+    def __init__(self, shoal, tmp):
+        self.shoal, self.tmp, self.procs, self.addrs = shoal, tmp, [], []
+
+    def start_node(self, join=None):
+        n = len(self.procs)
+        api, peer = free_port(), free_port()
+        addr = f"127.0.0.1:{api}"
+        cmd = [self.shoal, "serve", "--listen", addr, "--peer-listen", f"127.0.0.1:{peer}",
+               "--data-dir", os.path.join(self.tmp, f"n{n}"), "--cache-size", "2GiB", "--worker-threads", "1"]
+        if join:
+            cmd += ["--join", join]
+        log = open(os.path.join(self.tmp, f"n{n}.log"), "w")
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+        self.procs.append(p)
+        self.addrs.append(addr)
+        end = time.time() + 120
+        while subprocess.run([self.shoal, "status", "--addr", addr], capture_output=True).returncode != 0:
+            if time.time() > end or p.poll() is not None:
+                raise RuntimeError(f"node {n} did not start")
+            time.sleep(0.1)
+        return addr
+
+    def settled(self):
+        """Every started node is a member, owns its equal share, and nothing is moving."""
+        v = get_json(self.addrs[0], "/v1/cluster")
+        counts = sorted(m["buckets"] for m in v["members"])
+        n = len(self.addrs)
+        share = [1000 // n + (1 if i >= n - 1000 % n else 0) for i in range(n)]
+        return v["transition"] is None and v["transfer"] is None and counts == share
+
+    def wait_settled(self, limit=1800):
+        end = time.time() + limit
+        while not self.settled():
+            if time.time() > end:
+                raise RuntimeError("the cluster did not settle")
+            time.sleep(0.2)
+
+    def stop(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def bench_window(shoal, addr, keys, seconds=1):
+    out = subprocess.run([shoal, "bench", "--addr", addr, "--keys", str(keys), "--value-size", "1024",
+                          "--duration", f"{seconds}s", "--connections", "10", "--no-fill", "-o", "json"],
+                         capture_output=True, text=True, timeout=120)
+    r = json.loads(out.stdout)
+    return r["latency"]["p99_ms"], r["requests_per_sec"], sum(r["errors"].values())
+
+
+def one_run(args, tmp):
+    c = Cluster(args.shoal, tmp)
+    try:
+        first = c.start_node()
+        c.start_node(join=first)
+        c.start_node(join=first)
+        c.wait_settled()
+        t0 = time.time()
+        subprocess.run([args.shoal, "bench", "--addr", first, "--keys", str(args.items), "--value-size", "1024",
+                        "--duration", "0s"], check=True, capture_output=True, timeout=1800)
+        fill = time.time() - t0
+        before = [bench_window(args.shoal, first, args.items) for _ in range(args.windows)]
+
+        during, stop = [], threading.Event()
+
+        def load():
+            while not stop.is_set():
+                start = time.time()
+                w = bench_window(args.shoal, first, args.items)
+                during.append((start, time.time(), w))
+
+        totals = lambda: {n["node_id"]: (n["buckets_pulled_total"], n.get("bytes_received_total", 0))
+                          for n in get_json(first, "/v1/cluster/transfer")["nodes"]}
+        before_totals = totals()
+        t = threading.Thread(target=load)
+        t.start()
+        join_at = time.time()
+        fourth = c.start_node(join=first)
+        c.wait_settled()
+        done_at = time.time()
+        stop.set()
+        t.join()
+        after = totals()
+        moved = sum(b - before_totals.get(n, (0, 0))[0] for n, (b, _) in after.items())
+        received = sum(r - before_totals.get(n, (0, 0))[1] for n, (_, r) in after.items())
+        # Windows whose middle falls inside the transfer.
+        inside = [w for (s, e, w) in during if join_at <= (s + e) / 2 <= done_at]
+        seconds = done_at - join_at
+        return {
+            "fill_seconds": fill,
+            "transfer_seconds": seconds,
+            "buckets_moved": moved,
+            "bytes_moved": received,
+            "mb_per_sec": received / seconds / 1e6,
+            "p99_before_ms": statistics.median(w[0] for w in before),
+            "p99_during_ms": statistics.median(w[0] for w in inside) if inside else None,
+            "gets_per_sec_before": statistics.median(w[1] for w in before),
+            "gets_per_sec_during": statistics.median(w[1] for w in inside) if inside else None,
+            "errors_during": sum(w[2] for (_, _, w) in during),
+        }
+    finally:
+        c.stop()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shoal", required=True)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--items", type=int, default=1_000_000, help="1 KiB items to load (1M: about 1 GiB)")
+    ap.add_argument("--windows", type=int, default=5, help="1-second latency windows before the join")
+    args = ap.parse_args()
+    runs = []
+    for i in range(args.runs):
+        tmp = tempfile.mkdtemp(prefix="shoal-transfer-")
+        try:
+            r = one_run(args, tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        print(f"run {i + 1}: " + json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}),
+              file=sys.stderr)
+        runs.append(r)
+    def med(k):
+        values = [r[k] for r in runs if r[k] is not None]
+        return statistics.median(values) if values else float("nan")
+    print(f"state transfer, 3 -> 4 nodes, {args.items:,} items of 1 KiB, medians of {args.runs} runs")
+    print(f"  transfer time      {med('transfer_seconds'):8.1f} s")
+    print(f"  buckets moved      {med('buckets_moved'):8.0f}")
+    print(f"  bytes moved        {med('bytes_moved') / 1e6:8.1f} MB")
+    print(f"  throughput         {med('mb_per_sec'):8.1f} MB/s")
+    print(f"  client p99 before  {med('p99_before_ms'):8.2f} ms   ({med('gets_per_sec_before'):,.0f} GET/s, 10 connections)")
+    print(f"  client p99 during  {med('p99_during_ms'):8.2f} ms   ({med('gets_per_sec_during'):,.0f} GET/s)")
+    print(f"  client errors during the transfer: {sum(r['errors_during'] for r in runs)}")
+
+
+if __name__ == "__main__":
+    main()
