@@ -88,6 +88,12 @@ pub struct ServeConfig {
     #[arg(long, env = "SHOAL_VOTERS", default_value = "3", value_parser = parse_voters)]
     pub voters: u8,
 
+    /// How writes reach replicas: `sync` (the replica has the write before the client gets
+    /// its answer) or `async` (queued, sent in batches). Only read by the node that
+    /// bootstraps; change it later with `PUT /v1/cluster/config`.
+    #[arg(long, env = "SHOAL_REPLICATION", default_value = "sync")]
+    pub replication: shoal_raft::ReplicationMode,
+
     /// Buckets pulled at once during state transfer.
     #[arg(long, env = "SHOAL_TRANSFER_PARALLELISM", default_value_t = 1)]
     pub transfer_parallelism: usize,

@@ -287,7 +287,7 @@ async fn join_or_resume(
     }
     if identity.join.is_empty() {
         tracing::info!(cluster_id = %identity.cluster_id, "bootstrapping a new cluster");
-        control.bootstrap(&identity.cluster_id, config.voters).await?;
+        control.bootstrap(&identity.cluster_id, config.voters, config.replication).await?;
     } else {
         let map_version = joiner.admit(node_id).await.map_err(StartError::Join)?;
         tracing::info!(node_id, map_version, "admitted to the cluster");
@@ -311,7 +311,7 @@ async fn removed_while_down(control: &ControlPlane, node_id: NodeId) -> bool {
     for member in state.members.iter().filter(|m| m.id != node_id) {
         let status = control.admin_client().member_status(&member.peer_addr, node_id);
         if let Ok(Ok(status)) = tokio::time::timeout(Duration::from_secs(2), status).await {
-            return status == MemberStatus::Retired;
+            return matches!(status, MemberStatus::Retired | MemberStatus::Failed);
         }
     }
     false

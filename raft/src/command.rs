@@ -7,6 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::distribution::NodeId;
+use crate::state::ReplicationMode;
 
 /// A change to the control-plane state.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -25,6 +26,42 @@ pub enum ClusterCommand {
         peer_addr: String,
         /// How many members vote in Raft (3 or 5).
         voters: u8,
+        /// How writes reach replicas (older logs have no such field: sync).
+        #[serde(default)]
+        replication: ReplicationMode,
+    },
+    /// Changes the replication mode of the whole cluster.
+    SetReplication {
+        /// The new mode.
+        mode: ReplicationMode,
+    },
+    /// A majority of the members reported `node_id` unreachable: it is failed. Its buckets are
+    /// served at once by the member holding its replica (promotion), its id is never used
+    /// again, and a transition rebalances the map without it.
+    NodeFailed {
+        /// The failed member.
+        node_id: NodeId,
+    },
+    /// A leaving member's replica is in sync: its buckets are served by the member holding
+    /// that replica from now on (R18), and state transfer spreads them from there.
+    HandOver {
+        /// The leaving member.
+        node_id: NodeId,
+    },
+    /// The heir of promoted buckets has turned its replica copies into active data, or found
+    /// it holds no copy of some (they are lost: both copies are gone).
+    Promoted {
+        /// The heir.
+        node_id: NodeId,
+        /// Buckets whose replica copy became active data.
+        buckets: Vec<u16>,
+        /// Buckets of which the heir held no copy.
+        lost: Vec<u16>,
+    },
+    /// An operator acknowledges lost buckets: they serve again, empty.
+    ClearLost {
+        /// The buckets (all lost buckets when empty).
+        buckets: Vec<u16>,
     },
     /// A node asks to join: allocate it the next never-used id. It is not a member yet.
     Register {

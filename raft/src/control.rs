@@ -192,6 +192,8 @@ impl ControlPlane {
         let state = self.state();
         if state.is_member(node_id) {
             MemberStatus::Member
+        } else if state.failed.contains(&node_id) {
+            MemberStatus::Failed
         } else if state.retired.contains(&node_id) {
             MemberStatus::Retired
         } else if state.registered.contains_key(&node_id) {
@@ -208,7 +210,12 @@ impl ControlPlane {
 
     /// Makes this pristine node a one-node cluster with id `cluster_id` and `voters` voters.
     /// Idempotent: on a node that is already initialized it only finishes what is missing.
-    pub async fn bootstrap(&self, cluster_id: &str, voters: u8) -> Result<(), ControlError> {
+    pub async fn bootstrap(
+        &self,
+        cluster_id: &str,
+        voters: u8,
+        replication: crate::ReplicationMode,
+    ) -> Result<(), ControlError> {
         let nodes = BTreeMap::from([(self.node_id(), self.inner.node.clone())]);
         match self.inner.raft.initialize(nodes).await {
             Ok(()) | Err(OpenRaftError::APIError(InitializeError::NotAllowed(_))) => {}
@@ -224,6 +231,7 @@ impl ControlPlane {
             api_addr: self.inner.node.api_addr.clone(),
             peer_addr: self.inner.node.peer_addr.clone(),
             voters,
+            replication,
         };
         match self.write(command).await {
             Ok(_) => Ok(()),
@@ -322,7 +330,41 @@ impl ControlPlane {
                 self.write(ClusterCommand::ClearTransferFlag { reason }).await?;
                 Ok(AdminResponse::Done)
             }
+            AdminRequest::SetReplication { mode } => {
+                self.write(ClusterCommand::SetReplication { mode }).await?;
+                Ok(AdminResponse::Done)
+            }
+            AdminRequest::HandOver { node_id } => match self.write(ClusterCommand::HandOver { node_id }).await? {
+                CommandResponse::MapChanged { map_version } => Ok(AdminResponse::Moved { map_version }),
+                other => Err(unexpected(other)),
+            },
+            AdminRequest::Promoted { node_id, buckets, lost } => {
+                self.write(ClusterCommand::Promoted { node_id, buckets, lost }).await?;
+                Ok(AdminResponse::Done)
+            }
+            AdminRequest::ClearLost { buckets } => {
+                self.write(ClusterCommand::ClearLost { buckets }).await?;
+                Ok(AdminResponse::Done)
+            }
         }
+    }
+
+    /// On the leader: declares `node_id` failed (a majority reported it unreachable), then
+    /// brings Raft's voters in line.
+    pub async fn fail_node(&self, node_id: NodeId) -> Result<u64, ControlError> {
+        let _guard = self.lock_membership().await?;
+        if !self.state().is_member(node_id) {
+            return Ok(self.state().map.version);
+        }
+        let map_version = match self.write(ClusterCommand::NodeFailed { node_id }).await? {
+            CommandResponse::MapChanged { map_version } => map_version,
+            other => return Err(unexpected(other)),
+        };
+        tracing::warn!(node_id, map_version, "node failed: its replica serves its buckets");
+        if let Err(e) = self.reconcile_locked().await {
+            tracing::warn!(error = %e, "voter reconcile after a failure failed; the reconciler will retry");
+        }
+        Ok(map_version)
     }
 
     fn peer_addr_of(&self, id: NodeId) -> Option<String> {

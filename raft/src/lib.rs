@@ -51,5 +51,5 @@ pub use control::{ControlConfig, ControlPlane};
 pub use distribution::{bucket_of, BucketId, DistributionMap, NodeId, BUCKET_COUNT};
 pub use error::ControlError;
 pub use network::{peer_router, AdminClient, AdminRequest, AdminResponse, MemberStatus};
-pub use state::{ClusterState, Member};
+pub use state::{ClusterState, Member, ReplicationMode};
 pub use state_machine::StateView;

@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::distribution::NodeId;
 use crate::error::ControlError;
+use crate::state::ReplicationMode;
 
 /// A membership request, handled by the leader.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -68,6 +69,30 @@ pub enum AdminRequest {
         /// Why.
         reason: String,
     },
+    /// Change the cluster's replication mode.
+    SetReplication {
+        /// The new mode.
+        mode: ReplicationMode,
+    },
+    /// A leaving member's replica is in sync: its replica holder serves its buckets now.
+    HandOver {
+        /// The leaving member.
+        node_id: NodeId,
+    },
+    /// The heir of promoted buckets reports which it held a copy of.
+    Promoted {
+        /// The heir.
+        node_id: NodeId,
+        /// Buckets now served from the promoted copy.
+        buckets: Vec<u16>,
+        /// Buckets of which it held no copy.
+        lost: Vec<u16>,
+    },
+    /// An operator acknowledges lost buckets (all when empty).
+    ClearLost {
+        /// The buckets.
+        buckets: Vec<u16>,
+    },
 }
 
 /// The leader's answer to an [`AdminRequest`].
@@ -111,6 +136,8 @@ pub enum MemberStatus {
     Registered,
     /// Left or was removed; the id may never be used again.
     Retired,
+    /// Declared failed by a majority; the node must rejoin as a new member.
+    Failed,
     /// Never seen by this cluster.
     Unknown,
 }

@@ -1,6 +1,6 @@
 //! Membership commands: bootstrap, register, admit, remove.
 
-use super::{rejected, ClusterState, Member, Registration, Transition};
+use super::{rejected, ClusterState, Member, Registration, ReplicationMode, Transition};
 use crate::command::CommandResponse;
 use crate::distribution::{rebalance, DistributionMap, NodeId};
 
@@ -12,12 +12,14 @@ impl ClusterState {
         api_addr: &str,
         peer_addr: &str,
         voters: u8,
+        replication: ReplicationMode,
     ) -> CommandResponse {
         if self.cluster_id.is_some() {
             return rejected("the cluster is already bootstrapped");
         }
         self.cluster_id = Some(cluster_id.to_string());
         self.settings.voters = voters;
+        self.settings.replication = replication;
         self.members = vec![Member {
             id: node_id,
             api_addr: api_addr.into(),
@@ -91,7 +93,7 @@ impl ClusterState {
     /// Starts a transition to a map for the active members, made from the newest map
     /// there is (pending, target, or serving) so that buckets already on their way keep
     /// going where they were going.
-    fn begin_transition(&mut self) -> CommandResponse {
+    pub(super) fn begin_transition(&mut self) -> CommandResponse {
         let base = self.transition.as_ref().map(|t| &t.to).or(self.target.as_ref()).unwrap_or(&self.map);
         let mut to = rebalance(base, &self.active_ids());
         // Pending maps get versions above every map seen, so a version names one map.

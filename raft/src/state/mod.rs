@@ -11,7 +11,9 @@
 //! # Layout
 //! - `membership.rs`: bootstrap, register, admit, remove.
 //! - `transfer.rs`: the transition (acks, end), bucket moves, completion.
+//! - `failover.rs`: failed members, hand-over of a leaver, promotion of replicas, lost buckets.
 
+mod failover;
 mod membership;
 #[cfg(test)]
 mod tests;
@@ -51,11 +53,46 @@ pub struct Registration {
     pub peer_addr: String,
 }
 
-/// Settings fixed when the cluster is bootstrapped.
+/// How an active node's writes reach the replica of their bucket (R15, R16).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum ReplicationMode {
+    /// The replica has applied a write before the client gets its answer.
+    #[default]
+    Sync,
+    /// Writes are queued and sent in batches; the client does not wait.
+    Async,
+}
+
+impl std::fmt::Display for ReplicationMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ReplicationMode::Sync => "sync",
+            ReplicationMode::Async => "async",
+        })
+    }
+}
+
+impl std::str::FromStr for ReplicationMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "sync" => Ok(ReplicationMode::Sync),
+            "async" => Ok(ReplicationMode::Async),
+            other => Err(format!("{other:?} is not a replication mode (sync or async)")),
+        }
+    }
+}
+
+/// Cluster-wide settings: fixed at bootstrap, some changed later through Raft.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub struct ClusterSettings {
     /// How many members vote in Raft: the first `voters` members in join order.
     pub voters: u8,
+    /// How writes reach replicas.
+    #[serde(default)]
+    pub replication: ReplicationMode,
 }
 
 /// A membership change waiting for every member to apply its pending map (R34).
@@ -109,6 +146,20 @@ pub struct ClusterState {
     /// Cleared when the transfer is complete.
     #[serde(default)]
     pub handoffs: BTreeMap<u16, NodeId>,
+    /// Ids of members declared failed (a majority could not reach them). Like retired ids
+    /// they never come back; such a node rejoins as a new member with a new id.
+    #[serde(default)]
+    pub failed: BTreeSet<NodeId>,
+    /// Buckets just given to the member that held their replica (failover or hand-over), and
+    /// the member that served them before. The heir turns its replica copy into active data
+    /// and reports it (`Promoted`); until then it is the only one that knows whether it
+    /// holds a copy.
+    #[serde(default)]
+    pub promoted: BTreeMap<u16, NodeId>,
+    /// Buckets whose active and replica copies are both gone: reads and writes answer
+    /// `bucket_lost` until an operator clears them.
+    #[serde(default)]
+    pub lost: BTreeSet<u16>,
 }
 
 impl ClusterState {
@@ -116,9 +167,20 @@ impl ClusterState {
     /// answered with [`CommandResponse::Rejected`] (or `Busy`) and changes nothing.
     pub fn apply(&mut self, command: &ClusterCommand) -> CommandResponse {
         match command {
-            ClusterCommand::Bootstrap { cluster_id, node_id, api_addr, peer_addr, voters } => {
-                self.bootstrap(cluster_id, *node_id, api_addr, peer_addr, *voters)
+            ClusterCommand::Bootstrap { cluster_id, node_id, api_addr, peer_addr, voters, replication } => {
+                self.bootstrap(cluster_id, *node_id, api_addr, peer_addr, *voters, *replication)
             }
+            ClusterCommand::SetReplication { mode } => {
+                if self.cluster_id.is_none() {
+                    return rejected("the cluster is not bootstrapped");
+                }
+                self.settings.replication = *mode;
+                CommandResponse::Done
+            }
+            ClusterCommand::NodeFailed { node_id } => self.node_failed(*node_id),
+            ClusterCommand::HandOver { node_id } => self.hand_over(*node_id),
+            ClusterCommand::Promoted { node_id, buckets, lost } => self.promoted(*node_id, buckets, lost),
+            ClusterCommand::ClearLost { buckets } => self.clear_lost(buckets),
             ClusterCommand::Register { api_addr, peer_addr } => self.register(api_addr, peer_addr),
             ClusterCommand::Admit { node_id, force } => self.admit(*node_id, *force),
             ClusterCommand::Remove { node_id, force } => self.remove(*node_id, *force),
@@ -153,15 +215,32 @@ impl ClusterState {
         self.members.iter().filter(|m| !m.leaving).map(|m| m.id).collect()
     }
 
-    /// The member that holds `id`'s replica: the next active member in join order, the
-    /// first for the last one (R13). `None` in a one-node cluster or for a non-member.
+    /// The member that holds `id`'s replica: the next member in join order, the first for
+    /// the last one (R13). `None` in a one-node cluster or for a non-member. A leaving member
+    /// keeps its place in the ring until it is retired, so replicas stay where they are
+    /// while it drains.
     pub fn replica_of(&self, id: NodeId) -> Option<NodeId> {
-        let active = self.active_ids();
-        if active.len() < 2 {
+        let ids = self.member_ids();
+        if ids.len() < 2 {
             return None;
         }
-        let pos = active.iter().position(|&m| m == id)?;
-        Some(active[(pos + 1) % active.len()])
+        let pos = ids.iter().position(|&m| m == id)?;
+        Some(ids[(pos + 1) % ids.len()])
+    }
+
+    /// The member whose replica `id` holds (the one before it in the ring).
+    pub fn replica_source_of(&self, id: NodeId) -> Option<NodeId> {
+        let ids = self.member_ids();
+        if ids.len() < 2 {
+            return None;
+        }
+        let pos = ids.iter().position(|&m| m == id)?;
+        Some(ids[(pos + ids.len() - 1) % ids.len()])
+    }
+
+    /// The member that holds the replica of `bucket`: the replica holder of its owner.
+    pub fn replica_holder_of(&self, bucket: BucketId) -> Option<NodeId> {
+        self.map.owner_of(bucket).and_then(|o| self.replica_of(o))
     }
 
     /// The members that should vote in Raft: the first `settings.voters` active members in

@@ -13,6 +13,7 @@ fn bootstrapped(voters: u8) -> ClusterState {
         api_addr: "a1".into(),
         peer_addr: "p1".into(),
         voters,
+        replication: ReplicationMode::Sync,
     });
     s
 }
@@ -173,7 +174,8 @@ fn a_leaving_member_serves_until_its_buckets_moved_then_is_retired() {
     join(&mut s, 3);
     s.apply(&ClusterCommand::Remove { node_id: 2, force: false });
     assert!(s.is_member(2) && s.member_of(2).is_some_and(|m| m.leaving));
-    assert_eq!(s.replica_of(1), Some(3), "replica placement skips the leaver");
+    assert_eq!(s.replica_of(1), Some(2), "the leaver keeps its replica until it is retired");
+    assert_eq!(s.replica_of(2), Some(3));
     settle_transition(&mut s);
     assert!(s.is_member(2), "still serving");
     let owned_by_2 = s.map.buckets_of(2).len();
@@ -263,4 +265,95 @@ fn the_previous_owner_holds_a_shadow_until_the_transfer_is_complete() {
     assert!(s.target.is_none());
     assert_eq!(s.shadow_of(first), None, "shadows end with the transfer");
     assert!(s.handoffs.is_empty());
+}
+
+fn three_nodes() -> ClusterState {
+    let mut s = bootstrapped(3);
+    join(&mut s, 2);
+    join(&mut s, 3);
+    s
+}
+
+#[test]
+fn a_failed_member_s_buckets_go_to_its_replica_holder_at_once() {
+    let mut s = three_nodes();
+    let of_2 = s.map.buckets_of(2);
+    let version = s.map.version;
+    let r = s.apply(&ClusterCommand::NodeFailed { node_id: 2 });
+    assert!(matches!(r, CommandResponse::MapChanged { .. }), "{r:?}");
+    assert!(!s.is_member(2) && s.failed.contains(&2));
+    assert!(s.map.version > version);
+    for b in &of_2 {
+        assert_eq!(s.map.owner_of(*b), Some(3), "node 3 held node 2's replica");
+        assert_eq!(s.promoted.get(&b.0), Some(&2));
+    }
+    assert_eq!(s.promotions_of(3).len(), of_2.len());
+    assert!(s.transition.is_some(), "a rebalance without the failed node starts");
+    assert_eq!(s.replica_of(3), Some(1));
+    assert_eq!(
+        s.apply(&ClusterCommand::NodeFailed { node_id: 2 }),
+        CommandResponse::MapChanged { map_version: s.map.version }
+    );
+    settle_transition(&mut s);
+    move_everything(&mut s);
+    assert_eq!(counts(&s), vec![500, 500]);
+    assert!(matches!(s.apply(&ClusterCommand::Admit { node_id: 2, force: true }), CommandResponse::Rejected { .. }));
+}
+
+#[test]
+fn a_stale_move_of_a_promoted_bucket_is_rejected() {
+    let mut s = three_nodes();
+    s.apply(&ClusterCommand::Remove { node_id: 1, force: false });
+    settle_transition(&mut s);
+    let (bucket, from, epoch) = s.incoming_of(2).into_iter().find(|(_, f, _)| *f == 1).expect("2 receives from 1");
+    s.apply(&ClusterCommand::NodeFailed { node_id: 1 });
+    assert_eq!(s.map.owner_of(bucket), Some(2), "node 2 held node 1's replica");
+    let r = s.apply(&ClusterCommand::BucketMoved { bucket: bucket.0, from, to: 2, epoch });
+    assert!(matches!(r, CommandResponse::Rejected { .. }), "{r:?}");
+}
+
+#[test]
+fn the_heir_reports_what_it_held_and_the_rest_is_lost_until_cleared() {
+    let mut s = three_nodes();
+    let of_1 = s.map.buckets_of(1);
+    s.apply(&ClusterCommand::NodeFailed { node_id: 1 });
+    let (kept, gone) = of_1.split_at(10);
+    let kept: Vec<u16> = kept.iter().map(|b| b.0).collect();
+    let gone: Vec<u16> = gone.iter().map(|b| b.0).collect();
+    s.apply(&ClusterCommand::Promoted { node_id: 2, buckets: kept.clone(), lost: gone.clone() });
+    assert!(s.promoted.is_empty());
+    assert!(s.is_lost(BucketId(gone[0])) && !s.is_lost(BucketId(kept[0])));
+    assert_eq!(s.lost.len(), gone.len());
+    s.apply(&ClusterCommand::ClearLost { buckets: vec![gone[0]] });
+    assert_eq!(s.lost.len(), gone.len() - 1);
+    s.apply(&ClusterCommand::ClearLost { buckets: vec![] });
+    assert!(s.lost.is_empty());
+}
+
+#[test]
+fn a_leaver_hands_its_buckets_to_its_replica_holder_and_retires() {
+    let mut s = three_nodes();
+    assert!(matches!(s.apply(&ClusterCommand::HandOver { node_id: 2 }), CommandResponse::Rejected { .. }));
+    s.apply(&ClusterCommand::Remove { node_id: 2, force: false });
+    settle_transition(&mut s);
+    let of_2 = s.map.buckets_of(2);
+    assert!(!of_2.is_empty());
+    s.apply(&ClusterCommand::HandOver { node_id: 2 });
+    assert!(of_2.iter().all(|b| s.map.owner_of(*b) == Some(3)));
+    assert!(s.retired.contains(&2) && !s.is_member(2), "it serves nothing: retired");
+    move_everything(&mut s);
+    assert_eq!(counts(&s), vec![500, 500]);
+}
+
+#[test]
+fn the_replication_mode_is_set_at_bootstrap_and_changed_later() {
+    let mut s = bootstrapped(3);
+    assert_eq!(s.settings.replication, ReplicationMode::Sync);
+    s.apply(&ClusterCommand::SetReplication { mode: ReplicationMode::Async });
+    assert_eq!(s.settings.replication, ReplicationMode::Async);
+    let mut fresh = ClusterState::default();
+    assert!(matches!(
+        fresh.apply(&ClusterCommand::SetReplication { mode: ReplicationMode::Async }),
+        CommandResponse::Rejected { .. }
+    ));
 }

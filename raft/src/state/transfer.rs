@@ -54,11 +54,15 @@ impl ClusterState {
         self.map.version += 1;
         self.bucket_epochs.insert(bucket, epoch + 1);
         self.handoffs.insert(bucket, from);
+        self.promoted.remove(&bucket);
         self.settle();
         CommandResponse::MapChanged { map_version: self.map.version }
     }
 
     pub(super) fn abort_move(&mut self, bucket: u16, epoch: u64) -> CommandResponse {
+        if usize::from(bucket) >= BUCKET_COUNT {
+            return rejected(&format!("no bucket {bucket}"));
+        }
         let b = BucketId(bucket);
         if self.epoch_of(b) != epoch {
             return rejected(&format!("stale abort of bucket {bucket} (epoch {epoch}, now {})", self.epoch_of(b)));

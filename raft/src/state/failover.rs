@@ -1,0 +1,108 @@
+//! Failover and hand-over: the buckets of a failed member, or of a leaver whose replica is in
+//! sync, go at once to the member holding their replica (R18, R44); that member reports
+//! whether it held a copy of each (`Promoted`), and buckets of which no copy is left are
+//! marked lost.
+
+use super::{rejected, ClusterState};
+use crate::command::CommandResponse;
+use crate::distribution::{BucketId, NodeId, BUCKET_COUNT};
+
+impl ClusterState {
+    pub(super) fn node_failed(&mut self, node: NodeId) -> CommandResponse {
+        if self.failed.contains(&node) {
+            return CommandResponse::MapChanged { map_version: self.map.version };
+        }
+        if !self.is_member(node) {
+            return rejected(&format!("node {node} is not a member"));
+        }
+        if self.members.len() < 2 {
+            return rejected("the last member cannot be failed");
+        }
+        let Some(heir) = self.replica_of(node) else { return rejected("no member holds the replica") };
+        self.promote_all(node, heir);
+        self.members.retain(|m| m.id != node);
+        self.failed.insert(node);
+        self.handoffs.retain(|_, n| *n != node);
+        if let Some(t) = self.transition.as_mut() {
+            t.acked.remove(&node);
+        }
+        // Members that were all leaving stay: someone has to serve.
+        if self.active_ids().is_empty() {
+            for m in &mut self.members {
+                m.leaving = false;
+            }
+        }
+        let response = self.begin_transition();
+        self.settle();
+        response
+    }
+
+    pub(super) fn hand_over(&mut self, node: NodeId) -> CommandResponse {
+        let Some(member) = self.member_of(node) else { return rejected(&format!("node {node} is not a member")) };
+        if !member.leaving {
+            return rejected(&format!("node {node} is not leaving"));
+        }
+        let Some(heir) = self.replica_of(node) else { return rejected("no member holds the replica") };
+        self.promote_all(node, heir);
+        self.settle();
+        CommandResponse::MapChanged { map_version: self.map.version }
+    }
+
+    /// Gives every bucket `from` serves to `heir`, which holds their replica.
+    fn promote_all(&mut self, from: NodeId, heir: NodeId) {
+        let mut changed = false;
+        for i in 0..BUCKET_COUNT {
+            if self.map.owners[i] != from {
+                continue;
+            }
+            let bucket = i as u16;
+            self.map.owners[i] = heir;
+            let epoch = self.epoch_of(BucketId(bucket));
+            self.bucket_epochs.insert(bucket, epoch + 1);
+            self.promoted.insert(bucket, from);
+            // The replica is the copy to trust now, not a shadow from before.
+            self.handoffs.remove(&bucket);
+            changed = true;
+        }
+        if changed {
+            self.map.version += 1;
+        }
+    }
+
+    pub(super) fn promoted(&mut self, heir: NodeId, buckets: &[u16], lost: &[u16]) -> CommandResponse {
+        for b in buckets {
+            self.promoted.remove(b);
+        }
+        for &b in lost {
+            if self.promoted.remove(&b).is_some() && self.map.owner_of(BucketId(b)) == Some(heir) {
+                self.lost.insert(b);
+            }
+        }
+        CommandResponse::Done
+    }
+
+    pub(super) fn clear_lost(&mut self, buckets: &[u16]) -> CommandResponse {
+        if buckets.is_empty() {
+            self.lost.clear();
+        } else {
+            for b in buckets {
+                self.lost.remove(b);
+            }
+        }
+        CommandResponse::Done
+    }
+
+    /// The buckets `me` serves that it got from a replica and has not reported on yet.
+    pub fn promotions_of(&self, me: NodeId) -> Vec<(BucketId, NodeId)> {
+        self.promoted
+            .iter()
+            .map(|(&b, &from)| (BucketId(b), from))
+            .filter(|(b, _)| self.map.owner_of(*b) == Some(me))
+            .collect()
+    }
+
+    /// Whether `bucket` is lost.
+    pub fn is_lost(&self, bucket: BucketId) -> bool {
+        !self.lost.is_empty() && self.lost.contains(&bucket.0)
+    }
+}
