@@ -168,6 +168,25 @@ pub fn status_table(view: &ClusterView) -> String {
             or_dash(m.replica_on)
         ));
     }
+    if let Some(r) = &view.replication {
+        out.push_str(&format!(
+            "replication {}: {}/{} buckets attached, queue {} ({:.1}s behind), replica store {} items\n",
+            r.mode, r.attached_buckets, r.owned_buckets, r.queue_depth, r.lag_seconds, r.replica_items
+        ));
+    }
+    let pfail: Vec<String> = view.peers.iter().filter(|p| p.state != "ok").map(|p| p.node_id.to_string()).collect();
+    if !pfail.is_empty() {
+        out.push_str(&format!("pfail in node {}'s view: {}\n", view.node_id, pfail.join(", ")));
+    }
+    if !view.failed.is_empty() {
+        out.push_str(&format!("failed members: {:?}\n", view.failed));
+    }
+    if !view.lost_buckets.is_empty() {
+        out.push_str(&format!(
+            "LOST buckets (no copy left; POST /v1/cluster/lost/clear to serve them again): {}\n",
+            ranges(&view.lost_buckets.iter().map(|&b| usize::from(b)).collect::<Vec<_>>())
+        ));
+    }
     out
 }
 
@@ -252,6 +271,10 @@ mod tests {
             members: vec![],
             transition: None,
             transfer: Some(TransferSummary { target_version: 3, buckets_left: 250, blocking: true }),
+            peers: vec![],
+            replication: None,
+            failed: vec![],
+            lost_buckets: vec![],
         };
         let status = TransferStatus {
             node_id: 2,

@@ -94,6 +94,16 @@ pub struct ServeConfig {
     #[arg(long, env = "SHOAL_REPLICATION", default_value = "sync")]
     pub replication: shoal_raft::ReplicationMode,
 
+    /// How often this node pings every other member (failure detection); `0` disables pings,
+    /// and with them pfail, failover and the write lease.
+    #[arg(long, env = "SHOAL_PING_INTERVAL", default_value = "1000ms", value_parser = parse_duration)]
+    pub ping_interval: Duration,
+
+    /// Silence after which a peer is pfail in this node's view; a member that a majority
+    /// reports pfail is failed and its buckets go to its replica.
+    #[arg(long, env = "SHOAL_NODE_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
+    pub node_timeout: Duration,
+
     /// Buckets pulled at once during state transfer.
     #[arg(long, env = "SHOAL_TRANSFER_PARALLELISM", default_value_t = 1)]
     pub transfer_parallelism: usize,
@@ -137,6 +147,8 @@ impl ServeConfig {
         config.peer_listen = Some(peer_listen);
         config.data_dir = data_dir;
         config.cache_size = 64 * 1024 * 1024;
+        // Tests that stop nodes on purpose must not see them failed; failure tests turn pings on.
+        config.ping_interval = Duration::ZERO;
         config
     }
 
@@ -150,6 +162,11 @@ impl ServeConfig {
             stuck_after: self.transfer_stuck_after,
             ..Default::default()
         }
+    }
+
+    /// How failure detection runs.
+    pub fn health_config(&self) -> crate::health::HealthConfig {
+        crate::health::HealthConfig { ping_interval: self.ping_interval, node_timeout: self.node_timeout }
     }
 
     /// The peer listen address: as given, or the API host with port + 10000.
@@ -188,6 +205,9 @@ impl ServeConfig {
         }
         if self.transfer_parallelism == 0 || self.transfer_parallelism > 64 {
             return Err("--transfer-parallelism must be between 1 and 64".into());
+        }
+        if !self.ping_interval.is_zero() && self.node_timeout < self.ping_interval * 2 {
+            return Err("--node-timeout must be at least twice --ping-interval".into());
         }
         if self.worker_threads == Some(0) {
             return Err("--worker-threads must be at least 1".into());

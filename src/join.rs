@@ -29,6 +29,7 @@ impl Joiner {
     /// A joiner that gives up at `now + timeout`.
     pub fn new(seeds: Vec<String>, timeout: Duration, admin: AdminClient) -> Self {
         let http = reqwest::Client::builder()
+            .local_address(shoal_raft::outgoing_ip())
             .no_proxy()
             .connect_timeout(Duration::from_secs(2))
             .timeout(Duration::from_secs(5))

@@ -12,6 +12,8 @@
 //! - [`peer`]: the node-to-node HTTP client for forwarding and broadcasts.
 //! - [`http_server`]: the HTTP/1.1 accept loop (pipelining, TCP_NODELAY, graceful drain).
 //! - [`cache`]: the store of the buckets this node holds.
+//! - [`replication`]: replicas, sync and async replication, promotion on failover.
+//! - [`health`]: ping/pong failure detection (pfail, fail by majority).
 //! - [`transfer`]: state transfer: acknowledging transitions, moving buckets with their data.
 //! - [`identity`]: the node's id in its data dir.
 //! - [`join`]: the joiner's side of the join protocol.
@@ -23,6 +25,7 @@ pub mod bench;
 pub mod cache;
 pub mod cli;
 pub mod config;
+pub mod health;
 pub mod http_server;
 pub mod identity;
 pub mod join;
@@ -30,4 +33,5 @@ pub mod metrics;
 pub mod node;
 pub mod peer;
 pub mod proxy;
+pub mod replication;
 pub mod transfer;

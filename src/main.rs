@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use shoal::config::{Cli, Command, Output, ServeConfig};
+use shoal::node::StartError;
 use tracing_subscriber::EnvFilter;
 
 /// mimalloc instead of the system allocator: fewer CPU cycles per request and less memory per
@@ -56,17 +57,44 @@ fn serve(config: ServeConfig) -> Result<(), String> {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,openraft=warn"));
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
     config.validate().map_err(|e| format!("invalid configuration: {e}"))?;
+    // A node on its own loopback address (127.0.0.x) also talks to its peers from it.
+    let ip = config.listen.ip();
+    if ip.is_loopback() && !ip.is_unspecified() {
+        shoal_raft::set_outgoing_ip(ip);
+    }
     server_runtime(config.worker_threads)?.block_on(async {
-        let node = shoal::node::start(config).await.map_err(|e| {
-            tracing::error!("{e}");
-            e.to_string()
-        })?;
-        tokio::select! {
-            _ = shutdown_signal() => tracing::info!("shutting down"),
-            _ = node.stopped() => {}
+        let mut config = config;
+        loop {
+            let rejoin = match shoal::node::start(config.clone()).await {
+                Ok(node) => {
+                    let signalled = tokio::select! {
+                        _ = shutdown_signal() => true,
+                        _ = node.stopped() => false,
+                    };
+                    if signalled {
+                        tracing::info!("shutting down");
+                    }
+                    let rejoin = node.rejoin().filter(|_| !signalled);
+                    node.shutdown().await;
+                    match rejoin {
+                        Some(join) => join,
+                        None => return Ok(()),
+                    }
+                }
+                Err(StartError::Failed { node_id, join }) => {
+                    tracing::warn!(node_id, "the cluster failed this node while it was down");
+                    join
+                }
+                Err(e) => {
+                    tracing::error!("{e}");
+                    return Err(e.to_string());
+                }
+            };
+            // R45: a failed node discards its stale data and Raft state and joins as a new member.
+            shoal::node::discard_data_dir(&config.data_dir)?;
+            tracing::info!(join = ?rejoin, "rejoining the cluster as a new member");
+            config.join = rejoin;
         }
-        node.shutdown().await;
-        Ok(())
     })
 }
 

@@ -124,6 +124,36 @@ pub struct StateGauges {
     pub transfer_idle: Gauge,
     /// 1 while the state-transfer flag holds membership changes.
     pub transfer_flag: Gauge,
+    /// Items in the replica store.
+    pub replica_items: Gauge,
+    /// Bytes charged to the replica store.
+    pub replica_bytes: Gauge,
+    /// 1 in sync replication mode, 0 in async.
+    pub replication_sync: Gauge,
+    /// Changes waiting in the async replication queue.
+    pub replication_queue_depth: Gauge,
+    /// Age of the oldest queued change.
+    pub replication_lag: Gauge,
+    /// Owned buckets whose replica holds a snapshot.
+    pub replication_attached: Gauge,
+    /// Owned buckets that have a replica holder.
+    pub replication_owned: Gauge,
+    /// Changes the replica acknowledged.
+    pub replication_sent: Counter,
+    /// Replication requests that failed.
+    pub replication_failures: Counter,
+    /// Bucket snapshots sent to the replica.
+    pub replication_snapshots: Counter,
+    /// Writes undone because the replica did not apply them.
+    pub replication_undone: Counter,
+    /// Peers this node considers pfail.
+    pub peers_pfail: Gauge,
+    /// Members the cluster failed so far.
+    pub nodes_failed: Gauge,
+    /// Buckets of which no copy is left.
+    pub buckets_lost: Gauge,
+    /// `NodeFailed` proposed by this node as leader.
+    pub fails_proposed: Counter,
 }
 
 /// The node's metrics. See the module docs.
@@ -224,6 +254,33 @@ impl NodeMetrics {
             transfer_bytes_sent: counter("shoal_transfer_sent_bytes_total", "State-transfer bytes sent."),
             transfer_idle: gauge("shoal_transfer_idle_seconds", "Seconds since this node last moved transfer data."),
             transfer_flag: gauge("shoal_transfer_flag", "1 while the state-transfer flag holds membership changes."),
+            replica_items: gauge("shoal_replica_items", "Items held in the replica store."),
+            replica_bytes: gauge("shoal_replica_bytes", "Bytes charged to the replica store."),
+            replication_sync: gauge("shoal_replication_sync", "1 in sync replication mode, 0 in async."),
+            replication_queue_depth: gauge(
+                "shoal_replication_queue_depth",
+                "Changes waiting in the async replication queue.",
+            ),
+            replication_lag: gauge("shoal_replication_lag_seconds", "Age of the oldest change in the async queue."),
+            replication_attached: gauge(
+                "shoal_replication_attached_buckets",
+                "Owned buckets whose replica holds a snapshot.",
+            ),
+            replication_owned: gauge("shoal_replication_owned_buckets", "Owned buckets that have a replica holder."),
+            replication_sent: counter("shoal_replication_changes_total", "Changes the replica acknowledged."),
+            replication_failures: counter("shoal_replication_failures_total", "Replication requests that failed."),
+            replication_snapshots: counter(
+                "shoal_replication_snapshots_total",
+                "Bucket snapshots sent to the replica.",
+            ),
+            replication_undone: counter(
+                "shoal_replication_undone_total",
+                "Writes answered replication_failed (undone when the replica did not apply them).",
+            ),
+            peers_pfail: gauge("shoal_peers_pfail", "Peers that have not answered a ping within the node timeout."),
+            nodes_failed: gauge("shoal_nodes_failed", "Members the cluster failed so far."),
+            buckets_lost: gauge("shoal_buckets_lost", "Buckets of which no copy is left (bucket_lost)."),
+            fails_proposed: counter("shoal_node_fail_proposals_total", "NodeFailed commands this node proposed."),
         };
         describe(r, "shoal_transfer_bucket_duration_seconds", "Time to pull one bucket: stream, install, flip.");
         NodeMetrics {

@@ -22,18 +22,20 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use shoal_http_api::Limits;
-use shoal_raft::{BucketId, ControlConfig, ControlPlane, MemberStatus, NodeId};
+use shoal_raft::{BucketId, ClusterState, ControlConfig, ControlPlane, MemberStatus, NodeId};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::cache::{CacheStore, Clock};
 use crate::config::ServeConfig;
+use crate::health::Health;
 use crate::http_server;
 use crate::identity::Identity;
 use crate::join::Joiner;
 use crate::metrics::NodeMetrics;
 use crate::proxy::{NodeApi, NodeParts};
+use crate::replication::Replicator;
 use crate::transfer::progress::Progress;
 use crate::transfer::restore::Restoring;
 use crate::transfer::shadow::ShadowWriter;
@@ -51,6 +53,15 @@ pub enum StartError {
     /// The node left its cluster; its data dir cannot be used again.
     #[error("{0}")]
     Retired(String),
+    /// The cluster failed this node while it was down: it must discard its data dir and join
+    /// again as a new member, through these API addresses.
+    #[error("the cluster failed node {node_id} while it was down; it must rejoin as a new member")]
+    Failed {
+        /// The old id.
+        node_id: NodeId,
+        /// The API addresses of the members.
+        join: Vec<String>,
+    },
     /// Joining failed.
     #[error("join failed: {0}")]
     Join(String),
@@ -92,6 +103,7 @@ pub struct NodeHandle {
     servers: Vec<JoinHandle<()>>,
     tasks: Vec<JoinHandle<()>>,
     transfers: Option<Transfers>,
+    rejoin: Arc<parking_lot::Mutex<Option<Vec<String>>>>,
 }
 
 impl NodeHandle {
@@ -118,6 +130,12 @@ impl NodeHandle {
     /// The node's store.
     pub fn cache(&self) -> &Arc<CacheStore> {
         &self.cache
+    }
+
+    /// After the node stopped by itself: `Some(API addresses)` if it stopped because the
+    /// cluster failed it; it must then discard its data dir and join as a new member (R45).
+    pub fn rejoin(&self) -> Option<Vec<String>> {
+        self.rejoin.lock().clone()
     }
 
     /// Resolves when the node stops by itself (it left the cluster) or was asked to stop.
@@ -207,20 +225,28 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
     // shadows before this node serves them (its memory is empty after a restart).
     let restoring = Arc::new(Restoring::default());
     restoring.mark(&control.state(), node_id);
+    let replicator = Replicator::new(control.clone(), cache.clone(), config.cache_size);
+    let health = Health::new(control.clone(), config.health_config(), replicator.clone());
     let parts = NodeParts {
         metrics: metrics.clone(),
         progress: progress.clone(),
-        shadows: Arc::new(ShadowWriter::default()),
+        shadows: Arc::new(ShadowWriter::new(replicator.clone())),
         restoring: restoring.clone(),
+        replicator: replicator.clone(),
+        health: health.clone(),
     };
     let api = Arc::new(NodeApi::new(control.clone(), cache.clone(), limits, parts));
     let (shutdown, _) = watch::channel(false);
-    let peer_router = shoal_raft::peer_router(control.clone()).merge(transfer::peer_routes(
-        control.clone(),
-        cache.clone(),
-        transfer_config,
-        progress.clone(),
-    ));
+    let peer_router = shoal_raft::peer_router(control.clone())
+        .merge(transfer::peer_routes(
+            control.clone(),
+            cache.clone(),
+            transfer_config,
+            progress.clone(),
+            replicator.clone(),
+        ))
+        .merge(replicator.peer_routes())
+        .merge(health.peer_routes());
     let servers = vec![
         http_server::serve(listeners.peer, peer_router, shutdown.subscribe()),
         http_server::serve(listeners.api, shoal_http_api::router(api), shutdown.subscribe()),
@@ -235,6 +261,7 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
         servers,
         tasks: Vec::new(),
         transfers: None,
+        rejoin: Arc::new(parking_lot::Mutex::new(None)),
     };
     let joined = join_or_resume(&config, &identity, &control, &joiner).await;
     if let Err(e) = joined {
@@ -252,10 +279,24 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
     handle.transfers =
         Some(Transfers::start(control.clone(), cache.clone(), transfer_config, progress, metrics.clone()));
     handle.tasks.push(tokio::spawn(sweep_expired(cache.clone())));
+    handle.tasks.push(tokio::spawn(sweep_expired(replicator.replica().clone())));
     handle.tasks.push(tokio::spawn(metrics_upkeep(metrics)));
+    handle.tasks.push(tokio::spawn(replicator.clone().attach_all()));
+    handle.tasks.push(tokio::spawn(replicator.clone().drain_queue()));
+    handle.tasks.push(tokio::spawn(replicator.clone().replicate_evictions()));
+    handle.tasks.push(tokio::spawn(health.clone().run()));
+    handle.tasks.push(tokio::spawn(leave_when_failed(
+        control.clone(),
+        health,
+        handle.rejoin.clone(),
+        handle.shutdown.clone(),
+    )));
+    let limits = (config.cache_size.saturating_mul(2), config.cache_size);
     handle.tasks.push(tokio::spawn(follow_map(
         control,
         cache,
+        replicator,
+        limits,
         identity,
         config.data_dir.clone(),
         handle.shutdown.clone(),
@@ -277,13 +318,17 @@ async fn join_or_resume(
     if state.retired.contains(&node_id) {
         return Err(retired(config, node_id));
     }
+    if state.failed.contains(&node_id) {
+        return Err(failed(&state, node_id));
+    }
     if state.is_member(node_id) {
         // A restart: unless another member says we were removed meanwhile, carry on; Raft
         // catches up by itself.
-        if removed_while_down(control, node_id).await {
-            return Err(retired(config, node_id));
+        match removed_while_down(control, node_id).await {
+            Some(MemberStatus::Retired) => return Err(retired(config, node_id)),
+            Some(MemberStatus::Failed) => return Err(failed(&state, node_id)),
+            _ => return Ok(()),
         }
-        return Ok(());
     }
     if identity.join.is_empty() {
         tracing::info!(cluster_id = %identity.cluster_id, "bootstrapping a new cluster");
@@ -305,16 +350,69 @@ async fn join_or_resume(
     }
 }
 
-/// Asks the other members (briefly) whether `node_id` was removed while it was down.
-async fn removed_while_down(control: &ControlPlane, node_id: NodeId) -> bool {
+/// Asks the other members (briefly) whether `node_id` was removed (left or failed) while it
+/// was down.
+async fn removed_while_down(control: &ControlPlane, node_id: NodeId) -> Option<MemberStatus> {
     let state = control.state();
     for member in state.members.iter().filter(|m| m.id != node_id) {
         let status = control.admin_client().member_status(&member.peer_addr, node_id);
         if let Ok(Ok(status)) = tokio::time::timeout(Duration::from_secs(2), status).await {
-            return matches!(status, MemberStatus::Retired | MemberStatus::Failed);
+            return Some(status);
         }
     }
-    false
+    None
+}
+
+/// The error of a node the cluster failed: where to join again.
+fn failed(state: &ClusterState, node_id: NodeId) -> StartError {
+    let join = state.members.iter().filter(|m| m.id != node_id).map(|m| m.api_addr.clone()).collect();
+    StartError::Failed { node_id, join }
+}
+
+/// Stops the node when the cluster failed it (a pong said so, or the applied state does), and
+/// records where to rejoin.
+async fn leave_when_failed(
+    control: ControlPlane,
+    health: Arc<Health>,
+    rejoin: Arc<parking_lot::Mutex<Option<Vec<String>>>>,
+    shutdown: watch::Sender<bool>,
+) {
+    let me = control.node_id();
+    let mut applied = control.view().subscribe();
+    loop {
+        tokio::select! {
+            _ = health.removed() => {}
+            changed = applied.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                if !control.state().failed.contains(&me) {
+                    continue;
+                }
+            }
+        }
+        let state = control.state();
+        if let StartError::Failed { join, .. } = failed(&state, me) {
+            tracing::error!(node_id = me, "the cluster failed this node: it stops, discards its data and rejoins");
+            *rejoin.lock() = Some(join);
+        }
+        shutdown.send_replace(true);
+        return;
+    }
+}
+
+/// Discards what a failed node holds in its data dir (its identity and Raft state), so that
+/// it can join again as a new member.
+pub fn discard_data_dir(data_dir: &std::path::Path) -> Result<(), String> {
+    let remove = |p: std::path::PathBuf| match std::fs::metadata(&p) {
+        Ok(m) if m.is_dir() => std::fs::remove_dir_all(&p),
+        Ok(_) => std::fs::remove_file(&p),
+        Err(_) => Ok(()),
+    };
+    for name in ["node.json", "raft"] {
+        remove(data_dir.join(name)).map_err(|e| format!("cannot remove {}: {e}", data_dir.join(name).display()))?;
+    }
+    Ok(())
 }
 
 fn retired(config: &ServeConfig, node_id: NodeId) -> StartError {
@@ -358,6 +456,8 @@ async fn sweep_expired(cache: Arc<CacheStore>) {
 async fn follow_map(
     control: ControlPlane,
     cache: Arc<CacheStore>,
+    replicator: Arc<Replicator>,
+    (single_member_limit, limit): (u64, u64),
     identity: Identity,
     data_dir: std::path::PathBuf,
     shutdown: watch::Sender<bool>,
@@ -367,6 +467,8 @@ async fn follow_map(
     let mut owned_version = 0;
     loop {
         let state = control.state();
+        // Promotion first: a promoted bucket's data comes from the replica store.
+        replicator.follow(&state, single_member_limit, limit).await;
         if state.map.version != owned_version && !state.map.is_empty() {
             owned_version = state.map.version;
             let mut dropped = 0;

@@ -23,7 +23,8 @@ use shoal_http_api::types::{
     WriteCondition,
 };
 use shoal_http_api::{
-    ApiError, Problem, PutItem, HEADER_BUCKET, HEADER_FORWARDED_MAP_VERSION, HEADER_NODE, HEADER_SCOPE,
+    ApiError, Problem, PutItem, HEADER_BUCKET, HEADER_FORWARDED_MAP_VERSION, HEADER_FORWARD_DEADLINE, HEADER_NODE,
+    HEADER_SCOPE,
 };
 
 /// The HTTP client a node uses to reach other nodes' APIs.
@@ -35,8 +36,9 @@ pub struct PeerClient {
     http: Client<HttpConnector, Full<Bytes>>,
 }
 
-/// How long a forwarded request may take before the caller gets `owner_unreachable`.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a forwarded request may take before the caller gets `owner_unreachable`; the
+/// owner refuses it once this has passed (`HEADER_FORWARD_DEADLINE`).
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the figures of one member may take in `GET /v1/cluster`.
 const STATS_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -54,6 +56,7 @@ impl PeerClient {
     /// A client with connection pooling and TCP_NODELAY.
     pub fn new() -> Self {
         let mut connector = HttpConnector::new();
+        connector.set_local_address(shoal_raft::outgoing_ip());
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(Duration::from_secs(2)));
         let http = Client::builder(TokioExecutor::new())
@@ -129,8 +132,9 @@ impl PeerClient {
             .map_err(|e| ApiError::Internal(format!("node at {api_addr} answered unreadable JSON: {e}")))
     }
 
-    fn forwarded(map_version: u64) -> [(HeaderName, String); 1] {
-        [(HEADER_FORWARDED_MAP_VERSION, map_version.to_string())]
+    fn forwarded(map_version: u64) -> [(HeaderName, String); 2] {
+        let deadline = shoal_http_api::unix_ms() + REQUEST_TIMEOUT.as_millis() as u64;
+        [(HEADER_FORWARDED_MAP_VERSION, map_version.to_string()), (HEADER_FORWARD_DEADLINE, deadline.to_string())]
     }
 
     /// Forwards a GET to the owner.

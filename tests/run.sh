@@ -17,10 +17,25 @@ install() { # install PACKAGE when COMMAND is missing
 }
 
 install curl curl
+install nft nftables   # the fault tests cut links with nft rules
+install ip iproute2
+install unshare util-linux
 
 echo "== format"
 cargo fmt --all -- --check
 echo "== lint"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "== test"
-cargo test --workspace --locked --no-fail-fast
+status=0
+cargo test --workspace --locked --no-fail-fast || status=$?
+
+# Fault tests (kill -9, SIGSTOP, nft partitions) run real node processes on 127.0.0.2-4 inside
+# a private network namespace: the nft rules and every packet stay in it, and it vanishes
+# with the process.
+echo "== fault tests (private network namespace)"
+bin=$(cargo test -p shoal --test cluster --locked --no-run 2>&1 | grep -o 'target/debug/deps/cluster-[0-9a-f]*' | head -n 1)
+[ -x "$bin" ] || { echo "tests/run.sh: cluster test binary not found" >&2; exit 1; }
+netns="unshare -n"
+[ "$(id -u)" -ne 0 ] && netns="unshare -rn"
+$netns sh -c 'ip link set lo up && SHOAL_FAULT_NETNS=1 exec "$0" --ignored --test-threads=1 faults::' "$bin" || status=$?
+exit $status

@@ -8,8 +8,8 @@ use shoal_raft::NodeId;
 
 use crate::error::ApiError;
 use crate::types::{
-    Check, ClusterView, GetOk, KeyList, LeaveOk, MapView, NodeStats, PutOk, PutOptions, Removed, RouteContext, Scope,
-    TransferView,
+    Check, ClearLost, ClusterConfig, ClusterView, GetOk, KeyList, LeaveOk, MapView, NodeStats, PutOk, PutOptions,
+    Removed, RouteContext, Scope, TransferView,
 };
 
 /// A validated write of one item (from `PUT /v1/kv/{key}` or one entry of a bulk put).
@@ -114,6 +114,12 @@ pub trait ShoalApi: Send + Sync + 'static {
 
     /// Starts member `node_id`'s leave (with `force`, even while a transfer runs).
     fn leave(&self, node_id: NodeId, force: bool) -> impl Future<Output = Result<LeaveOk, ApiError>> + Send;
+
+    /// Changes the cluster settings (`replication`); answers the settings now in force.
+    fn set_config(&self, config: ClusterConfig) -> impl Future<Output = Result<ClusterConfig, ApiError>> + Send;
+
+    /// Acknowledges lost buckets: they serve (empty) again.
+    fn clear_lost(&self, clear: ClearLost) -> impl Future<Output = Result<ClearLost, ApiError>> + Send;
 
     /// The readiness checks; ready when all pass.
     fn readiness(&self) -> Vec<Check>;

@@ -13,6 +13,7 @@ use shoal_raft::NodeId;
 use crate::api::ShoalApi;
 use crate::error::ApiError;
 use crate::kv::{flag, query};
+use crate::types::{ClearLost, ClusterConfig};
 
 pub(crate) async fn cluster<N: ShoalApi>(State(node): State<Arc<N>>) -> Response {
     match node.cluster().await {
@@ -59,6 +60,33 @@ pub(crate) async fn leave<N: ShoalApi>(
         Err(e) => return e.into_response(),
     };
     match node.leave(id, force).await {
+        Ok(ok) => Json(ok).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// A JSON body, whatever its content type says (curl users forget it).
+fn json_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| ApiError::BadRequest(format!("invalid JSON body: {e}")))
+}
+
+pub(crate) async fn set_config<N: ShoalApi>(State(node): State<Arc<N>>, body: bytes::Bytes) -> Response {
+    let config: ClusterConfig = match json_body(&body) {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
+    match node.set_config(config).await {
+        Ok(ok) => Json(ok).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+pub(crate) async fn clear_lost<N: ShoalApi>(State(node): State<Arc<N>>, body: bytes::Bytes) -> Response {
+    let clear: ClearLost = match json_body(&body) {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
+    match node.clear_lost(clear).await {
         Ok(ok) => Json(ok).into_response(),
         Err(e) => e.into_response(),
     }

@@ -25,7 +25,7 @@ use crate::types::{
     BulkKeys, BulkPut, BulkPutItem, BulkResults, GetOk, KeyError, KeyResult, PutOptions, RouteContext, Scope,
     WriteCondition,
 };
-use crate::{HEADER_BUCKET, HEADER_FORWARDED_MAP_VERSION, HEADER_NODE, HEADER_SCOPE};
+use crate::{HEADER_BUCKET, HEADER_FORWARDED_MAP_VERSION, HEADER_FORWARD_DEADLINE, HEADER_NODE, HEADER_SCOPE};
 
 /// Query of `GET /v1/kv/{key}`.
 #[derive(Debug, Deserialize, Default)]
@@ -150,7 +150,19 @@ fn route_context(headers: &HeaderMap, redirect: Option<&str>) -> Result<RouteCon
                 .ok_or_else(|| ApiError::BadRequest(format!("{HEADER_FORWARDED_MAP_VERSION} must be a number")))?,
         ),
     };
+    let deadline = headers.get(HEADER_FORWARD_DEADLINE).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if deadline.is_some_and(|d| unix_ms() > d) {
+        return Err(ApiError::unavailable(
+            "expired",
+            "the forwarded request arrived after its deadline; nothing was done",
+        ));
+    }
     Ok(RouteContext { forwarded_map_version, redirect: flag("redirect", redirect)? })
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
 }
 
 fn scope(headers: &HeaderMap) -> Scope {

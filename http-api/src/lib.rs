@@ -33,7 +33,7 @@ use axum::Router;
 
 pub use api::{Limits, PutItem, ShoalApi};
 pub use error::{ApiError, Problem, PROBLEM_JSON};
-pub use kv::{parse_duration, put_options, value_response};
+pub use kv::{parse_duration, put_options, unix_ms, value_response};
 
 use axum::http::HeaderName;
 
@@ -42,6 +42,10 @@ use axum::http::HeaderName;
 
 /// Set by a node that forwards a key request: the map version it routed by.
 pub const HEADER_FORWARDED_MAP_VERSION: HeaderName = HeaderName::from_static("x-shoal-map-version");
+/// On a forwarded request: the wall-clock time (Unix milliseconds) after which the forwarder
+/// has given up; a request that arrives later (held up by the network) is refused unapplied,
+/// so a delayed write can never land after the client moved on.
+pub const HEADER_FORWARD_DEADLINE: HeaderName = HeaderName::from_static("x-shoal-deadline-ms");
 /// `local` on a keyless request: answer from this node's buckets only (used by broadcasts).
 pub const HEADER_SCOPE: HeaderName = HeaderName::from_static("x-shoal-scope");
 /// The bucket of the key in a GET answer.
@@ -66,6 +70,8 @@ pub fn router<N: ShoalApi>(node: Arc<N>) -> Router {
         .route("/v1/cluster/map", get(cluster::map::<N>))
         .route("/v1/cluster/transfer", get(cluster::transfer::<N>))
         .route("/v1/cluster/nodes/{id}/leave", post(cluster::leave::<N>))
+        .route("/v1/cluster/config", axum::routing::put(cluster::set_config::<N>))
+        .route("/v1/cluster/lost/clear", post(cluster::clear_lost::<N>))
         .route("/v1/node", get(cluster::node_stats::<N>))
         .route("/livez", get(cluster::livez))
         .route("/readyz", get(cluster::readyz::<N>))

@@ -24,11 +24,12 @@ use crate::types::*;
     ),
     paths(
         get_key, put_key, delete_key, list_keys, bulk_get, bulk_put, bulk_delete, get_tag, delete_tag,
-        cluster, cluster_map, cluster_transfer, leave, node, livez, readyz, metrics, openapi
+        cluster, cluster_map, cluster_transfer, leave, set_config, clear_lost, node, livez, readyz, metrics, openapi
     ),
     components(schemas(
         Problem, PutOk, BulkKeys, BulkPut, BulkPutItem, BulkResults, KeyResult, KeyError, KeyList, FoundKey,
-        NodeFailure, Removed, ClusterView, MemberView, TransitionView, TransferSummary, TransferView, TransferStatus, MapView, MapNode, NodeStats, LeaveOk
+        NodeFailure, Removed, ClusterView, MemberView, TransitionView, TransferSummary, TransferView, TransferStatus, MapView, MapNode, NodeStats, LeaveOk,
+        PeerHealth, ReplicationView, ClusterConfig, ClearLost
     )),
     tags(
         (name = "keys", description = "Key operations, served by the owner of the key's bucket (any node forwards)"),
@@ -155,6 +156,18 @@ fn cluster_transfer() {}
               (status = 404, description = "unknown_resource: not a member", body = Problem, content_type = "application/problem+json"),
               (status = 409, description = "conflict (the last member) or membership_change_in_progress", body = Problem, content_type = "application/problem+json")))]
 fn leave() {}
+
+#[utoipa::path(put, path = "/v1/cluster/config", tag = "cluster", summary = "Change the cluster settings",
+    request_body = ClusterConfig,
+    responses((status = 200, description = "The settings now in force", body = ClusterConfig),
+              (status = 400, description = "bad_request: unknown setting or value", body = Problem, content_type = "application/problem+json")))]
+fn set_config() {}
+
+#[utoipa::path(post, path = "/v1/cluster/lost/clear", tag = "cluster", summary = "Acknowledge lost buckets",
+    description = "Buckets whose owner and replica were lost together answer `bucket_lost` until acknowledged here; then they serve again, empty.",
+    request_body = ClearLost,
+    responses((status = 200, description = "The buckets acknowledged (empty: all)", body = ClearLost)))]
+fn clear_lost() {}
 
 #[utoipa::path(get, path = "/v1/node", tag = "cluster", summary = "This node's own figures",
     responses((status = 200, description = "Figures", body = NodeStats)))]

@@ -154,6 +154,17 @@ impl ShoalApi for FakeNode {
         Err(ApiError::UnknownResource(format!("node {node_id} is not a member")))
     }
 
+    async fn set_config(&self, config: ClusterConfig) -> Result<ClusterConfig, ApiError> {
+        match config.replication.as_str() {
+            "sync" | "async" => Ok(config),
+            other => Err(ApiError::BadRequest(format!("unknown replication mode {other:?}"))),
+        }
+    }
+
+    async fn clear_lost(&self, clear: ClearLost) -> Result<ClearLost, ApiError> {
+        Ok(clear)
+    }
+
     fn readiness(&self) -> Vec<Check> {
         vec![
             Check { name: "member".into(), ok: true, detail: String::new() },
@@ -262,6 +273,19 @@ async fn missing_keys_routes_and_methods_are_problems() {
     call(&node, Method::PUT, "/v1/kv/k", "a").await;
     assert_eq!(call(&node, Method::DELETE, "/v1/kv/k", Body::empty()).await.status(), StatusCode::NO_CONTENT);
     assert_eq!(call(&node, Method::DELETE, "/v1/kv/k", Body::empty()).await.status(), StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn cluster_config_takes_a_json_body_and_refuses_unknown_fields() {
+    let node = FakeNode::new();
+    let r = call(&node, Method::PUT, "/v1/cluster/config", Body::from(r#"{"replication":"async"}"#)).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let r = call(&node, Method::PUT, "/v1/cluster/config", Body::from(r#"{"replication":"async","x":1}"#)).await;
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    let r = call(&node, Method::PUT, "/v1/cluster/config", Body::from(r#"{"replication":"maybe"}"#)).await;
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    let r = call(&node, Method::POST, "/v1/cluster/lost/clear", Body::from("{}")).await;
+    assert_eq!(r.status(), StatusCode::OK);
 }
 
 #[tokio::test]

@@ -241,7 +241,7 @@ pub struct MemberView {
 }
 
 /// `GET /v1/cluster`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ClusterView {
     /// The cluster's id.
     pub cluster_id: String,
@@ -259,6 +259,68 @@ pub struct ClusterView {
     pub transition: Option<TransitionView>,
     /// The state transfer moving buckets, if any.
     pub transfer: Option<TransferSummary>,
+    /// Every other member as the answering node's failure detector sees it.
+    #[serde(default)]
+    pub peers: Vec<PeerHealth>,
+    /// Replication from the answering node to its replica holder.
+    #[serde(default)]
+    pub replication: Option<ReplicationView>,
+    /// Members the cluster failed (their ids are never reused).
+    #[serde(default)]
+    pub failed: Vec<NodeId>,
+    /// Buckets of which no copy is left (both the owner and its replica were lost).
+    #[serde(default)]
+    pub lost_buckets: Vec<u16>,
+}
+
+/// A peer in `GET /v1/cluster`: `ok`, or `pfail` when it has not answered a ping within the
+/// node timeout.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct PeerHealth {
+    /// The peer.
+    pub node_id: NodeId,
+    /// `ok` or `pfail`.
+    pub state: String,
+    /// Milliseconds since its last pong (or ping), if it ever answered.
+    pub last_contact_ms: Option<u64>,
+}
+
+/// Replication in `GET /v1/cluster`, from the answering node's side.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ReplicationView {
+    /// `sync` or `async`.
+    pub mode: String,
+    /// The member holding this node's replica.
+    pub replica_on: Option<NodeId>,
+    /// Owned buckets whose replica holds a snapshot.
+    pub attached_buckets: usize,
+    /// Owned buckets that have a replica holder.
+    pub owned_buckets: usize,
+    /// Changes waiting in the async queue.
+    pub queue_depth: u64,
+    /// Age of the oldest change in the async queue, in seconds.
+    pub lag_seconds: f64,
+    /// Items in this node's replica store (of the member before it).
+    pub replica_items: u64,
+    /// Bytes in this node's replica store.
+    pub replica_bytes: u64,
+}
+
+/// Body of `PUT /v1/cluster/config`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterConfig {
+    /// `sync` or `async`.
+    pub replication: String,
+}
+
+/// Body of `POST /v1/cluster/lost/clear`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ClearLost {
+    /// The buckets to acknowledge; all when absent or empty.
+    #[serde(default)]
+    pub buckets: Vec<u16>,
 }
 
 /// A transition in `GET /v1/cluster`.

@@ -471,8 +471,8 @@ impl ControlPlane {
     /// Brings Raft's membership in line with the members (the lock must be held):
     /// 1. every member is a Raft node;
     /// 2. the voters are the first `voters` members in join order;
-    /// 3. Raft nodes that are not members are dropped once they have caught up or after a
-    ///    grace period (a retired node learns of its removal first).
+    /// 3. Raft nodes that are not members (nor registered joiners) are dropped once they have
+    ///    caught up or after a grace period (a retired node learns of its removal first).
     async fn reconcile_locked(&self) -> Result<(), ControlError> {
         let state = self.state();
         if state.cluster_id.is_none() || !self.is_leader() {
@@ -503,7 +503,8 @@ impl ControlPlane {
             let non_members: Vec<NodeId> = membership
                 .nodes()
                 .map(|(id, _)| *id)
-                .filter(|id| !state.is_member(*id) && !desired.contains(id))
+                // A registered node is a learner on its way in, not a leftover.
+                .filter(|id| !state.is_member(*id) && !desired.contains(id) && !state.registered.contains_key(id))
                 .collect();
             since.retain(|id, _| non_members.contains(id));
             non_members

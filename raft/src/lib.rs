@@ -50,6 +50,6 @@ pub(crate) async fn flush(db: &sled::Db) -> Result<usize, sled::Error> {
 pub use control::{ControlConfig, ControlPlane};
 pub use distribution::{bucket_of, BucketId, DistributionMap, NodeId, BUCKET_COUNT};
 pub use error::ControlError;
-pub use network::{peer_router, AdminClient, AdminRequest, AdminResponse, MemberStatus};
+pub use network::{outgoing_ip, peer_router, set_outgoing_ip, AdminClient, AdminRequest, AdminResponse, MemberStatus};
 pub use state::{ClusterState, Member, ReplicationMode};
 pub use state_machine::StateView;

@@ -197,6 +197,44 @@ impl CacheStore {
         Ok(())
     }
 
+    /// Takes back a write of `key` that its replica did not apply (R16): if the key still
+    /// holds version `written` (`None`: is still absent, after a delete), `previous` (the item
+    /// before the write, or nothing) comes back, under a new version so that every copy orders
+    /// it after the write. Returns whether anything changed.
+    pub fn restore(&self, bucket: BucketId, key: &[u8], written: Option<u64>, previous: Option<&ExportedItem>) -> bool {
+        use std::hash::BuildHasher;
+        let now = self.clock.now_ms();
+        let hash = self.hasher.hash_one(key);
+        self.mutate(bucket, |b, hasher| {
+            if b.get(hash, key).map(Item::version) != written {
+                return false;
+            }
+            match previous {
+                Some(p) => {
+                    let meta = (!p.tags.is_empty() || p.sliding_ms > 0).then(|| ItemMeta {
+                        tags: p.tags.iter().map(|t| t.as_str().into()).collect(),
+                        sliding_ms: p.sliding_ms,
+                        large_value: None,
+                    });
+                    let mut item = Item::new(&p.key, &p.value, 0, p.expires_at_ms, now, meta);
+                    item.set_version(b.next_version());
+                    if let Some(export) = b.export.as_mut() {
+                        export.record(Change::Put(ExportedItem::of(&item)));
+                    }
+                    b.insert(hasher, hash, item);
+                }
+                None => {
+                    let Some(version) = written else { return false };
+                    if let Some(export) = b.export.as_mut() {
+                        export.record(Change::Delete { key: Bytes::copy_from_slice(key), version });
+                    }
+                    b.remove(hasher, hash, key);
+                }
+            }
+            true
+        })
+    }
+
     /// Raises `bucket`'s version counter to at least `counter` (after an import).
     pub fn raise_version_counter(&self, bucket: BucketId, counter: u64) {
         self.bucket(bucket).write().raise_version_counter(counter);

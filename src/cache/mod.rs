@@ -129,7 +129,13 @@ pub struct CacheStore {
     expirations: AtomicU64,
     /// Woken when a frozen bucket thaws.
     thawed: tokio::sync::Notify,
+    /// Evicted items (bucket, key, version), kept for the replica when enabled.
+    evicted: parking_lot::Mutex<Option<Vec<(BucketId, Bytes, u64)>>>,
 }
+
+/// How many evictions wait for the replica at most; beyond, the oldest are dropped (the
+/// replica store then evicts by itself).
+const EVICTION_LOG_LIMIT: usize = 100_000;
 
 /// How many random items one eviction round compares.
 const EVICTION_SAMPLES: usize = 5;
@@ -147,6 +153,34 @@ impl CacheStore {
             evictions: AtomicU64::new(0),
             expirations: AtomicU64::new(0),
             thawed: tokio::sync::Notify::new(),
+            evicted: parking_lot::Mutex::new(None),
+        }
+    }
+
+    /// Starts keeping evicted items for [`Self::take_evicted`] (the active store does, so
+    /// that evictions reach the replica).
+    pub fn keep_evictions(&self) {
+        self.evicted.lock().get_or_insert_with(Vec::new);
+    }
+
+    /// The items evicted since the last call.
+    pub fn take_evicted(&self) -> Vec<(BucketId, Bytes, u64)> {
+        self.evicted.lock().as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// An empty store with the same clock and index hasher, so that whole buckets can move
+    /// between the two ([`Self::take_bucket`], [`Self::install_bucket`]): the replica store.
+    pub fn sibling(&self, limit_bytes: u64) -> Self {
+        let mut store = CacheStore::new(limit_bytes, self.clock);
+        store.hasher = self.hasher.clone();
+        store
+    }
+
+    /// Changes the size limit (a one-node cluster may use twice `--cache-size`, R11); evicts
+    /// down to a lower one.
+    pub fn set_limit(&self, limit_bytes: u64) {
+        if self.limit_bytes.swap(limit_bytes, Ordering::Relaxed) != limit_bytes {
+            self.evict_to_limit();
         }
     }
 
@@ -344,7 +378,8 @@ impl CacheStore {
         taken
     }
 
-    /// Puts a whole bucket in place of whatever `bucket` held.
+    /// Puts a whole bucket in place of whatever `bucket` held. The bucket must come from this
+    /// store or a [`Self::sibling`] (its index is hashed with the store's hasher).
     pub fn install_bucket(&self, bucket: BucketId, mut items: Bucket) {
         self.mutate(bucket, |b, _| {
             items.raise_version_counter(b.version_counter());
@@ -415,6 +450,12 @@ impl CacheStore {
         if removed.is_some() {
             let counter = if score == u64::MAX { &self.expirations } else { &self.evictions };
             counter.fetch_add(1, Ordering::Relaxed);
+            if let Some(log) = self.evicted.lock().as_mut() {
+                if log.len() >= EVICTION_LOG_LIMIT {
+                    log.remove(0);
+                }
+                log.push((bucket, Bytes::from(key), version));
+            }
         }
         true
     }

@@ -205,6 +205,49 @@ fn a_bucket_can_be_taken_out_and_put_back_whole() {
 }
 
 #[test]
+fn evictions_are_kept_for_the_replica_once_asked() {
+    let per_item = ITEM_OVERHEAD_BYTES + 8 + 100;
+    let s = store(per_item * 50);
+    let value = [b'x'; 100];
+    let write = |i: usize| {
+        let key = format!("e{i:07}");
+        s.put(bucket_of(key.as_bytes()), &Write { key: key.as_bytes(), value: &value, ..Default::default() })
+            .expect("put");
+    };
+    (0..100).for_each(write);
+    assert!(s.take_evicted().is_empty(), "nothing kept unless asked");
+    s.keep_evictions();
+    (100..300).for_each(write);
+    let evicted = s.take_evicted();
+    assert!(evicted.len() >= 150, "{} evictions kept", evicted.len());
+    for (bucket, key, version) in &evicted {
+        assert_eq!(*bucket, bucket_of(key));
+        assert!(*version > 0);
+        assert!(get(&s, std::str::from_utf8(key).expect("utf8")).is_none(), "an evicted key is gone");
+    }
+    assert!(s.take_evicted().is_empty(), "taken once");
+}
+
+#[test]
+fn a_bucket_moves_whole_between_sibling_stores() {
+    // The replica store hands a bucket to the active store on promotion: both must index
+    // keys the same way, or the promoted items could not be found.
+    let replica = store(u64::MAX);
+    let active = replica.sibling(u64::MAX);
+    let keys: Vec<String> = (0..50).map(|i| format!("{{p}}:{i}")).collect();
+    for k in &keys {
+        put(&replica, k, "v", Condition::Always).expect("put");
+    }
+    let bucket = bucket_of(b"p");
+    active.install_bucket(bucket, replica.take_bucket(bucket));
+    for k in &keys {
+        assert!(get(&active, k).is_some(), "{k} found after the move");
+    }
+    assert_eq!(active.stats().items, 50);
+    assert_eq!(replica.stats().items, 0);
+}
+
+#[test]
 fn tags_and_prefixes_find_live_items() {
     let s = store(u64::MAX);
     let tags = vec!["red".to_string()];

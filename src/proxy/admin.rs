@@ -1,12 +1,15 @@
 //! Cluster views, leave, readiness and the state gauges.
 
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
 use futures::future::join_all;
 use shoal_http_api::types::{
-    Check, ClusterView, LeaveOk, MapNode, MapView, MemberView, NodeFailure, NodeStats, TransferSummary, TransferView,
-    TransitionView,
+    Check, ClearLost, ClusterConfig, ClusterView, LeaveOk, MapNode, MapView, MemberView, NodeFailure, NodeStats,
+    ReplicationView, TransferSummary, TransferView, TransitionView,
 };
 use shoal_http_api::ApiError;
-use shoal_raft::{AdminRequest, AdminResponse, ControlError, NodeId};
+use shoal_raft::{AdminRequest, AdminResponse, ClusterState, ControlError, NodeId, ReplicationMode};
 
 use super::NodeApi;
 
@@ -90,6 +93,10 @@ impl NodeApi {
                 buckets_left: state.map.moved_buckets(t).len(),
                 blocking: state.transfer_flag,
             }),
+            peers: self.health.peers(),
+            replication: Some(self.replication_view(&state)),
+            failed: state.failed.iter().copied().collect(),
+            lost_buckets: state.lost.iter().copied().collect(),
         })
     }
 
@@ -170,6 +177,60 @@ impl NodeApi {
         g.raft_last_log_index.set(raft.last_log_index.unwrap_or(0) as f64);
         g.raft_applied_index.set(raft.last_applied.map(|l| l.index).unwrap_or(0) as f64);
         g.raft_storage_bytes.set(self.control.storage_bytes() as f64);
+        let replica = self.replicator.replica().stats();
+        g.replica_items.set(replica.items as f64);
+        g.replica_bytes.set(replica.bytes as f64);
+        g.replication_sync.set(if state.settings.replication == ReplicationMode::Sync { 1.0 } else { 0.0 });
+        let (depth, lag) = self.replicator.queue_lag();
+        g.replication_queue_depth.set(depth as f64);
+        g.replication_lag.set(lag.as_secs_f64());
+        let (attached, owned) = self.replicator.attached_count(&state);
+        g.replication_attached.set(attached as f64);
+        g.replication_owned.set(owned as f64);
+        let r = &self.replicator.stats;
+        g.replication_sent.absolute(r.sent.load(Ordering::Relaxed));
+        g.replication_failures.absolute(r.failures.load(Ordering::Relaxed));
+        g.replication_snapshots.absolute(r.snapshots.load(Ordering::Relaxed));
+        g.replication_undone.absolute(r.undone.load(Ordering::Relaxed));
+        g.peers_pfail.set(self.health.pfail_members().len() as f64);
+        g.nodes_failed.set(state.failed.len() as f64);
+        g.buckets_lost.set(state.lost.len() as f64);
+        g.fails_proposed.absolute(self.health.fails_proposed.load(Ordering::Relaxed));
+    }
+
+    /// What `GET /v1/cluster` shows of replication from this node.
+    fn replication_view(&self, state: &ClusterState) -> ReplicationView {
+        let (queue_depth, lag) = self.replicator.queue_lag();
+        let (attached_buckets, owned_buckets) = self.replicator.attached_count(state);
+        let replica = self.replicator.replica().stats();
+        ReplicationView {
+            mode: state.settings.replication.to_string(),
+            replica_on: state.replica_of(self.node_id),
+            attached_buckets,
+            owned_buckets,
+            queue_depth: queue_depth as u64,
+            lag_seconds: lag.as_secs_f64(),
+            replica_items: replica.items,
+            replica_bytes: replica.bytes,
+        }
+    }
+
+    pub(super) async fn change_config(&self, config: ClusterConfig) -> Result<ClusterConfig, ApiError> {
+        let mode: ReplicationMode = config.replication.parse().map_err(|_| {
+            ApiError::BadRequest(format!("replication must be sync or async, not {:?}", config.replication))
+        })?;
+        self.control.admin(AdminRequest::SetReplication { mode }).await.map_err(control_error)?;
+        self.control.wait_for_state(Duration::from_secs(5), |s| s.settings.replication == mode).await;
+        Ok(ClusterConfig { replication: mode.to_string() })
+    }
+
+    pub(super) async fn acknowledge_lost(&self, clear: ClearLost) -> Result<ClearLost, ApiError> {
+        if let Some(b) = clear.buckets.iter().find(|&&b| usize::from(b) >= shoal_raft::BUCKET_COUNT) {
+            return Err(ApiError::BadRequest(format!("no bucket {b}: buckets are 0-999")));
+        }
+        let buckets = clear.buckets.clone();
+        self.control.admin(AdminRequest::ClearLost { buckets }).await.map_err(control_error)?;
+        Ok(clear)
     }
 }
 

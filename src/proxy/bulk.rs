@@ -143,13 +143,22 @@ impl NodeApi {
         self.shadows.guards(&self.control.state(), self.node_id, &buckets).await
     }
 
-    /// Writes the local results of a bulk write through to the shadows of `guards`.
-    async fn write_through_all(&self, guards: &[ShadowGuard<'_>], changes: Vec<(BucketId, Change)>) {
+    /// Writes the local results of a bulk write through to the shadows and replicas of
+    /// `guards`; returns the buckets whose replica did not apply them, with the error.
+    async fn write_through_all(
+        &self,
+        guards: &[ShadowGuard<'_>],
+        changes: Vec<(BucketId, Change)>,
+    ) -> BTreeMap<BucketId, ApiError> {
+        let mut failed = BTreeMap::new();
         for guard in guards {
             let mine: Vec<Change> =
                 changes.iter().filter(|(b, _)| *b == guard.bucket).map(|(_, c)| c.clone()).collect();
-            self.shadows.write_through(guard, &mine).await;
+            if let Err(e) = self.shadows.write_through(guard, &mine).await {
+                failed.insert(guard.bucket, e);
+            }
         }
+        failed
     }
 
     pub(super) async fn bulk_put_routed(
@@ -174,20 +183,40 @@ impl NodeApi {
                     .collect())
             }
         };
+        if let Some(e) = self.health.write_refusal() {
+            return self.timed(Op::BulkPut, started, Err(e));
+        }
         let guards = self.shadow_guards(items.iter().map(|i| i.key.as_str())).await;
-        let result =
+        let previous: Vec<Option<crate::cache::ExportedItem>> = items
+            .iter()
+            .map(|i| {
+                (!guards.is_empty())
+                    .then(|| self.cache.export_item(bucket_of(i.key.as_bytes()), i.key.as_bytes()))
+                    .flatten()
+            })
+            .collect();
+        let mut result =
             self.bulk(&items, |i| i.key.as_str(), ctx, |item, bucket| self.local_put(item, bucket), remote).await;
-        if let (false, Ok(results)) = (guards.is_empty(), &result) {
+        if let (false, Ok(results)) = (guards.is_empty(), &mut result) {
             let changes = items
                 .iter()
-                .zip(results)
+                .zip(results.iter())
                 .filter(|(_, r)| r.as_ref().is_ok_and(|ok| ok.node == self.node_id))
                 .filter_map(|(item, _)| {
                     let b = bucket_of(item.key.as_bytes());
                     self.cache.export_item(b, item.key.as_bytes()).map(|stored| (b, Change::Put(stored)))
                 })
                 .collect();
-            self.write_through_all(&guards, changes).await;
+            let failed = self.write_through_all(&guards, changes).await;
+            for ((item, r), previous) in items.iter().zip(results.iter_mut()).zip(&previous) {
+                let b = bucket_of(item.key.as_bytes());
+                if let (Some(e), Ok(ok)) = (failed.get(&b), &*r) {
+                    if ok.node == self.node_id {
+                        self.undo(b, &item.key, Some(ok.version), previous.as_ref());
+                        *r = Err(e.clone());
+                    }
+                }
+            }
         }
         self.timed(Op::BulkPut, started, result)
     }
@@ -212,6 +241,9 @@ impl NodeApi {
                     .collect())
             }
         };
+        if let Some(e) = self.health.write_refusal() {
+            return self.timed(Op::BulkDelete, started, Err(e));
+        }
         let local = |key: &String, bucket| self.local_delete(key, None, bucket);
         let guards = self.shadow_guards(keys.iter().map(String::as_str)).await;
         let before: Vec<Option<crate::cache::ExportedItem>> = keys
@@ -220,16 +252,24 @@ impl NodeApi {
                 (!guards.is_empty()).then(|| self.cache.export_item(bucket_of(k.as_bytes()), k.as_bytes())).flatten()
             })
             .collect();
-        let result = self.bulk(&keys, |k| k.as_str(), ctx, local, remote).await;
-        if let (false, Ok(results)) = (guards.is_empty(), &result) {
+        let mut result = self.bulk(&keys, |k| k.as_str(), ctx, local, remote).await;
+        if let (false, Ok(results)) = (guards.is_empty(), &mut result) {
             let changes = before
-                .into_iter()
-                .zip(results)
+                .iter()
+                .cloned()
+                .zip(results.iter())
                 .filter(|(_, r)| matches!(r, Ok(true)))
                 .filter_map(|(gone, _)| gone)
                 .map(|gone| (bucket_of(&gone.key), Change::Delete { key: gone.key, version: gone.version }))
                 .collect();
-            self.write_through_all(&guards, changes).await;
+            let failed = self.write_through_all(&guards, changes).await;
+            for ((key, r), gone) in keys.iter().zip(results.iter_mut()).zip(&before) {
+                let b = bucket_of(key.as_bytes());
+                if let (Some(e), Ok(true)) = (failed.get(&b), &*r) {
+                    self.undo(b, key, None, gone.as_ref());
+                    *r = Err(e.clone());
+                }
+            }
         }
         self.timed(Op::BulkDelete, started, result)
     }

@@ -14,8 +14,9 @@
 //! nodes decide on the same or a newer map. Keyless operations (prefix listing, tags) are
 //! broadcast to every member and merged.
 //!
-//! Not done here yet (next issue): data does not move when the map changes, so the buckets
-//! that change owner lose their items.
+//! A write to a bucket this node owns reaches its replica before it is acknowledged (sync
+//! replication) or through a queue (async): see `crate::replication`. A node that has not
+//! heard from a majority of the members acknowledges no write (`crate::health`).
 //!
 //! # Layout
 //! - `mod.rs`: routing (`target`, `route`), the single-key operations, the `ShoalApi` impl.
@@ -32,16 +33,18 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use shoal_http_api::types::{
-    Check, ClusterView, GetOk, KeyList, LeaveOk, MapView, NodeStats, PutOk, Removed, RouteContext, Scope, TransferView,
-    WriteCondition,
+    Check, ClearLost, ClusterConfig, ClusterView, GetOk, KeyList, LeaveOk, MapView, NodeStats, PutOk, Removed,
+    RouteContext, Scope, TransferView, WriteCondition,
 };
 use shoal_http_api::{ApiError, Limits, PutItem, ShoalApi};
 use shoal_raft::{bucket_of, BucketId, ClusterState, ControlPlane, NodeId};
 
-use crate::cache::Change;
 use crate::cache::{CacheError, CacheStore, Condition, Write};
+use crate::cache::{Change, ExportedItem};
+use crate::health::Health;
 use crate::metrics::{NodeMetrics, Op};
 use crate::peer::PeerClient;
+use crate::replication::Replicator;
 use crate::transfer::progress::Progress;
 use crate::transfer::restore::Restoring;
 use crate::transfer::shadow::ShadowWriter;
@@ -77,6 +80,10 @@ pub struct NodeParts {
     pub shadows: Arc<ShadowWriter>,
     /// Buckets not restored yet after a restart.
     pub restoring: Arc<Restoring>,
+    /// Replicas.
+    pub replicator: Arc<Replicator>,
+    /// Failure detection.
+    pub health: Arc<Health>,
 }
 
 /// The node's implementation of the public API.
@@ -90,6 +97,8 @@ pub struct NodeApi {
     progress: Arc<Progress>,
     shadows: Arc<ShadowWriter>,
     restoring: Arc<Restoring>,
+    replicator: Arc<Replicator>,
+    health: Arc<Health>,
 }
 
 impl NodeApi {
@@ -105,6 +114,8 @@ impl NodeApi {
             progress: parts.progress,
             shadows: parts.shadows,
             restoring: parts.restoring,
+            replicator: parts.replicator,
+            health: parts.health,
         }
     }
 
@@ -130,8 +141,17 @@ impl NodeApi {
         let Some(owner) = state.map.owner_of(bucket) else {
             return Err(ApiError::unavailable("not_ready", "this node has not joined a cluster yet"));
         };
+        if state.is_lost(bucket) {
+            return Err(ApiError::unavailable(
+                "bucket_lost",
+                format!(
+                    "bucket {bucket} was lost: its owner and its replica failed together; \
+                     POST /v1/cluster/lost/clear acknowledges it and it serves again, empty"
+                ),
+            ));
+        }
         if owner == self.node_id {
-            if self.restoring.contains(bucket) {
+            if self.restoring.contains(bucket) || self.replicator.awaiting_promotion(state, bucket) {
                 return Err(ApiError::unavailable(
                     "bucket_restoring",
                     format!("bucket {bucket} is being restored after a restart; retry"),
@@ -144,6 +164,13 @@ impl NodeApi {
         }
         if ctx.redirect {
             return Err(ApiError::Redirect { api_addr: api_addr_of(state, owner)? });
+        }
+        // Until the map reflects a failure, the dead owner's buckets answer at once.
+        if self.health.is_pfail(owner) {
+            return Err(ApiError::unavailable(
+                "owner_unreachable",
+                format!("node {owner}, which owns bucket {bucket}, does not answer pings; retry"),
+            ));
         }
         Ok((Target::Remote { owner }, map_version))
     }
@@ -223,6 +250,16 @@ impl NodeApi {
         self.cache.delete(bucket, key.as_bytes(), cas).map_err(cache_error)
     }
 
+    /// Takes back a write its replica did not apply (R16): the item as it was before comes
+    /// back (or goes, if there was none), unless a newer write replaced it meanwhile. The
+    /// bucket is re-sent whole to the replica before its next change, in case the replica
+    /// applied the write after all.
+    fn undo(&self, bucket: BucketId, key: &str, written: Option<u64>, previous: Option<&ExportedItem>) {
+        self.cache.restore(bucket, key.as_bytes(), written, previous);
+        self.replicator.detach(bucket);
+        self.replicator.count_undone(1);
+    }
+
     fn timed<T>(&self, op: Op, started: Instant, result: Result<T, ApiError>) -> Result<T, ApiError> {
         self.metrics.record(op, started, &result);
         result
@@ -267,9 +304,13 @@ impl ShoalApi for NodeApi {
 
     async fn put(&self, item: PutItem, ctx: RouteContext) -> Result<PutOk, ApiError> {
         let started = Instant::now();
+        if let Some(e) = self.health.write_refusal() {
+            return self.timed(Op::Put, started, Err(e));
+        }
         let bucket = bucket_of(item.key.as_bytes());
         let shadow = self.shadows.guard(&self.control.state(), self.node_id, bucket).await;
-        let result = self
+        let previous = shadow.as_ref().and_then(|_| self.cache.export_item(bucket, item.key.as_bytes()));
+        let mut result = self
             .route(
                 &item.key,
                 ctx,
@@ -280,10 +321,21 @@ impl ShoalApi for NodeApi {
                 },
             )
             .await;
+        // The lease again, after the write: a node paused between the check and the write
+        // must not acknowledge it.
+        if let (Ok(ok), Some(e)) = (&result, self.health.write_refusal()) {
+            if ok.node == self.node_id {
+                self.undo(bucket, &item.key, Some(ok.version), previous.as_ref());
+                result = Err(e);
+            }
+        }
         if let (Some(guard), Ok(ok)) = (&shadow, &result) {
             if ok.node == self.node_id {
                 if let Some(stored) = self.cache.export_item(bucket, item.key.as_bytes()) {
-                    self.shadows.write_through(guard, &[Change::Put(stored)]).await;
+                    if let Err(e) = self.shadows.write_through(guard, &[Change::Put(stored)]).await {
+                        self.undo(bucket, &item.key, Some(ok.version), previous.as_ref());
+                        result = Err(e);
+                    }
                 }
             }
         }
@@ -292,6 +344,9 @@ impl ShoalApi for NodeApi {
 
     async fn delete(&self, key: String, cas: Option<u64>, ctx: RouteContext) -> Result<(), ApiError> {
         let started = Instant::now();
+        if let Some(e) = self.health.write_refusal() {
+            return self.timed(Op::Delete, started, Err(e));
+        }
         let bucket = bucket_of(key.as_bytes());
         let shadow = self.shadows.guard(&self.control.state(), self.node_id, bucket).await;
         let before = shadow.as_ref().and_then(|_| self.cache.export_item(bucket, key.as_bytes()));
@@ -299,7 +354,7 @@ impl ShoalApi for NodeApi {
             true => Ok(()),
             false => Err(ApiError::NotFound),
         };
-        let result = self
+        let mut result = self
             .route(&key, ctx, local, |api, v| {
                 let (peers, key) = (&self.peers, &key);
                 async move { peers.delete(&api, key, cas, v).await }
@@ -307,7 +362,11 @@ impl ShoalApi for NodeApi {
             .await;
         if let (Some(guard), Some(gone), Ok(())) = (&shadow, before, &result) {
             if self.cache.export_item(bucket, key.as_bytes()).is_none() {
-                self.shadows.write_through(guard, &[Change::Delete { key: gone.key, version: gone.version }]).await;
+                let change = Change::Delete { key: gone.key.clone(), version: gone.version };
+                if let Err(e) = self.shadows.write_through(guard, &[change]).await {
+                    self.undo(bucket, &key, None, Some(&gone));
+                    result = Err(e);
+                }
             }
         }
         self.timed(Op::Delete, started, result)
@@ -359,6 +418,14 @@ impl ShoalApi for NodeApi {
 
     async fn leave(&self, node_id: NodeId, force: bool) -> Result<LeaveOk, ApiError> {
         self.make_leave(node_id, force).await
+    }
+
+    async fn set_config(&self, config: ClusterConfig) -> Result<ClusterConfig, ApiError> {
+        self.change_config(config).await
+    }
+
+    async fn clear_lost(&self, clear: ClearLost) -> Result<ClearLost, ApiError> {
+        self.acknowledge_lost(clear).await
     }
 
     fn readiness(&self) -> Vec<Check> {

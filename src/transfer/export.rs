@@ -47,6 +47,7 @@ pub struct Exporter {
     pub(super) cache: Arc<CacheStore>,
     pub(super) config: TransferConfig,
     pub(super) progress: Arc<Progress>,
+    pub(super) replicator: Arc<crate::replication::Replicator>,
 }
 
 /// Query of the transfer endpoint.
@@ -94,10 +95,15 @@ pub(super) async fn stream_bucket(
     let me = exporter.control.node_id();
     let bucket = BucketId(bucket);
     if q.restore {
-        if let Some(reason) = restore_refusal(&exporter.control.state(), me, bucket, q.to) {
-            return (StatusCode::CONFLICT, reason).into_response();
-        }
-        let (items, counter) = exporter.cache.snapshot(bucket);
+        // From a shadow (a transfer's handover), else from the replica of the owner.
+        let snapshot = match restore_refusal(&exporter.control.state(), me, bucket, q.to) {
+            None => Some(exporter.cache.snapshot(bucket)),
+            Some(_) => exporter.replicator.replica_snapshot(bucket, q.to),
+        };
+        let Some((items, counter)) = snapshot else {
+            let reason = format!("node {me} holds neither a shadow nor a replica of bucket {bucket} for node {}", q.to);
+            return (StatusCode::NOT_FOUND, reason).into_response();
+        };
         let mut frames = vec![Bytes::from_static(HEADER)];
         frames.extend(items.iter().flat_map(item_frames));
         frames.push(end_frame(counter, items.len() as u64));

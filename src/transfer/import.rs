@@ -64,6 +64,7 @@ impl Puller {
     /// A client whose connections give up after `config.reconnect_timeout`.
     pub fn new(config: TransferConfig) -> Self {
         let mut connector = HttpConnector::new();
+        connector.set_local_address(shoal_raft::outgoing_ip());
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(config.reconnect_timeout));
         Puller { http: Client::builder(TokioExecutor::new()).build(connector), config }

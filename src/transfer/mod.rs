@@ -121,8 +121,9 @@ pub fn peer_routes(
     cache: Arc<CacheStore>,
     config: TransferConfig,
     progress: Arc<Progress>,
+    replicator: Arc<crate::replication::Replicator>,
 ) -> Router {
-    let exporter = Exporter { control, cache, config, progress };
+    let exporter = Exporter { control, cache, config, progress, replicator };
     Router::new()
         .route("/internal/transfer/status", get(status))
         .route("/internal/shadow/{bucket}", axum::routing::post(shadow::apply_shadow))

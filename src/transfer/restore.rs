@@ -1,9 +1,11 @@
-//! Restoring buckets from shadows when a node starts.
+//! Restoring buckets when a node starts again as the same member.
 //!
 //! A node's cache is in memory: after a restart it holds nothing. Buckets it serves that were
 //! handed to it during the running transfer still have a shadow on the node that handed them
-//! over; the node pulls them back from there before serving them. Until then, operations on
-//! those buckets answer 503 `bucket_restoring`.
+//! over; every other bucket it serves has a copy in its replica (`crate::replication`). The
+//! node pulls each back from there before serving it (R45: never serve a bucket before holding
+//! it). Until then, operations on those buckets answer 503 `bucket_restoring`. A bucket of
+//! which neither holds a copy serves again empty, said in the log.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -11,7 +13,7 @@ use std::sync::Arc;
 use parking_lot::RwLock;
 use shoal_raft::{BucketId, ClusterState, ControlPlane, NodeId};
 
-use super::import::{backoff, Puller};
+use super::import::{backoff, PullError, Puller};
 use super::progress::Progress;
 use crate::cache::CacheStore;
 
@@ -22,11 +24,13 @@ pub struct Restoring {
 }
 
 impl Restoring {
-    /// Marks every bucket `me` serves that has a shadow elsewhere (call before serving).
+    /// Marks every bucket `me` serves that has a shadow or a replica elsewhere (call before
+    /// serving).
     pub fn mark(&self, state: &ClusterState, me: NodeId) {
         let mut set = self.buckets.write();
+        let replica = state.replica_of(me).is_some();
         for b in BucketId::all() {
-            if state.map.owner_of(b) == Some(me) && state.shadow_of(b).is_some() {
+            if state.map.owner_of(b) == Some(me) && (replica || state.shadow_of(b).is_some()) {
                 set.insert(b.0);
             }
         }
@@ -63,23 +67,30 @@ pub async fn restore(
         if pending.is_empty() {
             return;
         }
-        tracing::info!(node_id = me, buckets = pending.len(), "restoring buckets from their shadows");
+        tracing::info!(node_id = me, buckets = pending.len(), "restoring buckets from their shadows and replica");
         let mut failed = false;
         for bucket in pending {
             let state = control.state();
-            let shadow = state.shadow_of(bucket).filter(|_| state.map.owner_of(bucket) == Some(me));
-            let Some(shadow) = shadow else {
-                tracing::error!(node_id = me, bucket = bucket.0, "no shadow left: the bucket's data is lost");
+            let owned = state.map.owner_of(bucket) == Some(me);
+            let source = state.shadow_of(bucket).or_else(|| state.replica_of(me)).filter(|_| owned);
+            let Some(source) = source else {
+                if owned {
+                    tracing::error!(node_id = me, bucket = bucket.0, "no copy left: the bucket serves again, empty");
+                }
                 restoring.remove(bucket);
                 continue;
             };
-            match puller.restore(&control, &cache, &progress, bucket, shadow).await {
+            match puller.restore(&control, &cache, &progress, bucket, source).await {
                 Ok(bytes) => {
-                    tracing::info!(node_id = me, bucket = bucket.0, from = shadow, bytes, "bucket restored");
+                    tracing::debug!(node_id = me, bucket = bucket.0, from = source, bytes, "bucket restored");
+                    restoring.remove(bucket);
+                }
+                Err(PullError::Refused { detail, .. }) if detail.starts_with("404") => {
+                    tracing::error!(node_id = me, bucket = bucket.0, from = source, %detail, "no copy left: the bucket serves again, empty");
                     restoring.remove(bucket);
                 }
                 Err(e) => {
-                    tracing::warn!(node_id = me, bucket = bucket.0, from = shadow, error = %e, "restore failed; will retry");
+                    tracing::warn!(node_id = me, bucket = bucket.0, from = source, error = %e, "restore failed; will retry");
                     failed = true;
                     break;
                 }

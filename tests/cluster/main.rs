@@ -2,6 +2,8 @@
 //! with real HTTP on loopback ports the OS picks and real sled in temp dirs.
 
 mod crash;
+mod failover;
+mod faults;
 mod harness;
 mod membership;
 mod process;

@@ -28,7 +28,8 @@ async fn after_a_leave_every_node_restarts_with_its_membership_and_map_version()
     wait_for("a leader after the restart", || async { c.json(2, "/v1/cluster").await["leader"].as_u64() }).await;
     assert_eq!(ids(c.json(2, "/v1/cluster").await), vec![1, 3]);
     assert_eq!((c.id(0), c.id(2)), (1, 3), "same ids as before");
-    assert_eq!(c.put(0, "k", "v").await, 200);
+    // Each restarted node first asks its replica holder for its buckets (503 meanwhile).
+    wait_for("writes after the restart", || async { (c.put(0, "k", "v").await == 200).then_some(()) }).await;
     assert_eq!(c.get(2, "k").await.as_deref(), Some("v"));
 
     // The node that left refuses its old data dir with a clear message.

@@ -24,6 +24,10 @@ pub struct KeyHistory {
     pub acked: Option<u64>,
     /// Sequence numbers attempted after it without an acknowledgement.
     pub uncertain: Vec<u64>,
+    /// When the last acknowledged value was acknowledged.
+    pub acked_at: Option<std::time::Instant>,
+    /// Every sequence number ever sent for this key.
+    pub written: Vec<u64>,
 }
 
 /// Every writer's keys.
@@ -94,8 +98,10 @@ impl Workload {
                     .is_ok_and(|r| r.status() == 200);
                 let mut h = history.lock();
                 let entry = h.entry(key).or_default();
+                entry.written.push(seq);
                 if ok {
                     entry.acked = Some(seq);
+                    entry.acked_at = Some(std::time::Instant::now());
                     entry.uncertain.clear();
                 } else {
                     entry.uncertain.push(seq);
@@ -103,6 +109,11 @@ impl Workload {
             }
             seq
         }
+    }
+
+    /// How many keys have an acknowledged value so far.
+    pub fn acked(&self) -> usize {
+        self.history.lock().values().filter(|h| h.acked.is_some()).count()
     }
 
     /// Sets the nodes the writers send to.
@@ -146,6 +157,32 @@ pub async fn check(cluster: &TestCluster, slot: usize, history: &History) -> Vec
         .collect()
 }
 
+/// Every key of `history` read through `addr`: the sequence number found (`None`: absent).
+pub async fn read_all(http: &reqwest::Client, addr: &str, history: &History) -> Vec<(String, Option<u64>)> {
+    let mut found = Vec::new();
+    let keys: Vec<&String> = history.keys().collect();
+    for chunk in keys.chunks(500) {
+        let answer: Value = http
+            .post(format!("http://{addr}/v1/bulk/get"))
+            .json(&json!({ "keys": chunk }))
+            .send()
+            .await
+            .expect("bulk get")
+            .json()
+            .await
+            .expect("json");
+        for r in answer["results"].as_array().expect("results") {
+            let key = r["key"].as_str().expect("key");
+            assert!(r["error"].is_null(), "{key}: {}", r["error"]);
+            let writer = key.split('-').next().unwrap_or_default();
+            let seq =
+                r["value"].as_str().and_then(|v| v.strip_prefix(&format!("{writer}:"))).and_then(|s| s.parse().ok());
+            found.push((key.to_string(), seq));
+        }
+    }
+    found
+}
+
 /// [`check`] against the node at API address `addr`.
 pub async fn check_addr(http: &reqwest::Client, addr: &str, history: &History) -> Vec<String> {
     let mut problems = Vec::new();
@@ -181,15 +218,39 @@ pub async fn check_addr(http: &reqwest::Client, addr: &str, history: &History) -
 #[test]
 fn the_checker_finds_lost_and_phantom_writes() {
     // The checker's logic, on a history, without a cluster: see `verdict`.
-    let h = KeyHistory { acked: Some(5), uncertain: vec![6, 7] };
+    let h = KeyHistory { acked: Some(5), uncertain: vec![6, 7], ..Default::default() };
     assert_eq!(verdict(&h, None), Some("lost"));
     assert_eq!(verdict(&h, Some(4)), Some("phantom"), "an older value than the acknowledged one");
     assert_eq!(verdict(&h, Some(9)), Some("phantom"), "a value never written");
     assert_eq!(verdict(&h, Some(5)), None);
     assert_eq!(verdict(&h, Some(7)), None, "a write that timed out may have landed");
-    let never = KeyHistory { acked: None, uncertain: vec![1] };
+    let never = KeyHistory { acked: None, uncertain: vec![1], ..Default::default() };
     assert_eq!(verdict(&never, None), None);
     assert_eq!(verdict(&never, Some(1)), None);
+}
+
+/// The async-mode rule: what was found must have been written for this key (no phantom,
+/// ever); a value other than the last acknowledged one (an older one, or none) is allowed only
+/// if the last acknowledgement came after `cutoff` (within the replication lag before a kill).
+pub fn async_verdict(h: &KeyHistory, found: Option<u64>, cutoff: std::time::Instant) -> Option<&'static str> {
+    if found.is_some_and(|f| !h.written.contains(&f)) {
+        return Some("phantom");
+    }
+    match verdict(h, found) {
+        Some(_) if h.acked_at.is_some_and(|t| t >= cutoff) => None,
+        other => other,
+    }
+}
+
+#[test]
+fn the_async_checker_allows_losses_only_within_the_lag() {
+    let now = std::time::Instant::now();
+    let early = now - std::time::Duration::from_secs(10);
+    let h = |at| KeyHistory { acked: Some(5), acked_at: Some(at), written: vec![2, 5], ..Default::default() };
+    assert_eq!(async_verdict(&h(now), Some(2), early), None, "an older value, acknowledged within the lag");
+    assert_eq!(async_verdict(&h(now), None, early), None);
+    assert_eq!(async_verdict(&h(early), None, now), Some("lost"), "acknowledged before the lag window");
+    assert_eq!(async_verdict(&h(now), Some(3), early), Some("phantom"), "never written for this key");
 }
 
 /// The checker's rule for one key: `None` if what was found is allowed.

@@ -153,6 +153,7 @@ impl AdminClient {
     pub fn new(timeout: Duration) -> Self {
         let client = reqwest::Client::builder()
             .no_proxy()
+            .local_address(super::outgoing_ip())
             .tcp_nodelay(true)
             .connect_timeout(Duration::from_secs(2).min(timeout))
             .timeout(timeout)

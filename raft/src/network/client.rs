@@ -25,6 +25,7 @@ impl HttpRaftNetwork {
     pub fn new(connect_timeout: Duration) -> Self {
         let client = reqwest::Client::builder()
             .no_proxy()
+            .local_address(super::outgoing_ip())
             .tcp_nodelay(true)
             .connect_timeout(connect_timeout)
             .pool_idle_timeout(Duration::from_secs(30))
@@ -59,6 +60,7 @@ impl PeerConnection {
         let response = self
             .client
             .post(format!("{}{}", self.base, path))
+            .header(super::server::HEADER_RAFT_TARGET, self.target)
             .timeout(option.hard_ttl())
             .json(req)
             .send()
@@ -74,6 +76,10 @@ impl PeerConnection {
             let status = response.status();
             let body = response.text().await.unwrap_or_default();
             let err = std::io::Error::other(format!("HTTP {status}: {body}"));
+            // Another node now listens at the address: as good as unreachable.
+            if status == reqwest::StatusCode::MISDIRECTED_REQUEST {
+                return Err(RpcError::Unreachable(Unreachable::new(&err)));
+            }
             return Err(RpcError::Network(NetworkError::new(&err)));
         }
         let result: Result<Resp, RaftError<E>> =

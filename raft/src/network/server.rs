@@ -1,6 +1,7 @@
 //! The receiving side: Raft RPCs and admin requests on the peer listener.
 
 use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use openraft::error::InstallSnapshotError;
@@ -30,25 +31,47 @@ pub fn peer_router(control: ControlPlane) -> Router {
         .with_state(control)
 }
 
+/// The header naming the Raft node a request is meant for.
+pub(crate) const HEADER_RAFT_TARGET: &str = "x-shoal-raft-target";
+
+/// Refuses a Raft RPC meant for another node id: a node that rejoined under a new id on the
+/// same address must not receive the old id's log (openraft would see a follower whose log
+/// went backwards).
+fn addressed_to_me(control: &ControlPlane, headers: &HeaderMap) -> Result<(), (StatusCode, String)> {
+    let target = headers.get(HEADER_RAFT_TARGET).and_then(|v| v.to_str().ok()?.parse::<NodeId>().ok());
+    match target {
+        Some(t) if t != control.node_id() => {
+            Err((StatusCode::MISDIRECTED_REQUEST, format!("this is node {}, not node {t}", control.node_id())))
+        }
+        _ => Ok(()),
+    }
+}
+
 async fn append(
     State(control): State<ControlPlane>,
+    headers: HeaderMap,
     Json(req): Json<AppendEntriesRequest<TypeConfig>>,
-) -> Json<Result<AppendEntriesResponse<NodeId>, RaftError>> {
-    Json(control.raft().append_entries(req).await)
+) -> Result<Json<Result<AppendEntriesResponse<NodeId>, RaftError>>, (StatusCode, String)> {
+    addressed_to_me(&control, &headers)?;
+    Ok(Json(control.raft().append_entries(req).await))
 }
 
 async fn vote(
     State(control): State<ControlPlane>,
+    headers: HeaderMap,
     Json(req): Json<VoteRequest<NodeId>>,
-) -> Json<Result<VoteResponse<NodeId>, RaftError>> {
-    Json(control.raft().vote(req).await)
+) -> Result<Json<Result<VoteResponse<NodeId>, RaftError>>, (StatusCode, String)> {
+    addressed_to_me(&control, &headers)?;
+    Ok(Json(control.raft().vote(req).await))
 }
 
 async fn snapshot(
     State(control): State<ControlPlane>,
+    headers: HeaderMap,
     Json(req): Json<InstallSnapshotRequest<TypeConfig>>,
-) -> Json<Result<InstallSnapshotResponse<NodeId>, RaftError<InstallSnapshotError>>> {
-    Json(control.raft().install_snapshot(req).await)
+) -> Result<Json<Result<InstallSnapshotResponse<NodeId>, RaftError<InstallSnapshotError>>>, (StatusCode, String)> {
+    addressed_to_me(&control, &headers)?;
+    Ok(Json(control.raft().install_snapshot(req).await))
 }
 
 /// `?forwarded=true` marks a request another member already forwarded to us as the leader:

@@ -1,0 +1,263 @@
+//! Failure detection (R41–R43): ping/pong between every pair of members.
+//!
+//! ```text
+//!  every --ping-interval:  A ── POST /internal/ping {from: A, pfail: [ids A has not heard from]} ──▶ B
+//!                          A ◀── {node_id: B, status: A's membership in B's view} ──────────────────┘
+//!  no pong for --node-timeout: B is pfail in A's view
+//!  the leader: pfail in the view of a majority of the members (its own view and the reports in
+//!  the pings it received) ──▶ Raft: NodeFailed(B)
+//! ```
+//!
+//! A pong that says "you were failed" makes this node stop, discard its data and rejoin as
+//! a new member (R45). The same contacts give a *lease*: a node that has not heard from a
+//! majority of the members within `--node-timeout` acknowledges no write (`503 no_quorum`), so
+//! a node paused or cut off long enough to be failed cannot acknowledge a write for buckets
+//! that were given to another node meanwhile.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::State;
+use axum::routing::post;
+use axum::{Json, Router};
+use futures::future::join_all;
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use shoal_http_api::types::PeerHealth;
+use shoal_http_api::ApiError;
+use shoal_raft::{ControlPlane, MemberStatus, NodeId};
+
+use crate::replication::Replicator;
+use tokio::sync::watch;
+
+/// A ping.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Ping {
+    /// The sender.
+    pub from: NodeId,
+    /// The members the sender has not heard from within the node timeout.
+    pub pfail: Vec<NodeId>,
+}
+
+/// The answer to a ping.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Pong {
+    /// The answering node.
+    pub node_id: NodeId,
+    /// Random at every start of the answering process: a change means it restarted, and its
+    /// replica store is empty.
+    #[serde(default)]
+    pub incarnation: u64,
+    /// The sender's membership in the answering node's view.
+    pub status: MemberStatus,
+}
+
+/// Failure-detection settings.
+#[derive(Debug, Clone, Copy)]
+pub struct HealthConfig {
+    /// How often every peer is pinged; zero disables failure detection.
+    pub ping_interval: Duration,
+    /// Silence after which a peer is pfail.
+    pub node_timeout: Duration,
+}
+
+/// This node's view of its peers, and the leader's tally of pfail reports.
+pub struct Health {
+    me: NodeId,
+    control: ControlPlane,
+    config: HealthConfig,
+    started: Instant,
+    contacts: Mutex<HashMap<NodeId, Instant>>,
+    reports: Mutex<HashMap<NodeId, (Instant, Vec<NodeId>)>>,
+    http: reqwest::Client,
+    removed: watch::Sender<bool>,
+    incarnation: u64,
+    incarnations: Mutex<HashMap<NodeId, u64>>,
+    replicator: Arc<Replicator>,
+    /// `NodeFailed` commands this node proposed as leader.
+    pub fails_proposed: AtomicU64,
+}
+
+impl Health {
+    /// A detector for the node of `control`.
+    pub fn new(control: ControlPlane, config: HealthConfig, replicator: Arc<Replicator>) -> Arc<Self> {
+        let timeout = config.node_timeout.min(Duration::from_secs(2)).max(Duration::from_millis(200));
+        let http = reqwest::Client::builder()
+            .local_address(shoal_raft::outgoing_ip())
+            .timeout(timeout)
+            .connect_timeout(timeout)
+            .tcp_nodelay(true)
+            .build()
+            .expect("a reqwest client with timeouts builds");
+        Arc::new(Health {
+            me: control.node_id(),
+            control,
+            config,
+            started: Instant::now(),
+            contacts: Mutex::new(HashMap::new()),
+            reports: Mutex::new(HashMap::new()),
+            http,
+            removed: watch::channel(false).0,
+            incarnation: rand::random(),
+            incarnations: Mutex::new(HashMap::new()),
+            replicator,
+            fails_proposed: AtomicU64::new(0),
+        })
+    }
+
+    /// Whether failure detection runs.
+    pub fn enabled(&self) -> bool {
+        !self.config.ping_interval.is_zero()
+    }
+
+    /// The peer endpoint.
+    pub fn peer_routes(self: &Arc<Self>) -> Router {
+        Router::new().route("/internal/ping", post(pong)).with_state(self.clone())
+    }
+
+    /// Resolves when a peer said this node was failed.
+    pub async fn removed(&self) {
+        let mut rx = self.removed.subscribe();
+        let _ = rx.wait_for(|r| *r).await;
+    }
+
+    fn last_contact(&self, id: NodeId) -> Instant {
+        self.contacts.lock().get(&id).copied().unwrap_or(self.started)
+    }
+
+    /// Whether this node has not heard from `id` within the node timeout.
+    pub fn is_pfail(&self, id: NodeId) -> bool {
+        self.enabled() && id != self.me && self.last_contact(id).elapsed() > self.config.node_timeout
+    }
+
+    /// The members this node has not heard from.
+    pub fn pfail_members(&self) -> Vec<NodeId> {
+        self.control.state().members.iter().map(|m| m.id).filter(|&id| self.is_pfail(id)).collect()
+    }
+
+    /// Every other member's state in this node's view.
+    pub fn peers(&self) -> Vec<PeerHealth> {
+        let state = self.control.state();
+        state
+            .members
+            .iter()
+            .filter(|m| m.id != self.me)
+            .map(|m| {
+                let since = self.contacts.lock().get(&m.id).map(|t| t.elapsed());
+                PeerHealth {
+                    node_id: m.id,
+                    state: if self.is_pfail(m.id) { "pfail" } else { "ok" }.to_string(),
+                    last_contact_ms: since.map(|d| d.as_millis() as u64),
+                }
+            })
+            .collect()
+    }
+
+    /// Why this node must not acknowledge a write now, if it must not: a peer said it was
+    /// failed, or it has not heard from a majority of the members within the node timeout.
+    pub fn write_refusal(&self) -> Option<ApiError> {
+        if *self.removed.borrow() {
+            return Some(ApiError::unavailable("node_failed", "this node was failed by the cluster; it is rejoining"));
+        }
+        if !self.enabled() {
+            return None;
+        }
+        let state = self.control.state();
+        let n = state.members.len();
+        if n <= 1 {
+            return None;
+        }
+        let heard = state.members.iter().filter(|m| m.id == self.me || !self.is_pfail(m.id)).count();
+        (heard * 2 <= n).then(|| {
+            ApiError::unavailable(
+                "no_quorum",
+                format!("this node has heard from {heard} of {n} members recently; it acknowledges no write"),
+            )
+        })
+    }
+
+    /// Pings every peer every interval, and as leader fails the members a majority reports.
+    pub async fn run(self: Arc<Self>) {
+        if !self.enabled() {
+            return;
+        }
+        let mut tick = tokio::time::interval(self.config.ping_interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let state = self.control.state();
+            let ping = Ping { from: self.me, pfail: self.pfail_members() };
+            let health: &Health = &self;
+            // A pong proves the peer alive when the ping left, not when the answer is read: a
+            // node paused with answers in its socket buffer must not renew its lease with them.
+            let sent = Instant::now();
+            let pings = state.members.iter().filter(|m| m.id != self.me).map(|m| {
+                let (id, url, ping) = (m.id, format!("http://{}/internal/ping", m.peer_addr), &ping);
+                async move { (id, health.ping(&url, ping).await) }
+            });
+            for (id, pong) in join_all(pings).await {
+                let Some(pong) = pong else { continue };
+                if pong.status == MemberStatus::Failed {
+                    if !self.removed.send_replace(true) {
+                        tracing::error!(by = id, "the cluster failed this node; it stops serving and rejoins");
+                    }
+                    continue;
+                }
+                self.contacts.lock().insert(id, sent);
+                let before = self.incarnations.lock().insert(id, pong.incarnation);
+                if before.is_some_and(|b| b != pong.incarnation) {
+                    // Its replica store came back empty: send it every bucket again.
+                    tracing::info!(node_id = id, "peer restarted; re-sending the replica it holds");
+                    self.replicator.detach_holder(id);
+                }
+            }
+            if self.control.is_leader() {
+                self.fail_reported().await;
+            }
+        }
+    }
+
+    async fn ping(&self, url: &str, ping: &Ping) -> Option<Pong> {
+        let response = self.http.post(url).json(ping).send().await.ok()?;
+        response.json().await.ok()
+    }
+
+    /// As leader: proposes `NodeFailed` for each member that a majority of the members (this
+    /// node included) reports pfail.
+    async fn fail_reported(&self) {
+        let state = self.control.state();
+        let n = state.members.len();
+        let fresh = self.config.node_timeout * 2 + self.config.ping_interval;
+        let reports: Vec<(NodeId, Vec<NodeId>)> = {
+            let mut reports = self.reports.lock();
+            reports.retain(|_, (at, _)| at.elapsed() <= fresh);
+            reports.iter().map(|(&r, (_, l))| (r, l.clone())).collect()
+        };
+        for m in state.members.iter().filter(|m| m.id != self.me) {
+            let mut votes = usize::from(self.is_pfail(m.id));
+            votes += reports.iter().filter(|(r, l)| *r != m.id && state.is_member(*r) && l.contains(&m.id)).count();
+            if votes * 2 <= n {
+                continue;
+            }
+            tracing::warn!(node_id = m.id, votes, members = n, "a majority reports the node unreachable; failing it");
+            self.fails_proposed.fetch_add(1, Ordering::Relaxed);
+            if let Err(e) = self.control.fail_node(m.id).await {
+                tracing::warn!(node_id = m.id, error = %e, "could not fail the node");
+            }
+            return;
+        }
+    }
+}
+
+/// `POST /internal/ping`: the sender's pfail list is a report. (It does not count as contact:
+/// a ping may have waited in a socket buffer; only this node's own pings, timed from their
+/// sending, do.)
+async fn pong(State(health): State<Arc<Health>>, Json(ping): Json<Ping>) -> Json<Pong> {
+    let status = health.control.member_status(ping.from);
+    if status == MemberStatus::Member {
+        health.reports.lock().insert(ping.from, (Instant::now(), ping.pfail));
+    }
+    Json(Pong { node_id: health.me, incarnation: health.incarnation, status })
+}

@@ -1,0 +1,494 @@
+//! Replicas and replication (R10–R17, R44).
+//!
+//! Every member holds the replica of the member before it in join order (the Raft state's
+//! `replica_of`). The replica lives in a store of its own ([`Replicator::replica`]), limited
+//! to `--cache-size` like the active store.
+//!
+//! ```text
+//!  owner A (active)                                  holder B = replica_of(A)
+//!  PUT k ─ lock bucket ─ apply ─┬─ sync:  POST /internal/replicate/b ──▶ fence, apply ─┐
+//!                               │         ◀──────────────── 204 ──────────────────────┘
+//!                               │  2xx to the client only now; on failure the item is removed
+//!                               │  again and the client gets 503 replication_failed
+//!                               └─ async: queue ─▶ drainer, batches in order ─▶ the same endpoint
+//! ```
+//!
+//! # Attachment
+//! A replica bucket is fed by changes only once it holds a snapshot of the active bucket.
+//! The owner records per bucket the holder that acknowledged a snapshot (`attached`); the
+//! holder records per bucket the owner whose snapshot it holds (`sources`). The owner sends a
+//! snapshot (under the bucket lock, so no write slips between the snapshot and the next change)
+//! when the holder changed, when the holder answers `412` (it has no snapshot), and eagerly from
+//! a background task for every bucket it owns ([`Replicator::attach_all`]).
+//!
+//! # Fencing
+//! The holder applies a request only if, in its map at least as new as the sender's, the
+//! sender owns the bucket and the holder is the sender's replica; otherwise `409`. So a node
+//! that lost a bucket (it was paused, partitioned, failed) cannot get a write acknowledged in
+//! sync mode: its replica refuses, and the write is undone.
+//!
+//! # What travels
+//! Deletes travel like writes; evictions go through the queue in both modes (the replica
+//! store also evicts by itself at its own limit); expirations need nothing: items carry their
+//! absolute expiry and both stores sweep them. Requests carry an increasing sequence number:
+//! the holder refuses one older than the last it applied from the same sender.
+//!
+//! # Invariants
+//! - In sync mode, every acknowledged write of an attached bucket is in the replica before the
+//!   client sees the 2xx.
+//! - A replica bucket is promoted (`NodeFailed`, `HandOver`) only from a snapshot of the node
+//!   the Raft state names; otherwise the bucket is reported lost, never served empty.
+//!
+//! # Layout
+//! - `mod.rs`: the [`Replicator`], sending and the background tasks.
+//! - `receive.rs`: the holder's endpoint.
+//! - `follow.rs`: what the holder does when the map changes: promotion, cleanup.
+
+mod follow;
+mod receive;
+
+use std::collections::{BTreeSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use bytes::{Bytes, BytesMut};
+use http_body_util::Full;
+use hyper::{Request, StatusCode};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use parking_lot::Mutex;
+use shoal_http_api::ApiError;
+use shoal_raft::{BucketId, ClusterState, ControlPlane, NodeId, ReplicationMode, BUCKET_COUNT};
+use tokio::sync::{MutexGuard, Notify};
+
+use crate::cache::{CacheStore, Change, ExportedItem};
+use crate::transfer::frame::{change_frames, end_frame, item_frames, HEADER};
+
+/// How long one replication request may take.
+const SEND_TIMEOUT: Duration = Duration::from_secs(2);
+/// How many queued changes the async drainer sends per round.
+const BATCH: usize = 512;
+/// The async queue's bound; past it the queue is dropped and the buckets re-attached.
+const QUEUE_LIMIT: usize = 200_000;
+/// How often the background attacher looks for buckets without a replica.
+const ATTACH_EVERY: Duration = Duration::from_millis(500);
+
+/// Request headers of `POST /internal/replicate/{bucket}`.
+pub(crate) const HEADER_FROM: &str = "x-shoal-from";
+pub(crate) const HEADER_MAP_VERSION: &str = "x-shoal-map-version";
+pub(crate) const HEADER_SNAPSHOT: &str = "x-shoal-snapshot";
+pub(crate) const HEADER_SEQ: &str = "x-shoal-seq";
+
+/// The member holding a bucket's replica, as the writer sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Holder {
+    /// Its id.
+    pub id: NodeId,
+    /// Its peer address.
+    pub peer_addr: String,
+    /// The writer's map version.
+    pub map_version: u64,
+}
+
+/// A change waiting in the async queue.
+struct Queued {
+    bucket: BucketId,
+    holder: Holder,
+    change: Change,
+    at: Instant,
+}
+
+/// Counters shown in `GET /v1/cluster` and the metrics.
+#[derive(Debug, Default)]
+pub struct ReplicationStats {
+    /// Changes the replica acknowledged.
+    pub sent: AtomicU64,
+    /// Requests that failed.
+    pub failures: AtomicU64,
+    /// Bucket snapshots sent.
+    pub snapshots: AtomicU64,
+    /// Writes undone because the replica did not apply them (sync).
+    pub undone: AtomicU64,
+}
+
+/// This node's side of replication: as an active (sending) and as a holder (receiving).
+pub struct Replicator {
+    me: NodeId,
+    control: ControlPlane,
+    active: Arc<CacheStore>,
+    replica: Arc<CacheStore>,
+    locks: Vec<tokio::sync::Mutex<()>>,
+    http: Client<HttpConnector, Full<Bytes>>,
+    /// Owner side: the holder that acknowledged a snapshot of each bucket (0: none).
+    attached: Vec<AtomicU64>,
+    /// Holder side: the owner whose snapshot each replica bucket holds (0: none).
+    sources: Vec<AtomicU64>,
+    /// Holder side, per bucket: the sender and sequence number of the last request applied;
+    /// a request with an older number from the same sender (held up in the network after
+    /// its sender gave up) is refused, so it cannot overwrite newer data.
+    applied: Vec<Mutex<(NodeId, u64)>>,
+    /// Sender side: numbers every request, increasing across restarts (starts at the clock).
+    seq: AtomicU64,
+    queue: Mutex<VecDeque<Queued>>,
+    wake: Notify,
+    /// Promoted buckets installed in the active store, until the Raft state forgets them.
+    installed: Mutex<BTreeSet<u16>>,
+    /// Counters.
+    pub stats: ReplicationStats,
+}
+
+impl Replicator {
+    /// A replicator over `active`, with a replica store of `limit_bytes`.
+    pub fn new(control: ControlPlane, active: Arc<CacheStore>, limit_bytes: u64) -> Arc<Self> {
+        let mut connector = HttpConnector::new();
+        connector.set_local_address(shoal_raft::outgoing_ip());
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(SEND_TIMEOUT));
+        let replica = Arc::new(active.sibling(limit_bytes));
+        Arc::new(Replicator {
+            me: control.node_id(),
+            control,
+            active,
+            replica,
+            locks: (0..BUCKET_COUNT).map(|_| tokio::sync::Mutex::new(())).collect(),
+            http: Client::builder(TokioExecutor::new()).build(connector),
+            attached: (0..BUCKET_COUNT).map(|_| AtomicU64::new(0)).collect(),
+            sources: (0..BUCKET_COUNT).map(|_| AtomicU64::new(0)).collect(),
+            applied: (0..BUCKET_COUNT).map(|_| Mutex::new((0, 0))).collect(),
+            seq: AtomicU64::new(
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_micros() as u64)
+                    .unwrap_or(1),
+            ),
+            queue: Mutex::new(VecDeque::new()),
+            wake: Notify::new(),
+            installed: Mutex::new(BTreeSet::new()),
+            stats: ReplicationStats::default(),
+        })
+    }
+
+    /// The replica store.
+    pub fn replica(&self) -> &Arc<CacheStore> {
+        &self.replica
+    }
+
+    /// The peer endpoint of the holder side.
+    pub fn peer_routes(self: &Arc<Self>) -> Router {
+        receive::routes(self.clone())
+    }
+
+    /// Locks `bucket` for a write: writes to one bucket reach its replica in the order they
+    /// were applied.
+    pub async fn lock(&self, bucket: BucketId) -> MutexGuard<'_, ()> {
+        self.locks[bucket.index()].lock().await
+    }
+
+    /// The holder of `bucket`'s replica if this node owns the bucket and one exists.
+    pub fn holder_of(&self, state: &ClusterState, bucket: BucketId) -> Option<Holder> {
+        if state.map.owner_of(bucket) != Some(self.me) {
+            return None;
+        }
+        let id = state.replica_holder_of(bucket).filter(|&h| h != self.me)?;
+        let peer_addr = state.member_of(id)?.peer_addr.clone();
+        Some(Holder { id, peer_addr, map_version: state.map.version })
+    }
+
+    /// Whether `bucket` is promoted to this node and not installed yet (serving it now would
+    /// answer from an empty bucket).
+    pub fn awaiting_promotion(&self, state: &ClusterState, bucket: BucketId) -> bool {
+        !state.promoted.is_empty()
+            && state.promoted.contains_key(&bucket.0)
+            && !self.installed.lock().contains(&bucket.0)
+    }
+
+    /// Sends `changes` of `bucket` (applied locally, bucket lock held) to its replica: at once
+    /// in sync mode, through the queue in async mode.
+    pub async fn replicate(&self, bucket: BucketId, holder: &Holder, changes: &[Change]) -> Result<(), ApiError> {
+        if changes.is_empty() {
+            return Ok(());
+        }
+        match self.control.state().settings.replication {
+            ReplicationMode::Async => {
+                self.enqueue(bucket, holder, changes);
+                Ok(())
+            }
+            ReplicationMode::Sync => self.send_sync(bucket, holder, changes).await.map_err(|e| {
+                self.stats.failures.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(bucket = bucket.0, holder = holder.id, error = %e, "replication failed");
+                ApiError::unavailable(
+                    "replication_failed",
+                    format!("the replica (node {}) did not apply the write: {e}; nothing was stored", holder.id),
+                )
+            }),
+        }
+    }
+
+    /// Counts a write undone after a failed replication.
+    pub fn count_undone(&self, n: u64) {
+        self.stats.undone.fetch_add(n, Ordering::Relaxed);
+    }
+
+    async fn send_sync(&self, bucket: BucketId, holder: &Holder, changes: &[Change]) -> Result<(), String> {
+        if self.attached[bucket.index()].load(Ordering::Acquire) == holder.id {
+            match self.send(bucket, holder, change_body(changes), false).await? {
+                (s, _) if s.is_success() => {
+                    self.stats.sent.fetch_add(changes.len() as u64, Ordering::Relaxed);
+                    return Ok(());
+                }
+                (StatusCode::PRECONDITION_FAILED, _) => {}
+                (StatusCode::CONFLICT, their_version) => return self.refenced(bucket, holder, their_version).await,
+                (s, _) => return Err(format!("the replica answered {s}")),
+            }
+        }
+        // The snapshot includes the changes: they are applied locally already.
+        match self.send_snapshot(bucket, holder).await {
+            Err(Fenced(their_version)) => self.refenced(bucket, holder, their_version).await,
+            other => other.map_err(String::from),
+        }
+    }
+
+    /// The holder refused because its map is newer: catch up and, if this node still owns the
+    /// bucket, send it whole to the holder the new map names (the write is in it).
+    async fn refenced(&self, bucket: BucketId, holder: &Holder, their_version: Option<u64>) -> Result<(), String> {
+        let version = their_version.unwrap_or(holder.map_version + 1);
+        self.control.wait_for_state(SEND_TIMEOUT, |s| s.map.version >= version).await;
+        let state = self.control.state();
+        match self.holder_of(&state, bucket) {
+            Some(next) if next.id != holder.id || next.map_version > holder.map_version => {
+                self.send_snapshot(bucket, &next).await.map_err(String::from)
+            }
+            None if state.map.owner_of(bucket) == Some(self.me) => Ok(()),
+            _ => Err(format!("node {} refused the write: this node no longer owns bucket {bucket}", holder.id)),
+        }
+    }
+
+    /// Sends the whole of `bucket` (its lock held by the caller) and records the attachment.
+    async fn send_snapshot(&self, bucket: BucketId, holder: &Holder) -> Result<(), SnapshotError> {
+        let (items, counter) = self.active.snapshot(bucket);
+        let mut body = BytesMut::from(&HEADER[..]);
+        for item in &items {
+            for f in item_frames(item) {
+                body.extend_from_slice(&f);
+            }
+        }
+        body.extend_from_slice(&end_frame(counter, items.len() as u64));
+        match self.send(bucket, holder, body.freeze(), true).await.map_err(SnapshotError::Failed)? {
+            (s, _) if s.is_success() => {
+                self.attached[bucket.index()].store(holder.id, Ordering::Release);
+                self.stats.snapshots.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
+            (StatusCode::CONFLICT, v) => Err(Fenced(v)),
+            (s, _) => Err(SnapshotError::Failed(format!("the replica refused the bucket snapshot: {s}"))),
+        }
+    }
+
+    /// Sends one request; answers the status and the holder's map version.
+    async fn send(
+        &self,
+        bucket: BucketId,
+        holder: &Holder,
+        body: Bytes,
+        snapshot: bool,
+    ) -> Result<(StatusCode, Option<u64>), String> {
+        let uri = format!("http://{}/internal/replicate/{}", holder.peer_addr, bucket.0);
+        let request = Request::post(uri)
+            .header(HEADER_FROM, self.me)
+            .header(HEADER_MAP_VERSION, holder.map_version)
+            .header(HEADER_SNAPSHOT, if snapshot { "1" } else { "0" })
+            .header(HEADER_SEQ, self.seq.fetch_add(1, Ordering::Relaxed))
+            .body(Full::new(body))
+            .map_err(|e| e.to_string())?;
+        match tokio::time::timeout(SEND_TIMEOUT, self.http.request(request)).await {
+            Ok(Ok(r)) => {
+                let version = r.headers().get(HEADER_MAP_VERSION).and_then(|v| v.to_str().ok()?.parse().ok());
+                Ok((r.status(), version))
+            }
+            Ok(Err(e)) => Err(format!("unreachable: {e}")),
+            Err(_) => Err("timed out".into()),
+        }
+    }
+
+    fn enqueue(&self, bucket: BucketId, holder: &Holder, changes: &[Change]) {
+        // Not attached yet: the attacher's snapshot (taken under the bucket lock) will carry it.
+        if self.attached[bucket.index()].load(Ordering::Acquire) != holder.id {
+            return;
+        }
+        let mut queue = self.queue.lock();
+        if queue.len() + changes.len() > QUEUE_LIMIT {
+            tracing::warn!(holder = holder.id, "replication queue full; replicas are rebuilt from snapshots");
+            queue.clear();
+            drop(queue);
+            self.detach_all();
+            return;
+        }
+        let at = Instant::now();
+        for c in changes {
+            queue.push_back(Queued { bucket, holder: holder.clone(), change: c.clone(), at });
+        }
+        drop(queue);
+        self.wake.notify_one();
+    }
+
+    /// The replica of `bucket` if it is a snapshot of `owner`'s (a restarted owner restores
+    /// from it).
+    pub fn replica_snapshot(&self, bucket: BucketId, owner: NodeId) -> Option<(Vec<ExportedItem>, u64)> {
+        (self.sources[bucket.index()].load(Ordering::Acquire) == owner).then(|| self.replica.snapshot(bucket))
+    }
+
+    /// Forgets that `bucket`'s replica holds a snapshot: the next change sends it whole.
+    pub fn detach(&self, bucket: BucketId) {
+        self.attached[bucket.index()].store(0, Ordering::Release);
+    }
+
+    /// Forgets every snapshot `holder` acknowledged (it restarted with an empty store).
+    pub fn detach_holder(&self, holder: NodeId) {
+        for a in &self.attached {
+            let _ = a.compare_exchange(holder, 0, Ordering::AcqRel, Ordering::Acquire);
+        }
+    }
+
+    fn detach_all(&self) {
+        for a in &self.attached {
+            a.store(0, Ordering::Release);
+        }
+    }
+
+    /// Depth of the async queue and the age of its oldest change.
+    pub fn queue_lag(&self) -> (usize, Duration) {
+        let queue = self.queue.lock();
+        (queue.len(), queue.front().map(|q| q.at.elapsed()).unwrap_or_default())
+    }
+
+    /// Drains the async queue forever: batches of changes, in order, one request per run of
+    /// one bucket. A failed request detaches the buckets (they are re-sent as snapshots).
+    pub async fn drain_queue(self: Arc<Self>) {
+        loop {
+            let batch: Vec<Queued> = {
+                let mut queue = self.queue.lock();
+                let n = queue.len().min(BATCH);
+                queue.drain(..n).collect()
+            };
+            if batch.is_empty() {
+                let _ = tokio::time::timeout(Duration::from_millis(200), self.wake.notified()).await;
+                continue;
+            }
+            let mut i = 0;
+            while i < batch.len() {
+                let (bucket, holder) = (batch[i].bucket, &batch[i].holder);
+                let mut j = i;
+                while j < batch.len() && batch[j].bucket == bucket && batch[j].holder == *holder {
+                    j += 1;
+                }
+                let changes: Vec<Change> = batch[i..j].iter().map(|q| q.change.clone()).collect();
+                match self.send(bucket, holder, change_body(&changes), false).await {
+                    Ok((s, _)) if s.is_success() => {
+                        self.stats.sent.fetch_add(changes.len() as u64, Ordering::Relaxed);
+                    }
+                    other => {
+                        self.stats.failures.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!(bucket = bucket.0, holder = holder.id, answer = ?other, "async replication failed");
+                        let _ = self.attached[bucket.index()].compare_exchange(
+                            holder.id,
+                            0,
+                            Ordering::AcqRel,
+                            Ordering::Acquire,
+                        );
+                    }
+                }
+                i = j;
+            }
+        }
+    }
+
+    /// Sends the active store's evictions to the replica, forever: as deletes through the
+    /// queue, in either mode (an eviction acknowledges nothing to a client).
+    pub async fn replicate_evictions(self: Arc<Self>) {
+        self.active.keep_evictions();
+        loop {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let evicted = self.active.take_evicted();
+            if evicted.is_empty() {
+                continue;
+            }
+            let state = self.control.state();
+            for (bucket, key, version) in evicted {
+                if let Some(holder) = self.holder_of(&state, bucket) {
+                    self.enqueue(bucket, &holder, &[Change::Delete { key, version }]);
+                }
+            }
+        }
+    }
+
+    /// Attaches, forever, every bucket this node owns whose replica holder has no snapshot.
+    pub async fn attach_all(self: Arc<Self>) {
+        loop {
+            tokio::time::sleep(ATTACH_EVERY).await;
+            let state = self.control.state();
+            for bucket in BucketId::all() {
+                let Some(holder) = self.holder_of(&state, bucket) else { continue };
+                if self.attached[bucket.index()].load(Ordering::Acquire) == holder.id {
+                    continue;
+                }
+                let _lock = self.lock(bucket).await;
+                // Re-check under the lock: the map may have moved on.
+                if self.holder_of(&self.control.state(), bucket).as_ref() != Some(&holder) {
+                    continue;
+                }
+                if let Err(e) = self.send_snapshot(bucket, &holder).await.map_err(String::from) {
+                    self.stats.failures.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(bucket = bucket.0, holder = holder.id, error = %e, "cannot attach the replica yet");
+                    break;
+                }
+            }
+        }
+    }
+
+    /// How many buckets this node owns whose replica holds a snapshot, of how many it owns.
+    pub fn attached_count(&self, state: &ClusterState) -> (usize, usize) {
+        let mut owned = 0;
+        let mut attached = 0;
+        for bucket in BucketId::all() {
+            if let Some(holder) = self.holder_of(state, bucket) {
+                owned += 1;
+                if self.attached[bucket.index()].load(Ordering::Acquire) == holder.id {
+                    attached += 1;
+                }
+            }
+        }
+        (attached, owned)
+    }
+}
+
+/// Why a snapshot did not land.
+enum SnapshotError {
+    /// The holder's map says the sender does not own the bucket or it is not the replica.
+    Fenced(Option<u64>),
+    /// Anything else.
+    Failed(String),
+}
+use SnapshotError::Fenced;
+
+impl From<SnapshotError> for String {
+    fn from(e: SnapshotError) -> String {
+        match e {
+            Fenced(v) => format!("fenced by the replica's map (version {v:?})"),
+            SnapshotError::Failed(e) => e,
+        }
+    }
+}
+
+fn change_body(changes: &[Change]) -> Bytes {
+    let mut body = BytesMut::from(&HEADER[..]);
+    for c in changes {
+        for f in change_frames(c) {
+            body.extend_from_slice(&f);
+        }
+    }
+    body.extend_from_slice(&end_frame(0, changes.len() as u64));
+    body.freeze()
+}

@@ -1,0 +1,123 @@
+//! Replicas, replication and failover with in-process nodes: a stopped node loses its memory
+//! like a crashed one, so what the cluster still serves afterwards came from replicas.
+
+use std::time::Duration;
+
+use serde_json::Value;
+use shoal::config::ServeConfig;
+
+use crate::harness::{wait_for, TestCluster};
+
+/// Pings every 200 ms, pfail after 1 s of silence.
+fn fast_detection(config: &mut ServeConfig) {
+    config.ping_interval = Duration::from_millis(200);
+    config.node_timeout = Duration::from_secs(1);
+}
+
+/// Items in every running node's replica store.
+async fn replica_items(c: &TestCluster) -> u64 {
+    let mut total = 0;
+    for s in c.running() {
+        total += c.json(s, "/v1/cluster").await["replication"]["replica_items"].as_u64().expect("replica_items");
+    }
+    total
+}
+
+async fn put_all(c: &TestCluster, slot: usize, keys: &[String], value: &str) {
+    for k in keys {
+        assert_eq!(c.put(slot, k, &format!("{value}-{k}")).await, 200, "PUT {k}");
+    }
+}
+
+async fn assert_all_readable(c: &TestCluster, slot: usize, keys: &[String], value: &str) {
+    for k in keys {
+        assert_eq!(c.get(slot, k).await, Some(format!("{value}-{k}")), "GET {k} through slot {slot}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_writes_are_in_the_replica_before_the_answer_and_deletes_follow() {
+    let c = TestCluster::start(3).await;
+    c.wait_for_counts(&[333, 333, 334]).await;
+    let keys: Vec<String> = (0..300).map(|i| format!("r{i}")).collect();
+    put_all(&c, 0, &keys, "v1").await;
+    // Sync mode: every acknowledged item is in exactly one replica store, now.
+    assert_eq!(replica_items(&c).await, 300);
+    for k in &keys[..100] {
+        let r = c.http.delete(c.url(1, &format!("/v1/kv/{k}"))).send().await.expect("delete");
+        assert_eq!(r.status(), 204, "DELETE {k}");
+    }
+    assert_eq!(replica_items(&c).await, 200, "deletes reach the replica too");
+    // The background attacher gives every owned bucket a replica.
+    wait_for("every bucket attached to its replica", || async {
+        for s in c.running() {
+            let r = &c.json(s, "/v1/cluster").await["replication"];
+            if r["attached_buckets"] != r["owned_buckets"] || r["owned_buckets"] == 0 {
+                return None;
+            }
+        }
+        Some(())
+    })
+    .await;
+    let metrics = c.http.get(c.url(0, "/metrics")).send().await.expect("metrics").text().await.expect("text");
+    for name in ["shoal_replica_items", "shoal_replication_queue_depth", "shoal_peers_pfail", "shoal_buckets_lost"] {
+        assert!(metrics.contains(name), "{name} in /metrics");
+    }
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn async_mode_is_a_runtime_setting_and_replicas_catch_up() {
+    let c = TestCluster::start(2).await;
+    let r = c.http.put(c.url(1, "/v1/cluster/config")).body(r#"{"replication":"async"}"#).send().await.expect("put");
+    assert_eq!(r.status(), 200);
+    let r = c.http.put(c.url(1, "/v1/cluster/config")).body(r#"{"replication":"quorum"}"#).send().await.expect("put");
+    assert_eq!(r.status(), 400, "an unknown mode is refused");
+    wait_for("async mode everywhere", || async {
+        for s in c.running() {
+            if c.json(s, "/v1/cluster").await["replication"]["mode"] != "async" {
+                return None;
+            }
+        }
+        Some(())
+    })
+    .await;
+    let keys: Vec<String> = (0..200).map(|i| format!("a{i}")).collect();
+    put_all(&c, 0, &keys, "v").await;
+    wait_for("the async queue to drain into the replicas", || async { (replica_items(&c).await == 200).then_some(()) })
+        .await;
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_node_s_buckets_are_served_from_its_replica_with_every_write() {
+    let mut c = TestCluster::start_with(3, fast_detection).await;
+    c.wait_for_counts(&[333, 333, 334]).await;
+    let keys: Vec<String> = (0..600).map(|i| format!("f{i}")).collect();
+    put_all(&c, 0, &keys, "v1").await;
+    put_all(&c, 2, &keys[..200], "v2").await;
+    let victim = c.id(1);
+    c.stop(1).await;
+
+    // Until the failure is committed, its buckets answer 503 quickly, never hang.
+    let failed = wait_for("the cluster to fail the stopped node", || async {
+        let view: Value = c.json(0, "/v1/cluster").await;
+        let failed = view["failed"].as_array()?.iter().any(|id| id.as_u64() == Some(victim));
+        failed.then_some(view)
+    })
+    .await;
+    assert!(failed["members"].as_array().expect("members").iter().all(|m| m["id"].as_u64() != Some(victim)));
+    c.wait_settled().await;
+    c.wait_for_counts(&[500, 500]).await;
+    assert_all_readable(&c, 0, &keys[..200], "v2").await;
+    assert_all_readable(&c, 2, &keys[200..], "v1").await;
+    assert!(c.json(0, "/v1/cluster").await["lost_buckets"].as_array().expect("lost").is_empty());
+    // Writable again, and the survivors replicate to each other.
+    put_all(&c, 2, &keys, "v3").await;
+    assert_eq!(replica_items(&c).await, 600);
+
+    // The failed node comes back only as a new member.
+    let err = c.restart(1).await.expect_err("a failed node must not start as its old self");
+    assert!(matches!(err, shoal::node::StartError::Failed { .. }), "{err}");
+    c.shutdown().await;
+}
