@@ -15,14 +15,13 @@
 //! that were given to another node meanwhile.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::extract::State;
 use axum::routing::post;
 use axum::{Json, Router};
-use futures::future::join_all;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use shoal_http_api::types::PeerHealth;
@@ -68,7 +67,6 @@ pub struct Health {
     me: NodeId,
     control: ControlPlane,
     config: HealthConfig,
-    started: Instant,
     contacts: Mutex<HashMap<NodeId, Instant>>,
     reports: Mutex<HashMap<NodeId, (Instant, Vec<NodeId>)>>,
     http: reqwest::Client,
@@ -78,6 +76,10 @@ pub struct Health {
     replicator: Arc<Replicator>,
     /// `NodeFailed` commands this node proposed as leader.
     pub fails_proposed: AtomicU64,
+    /// Set while a `NodeFailed` proposal runs.
+    failing: AtomicBool,
+    /// Peers with a ping in flight.
+    in_flight: Mutex<std::collections::HashSet<NodeId>>,
 }
 
 impl Health {
@@ -95,7 +97,6 @@ impl Health {
             me: control.node_id(),
             control,
             config,
-            started: Instant::now(),
             contacts: Mutex::new(HashMap::new()),
             reports: Mutex::new(HashMap::new()),
             http,
@@ -104,6 +105,8 @@ impl Health {
             incarnations: Mutex::new(HashMap::new()),
             replicator,
             fails_proposed: AtomicU64::new(0),
+            failing: AtomicBool::new(false),
+            in_flight: Mutex::new(std::collections::HashSet::new()),
         })
     }
 
@@ -124,7 +127,7 @@ impl Health {
     }
 
     fn last_contact(&self, id: NodeId) -> Instant {
-        self.contacts.lock().get(&id).copied().unwrap_or(self.started)
+        self.contacts.lock().get(&id).copied().unwrap_or_else(Instant::now)
     }
 
     /// Whether this node has not heard from `id` within the node timeout.
@@ -188,34 +191,66 @@ impl Health {
         loop {
             tick.tick().await;
             let state = self.control.state();
-            let ping = Ping { from: self.me, pfail: self.pfail_members() };
-            let health: &Health = &self;
-            // A pong proves the peer alive when the ping left, not when the answer is read: a
-            // node paused with answers in its socket buffer must not renew its lease with them.
-            let sent = Instant::now();
-            let pings = state.members.iter().filter(|m| m.id != self.me).map(|m| {
-                let (id, url, ping) = (m.id, format!("http://{}/internal/ping", m.peer_addr), &ping);
-                async move { (id, health.ping(&url, ping).await) }
-            });
-            for (id, pong) in join_all(pings).await {
-                let Some(pong) = pong else { continue };
-                if pong.status == MemberStatus::Failed {
-                    if !self.removed.send_replace(true) {
-                        tracing::error!(by = id, "the cluster failed this node; it stops serving and rejoins");
-                    }
+            {
+                // A member's silence counts from when this node first saw it, not from start.
+                let mut contacts = self.contacts.lock();
+                for m in state.members.iter().filter(|m| m.id != self.me) {
+                    contacts.entry(m.id).or_insert_with(Instant::now);
+                }
+            }
+            // A node that cannot hear a majority (paused, cut off) reports nobody: its view is
+            // stale, and its reports must not help fail healthy members.
+            let pfail = if self.write_refusal().is_some() { Vec::new() } else { self.pfail_members() };
+            let ping = Ping { from: self.me, pfail };
+            // Every peer on its own: a peer that does not answer must not hold up (and age)
+            // the contacts of the others. One ping in flight per peer.
+            for m in state.members.iter().filter(|m| m.id != self.me) {
+                if !self.in_flight.lock().insert(m.id) {
                     continue;
                 }
-                self.contacts.lock().insert(id, sent);
-                let before = self.incarnations.lock().insert(id, pong.incarnation);
-                if before.is_some_and(|b| b != pong.incarnation) {
-                    // Its replica store came back empty: send it every bucket again.
-                    tracing::info!(node_id = id, "peer restarted; re-sending the replica it holds");
-                    self.replicator.detach_holder(id);
-                }
+                let (health, id, ping) = (self.clone(), m.id, ping.clone());
+                let url = format!("http://{}/internal/ping", m.peer_addr);
+                tokio::spawn(async move {
+                    // A pong proves the peer alive when the ping left, not when the answer is
+                    // read: a node paused with answers in its socket buffer must not renew its
+                    // lease with them.
+                    let sent = Instant::now();
+                    let pong = health.ping(&url, &ping).await;
+                    health.in_flight.lock().remove(&id);
+                    if let Some(pong) = pong {
+                        health.on_pong(id, sent, pong);
+                    }
+                });
             }
-            if self.control.is_leader() {
-                self.fail_reported().await;
+            if self.control.is_leader() && !self.failing.swap(true, Ordering::AcqRel) {
+                // In the background: committing a failure may wait for the membership lock, and
+                // pings must go on meanwhile.
+                let health = self.clone();
+                tokio::spawn(async move {
+                    health.fail_reported().await;
+                    health.failing.store(false, Ordering::Release);
+                });
             }
+        }
+    }
+
+    fn on_pong(&self, id: NodeId, sent: Instant, pong: Pong) {
+        if pong.status == MemberStatus::Failed {
+            if !self.removed.send_replace(true) {
+                tracing::error!(by = id, "the cluster failed this node; it stops serving and rejoins");
+            }
+            return;
+        }
+        {
+            let mut contacts = self.contacts.lock();
+            let last = contacts.entry(id).or_insert(sent);
+            *last = (*last).max(sent);
+        }
+        let before = self.incarnations.lock().insert(id, pong.incarnation);
+        if before.is_some_and(|b| b != pong.incarnation) {
+            // Its replica store came back empty: send it every bucket again.
+            tracing::info!(node_id = id, "peer restarted; re-sending the replica it holds");
+            self.replicator.detach_holder(id);
         }
     }
 

@@ -225,7 +225,7 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
     // shadows before this node serves them (its memory is empty after a restart).
     let restoring = Arc::new(Restoring::default());
     restoring.mark(&control.state(), node_id);
-    let replicator = Replicator::new(control.clone(), cache.clone(), config.cache_size);
+    let replicator = Replicator::new(control.clone(), cache.clone(), config.cache_size, restoring.clone());
     let health = Health::new(control.clone(), config.health_config(), replicator.clone());
     let parts = NodeParts {
         metrics: metrics.clone(),

@@ -138,9 +138,14 @@ impl NodeApi {
     }
 
     /// Locks the buckets of `keys` that have shadows (see `transfer::shadow`).
-    async fn shadow_guards<'a>(&'a self, keys: impl Iterator<Item = &'a str>) -> Vec<ShadowGuard<'a>> {
+    async fn shadow_guards<'a>(
+        &'a self,
+        keys: impl Iterator<Item = &'a str>,
+        ctx: RouteContext,
+    ) -> Vec<ShadowGuard<'a>> {
         let buckets: Vec<BucketId> = keys.map(|k| bucket_of(k.as_bytes())).collect();
-        self.shadows.guards(&self.control.state(), self.node_id, &buckets).await
+        let state = self.state_at_least(ctx.forwarded_map_version.unwrap_or(0)).await;
+        self.shadows.guards(&state, self.node_id, &buckets).await
     }
 
     /// Writes the local results of a bulk write through to the shadows and replicas of
@@ -186,7 +191,7 @@ impl NodeApi {
         if let Some(e) = self.health.write_refusal() {
             return self.timed(Op::BulkPut, started, Err(e));
         }
-        let guards = self.shadow_guards(items.iter().map(|i| i.key.as_str())).await;
+        let guards = self.shadow_guards(items.iter().map(|i| i.key.as_str()), ctx).await;
         let previous: Vec<Option<crate::cache::ExportedItem>> = items
             .iter()
             .map(|i| {
@@ -245,7 +250,7 @@ impl NodeApi {
             return self.timed(Op::BulkDelete, started, Err(e));
         }
         let local = |key: &String, bucket| self.local_delete(key, None, bucket);
-        let guards = self.shadow_guards(keys.iter().map(String::as_str)).await;
+        let guards = self.shadow_guards(keys.iter().map(String::as_str), ctx).await;
         let before: Vec<Option<crate::cache::ExportedItem>> = keys
             .iter()
             .map(|k| {

@@ -308,7 +308,9 @@ impl ShoalApi for NodeApi {
             return self.timed(Op::Put, started, Err(e));
         }
         let bucket = bucket_of(item.key.as_bytes());
-        let shadow = self.shadows.guard(&self.control.state(), self.node_id, bucket).await;
+        // The guard is decided on a map at least as new as the one the request is routed on.
+        let state = self.state_at_least(ctx.forwarded_map_version.unwrap_or(0)).await;
+        let shadow = self.shadows.guard(&state, self.node_id, bucket).await;
         let previous = shadow.as_ref().and_then(|_| self.cache.export_item(bucket, item.key.as_bytes()));
         let mut result = self
             .route(
@@ -348,7 +350,8 @@ impl ShoalApi for NodeApi {
             return self.timed(Op::Delete, started, Err(e));
         }
         let bucket = bucket_of(key.as_bytes());
-        let shadow = self.shadows.guard(&self.control.state(), self.node_id, bucket).await;
+        let state = self.state_at_least(ctx.forwarded_map_version.unwrap_or(0)).await;
+        let shadow = self.shadows.guard(&state, self.node_id, bucket).await;
         let before = shadow.as_ref().and_then(|_| self.cache.export_item(bucket, key.as_bytes()));
         let local = |bucket| match self.local_delete(&key, cas, bucket)? {
             true => Ok(()),
@@ -360,6 +363,12 @@ impl ShoalApi for NodeApi {
                 async move { peers.delete(&api, key, cas, v).await }
             })
             .await;
+        if let (Some(gone), Ok(()), Some(e)) = (&before, &result, self.health.write_refusal()) {
+            if self.cache.export_item(bucket, key.as_bytes()).is_none() {
+                self.undo(bucket, &key, None, Some(gone));
+                result = Err(e);
+            }
+        }
         if let (Some(guard), Some(gone), Ok(())) = (&shadow, before, &result) {
             if self.cache.export_item(bucket, key.as_bytes()).is_none() {
                 let change = Change::Delete { key: gone.key.clone(), version: gone.version };

@@ -18,6 +18,8 @@ impl Replicator {
             let (mut promoted, mut lost) = (Vec::new(), Vec::new());
             for (bucket, from) in promotions {
                 let installed = self.installed.lock().contains(&bucket.0);
+                // Under the holder's bucket lock: no replication request lands in between.
+                let _applying = self.applied[bucket.index()].lock();
                 let source = &self.sources[bucket.index()];
                 if installed {
                     promoted.push(bucket.0);
@@ -26,6 +28,8 @@ impl Replicator {
                     let items = self.replica.take_bucket(bucket);
                     self.active.install_bucket(bucket, items);
                     self.installed.lock().insert(bucket.0);
+                    // Its replica (on the next holder) gets the installed data, whole.
+                    self.detach(bucket);
                     promoted.push(bucket.0);
                 } else {
                     lost.push(bucket.0);
@@ -53,8 +57,11 @@ impl Replicator {
             }
             let still = state.map.owner_of(bucket) == Some(source) && state.replica_of(source) == Some(self.me);
             if !still {
-                self.sources[bucket.index()].store(0, Ordering::Release);
-                self.replica.take_bucket(bucket);
+                let _applying = self.applied[bucket.index()].lock();
+                if self.sources[bucket.index()].load(Ordering::Acquire) == source {
+                    self.sources[bucket.index()].store(0, Ordering::Release);
+                    self.replica.take_bucket(bucket);
+                }
             }
         }
     }

@@ -66,6 +66,7 @@ use tokio::sync::{MutexGuard, Notify};
 
 use crate::cache::{CacheStore, Change, ExportedItem};
 use crate::transfer::frame::{change_frames, end_frame, item_frames, HEADER};
+use crate::transfer::restore::Restoring;
 
 /// How long one replication request may take.
 const SEND_TIMEOUT: Duration = Duration::from_secs(2);
@@ -136,13 +137,20 @@ pub struct Replicator {
     wake: Notify,
     /// Promoted buckets installed in the active store, until the Raft state forgets them.
     installed: Mutex<BTreeSet<u16>>,
+    /// Buckets this node owns but has not got back after a restart.
+    restoring: Arc<Restoring>,
     /// Counters.
     pub stats: ReplicationStats,
 }
 
 impl Replicator {
     /// A replicator over `active`, with a replica store of `limit_bytes`.
-    pub fn new(control: ControlPlane, active: Arc<CacheStore>, limit_bytes: u64) -> Arc<Self> {
+    pub fn new(
+        control: ControlPlane,
+        active: Arc<CacheStore>,
+        limit_bytes: u64,
+        restoring: Arc<Restoring>,
+    ) -> Arc<Self> {
         let mut connector = HttpConnector::new();
         connector.set_local_address(shoal_raft::outgoing_ip());
         connector.set_nodelay(true);
@@ -167,6 +175,7 @@ impl Replicator {
             queue: Mutex::new(VecDeque::new()),
             wake: Notify::new(),
             installed: Mutex::new(BTreeSet::new()),
+            restoring,
             stats: ReplicationStats::default(),
         })
     }
@@ -203,6 +212,13 @@ impl Replicator {
         !state.promoted.is_empty()
             && state.promoted.contains_key(&bucket.0)
             && !self.installed.lock().contains(&bucket.0)
+    }
+
+    /// Whether this node owns `bucket` but does not hold its data yet (restoring after a
+    /// restart, or promoted and not installed): it must not be exported or sent to a replica,
+    /// which would spread an empty bucket.
+    pub fn not_held(&self, state: &ClusterState, bucket: BucketId) -> bool {
+        self.restoring.contains(bucket) || self.awaiting_promotion(state, bucket)
     }
 
     /// Sends `changes` of `bucket` (applied locally, bucket lock held) to its replica: at once
@@ -337,7 +353,8 @@ impl Replicator {
     /// The replica of `bucket` if it is a snapshot of `owner`'s (a restarted owner restores
     /// from it).
     pub fn replica_snapshot(&self, bucket: BucketId, owner: NodeId) -> Option<(Vec<ExportedItem>, u64)> {
-        (self.sources[bucket.index()].load(Ordering::Acquire) == owner).then(|| self.replica.snapshot(bucket))
+        let source = self.sources.get(bucket.index())?;
+        (source.load(Ordering::Acquire) == owner).then(|| self.replica.snapshot(bucket))
     }
 
     /// Forgets that `bucket`'s replica holds a snapshot: the next change sends it whole.
@@ -431,7 +448,7 @@ impl Replicator {
             let state = self.control.state();
             for bucket in BucketId::all() {
                 let Some(holder) = self.holder_of(&state, bucket) else { continue };
-                if self.attached[bucket.index()].load(Ordering::Acquire) == holder.id {
+                if self.attached[bucket.index()].load(Ordering::Acquire) == holder.id || self.not_held(&state, bucket) {
                     continue;
                 }
                 let _lock = self.lock(bucket).await;

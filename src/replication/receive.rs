@@ -46,27 +46,6 @@ async fn replicate(
     };
     let from: NodeId = from;
     let snapshot = headers.get(HEADER_SNAPSHOT).is_some_and(|v| v == "1");
-    if r.control.state().map.version < version {
-        r.control.wait_for_state(MAP_CATCH_UP, |s| s.map.version >= version).await;
-    }
-    let state = r.control.state();
-    if state.map.owner_of(bucket) != Some(from) || state.replica_of(from) != Some(r.me) {
-        return (
-            StatusCode::CONFLICT,
-            [(HEADER_MAP_VERSION, state.map.version.to_string())],
-            format!(
-                "fenced: at map {} bucket {bucket} is owned by {:?} and node {} is not its replica holder",
-                state.map.version,
-                state.map.owner_of(bucket),
-                r.me
-            ),
-        )
-            .into_response();
-    }
-    let source = &r.sources[bucket.index()];
-    if !snapshot && source.load(Ordering::Acquire) != from {
-        return (StatusCode::PRECONDITION_FAILED, "no snapshot of this bucket yet").into_response();
-    }
     let bytes = match body.collect().await {
         Ok(b) => b.to_bytes(),
         Err(e) => return (StatusCode::BAD_REQUEST, e.to_string()).into_response(),
@@ -82,11 +61,35 @@ async fn replicate(
             Err(e) => return (StatusCode::BAD_REQUEST, e.to_string()).into_response(),
         }
     };
-    // Everything decoded: nothing is half-applied by a bad request.
+    if r.control.state().map.version < version {
+        r.control.wait_for_state(MAP_CATCH_UP, |s| s.map.version >= version).await;
+    }
+    // Everything decoded: nothing is half-applied by a bad request. The fence is checked and
+    // the request applied under the bucket's lock, which promotion and cleanup take too, on
+    // the newest applied state: a request checked before a failover cannot land after it.
     let seq = header_u64(&headers, HEADER_SEQ).unwrap_or(0);
     let mut applied = r.applied[bucket.index()].lock();
+    let state = r.control.state();
+    if state.map.owner_of(bucket) != Some(from) || state.replica_of(from) != Some(r.me) {
+        return (
+            StatusCode::CONFLICT,
+            [(HEADER_MAP_VERSION, state.map.version.to_string())],
+            format!(
+                "fenced: at map {} bucket {bucket} is owned by {:?} and node {} is not its replica holder",
+                state.map.version,
+                state.map.owner_of(bucket),
+                r.me
+            ),
+        )
+            .into_response();
+    }
+    let source = &r.sources[bucket.index()];
     if applied.0 == from && seq <= applied.1 {
-        return (StatusCode::CONFLICT, "a newer request of this sender was applied already").into_response();
+        // A request held up in the network after a newer one: the sender re-sends the bucket.
+        return (StatusCode::PRECONDITION_FAILED, "a newer request of this sender was applied already").into_response();
+    }
+    if !snapshot && source.load(Ordering::Acquire) != from {
+        return (StatusCode::PRECONDITION_FAILED, "no snapshot of this bucket yet").into_response();
     }
     *applied = (from, seq);
     if snapshot {
@@ -100,5 +103,6 @@ async fn replicate(
         r.replica.raise_version_counter(bucket, counter);
         source.store(from, Ordering::Release);
     }
+    drop(applied);
     StatusCode::NO_CONTENT.into_response()
 }

@@ -93,6 +93,9 @@ pub(super) async fn stream_bucket(
     Query(q): Query<StreamQuery>,
 ) -> Response {
     let me = exporter.control.node_id();
+    if usize::from(bucket) >= shoal_raft::BUCKET_COUNT {
+        return (StatusCode::BAD_REQUEST, format!("no bucket {bucket}")).into_response();
+    }
     let bucket = BucketId(bucket);
     if q.restore {
         // From a shadow (a transfer's handover), else from the replica of the owner.
@@ -115,6 +118,10 @@ pub(super) async fn stream_bucket(
     // The new owner may have applied the target a moment before us.
     exporter.control.wait_for_state(Duration::from_secs(2), |s| refusal(s, me, bucket, q.to, q.epoch).is_none()).await;
     if let Some(reason) = refusal(&exporter.control.state(), me, bucket, q.to, q.epoch) {
+        return (StatusCode::CONFLICT, reason).into_response();
+    }
+    if exporter.replicator.not_held(&exporter.control.state(), bucket) {
+        let reason = format!("node {me} is still getting bucket {bucket} back (restore or failover); retry");
         return (StatusCode::CONFLICT, reason).into_response();
     }
     tracing::debug!(bucket = bucket.0, to = q.to, epoch = q.epoch, "exporting bucket");

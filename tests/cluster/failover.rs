@@ -121,3 +121,36 @@ async fn a_failed_node_s_buckets_are_served_from_its_replica_with_every_write() 
     assert!(matches!(err, shoal::node::StartError::Failed { .. }), "{err}");
     c.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_restarted_as_the_same_member_gets_its_buckets_back_from_its_replica() {
+    // Pings on (the owners notice the restart and re-send the replica it holds), but a node
+    // timeout long enough that the quick restart is not a failure.
+    let mut c = TestCluster::start_with(3, |config| {
+        config.ping_interval = Duration::from_millis(200);
+        config.node_timeout = Duration::from_secs(20);
+    })
+    .await;
+    c.wait_for_counts(&[333, 333, 334]).await;
+    let keys: Vec<String> = (0..600).map(|i| format!("s{i}")).collect();
+    put_all(&c, 0, &keys, "v1").await;
+    // Its memory is gone after the restart; its replica holder still has every item.
+    c.restart(1).await.expect("restart as the same member");
+    assert_eq!(c.id(1), 2);
+    for k in &keys {
+        let url = c.url(0, &format!("/v1/kv/{k}"));
+        let value = wait_for(&format!("{k} readable after the restart"), || async {
+            let r = c.http.get(&url).send().await.ok()?;
+            match r.status().as_u16() {
+                200 => Some(Some(r.text().await.ok()?)),
+                404 => Some(None),
+                _ => None, // 503 bucket_restoring meanwhile
+            }
+        })
+        .await;
+        assert_eq!(value, Some(format!("v1-{k}")), "{k}");
+    }
+    // And its own replica of the next member is rebuilt too.
+    wait_for("the replicas rebuilt", || async { (replica_items(&c).await == 600).then_some(()) }).await;
+    c.shutdown().await;
+}

@@ -70,8 +70,15 @@ impl ClusterState {
     }
 
     pub(super) fn promoted(&mut self, heir: NodeId, buckets: &[u16], lost: &[u16]) -> CommandResponse {
+        // Only the current owner's report counts: a late report of a heir that failed since
+        // must not clear the next heir's promotion.
+        if !self.is_member(heir) {
+            return rejected(&format!("node {heir} is not a member"));
+        }
         for b in buckets {
-            self.promoted.remove(b);
+            if self.map.owner_of(BucketId(*b)) == Some(heir) {
+                self.promoted.remove(b);
+            }
         }
         for &b in lost {
             if self.promoted.remove(&b).is_some() && self.map.owner_of(BucketId(b)) == Some(heir) {
