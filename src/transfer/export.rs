@@ -99,10 +99,13 @@ pub(super) async fn stream_bucket(
     let bucket = BucketId(bucket);
     if q.restore {
         // From a shadow (a transfer's handover), else from the replica of the owner.
-        let snapshot = match restore_refusal(&exporter.control.state(), me, bucket, q.to) {
-            None => Some(exporter.cache.snapshot(bucket)),
-            Some(_) => exporter.replicator.replica_snapshot(bucket, q.to),
-        };
+        // The replica first: in sync mode every acknowledged write reached it (a shadow's
+        // write-through failures are only logged).
+        let snapshot = exporter.replicator.replica_snapshot(bucket, q.to).or_else(|| {
+            restore_refusal(&exporter.control.state(), me, bucket, q.to)
+                .is_none()
+                .then(|| exporter.cache.snapshot(bucket))
+        });
         let Some((items, counter)) = snapshot else {
             let reason = format!("node {me} holds neither a shadow nor a replica of bucket {bucket} for node {}", q.to);
             return (StatusCode::NOT_FOUND, reason).into_response();

@@ -72,7 +72,8 @@ pub async fn restore(
         for bucket in pending {
             let state = control.state();
             let owned = state.map.owner_of(bucket) == Some(me);
-            let source = state.shadow_of(bucket).or_else(|| state.replica_of(me)).filter(|_| owned);
+            // The replica holder first (it also serves the shadow if it holds that instead).
+            let source = state.replica_of(me).or_else(|| state.shadow_of(bucket)).filter(|_| owned);
             let Some(source) = source else {
                 if owned {
                     tracing::error!(node_id = me, bucket = bucket.0, "no copy left: the bucket serves again, empty");
@@ -86,7 +87,15 @@ pub async fn restore(
                     restoring.remove(bucket);
                 }
                 Err(PullError::Refused { detail, .. }) if detail.starts_with("404") => {
-                    tracing::error!(node_id = me, bucket = bucket.0, from = source, %detail, "no copy left: the bucket serves again, empty");
+                    // The replica holder has no copy: the shadow, if another node holds it.
+                    let shadow = state.shadow_of(bucket).filter(|&s| s != source);
+                    let from_shadow = match shadow {
+                        Some(s) => puller.restore(&control, &cache, &progress, bucket, s).await.ok(),
+                        None => None,
+                    };
+                    if from_shadow.is_none() {
+                        tracing::error!(node_id = me, bucket = bucket.0, from = source, %detail, "no copy left: the bucket serves again, empty");
+                    }
                     restoring.remove(bucket);
                 }
                 Err(e) => {

@@ -138,6 +138,10 @@ impl ShadowWriter {
 pub(super) async fn apply_shadow(State(exporter): State<Exporter>, Path(bucket): Path<u16>, body: Body) -> Response {
     let bucket = BucketId(bucket);
     let me = exporter.control.node_id();
+    // The new owner may have applied the move a moment before this node.
+    if exporter.control.state().shadow_of(bucket) != Some(me) {
+        exporter.control.wait_for_state(Duration::from_secs(2), |s| s.shadow_of(bucket) == Some(me)).await;
+    }
     if exporter.control.state().shadow_of(bucket) != Some(me) {
         return (StatusCode::CONFLICT, format!("node {me} holds no shadow of bucket {bucket}")).into_response();
     }
