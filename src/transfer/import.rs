@@ -150,8 +150,8 @@ impl Puller {
         flipped
     }
 
-    /// Gets `bucket` back from the shadow on `from` (after a restart); no flip: this node
-    /// serves it already.
+    /// Gets `bucket` back from `from`, which holds its replica or a shadow (after a restart);
+    /// no flip: this node serves it already.
     pub async fn restore(
         &self,
         control: &ControlPlane,

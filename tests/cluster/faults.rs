@@ -288,7 +288,8 @@ async fn async_kill_9_loses_only_writes_within_the_replication_lag_and_invents_n
     let window = lag + Duration::from_millis(700);
     let cutoff = killed - window;
     let mut lost_in_window = 0;
-    for (key, found) in read_all(&http, &live[0], &history).await {
+    for (key, read) in read_all(&http, &live[0], &history).await {
+        let found = read.unwrap_or_else(|e| panic!("{key}: {e}"));
         let h = &history[&key];
         if let Some(problem) = async_verdict(h, found, cutoff) {
             panic!("{key}: {problem} (found {found:?}, acknowledged {:?}, window {window:?})", h.acked);

@@ -157,8 +157,13 @@ pub async fn check(cluster: &TestCluster, slot: usize, history: &History) -> Vec
         .collect()
 }
 
-/// Every key of `history` read through `addr`: the sequence number found (`None`: absent).
-pub async fn read_all(http: &reqwest::Client, addr: &str, history: &History) -> Vec<(String, Option<u64>)> {
+/// Every key of `history` read through `addr` (bulk gets): the sequence number found
+/// (`None`: absent), or the error the node answered for that key.
+pub async fn read_all(
+    http: &reqwest::Client,
+    addr: &str,
+    history: &History,
+) -> Vec<(String, Result<Option<u64>, Value>)> {
     let mut found = Vec::new();
     let keys: Vec<&String> = history.keys().collect();
     for chunk in keys.chunks(500) {
@@ -173,11 +178,11 @@ pub async fn read_all(http: &reqwest::Client, addr: &str, history: &History) -> 
             .expect("json");
         for r in answer["results"].as_array().expect("results") {
             let key = r["key"].as_str().expect("key");
-            assert!(r["error"].is_null(), "{key}: {}", r["error"]);
             let writer = key.split('-').next().unwrap_or_default();
             let seq =
                 r["value"].as_str().and_then(|v| v.strip_prefix(&format!("{writer}:"))).and_then(|s| s.parse().ok());
-            found.push((key.to_string(), seq));
+            let read = if r["error"].is_null() { Ok(seq) } else { Err(r["error"].clone()) };
+            found.push((key.to_string(), read));
         }
     }
     found
@@ -186,29 +191,14 @@ pub async fn read_all(http: &reqwest::Client, addr: &str, history: &History) -> 
 /// [`check`] against the node at API address `addr`.
 pub async fn check_addr(http: &reqwest::Client, addr: &str, history: &History) -> Vec<String> {
     let mut problems = Vec::new();
-    let keys: Vec<&String> = history.keys().collect();
-    for chunk in keys.chunks(500) {
-        let answer: Value = http
-            .post(format!("http://{addr}/v1/bulk/get"))
-            .json(&json!({ "keys": chunk }))
-            .send()
-            .await
-            .expect("bulk get")
-            .json()
-            .await
-            .expect("json");
-        for r in answer["results"].as_array().expect("results") {
-            let key = r["key"].as_str().expect("key");
-            let h = &history[key];
-            let writer = key.split('-').next().unwrap_or_default();
-            let found: Option<u64> =
-                r["value"].as_str().and_then(|v| v.strip_prefix(&format!("{writer}:"))).and_then(|s| s.parse().ok());
-            if !r["error"].is_null() {
-                problems.push(format!("{key}: error {}", r["error"]));
-                continue;
-            }
-            if let Some(what) = verdict(h, found) {
-                problems.push(format!("{key}: {what} (found {found:?}, last acknowledged {:?})", h.acked));
+    for (key, read) in read_all(http, addr, history).await {
+        let h = &history[&key];
+        match read {
+            Err(e) => problems.push(format!("{key}: error {e}")),
+            Ok(found) => {
+                if let Some(what) = verdict(h, found) {
+                    problems.push(format!("{key}: {what} (found {found:?}, last acknowledged {:?})", h.acked));
+                }
             }
         }
     }
