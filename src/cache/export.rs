@@ -90,14 +90,18 @@ impl ExportLog {
 
 impl CacheStore {
     /// Starts exporting `bucket`: returns a snapshot of its live items, and records every
-    /// write to it from now on until [`Self::end_export`]. A previous export of the bucket is
-    /// cancelled.
-    pub fn begin_export(&self, bucket: BucketId) -> (Vec<ExportedItem>, u64) {
+    /// write to it from now on until [`Self::end_export`]. A previous export of the bucket that
+    /// is still recording is cancelled; a frozen one is not (its move may still be flipped,
+    /// and thawing it would let writes land here after the new owner's copy): `None`.
+    pub fn begin_export(&self, bucket: BucketId) -> Option<(Vec<ExportedItem>, u64)> {
         let now = self.clock.now_ms();
-        let token = NEXT_TOKEN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut b = self.bucket(bucket).write();
+        if b.export.as_ref().is_some_and(|e| e.frozen) {
+            return None;
+        }
+        let token = NEXT_TOKEN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         b.export = Some(ExportLog { token, ..ExportLog::default() });
-        (b.iter().filter(|i| !i.is_expired(now)).map(ExportedItem::of).collect(), token)
+        Some((b.iter().filter(|i| !i.is_expired(now)).map(ExportedItem::of).collect(), token))
     }
 
     /// A snapshot of `bucket`'s live items and its version counter, without recording.
@@ -260,7 +264,7 @@ mod tests {
         for k in &keys {
             put(&source, k, "old").expect("put");
         }
-        let (snapshot, token) = source.begin_export(b);
+        let (snapshot, token) = source.begin_export(b).expect("not frozen");
         // Writes during the export: overwrite, new key, delete.
         put(&source, &keys[0], "new").expect("put");
         put(&source, "{t}fresh", "x").expect("put");
@@ -273,6 +277,8 @@ mod tests {
         assert_eq!(last.len(), 1);
         assert_eq!(put(&source, &keys[3], "refused"), Err(CacheError::Frozen), "frozen buckets refuse writes");
         assert!(source.get(b, keys[3].as_bytes()).is_some(), "reads go on");
+        assert!(source.begin_export(b).is_none(), "a retried pull does not thaw a frozen bucket");
+        assert_eq!(put(&source, &keys[3], "refused"), Err(CacheError::Frozen));
 
         // Applied in any order the import may see them, twice, the result is the same.
         for change in snapshot.iter().cloned().map(Change::Put).chain(changes).chain(last.clone()).chain(last) {

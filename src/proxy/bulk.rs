@@ -202,6 +202,16 @@ impl NodeApi {
             .collect();
         let mut result =
             self.bulk(&items, |i| i.key.as_str(), ctx, |item, bucket| self.local_put(item, bucket), remote).await;
+        // The lease again, after the writes (see `put`).
+        if let (Ok(results), Some(e)) = (&mut result, self.health.write_refusal()) {
+            for ((item, r), previous) in items.iter().zip(results.iter_mut()).zip(&previous) {
+                if r.as_ref().is_ok_and(|ok| ok.node == self.node_id) {
+                    let written = r.as_ref().ok().map(|ok| ok.version);
+                    self.undo(bucket_of(item.key.as_bytes()), &item.key, written, previous.as_ref());
+                    *r = Err(e.clone());
+                }
+            }
+        }
         if let (false, Ok(results)) = (guards.is_empty(), &mut result) {
             let changes = items
                 .iter()
@@ -232,33 +242,72 @@ impl NodeApi {
         ctx: RouteContext,
     ) -> Result<Vec<Result<bool, ApiError>>, ApiError> {
         let started = Instant::now();
-        let remote = |api: String, _owner: NodeId, batch: Vec<String>, v: u64| {
+        let result = self.delete_many(keys.into_iter().map(|k| (k, None)).collect(), ctx).await;
+        self.timed(Op::BulkDelete, started, result)
+    }
+
+    /// Deletes keys, each only at its expected version when one is given, with the same
+    /// guarantees as a single delete: frozen buckets are waited for, and every delete done
+    /// here reaches the bucket's replica and shadow before it counts, or is taken back.
+    pub(super) async fn delete_many(
+        &self,
+        keys: Vec<(String, Option<u64>)>,
+        ctx: RouteContext,
+    ) -> Result<Vec<Result<bool, ApiError>>, ApiError> {
+        let remote = |api: String, _owner: NodeId, batch: Vec<(String, Option<u64>)>, v: u64| {
             let peers = &self.peers;
             async move {
-                let answer = peers.bulk_delete(&api, batch, v).await?;
-                Ok(answer
-                    .results
-                    .iter()
-                    .map(|r| match &r.error {
-                        Some(e) => Err(key_error(e)),
-                        None => Ok(r.deleted.unwrap_or(false)),
-                    })
-                    .collect())
+                if batch.iter().all(|(_, cas)| cas.is_none()) {
+                    let keys = batch.into_iter().map(|(k, _)| k).collect();
+                    let answer = peers.bulk_delete(&api, keys, v).await?;
+                    return Ok(answer
+                        .results
+                        .iter()
+                        .map(|r| match &r.error {
+                            Some(e) => Err(key_error(e)),
+                            None => Ok(r.deleted.unwrap_or(false)),
+                        })
+                        .collect());
+                }
+                // Versioned deletes (rare: a bucket that moved away meanwhile) go one by one.
+                let mut results = Vec::with_capacity(batch.len());
+                for (key, cas) in &batch {
+                    results.push(match peers.delete(&api, key, *cas, v).await {
+                        Ok(()) => Ok(true),
+                        Err(ApiError::NotFound) => Ok(false),
+                        Err(e @ ApiError::NotOwner { .. }) => return Err(e),
+                        Err(e) => Err(e),
+                    });
+                }
+                Ok(results)
             }
         };
         if let Some(e) = self.health.write_refusal() {
-            return self.timed(Op::BulkDelete, started, Err(e));
+            return Err(e);
         }
-        let local = |key: &String, bucket| self.local_delete(key, None, bucket);
-        let guards = self.shadow_guards(keys.iter().map(String::as_str), ctx).await;
+        let local = |(key, cas): &(String, Option<u64>), bucket| self.local_delete(key, *cas, bucket);
+        let guards = self.shadow_guards(keys.iter().map(|(k, _)| k.as_str()), ctx).await;
         let before: Vec<Option<crate::cache::ExportedItem>> = keys
             .iter()
-            .map(|k| {
+            .map(|(k, _)| {
                 (!guards.is_empty()).then(|| self.cache.export_item(bucket_of(k.as_bytes()), k.as_bytes())).flatten()
             })
             .collect();
-        let mut result = self.bulk(&keys, |k| k.as_str(), ctx, local, remote).await;
-        if let (false, Ok(results)) = (guards.is_empty(), &mut result) {
+        let mut result = self.bulk(&keys, |(k, _)| k.as_str(), ctx, local, remote).await;
+        let Ok(results) = &mut result else { return result };
+        let deleted_here = |key: &str, r: &Result<bool, ApiError>| {
+            matches!(r, Ok(true)) && self.cache.export_item(bucket_of(key.as_bytes()), key.as_bytes()).is_none()
+        };
+        // The lease again, after the deletes (see `put`).
+        if let Some(e) = self.health.write_refusal() {
+            for (((key, _), r), gone) in keys.iter().zip(results.iter_mut()).zip(&before) {
+                if gone.is_some() && deleted_here(key, r) {
+                    self.undo(bucket_of(key.as_bytes()), key, None, gone.as_ref());
+                    *r = Err(e.clone());
+                }
+            }
+        }
+        if !guards.is_empty() {
             let changes = before
                 .iter()
                 .cloned()
@@ -268,7 +317,7 @@ impl NodeApi {
                 .map(|gone| (bucket_of(&gone.key), Change::Delete { key: gone.key, version: gone.version }))
                 .collect();
             let failed = self.write_through_all(&guards, changes).await;
-            for ((key, r), gone) in keys.iter().zip(results.iter_mut()).zip(&before) {
+            for (((key, _), r), gone) in keys.iter().zip(results.iter_mut()).zip(&before) {
                 let b = bucket_of(key.as_bytes());
                 if let (Some(e), Ok(true)) = (failed.get(&b), &*r) {
                     self.undo(b, key, None, gone.as_ref());
@@ -276,7 +325,7 @@ impl NodeApi {
                 }
             }
         }
-        self.timed(Op::BulkDelete, started, result)
+        result
     }
 }
 

@@ -11,6 +11,9 @@ use shoal_raft::{BucketId, NodeId};
 use super::NodeApi;
 use crate::metrics::Op;
 
+/// Tagged items deleted per round trip to the replicas.
+const REMOVE_BATCH: usize = 512;
+
 impl NodeApi {
     /// Runs `local` here and `remote` at every other member, at once. Members that fail are
     /// reported, not fatal.
@@ -114,20 +117,54 @@ impl NodeApi {
 
     pub(super) async fn remove_tagged_everywhere(&self, tag: String, scope: Scope) -> Result<Removed, ApiError> {
         let started = Instant::now();
-        let local =
-            || Removed { removed: self.cache.remove_tagged(&tag, &self.owned_buckets()) as u64, ..Default::default() };
-        let removed = if scope == Scope::Local {
-            local()
-        } else {
-            let (answers, errors) = self
-                .broadcast(local, |api| {
+        let result = self.remove_tagged_in_all(tag, scope).await;
+        self.timed(Op::RemoveTagged, started, result)
+    }
+
+    async fn remove_tagged_in_all(&self, tag: String, scope: Scope) -> Result<Removed, ApiError> {
+        let here = self.remove_tagged_here(&tag).await?;
+        if scope == Scope::Local {
+            return Ok(here);
+        }
+        let (answers, errors) = self
+            .broadcast(
+                || here,
+                |api| {
                     let (peers, tag) = (&self.peers, &tag);
                     async move { peers.remove_tagged(&api, tag).await }
-                })
-                .await;
-            let removed = answers.iter().map(|(_, r)| r.removed).sum();
-            Removed { removed, incomplete: !errors.is_empty(), errors }
-        };
-        self.timed(Op::RemoveTagged, started, Ok(removed))
+                },
+            )
+            .await;
+        let removed = answers.iter().map(|(_, r)| r.removed).sum();
+        // A member that answered may still have failed some deletes (it says so).
+        let mut errors = errors;
+        errors.extend(answers.into_iter().flat_map(|(_, r)| r.errors));
+        Ok(Removed { removed, incomplete: !errors.is_empty(), errors })
+    }
+
+    /// Removes the items tagged `tag` in the buckets this node owns, as deletes at the
+    /// version found (an item rewritten meanwhile stays): like any delete they wait for a
+    /// frozen bucket and reach its replica and shadow, so a removed item does not come back
+    /// after a failover or a move.
+    async fn remove_tagged_here(&self, tag: &str) -> Result<Removed, ApiError> {
+        let found = self.cache.keys_with_tag(tag, &self.owned_buckets(), usize::MAX);
+        let mut removed = 0;
+        let mut failures = Vec::new();
+        let keys: Vec<(String, Option<u64>)> = found
+            .into_iter()
+            .map(|(k, _, version)| (String::from_utf8_lossy(&k).into_owned(), Some(version)))
+            .collect();
+        for chunk in keys.chunks(REMOVE_BATCH) {
+            let results = self.delete_many(chunk.to_vec(), Default::default()).await?;
+            for r in results {
+                match r {
+                    Ok(true) => removed += 1,
+                    Ok(false) | Err(ApiError::NotFound | ApiError::PreconditionFailed { .. }) => {}
+                    Err(e) => failures.push(NodeFailure { node: self.node_id, detail: e.to_string() }),
+                }
+            }
+        }
+        failures.truncate(1);
+        Ok(Removed { removed, incomplete: !failures.is_empty(), errors: failures })
     }
 }

@@ -123,6 +123,12 @@ pub(super) async fn stream_bucket(
     if let Some(reason) = refusal(&exporter.control.state(), me, bucket, q.to, q.epoch) {
         return (StatusCode::CONFLICT, reason).into_response();
     }
+    if exporter.cache.is_frozen(bucket) {
+        // An earlier pull of this move froze it and its flip is not settled (its answer may
+        // have been lost): a new export would thaw it while that flip can still land.
+        let reason = format!("bucket {bucket} is frozen by an earlier transfer whose flip is not settled yet; retry");
+        return (StatusCode::CONFLICT, reason).into_response();
+    }
     if exporter.replicator.not_held(&exporter.control.state(), bucket) {
         let reason = format!("node {me} is still getting bucket {bucket} back (restore or failover); retry");
         return (StatusCode::CONFLICT, reason).into_response();
@@ -137,7 +143,10 @@ pub(super) async fn stream_bucket(
 /// Sends the bucket into `tx`; a failed send means the receiver went away.
 async fn produce(exporter: Exporter, bucket: BucketId, epoch: u64, tx: mpsc::Sender<Bytes>) {
     let cache = &exporter.cache;
-    let (snapshot, token) = cache.begin_export(bucket);
+    let Some((snapshot, token)) = cache.begin_export(bucket) else {
+        let _ = tx.send(error_frame("the bucket is frozen by an earlier transfer that is not settled yet")).await;
+        return;
+    };
     let mut throttle = Throttle::new(exporter.config.rate_bytes_per_sec);
     let mut sent: u64 = 0;
     let mut send = async |frames: Vec<Bytes>| -> bool {

@@ -138,12 +138,27 @@ impl Puller {
                     Ok(bytes)
                 }
                 Ok(other) => Err(PullError::Flip(ControlError::Fatal { detail: format!("unexpected {other:?}") })),
-                Err(e) => Err(PullError::Flip(e)),
+                Err(e) => {
+                    // The flip may still commit (a lost answer, a leader change): settle the
+                    // move's epoch before deciding what the copy is worth.
+                    settle_epoch(control, bucket, epoch).await;
+                    if control.state().map.owner_of(bucket) == Some(to) {
+                        tracing::debug!(
+                            bucket = bucket.0,
+                            from,
+                            bytes,
+                            "bucket moved here (the flip's answer was lost)"
+                        );
+                        Ok(bytes)
+                    } else {
+                        Err(PullError::Flip(e))
+                    }
+                }
             },
             Err(e) => Err(e),
         };
-        // A failed pull leaves nothing behind, unless the bucket is ours after all (a flip
-        // whose answer was lost): never drop a bucket this node serves.
+        // A failed pull leaves nothing behind, unless the bucket is ours after all: never
+        // drop a bucket this node serves.
         if flipped.is_err() && control.state().map.owner_of(bucket) != Some(to) {
             cache.take_bucket(bucket);
         }
@@ -203,6 +218,21 @@ impl Puller {
                     }
                 }
             }
+        }
+    }
+}
+
+/// Waits until move `epoch` of `bucket` is settled in this node's applied state: the flip
+/// committed or the move was aborted (either bumps the epoch). Every [`FLIP_WAIT`] without
+/// news it proposes the abort itself: an abort is ordered after any flip of the same epoch
+/// still in the log, so once either is applied the outcome is final. A pull whose flip
+/// answer was lost must not drop its copy while the flip can still land (the bucket would be
+/// served empty), nor keep it when the flip never will.
+async fn settle_epoch(control: &ControlPlane, bucket: BucketId, epoch: u64) {
+    let settled = |s: &shoal_raft::ClusterState| s.epoch_of(bucket) != epoch;
+    while !control.wait_for_state(FLIP_WAIT, settled).await {
+        if let Err(e) = control.admin(AdminRequest::Abort { bucket: bucket.0, epoch }).await {
+            tracing::debug!(bucket = bucket.0, epoch, error = %e, "settling a move whose flip answer was lost");
         }
     }
 }

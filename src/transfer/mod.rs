@@ -194,10 +194,16 @@ async fn pull_buckets(
             progress.start_round(incoming.len());
             tracing::info!(node_id = me, buckets = incoming.len(), "state transfer: pulling buckets");
         }
+        let stop = std::sync::atomic::AtomicBool::new(false);
         let results: Vec<_> = stream::iter(incoming)
             .map(|(bucket, from, epoch)| {
                 let (puller, control, cache, progress, metrics) = (&puller, &control, &cache, &progress, &metrics);
+                let stop = &stop;
                 async move {
+                    // After a failure no new pull starts this round.
+                    if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        return false;
+                    }
                     let started = std::time::Instant::now();
                     let result = puller.pull(control, cache, progress, bucket, from, epoch).await;
                     match &result {
@@ -206,14 +212,16 @@ async fn pull_buckets(
                             metrics.transfer_bucket_duration.record(started.elapsed().as_secs_f64());
                         }
                         Err(e) => {
+                            stop.store(true, std::sync::atomic::Ordering::Relaxed);
                             tracing::warn!(node_id = me, bucket = bucket.0, from, error = %e, "bucket transfer failed")
                         }
                     }
                     result.is_ok()
                 }
             })
+            // Every pull started runs to its end (none is dropped half-way, between its
+            // flip and the local apply); failures are retried in the next round.
             .buffer_unordered(config.parallelism.max(1))
-            .take_while(|ok| std::future::ready(*ok))
             .collect()
             .await;
         if results.iter().all(|ok| *ok) && !results.is_empty() {

@@ -48,6 +48,19 @@ async fn sync_writes_are_in_the_replica_before_the_answer_and_deletes_follow() {
         assert_eq!(r.status(), 204, "DELETE {k}");
     }
     assert_eq!(replica_items(&c).await, 200, "deletes reach the replica too");
+    // Removal by tag deletes through the replicas as well (a removed item must not come
+    // back after a failover).
+    for k in &keys[100..150] {
+        let r = c.http.put(c.url(2, &format!("/v1/kv/{k}?tags=red"))).body("tagged").send().await.expect("put");
+        assert_eq!(r.status(), 200, "PUT {k}");
+    }
+    let r = c.http.delete(c.url(0, "/v1/tags/red")).send().await.expect("remove tagged");
+    assert_eq!(r.status(), 200);
+    let removed: Value = r.json().await.expect("json");
+    assert_eq!(removed["removed"], 50, "{removed}");
+    assert_eq!(removed["incomplete"], false, "{removed}");
+    assert_eq!(replica_items(&c).await, 150, "removal by tag reaches the replicas");
+    assert_eq!(c.get(1, &keys[120]).await, None);
     // The background attacher gives every owned bucket a replica.
     wait_for("every bucket attached to its replica", || async {
         for s in c.running() {
