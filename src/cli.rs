@@ -7,7 +7,7 @@ use serde_json::Value;
 use shoal_http_api::types::{ClusterView, MapView, TransferView};
 use shoal_http_api::Problem;
 
-use crate::config::{ClientArgs, Command, Output};
+use crate::config::{ClientArgs, Command, NodeCommand, Output};
 
 /// Runs a client command; the error is the message to print.
 pub async fn run(command: Command) -> Result<(), String> {
@@ -84,8 +84,9 @@ pub async fn run(command: Command) -> Result<(), String> {
                 Output::Json => print_json(&map),
             }
         }
-        Command::Leave(a) => {
-            let id = a.node_id.to_string();
+        Command::Leave(a) | Command::Node(NodeCommand::Leave(a)) => {
+            let view: ClusterView = json(send(&a.client, Method::GET, &["v1", "cluster"], &[], None).await?).await?;
+            let id = member_id(&view, &a.node)?.to_string();
             let response = send(&a.client, Method::POST, &["v1", "cluster", "nodes", &id, "leave"], &[], None).await?;
             let body: Value = response.json().await.map_err(|e| e.to_string())?;
             match a.client.output {
@@ -111,6 +112,9 @@ async fn send(
     url.path_segments_mut().map_err(|_| format!("--addr {:?} cannot have a path", client.addr))?.clear().extend(path);
     let http = reqwest::Client::builder().no_proxy().build().map_err(|e| e.to_string())?;
     let mut request = http.request(method, url).query(query);
+    if let Some(token) = &client.admin_token {
+        request = request.bearer_auth(token.expose());
+    }
     if let Some(body) = body {
         request = request.body(body);
     }
@@ -122,6 +126,21 @@ async fn send(
     match response.json::<Problem>().await {
         Ok(p) => Err(format!("{} ({}, HTTP {})", p.detail, p.code, p.status)),
         Err(_) => Err(format!("HTTP {status}")),
+    }
+}
+
+/// The id of the member named `node` (its name, or its id).
+fn member_id(view: &ClusterView, node: &str) -> Result<u64, String> {
+    if let Some(m) = view.members.iter().find(|m| m.name.as_deref() == Some(node)) {
+        return Ok(m.id);
+    }
+    match node.parse::<u64>() {
+        Ok(id) => Ok(id),
+        Err(_) => {
+            let known: Vec<String> =
+                view.members.iter().map(|m| format!("{} ({})", m.name.as_deref().unwrap_or("-"), m.id)).collect();
+            Err(format!("no member is named {node:?}; members: {}", known.join(", ")))
+        }
     }
 }
 
@@ -152,13 +171,14 @@ pub fn status_table(view: &ClusterView) -> String {
         view.voters
     );
     out.push_str(&format!(
-        "{:>4}  {:<21}  {:<21}  {:<7}  {:>7}  {:>10}  {:>12}  {:>10}\n",
-        "ID", "API", "PEER", "ROLE", "BUCKETS", "ITEMS", "BYTES", "REPLICA_ON"
+        "{:>4}  {:<12}  {:<21}  {:<21}  {:<7}  {:>7}  {:>10}  {:>12}  {:>10}\n",
+        "ID", "NAME", "API", "PEER", "ROLE", "BUCKETS", "ITEMS", "BYTES", "REPLICA_ON"
     ));
     for m in &view.members {
         out.push_str(&format!(
-            "{:>4}  {:<21}  {:<21}  {:<7}  {:>7}  {:>10}  {:>12}  {:>10}\n",
+            "{:>4}  {:<12}  {:<21}  {:<21}  {:<7}  {:>7}  {:>10}  {:>12}  {:>10}\n",
             m.id,
+            m.name.as_deref().unwrap_or("-"),
             m.api_addr,
             m.peer_addr,
             m.role,

@@ -35,6 +35,9 @@ pub enum Command {
     Map(ClientArgs),
     /// Make a member leave the cluster (its buckets are spread over the others).
     Leave(LeaveArgs),
+    /// Member commands: `shoal node leave NAME|ID`.
+    #[command(subcommand)]
+    Node(NodeCommand),
     /// Measure throughput, latency and server CPU per operation against a node or cluster.
     Bench(crate::bench::BenchArgs),
 }
@@ -67,12 +70,36 @@ pub struct ServeConfig {
     #[arg(long, env = "SHOAL_JOIN", value_delimiter = ',')]
     pub join: Vec<String>,
 
+    /// This node's name for people and tools (`shoal node leave NAME`, `shoal status`); in a
+    /// StatefulSet the pod name, whose ordinal suffix orders joins under --discover
+    /// [default with --discover: the hostname].
+    #[arg(long, env = "POD_NAME")]
+    pub name: Option<String>,
+
+    /// Find the cluster through DNS (`NAME:PORT`, a headless Service: every address it
+    /// resolves to is a candidate's API) or a comma-separated list of candidate API
+    /// addresses. With an empty data dir: join the cluster a candidate knows; ordinal 0 of
+    /// --name bootstraps when none does; ordinal k joins after k-1 is a member.
+    #[arg(long, env = "SHOAL_DISCOVER", value_delimiter = ',')]
+    pub discover: Vec<String>,
+
     /// How long to keep retrying --join before giving up.
     #[arg(long, env = "SHOAL_JOIN_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
     pub join_timeout: Duration,
 
-    /// Memory for cached items, accounting included (e.g. 512MiB, 4GiB).
-    #[arg(long, env = "SHOAL_CACHE_SIZE", default_value = "1GiB", value_parser = parse_size)]
+    /// Memory for cached items, accounting included (e.g. 512MiB, 4GiB); the replica store
+    /// may take as much again [default: 40% of --memory-limit if given, else 1GiB].
+    #[arg(long = "cache-size", env = "SHOAL_CACHE_SIZE", value_name = "SIZE", value_parser = parse_size)]
+    pub cache_size_arg: Option<u64>,
+
+    /// The memory this node may use in all (in Kubernetes: the container's memory limit,
+    /// from the downward API); sizes the cache when --cache-size is not given, and is
+    /// exported as `shoal_memory_limit_bytes`.
+    #[arg(long, env = "SHOAL_MEMORY_LIMIT", value_name = "SIZE", value_parser = parse_size)]
+    pub memory_limit: Option<u64>,
+
+    /// The cache size in effect (see [`ServeConfig::resolved`]).
+    #[arg(skip = DEFAULT_CACHE_SIZE)]
     pub cache_size: u64,
 
     /// Longest key accepted, in bytes.
@@ -125,6 +152,27 @@ pub struct ServeConfig {
     #[arg(long, env = "SHOAL_TRANSFER_STUCK_AFTER", default_value = "3m", value_parser = parse_duration)]
     pub transfer_stuck_after: Duration,
 
+    /// The secret every node-to-node request must carry (Raft, join, replication, transfer,
+    /// pings); give every node the same one. Without it the peer listener is open to anyone
+    /// who can reach it.
+    #[arg(long, env = "SHOAL_CLUSTER_SECRET", hide_env_values = true)]
+    pub cluster_secret: Option<crate::auth::Secret>,
+
+    /// Token the cluster's write endpoints (leave, config, lost/clear) require, as
+    /// `Authorization: Bearer <token>`; without it they are open like the rest of the API.
+    #[arg(long, env = "SHOAL_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<crate::auth::Secret>,
+
+    /// On SIGTERM, how long the node may spend handing over before it exits: it stops being
+    /// ready at once, gives up Raft leadership, and waits for its replicas to be in sync.
+    #[arg(long, env = "SHOAL_DRAIN_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
+    pub drain_timeout: Duration,
+
+    /// Log lines as `text` (colour only on a terminal) or `json` (one object per line). The
+    /// level comes from RUST_LOG (default `info,openraft=warn`).
+    #[arg(long, env = "SHOAL_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+
     /// Threads serving requests [default: one per core].
     #[arg(long, env = "SHOAL_WORKER_THREADS")]
     pub worker_threads: Option<usize>,
@@ -138,11 +186,39 @@ pub struct ServeConfig {
     pub raft_election_timeout: Duration,
 }
 
+/// The cache size when neither --cache-size nor --memory-limit is given.
+pub const DEFAULT_CACHE_SIZE: u64 = 1 << 30;
+
+/// Share of --memory-limit given to the cache when --cache-size is not set: the replica store
+/// may hold as much again, and the rest is for connections, buffers and the runtime.
+pub const CACHE_SHARE_OF_MEMORY: f64 = 0.4;
+
+/// How log lines look.
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
 impl ServeConfig {
+    /// Fills in what depends on several flags: the cache size (from --cache-size, else
+    /// from --memory-limit, else the default).
+    pub fn resolved(mut self) -> Self {
+        self.cache_size = match (self.cache_size_arg, self.memory_limit) {
+            (Some(size), _) => size,
+            (None, Some(limit)) => (limit as f64 * CACHE_SHARE_OF_MEMORY) as u64,
+            (None, None) => DEFAULT_CACHE_SIZE,
+        };
+        self
+    }
+
     /// A config with every default, listening on the given addresses (tests use port 0).
     pub fn for_test(listen: SocketAddr, peer_listen: SocketAddr, data_dir: PathBuf) -> Self {
         let cli = Cli::parse_from(["shoal", "serve"]);
-        let Command::Serve(mut config) = cli.command else { unreachable!("parsed serve") };
+        let Command::Serve(config) = cli.command else { unreachable!("parsed serve") };
+        let mut config = config.resolved();
         config.listen = listen;
         config.peer_listen = Some(peer_listen);
         config.data_dir = data_dir;
@@ -192,7 +268,20 @@ impl ServeConfig {
             return Err("--max-value-bytes must be between 1 byte and 512MiB".into());
         }
         if self.cache_size < 1024 * 1024 {
-            return Err("--cache-size must be at least 1MiB".into());
+            return Err("--cache-size must be at least 1MiB (or --memory-limit at least 3MiB)".into());
+        }
+        if let Some(limit) = self.memory_limit {
+            if self.cache_size.saturating_mul(2) > limit {
+                return Err(format!(
+                    "--cache-size {} leaves no room within --memory-limit {}: the replica store may hold as \
+                     much again; give at most 40% of the limit",
+                    bytesize::ByteSize(self.cache_size),
+                    bytesize::ByteSize(limit)
+                ));
+            }
+        }
+        if self.drain_timeout.is_zero() {
+            return Err("--drain-timeout must be positive".into());
         }
         if !(Duration::from_secs(5)..=Duration::from_secs(30)).contains(&self.reconnect_timeout) {
             return Err(format!(
@@ -245,6 +334,9 @@ pub struct ClientArgs {
     /// Output format.
     #[arg(short = 'o', long, value_enum, default_value_t = Output::Table, global = true)]
     pub output: Output,
+    /// The admin token, for commands that change the cluster (when nodes run with one).
+    #[arg(long, env = "SHOAL_ADMIN_TOKEN", hide_env_values = true, global = true)]
+    pub admin_token: Option<crate::auth::Secret>,
 }
 
 /// `shoal get|del KEY`.
@@ -283,11 +375,19 @@ pub struct StatusArgs {
     pub client: ClientArgs,
 }
 
-/// `shoal leave NODE_ID`.
+/// `shoal node ...`.
+#[derive(Debug, Clone, Subcommand)]
+pub enum NodeCommand {
+    /// Make a member leave the cluster (its buckets are spread over the others); scaling a
+    /// StatefulSet down is this, then `kubectl scale`.
+    Leave(LeaveArgs),
+}
+
+/// `shoal leave NAME|ID`.
 #[derive(Debug, Clone, Args)]
 pub struct LeaveArgs {
-    /// The id of the member that leaves.
-    pub node_id: u64,
+    /// The member that leaves: its name (the pod name in a StatefulSet) or its id.
+    pub node: String,
     /// Where to connect and how to print.
     #[command(flatten)]
     pub client: ClientArgs,
@@ -319,7 +419,7 @@ mod tests {
         let mut all = vec!["shoal", "serve"];
         all.extend_from_slice(args);
         Cli::try_parse_from(all).map(|c| match c.command {
-            Command::Serve(s) => s,
+            Command::Serve(s) => s.resolved(),
             _ => unreachable!("serve"),
         })
     }
@@ -342,6 +442,26 @@ mod tests {
         assert_eq!(c.cache_size, 512 << 20);
         assert_eq!(c.join, vec!["a:1", "b:2"]);
         assert_eq!(c.voters, 5);
+    }
+
+    #[test]
+    fn the_cache_size_follows_the_memory_limit_unless_given() {
+        let c = serve(&["--memory-limit", "1GiB"]).expect("parse");
+        assert_eq!(c.cache_size, ((1u64 << 30) as f64 * CACHE_SHARE_OF_MEMORY) as u64);
+        let c = serve(&["--memory-limit", "1GiB", "--cache-size", "100MiB"]).expect("parse");
+        assert_eq!(c.cache_size, 100 << 20, "an explicit size wins");
+        assert_eq!(c.memory_limit, Some(1 << 30));
+        // Kubernetes' downward API gives the limit as a plain number of bytes.
+        assert_eq!(serve(&["--memory-limit", "536870912"]).expect("parse").memory_limit, Some(512 << 20));
+    }
+
+    #[test]
+    fn secrets_never_show_in_debug_output() {
+        let c = serve(&["--cluster-secret", "hunter2", "--admin-token", "tok3n"]).expect("parse");
+        let printed = format!("{c:?}");
+        assert!(!printed.contains("hunter2") && !printed.contains("tok3n"), "{printed}");
+        assert!(c.cluster_secret.expect("secret").matches(b"hunter2"));
+        assert!(serve(&["--cluster-secret", ""]).is_err(), "an empty secret is refused");
     }
 
     #[test]

@@ -80,6 +80,8 @@ pub struct Health {
     failing: AtomicBool,
     /// Peers with a ping in flight.
     in_flight: Mutex<std::collections::HashSet<NodeId>>,
+    /// Set on SIGTERM: not ready, no new writes (see `NodeHandle::drain`).
+    draining: AtomicBool,
 }
 
 impl Health {
@@ -88,6 +90,7 @@ impl Health {
         let timeout = config.node_timeout.min(Duration::from_secs(2)).max(Duration::from_millis(200));
         let http = reqwest::Client::builder()
             .local_address(shoal_raft::outgoing_ip())
+            .default_headers(shoal_raft::secret_headers())
             .timeout(timeout)
             .connect_timeout(timeout)
             .tcp_nodelay(true)
@@ -107,7 +110,18 @@ impl Health {
             fails_proposed: AtomicU64::new(0),
             failing: AtomicBool::new(false),
             in_flight: Mutex::new(std::collections::HashSet::new()),
+            draining: AtomicBool::new(false),
         })
+    }
+
+    /// Marks the node as stopping: `/readyz` fails and writes are refused from now on.
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether the node is stopping.
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
     }
 
     /// Whether failure detection runs.
@@ -163,6 +177,12 @@ impl Health {
     pub fn write_refusal(&self) -> Option<ApiError> {
         if *self.removed.borrow() {
             return Some(ApiError::unavailable("node_failed", "this node was failed by the cluster; it is rejoining"));
+        }
+        if self.is_draining() {
+            return Some(ApiError::unavailable(
+                "node_draining",
+                "this node is stopping: it acknowledges no new write; its buckets serve again after its restart",
+            ));
         }
         if !self.enabled() {
             return None;

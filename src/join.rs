@@ -94,8 +94,12 @@ impl Joiner {
     }
 
     /// Step 1: get an id for a node reachable at these addresses.
-    pub async fn register(&self, api_addr: &str, peer_addr: &str) -> Result<Registered, String> {
-        let request = AdminRequest::Register { api_addr: api_addr.into(), peer_addr: peer_addr.into() };
+    pub async fn register(&self, api_addr: &str, peer_addr: &str, name: Option<&str>) -> Result<Registered, String> {
+        let request = AdminRequest::Register {
+            api_addr: api_addr.into(),
+            peer_addr: peer_addr.into(),
+            name: name.map(str::to_string),
+        };
         match self.send(&request).await? {
             AdminResponse::Registered { node_id, cluster_id } => Ok(Registered { node_id, cluster_id }),
             other => Err(format!("unexpected answer to register: {other:?}")),

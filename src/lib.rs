@@ -21,10 +21,12 @@
 //! - [`cli`]: the command-line client.
 //! - [`bench`]: `shoal bench`, the load generator.
 
+pub mod auth;
 pub mod bench;
 pub mod cache;
 pub mod cli;
 pub mod config;
+pub mod discover;
 pub mod health;
 pub mod http_server;
 pub mod identity;

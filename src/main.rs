@@ -4,7 +4,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use shoal::config::{Cli, Command, Output, ServeConfig};
+use shoal::config::{Cli, Command, LogFormat, Output, ServeConfig};
 use shoal::node::StartError;
 use tracing_subscriber::EnvFilter;
 
@@ -54,9 +54,12 @@ fn server_runtime(threads: Option<usize>) -> Result<tokio::runtime::Runtime, Str
 
 /// Runs a node until Ctrl-C, SIGTERM, or it leaves the cluster.
 fn serve(config: ServeConfig) -> Result<(), String> {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,openraft=warn"));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    let config = config.resolved();
+    init_logs(config.log_format);
     config.validate().map_err(|e| format!("invalid configuration: {e}"))?;
+    if let Some(secret) = &config.cluster_secret {
+        shoal_raft::set_cluster_secret(secret.expose().to_string());
+    }
     // A node on its own loopback address (127.0.0.x) also talks to its peers from it.
     let ip = config.listen.ip();
     if ip.is_loopback() && !ip.is_unspecified() {
@@ -72,6 +75,7 @@ fn serve(config: ServeConfig) -> Result<(), String> {
                         _ = node.stopped() => false,
                     };
                     if signalled {
+                        node.drain(config.drain_timeout).await;
                         tracing::info!("shutting down");
                     }
                     let rejoin = node.rejoin().filter(|_| !signalled);
@@ -96,6 +100,18 @@ fn serve(config: ServeConfig) -> Result<(), String> {
             config.join = rejoin;
         }
     })
+}
+
+/// Logs to standard error, filtered by RUST_LOG (default `info,openraft=warn`): text lines,
+/// coloured only on a terminal, or one JSON object per line.
+fn init_logs(format: LogFormat) {
+    use std::io::IsTerminal;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,openraft=warn"));
+    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => logs.with_ansi(std::io::stderr().is_terminal()).init(),
+        LogFormat::Json => logs.json().with_current_span(false).init(),
+    }
 }
 
 /// Ctrl-C or SIGTERM.

@@ -104,6 +104,12 @@ pub struct StateGauges {
     pub raft_last_log_index: Gauge,
     /// Last applied index.
     pub raft_applied_index: Gauge,
+    /// Last committed index.
+    pub raft_commit_index: Gauge,
+    /// Buckets of the fullest member over an even share (1: balanced).
+    pub balance_ratio: Gauge,
+    /// The memory limit given with --memory-limit (0: none).
+    pub memory_limit_bytes: Gauge,
     /// Bytes of the Raft storage on disk.
     pub raft_storage_bytes: Gauge,
     /// 1 while this node pulls buckets.
@@ -159,6 +165,8 @@ pub struct StateGauges {
 /// The node's metrics. See the module docs.
 pub struct NodeMetrics {
     handle: PrometheusHandle,
+    recorder: PrometheusRecorder,
+    process: metrics_process::Collector,
     operations: Vec<Vec<Counter>>,
     latency: Vec<Histogram>,
     /// Reads that found their key.
@@ -235,6 +243,15 @@ impl NodeMetrics {
             raft_term: gauge("shoal_raft_term", "Current Raft term."),
             raft_last_log_index: gauge("shoal_raft_last_log_index", "Last Raft log index."),
             raft_applied_index: gauge("shoal_raft_applied_index", "Last applied Raft log index."),
+            raft_commit_index: gauge("shoal_raft_commit_index", "Last committed Raft log index this node knows of."),
+            balance_ratio: gauge(
+                "shoal_balance_ratio",
+                "Buckets of the member that owns the most, over an even share (1: balanced).",
+            ),
+            memory_limit_bytes: gauge(
+                "shoal_memory_limit_bytes",
+                "The memory limit given with --memory-limit (0: none given).",
+            ),
             raft_storage_bytes: gauge("shoal_raft_storage_bytes", "Size of the Raft storage on disk."),
             transfer_in_progress: gauge("shoal_transfer_in_progress", "1 while this node pulls buckets."),
             transfer_buckets_pending: gauge(
@@ -294,6 +311,8 @@ impl NodeMetrics {
             latency,
             state,
             handle,
+            process: process_metrics(&recorder),
+            recorder,
         }
     }
 
@@ -313,9 +332,42 @@ impl NodeMetrics {
 
     /// The Prometheus text exposition.
     pub fn render(&self) -> String {
+        metrics::with_local_recorder(&self.recorder, || self.process.collect());
         self.handle.run_upkeep();
         self.handle.render()
     }
+}
+
+/// The process metrics (`process_cpu_seconds_total`, `process_resident_memory_bytes`, open
+/// file descriptors, start time…), described and collected once so they exist from startup.
+fn process_metrics(recorder: &PrometheusRecorder) -> metrics_process::Collector {
+    let collector = metrics_process::Collector::default();
+    metrics::with_local_recorder(recorder, || {
+        collector.describe();
+        collector.collect();
+    });
+    collector
+}
+
+/// Per-peer failure detection, appended to the exposition by hand: the set of peers changes,
+/// and a registered series would outlive a peer that left. The families are always declared;
+/// a node alone has no samples in them.
+pub fn render_peers(peers: &[(u64, bool, Option<f64>)]) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    out.push_str("# HELP shoal_peer_pfail 1 while the peer has not answered a ping within the node timeout.\n");
+    out.push_str("# TYPE shoal_peer_pfail gauge\n");
+    for (peer, pfail, _) in peers {
+        let _ = writeln!(out, "shoal_peer_pfail{{peer=\"{peer}\"}} {}", u8::from(*pfail));
+    }
+    out.push_str("# HELP shoal_peer_last_contact_seconds Seconds since the peer last answered a ping.\n");
+    out.push_str("# TYPE shoal_peer_last_contact_seconds gauge\n");
+    for (peer, _, since) in peers {
+        if let Some(since) = since {
+            let _ = writeln!(out, "shoal_peer_last_contact_seconds{{peer=\"{peer}\"}} {since}");
+        }
+    }
+    out
 }
 
 /// Sets the `# HELP` text of a metric (the exporter keeps one description per name, whatever
@@ -338,9 +390,23 @@ mod tests {
             "shoal_items 0",
             "shoal_map_version 0",
             "# TYPE shoal_operation_duration_seconds histogram",
+            "shoal_raft_commit_index 0",
+            "shoal_balance_ratio 0",
+            "process_resident_memory_bytes",
+            "process_start_time_seconds",
         ] {
             assert!(text.contains(needle), "missing {needle:?} in\n{text}");
         }
+    }
+
+    #[test]
+    fn peers_are_rendered_one_series_each() {
+        let text = render_peers(&[(2, false, Some(0.25)), (3, true, None)]);
+        assert!(text.contains("shoal_peer_pfail{peer=\"2\"} 0\n"), "{text}");
+        assert!(text.contains("shoal_peer_pfail{peer=\"3\"} 1\n"), "{text}");
+        assert!(text.contains("shoal_peer_last_contact_seconds{peer=\"2\"} 0.25\n"), "{text}");
+        assert!(!text.contains("last_contact_seconds{peer=\"3\"}"), "never heard from: no sample");
+        assert_eq!(render_peers(&[]).lines().count(), 4, "the families are declared even without peers");
     }
 
     #[test]

@@ -104,6 +104,8 @@ pub struct NodeHandle {
     tasks: Vec<JoinHandle<()>>,
     transfers: Option<Transfers>,
     rejoin: Arc<parking_lot::Mutex<Option<Vec<String>>>>,
+    health: Arc<Health>,
+    replicator: Arc<Replicator>,
 }
 
 impl NodeHandle {
@@ -142,6 +144,42 @@ impl NodeHandle {
     pub async fn stopped(&self) {
         let mut rx = self.shutdown.subscribe();
         let _ = rx.wait_for(|stop| *stop).await;
+    }
+
+    /// Gets ready to stop (SIGTERM; a stop is not a leave): `/readyz` fails at once, writes
+    /// are refused (503 `node_draining`), and the node waits — at most `timeout` — until every
+    /// bucket it owns is attached to its replica and the async queue is empty, so that the
+    /// node restarting as the same member gets every acknowledged write back from its replica.
+    /// Returns whether the replicas were confirmed in sync in time.
+    ///
+    /// Raft leadership moves by election once this node stops (openraft 0.9 has no leadership
+    /// transfer), within the election timeout.
+    pub async fn drain(&self, timeout: Duration) -> bool {
+        self.health.start_draining();
+        let deadline = tokio::time::Instant::now() + timeout;
+        let leader = self.control.leader() == Some(self.node_id);
+        tracing::info!(node_id = self.node_id, leader, timeout = ?timeout, "draining: replicas first, then stop");
+        loop {
+            let state = self.control.state();
+            let (attached, owned) = self.replicator.attached_count(&state);
+            let (queued, _) = self.replicator.queue_lag();
+            let alone = state.members.len() <= 1;
+            if alone || (attached == owned && queued == 0) {
+                tracing::info!(node_id = self.node_id, owned, "drained: every owned bucket's replica is in sync");
+                return true;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                tracing::warn!(
+                    node_id = self.node_id,
+                    attached,
+                    owned,
+                    queued,
+                    "drain timeout: stopping with replicas not confirmed in sync"
+                );
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     /// Stops the node gracefully: no new connections, in-flight requests finish, Raft stops,
@@ -186,6 +224,23 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
     if let Some(id) = identity.as_ref().filter(|id| id.retired) {
         return Err(retired(&config, id.node_id));
     }
+    let mut config = config;
+    if config.name.is_none() && !config.discover.is_empty() {
+        config.name = crate::discover::hostname();
+    }
+    if identity.is_none() && !config.discover.is_empty() {
+        let name = config.name.clone().unwrap_or_default();
+        match crate::discover::discover(&config.discover, &name, config.join_timeout).await.map_err(StartError::Join)? {
+            crate::discover::Decision::Bootstrap => {
+                tracing::info!(name, "discovery: no cluster found; ordinal 0 creates one");
+                config.join.clear();
+            }
+            crate::discover::Decision::Join(seeds) => {
+                tracing::info!(name, seeds = ?seeds, "discovery: joining the cluster");
+                config.join = seeds;
+            }
+        }
+    }
     let admin = shoal_raft::AdminClient::new(Duration::from_secs(40));
     let joiner = Joiner::new(config.join.clone(), config.join_timeout, admin);
     // A new node that joins gets its id first; a new cluster's first node is node 1.
@@ -197,7 +252,8 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
             id
         }
         None => {
-            let registered = joiner.register(&api_addr, &peer_addr).await.map_err(StartError::Join)?;
+            let registered =
+                joiner.register(&api_addr, &peer_addr, config.name.as_deref()).await.map_err(StartError::Join)?;
             let id = Identity::new(registered.node_id, registered.cluster_id, config.join.clone());
             id.store(&config.data_dir).map_err(StartError::Io)?;
             tracing::info!(node_id = id.node_id, cluster_id = %id.cluster_id, "registered with the cluster");
@@ -209,11 +265,13 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
     let mut control_config =
         ControlConfig::new(node_id, api_addr.clone(), peer_addr.clone(), config.data_dir.join("raft"));
     control_config.heartbeat = config.raft_heartbeat;
+    control_config.name = config.name.clone();
     control_config.election_timeout = config.raft_election_timeout;
     let control = ControlPlane::open(control_config).await?;
 
     let cache = Arc::new(CacheStore::new(config.cache_size, Clock::new()));
     let metrics = Arc::new(NodeMetrics::new());
+    metrics.state.memory_limit_bytes.set(config.memory_limit.unwrap_or(0) as f64);
     let limits = Limits {
         max_key_bytes: config.max_key_bytes,
         max_value_bytes: config.max_value_bytes as usize,
@@ -246,10 +304,13 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
             replicator.clone(),
         ))
         .merge(replicator.peer_routes())
-        .merge(health.peer_routes());
+        .merge(health.peer_routes())
+        .layer(axum::middleware::from_fn_with_state(config.cluster_secret.clone(), crate::auth::require_secret));
+    let api_router = shoal_http_api::router(api)
+        .layer(axum::middleware::from_fn_with_state(config.admin_token.clone(), crate::auth::require_admin_token));
     let servers = vec![
         http_server::serve(listeners.peer, peer_router, shutdown.subscribe()),
-        http_server::serve(listeners.api, shoal_http_api::router(api), shutdown.subscribe()),
+        http_server::serve(listeners.api, api_router, shutdown.subscribe()),
     ];
     let handle = NodeHandle {
         node_id,
@@ -262,6 +323,8 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
         tasks: Vec::new(),
         transfers: None,
         rejoin: Arc::new(parking_lot::Mutex::new(None)),
+        health: health.clone(),
+        replicator: replicator.clone(),
     };
     let joined = join_or_resume(&config, &identity, &control, &joiner).await;
     if let Err(e) = joined {

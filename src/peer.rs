@@ -86,6 +86,9 @@ impl PeerClient {
             .parse()
             .map_err(|e| ApiError::Internal(format!("bad peer address {api_addr:?}: {e}")))?;
         let mut request = Request::builder().method(method).uri(uri);
+        if let Some(secret) = shoal_raft::cluster_secret() {
+            request = request.header(shoal_raft::SECRET_HEADER, secret);
+        }
         for (name, value) in headers {
             request = request.header(name, value);
         }
@@ -244,6 +247,14 @@ impl PeerClient {
 impl Default for PeerClient {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+/// `request` with the cluster secret this process sends, if any (R62).
+pub fn with_secret(request: hyper::http::request::Builder) -> hyper::http::request::Builder {
+    match shoal_raft::cluster_secret() {
+        Some(secret) => request.header(shoal_raft::SECRET_HEADER, secret),
+        None => request,
     }
 }
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test of shoal on a fresh machine: installs what the tests need (curl for the
-# README examples), then checks formatting and lints and runs the whole test suite.
+# README examples, nft/ip/unshare for the fault tests; the deploy and observability checks
+# install kubectl, kubernetes-validate and promtool themselves), then checks formatting and
+# lints and runs the whole test suite.
 # Usage: tests/run.sh            (CI runs exactly this through .ci/run)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +30,15 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "== test"
 status=0
 cargo test --workspace --locked --no-fail-fast || status=$?
+
+# The deployment as users get it, checked offline by real tools (they install what they
+# need: kubectl/kustomize, kubernetes-validate, promtool): the Kubernetes manifests, the
+# Prometheus rules, the Grafana dashboard, and a live node's /metrics (target/debug/shoal,
+# built by the tests above).
+echo "== deploy/ manifests"
+tests/deploy/check.sh || status=$?
+echo "== metrics, rules and dashboard"
+tests/observability/check.sh || status=$?
 
 # Fault tests (kill -9, SIGSTOP, nft partitions) run real node processes on 127.0.0.2-4 inside
 # a private network namespace: the nft rules and every packet stay in it, and it vanishes

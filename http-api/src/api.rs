@@ -124,6 +124,12 @@ pub trait ShoalApi: Send + Sync + 'static {
     /// The readiness checks; ready when all pass.
     fn readiness(&self) -> Vec<Check>;
 
+    /// Why the process is not alive (its Raft core stopped), if it is not. Never checks
+    /// peers: a liveness probe must not restart a node because others are down.
+    fn liveness(&self) -> Option<String> {
+        None
+    }
+
     /// The Prometheus text exposition.
     fn metrics(&self) -> String;
 }

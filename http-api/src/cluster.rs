@@ -92,8 +92,12 @@ pub(crate) async fn clear_lost<N: ShoalApi>(State(node): State<Arc<N>>, body: by
     }
 }
 
-pub(crate) async fn livez() -> &'static str {
-    "ok\n"
+/// 200 while the process and its Raft core run; 503 once the Raft core stopped.
+pub(crate) async fn livez<N: ShoalApi>(State(node): State<Arc<N>>) -> Response {
+    match node.liveness() {
+        None => "ok\n".into_response(),
+        Some(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("not alive: {why}\n")).into_response(),
+    }
 }
 
 /// 200 when every readiness check passes, 503 otherwise; `?verbose` lists the checks.

@@ -73,7 +73,7 @@ pub fn router<N: ShoalApi>(node: Arc<N>) -> Router {
         .route("/v1/cluster/config", axum::routing::put(cluster::set_config::<N>))
         .route("/v1/cluster/lost/clear", post(cluster::clear_lost::<N>))
         .route("/v1/node", get(cluster::node_stats::<N>))
-        .route("/livez", get(cluster::livez))
+        .route("/livez", get(cluster::livez::<N>))
         .route("/readyz", get(cluster::readyz::<N>))
         .route("/metrics", get(cluster::metrics::<N>))
         .route("/openapi.json", get(openapi_json))

@@ -219,6 +219,9 @@ pub struct Removed {
 pub struct MemberView {
     /// Its id.
     pub id: NodeId,
+    /// Its name (the pod name in a StatefulSet), if it gave one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
     /// Client API address.
     pub api_addr: String,
     /// Internal address.

@@ -24,6 +24,9 @@ pub enum ClusterCommand {
         api_addr: String,
         /// The first member's internal address.
         peer_addr: String,
+        /// The first member's name for people and tools (the pod name in a StatefulSet); optional.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        name: Option<String>,
         /// How many members vote in Raft (3 or 5).
         voters: u8,
         /// How writes reach replicas (older logs have no such field: sync).
@@ -69,6 +72,9 @@ pub enum ClusterCommand {
         api_addr: String,
         /// The joiner's internal address.
         peer_addr: String,
+        /// A name for people and tools (the pod name in a StatefulSet); optional.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        name: Option<String>,
     },
     /// A registered node, now a Raft learner that has caught up, becomes a member: it is
     /// appended to the join order and a transition to a map that gives it its share starts.

@@ -54,6 +54,8 @@ pub struct ControlConfig {
     pub election_timeout: Duration,
     /// Bound on every wait of a membership change (learner catch-up, leader election).
     pub change_timeout: Duration,
+    /// This node's name (recorded when it bootstraps a cluster).
+    pub name: Option<String>,
 }
 
 impl ControlConfig {
@@ -67,6 +69,7 @@ impl ControlConfig {
             heartbeat: Duration::from_millis(250),
             election_timeout: Duration::from_millis(1500),
             change_timeout: Duration::from_secs(30),
+            name: None,
         }
     }
 }
@@ -83,6 +86,8 @@ struct Inner {
     raft: Raft,
     view: StateView,
     db: sled::Db,
+    /// Reads the committed index the log store records.
+    log_store: SledLogStore,
     admin_client: AdminClient,
     /// Held for the whole of a membership change on the leader, so changes never interleave.
     membership_lock: Mutex<()>,
@@ -117,6 +122,7 @@ impl ControlPlane {
         .validate()
         .map_err(fatal)?;
         let network = HttpRaftNetwork::new(Duration::from_secs(2));
+        let commit_reader = log_store.clone();
         let raft =
             Raft::new(config.node_id, Arc::new(raft_config), network, log_store, state_machine).await.map_err(fatal)?;
         let node = MemberNode { api_addr: config.api_addr.clone(), peer_addr: config.peer_addr.clone() };
@@ -128,6 +134,7 @@ impl ControlPlane {
                 raft,
                 view,
                 db,
+                log_store: commit_reader,
                 admin_client,
                 membership_lock: Mutex::new(()),
                 stale_since: parking_lot::Mutex::new(HashMap::new()),
@@ -182,6 +189,11 @@ impl ControlPlane {
         is_voter
     }
 
+    /// The last committed Raft log index this node knows of.
+    pub fn commit_index(&self) -> u64 {
+        self.inner.log_store.committed_index()
+    }
+
     /// The size of the Raft storage on disk, in bytes.
     pub fn storage_bytes(&self) -> u64 {
         self.inner.db.size_on_disk().unwrap_or(0)
@@ -230,6 +242,7 @@ impl ControlPlane {
             node_id: self.node_id(),
             api_addr: self.inner.node.api_addr.clone(),
             peer_addr: self.inner.node.peer_addr.clone(),
+            name: self.inner.config.name.clone(),
             voters,
             replication,
         };
@@ -300,8 +313,8 @@ impl ControlPlane {
     /// Runs an admin request on this node, which must be the leader (otherwise `NotLeader`).
     pub async fn admin_as_leader(&self, request: AdminRequest) -> Result<AdminResponse, ControlError> {
         match request {
-            AdminRequest::Register { api_addr, peer_addr } => {
-                match self.write(ClusterCommand::Register { api_addr, peer_addr }).await? {
+            AdminRequest::Register { api_addr, peer_addr, name } => {
+                match self.write(ClusterCommand::Register { api_addr, peer_addr, name }).await? {
                     CommandResponse::Registered { node_id } => Ok(AdminResponse::Registered {
                         node_id,
                         cluster_id: self.state().cluster_id.clone().unwrap_or_default(),

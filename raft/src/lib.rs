@@ -50,6 +50,9 @@ pub(crate) async fn flush(db: &sled::Db) -> Result<usize, sled::Error> {
 pub use control::{ControlConfig, ControlPlane};
 pub use distribution::{bucket_of, BucketId, DistributionMap, NodeId, BUCKET_COUNT};
 pub use error::ControlError;
-pub use network::{outgoing_ip, peer_router, set_outgoing_ip, AdminClient, AdminRequest, AdminResponse, MemberStatus};
+pub use network::{
+    cluster_secret, outgoing_ip, peer_router, secret_headers, set_cluster_secret, set_outgoing_ip, AdminClient,
+    AdminRequest, AdminResponse, MemberStatus, SECRET_HEADER,
+};
 pub use state::{ClusterState, Member, ReplicationMode};
 pub use state_machine::StateView;

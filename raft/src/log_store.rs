@@ -26,12 +26,24 @@ pub struct SledLogStore {
     db: sled::Db,
     log: sled::Tree,
     meta: sled::Tree,
+    /// The last committed index openraft reported (for metrics).
+    committed: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl SledLogStore {
     /// Opens (or creates) the log trees in `db`.
     pub fn open(db: &sled::Db) -> Result<Self, sled::Error> {
-        Ok(SledLogStore { db: db.clone(), log: db.open_tree("raft_log")?, meta: db.open_tree("raft_meta")? })
+        Ok(SledLogStore {
+            db: db.clone(),
+            log: db.open_tree("raft_log")?,
+            meta: db.open_tree("raft_meta")?,
+            committed: Default::default(),
+        })
+    }
+
+    /// The last committed log index this node knows of (0 before any).
+    pub fn committed_index(&self) -> u64 {
+        self.committed.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     fn read_meta<T: DeserializeOwned>(&self, key: &str, subject: ErrorSubject<u64>) -> Result<Option<T>, StorageError> {
@@ -117,6 +129,8 @@ impl RaftLogStorage<TypeConfig> for SledLogStore {
     async fn save_committed(&mut self, committed: Option<LogId>) -> Result<(), StorageError> {
         // No flush: losing the last committed id only means re-applying from the persisted
         // state machine, which records its own last-applied id.
+        let index = committed.map(|c| c.index).unwrap_or(0);
+        self.committed.store(index, std::sync::atomic::Ordering::Relaxed);
         self.write_meta(KEY_COMMITTED, &committed, ErrorSubject::Store)
     }
 

@@ -65,6 +65,7 @@ impl NodeApi {
             .zip(stats)
             .map(|(m, stats)| MemberView {
                 id: m.id,
+                name: m.name.clone(),
                 api_addr: m.api_addr.clone(),
                 peer_addr: m.peer_addr.clone(),
                 join_seq: m.join_seq,
@@ -143,6 +144,7 @@ impl NodeApi {
             check("member", state.is_member(self.node_id), "this node is not a member of a cluster (yet)"),
             check("leader", self.control.leader().is_some(), "no Raft leader is known"),
             check("map", !state.map.is_empty(), "no distribution map applied"),
+            check("draining", !self.health.is_draining(), "this node is stopping (SIGTERM)"),
         ]
     }
 
@@ -176,6 +178,8 @@ impl NodeApi {
         g.raft_term.set(raft.current_term as f64);
         g.raft_last_log_index.set(raft.last_log_index.unwrap_or(0) as f64);
         g.raft_applied_index.set(raft.last_applied.map(|l| l.index).unwrap_or(0) as f64);
+        g.raft_commit_index.set(self.control.commit_index() as f64);
+        g.balance_ratio.set(balance_ratio(&state));
         g.raft_storage_bytes.set(self.control.storage_bytes() as f64);
         let replica = self.replicator.replica().stats();
         g.replica_items.set(replica.items as f64);
@@ -232,6 +236,17 @@ impl NodeApi {
         self.control.admin(AdminRequest::ClearLost { buckets }).await.map_err(control_error)?;
         Ok(clear)
     }
+}
+
+/// Buckets of the member that owns the most, over an even share: 1.0 when balanced, 0 with
+/// no members.
+fn balance_ratio(state: &ClusterState) -> f64 {
+    let owners: Vec<NodeId> = state.members.iter().filter(|m| !m.leaving).map(|m| m.id).collect();
+    if owners.is_empty() {
+        return 0.0;
+    }
+    let most = owners.iter().map(|&id| state.map.buckets_of(id).len()).max().unwrap_or(0);
+    most as f64 / (shoal_raft::BUCKET_COUNT as f64 / owners.len() as f64)
 }
 
 fn control_error(e: ControlError) -> ApiError {

@@ -441,8 +441,20 @@ impl ShoalApi for NodeApi {
         self.checks()
     }
 
+    fn liveness(&self) -> Option<String> {
+        self.control.raft_metrics().running_state.as_ref().err().map(|fatal| format!("the Raft core stopped: {fatal}"))
+    }
+
     fn metrics(&self) -> String {
         self.refresh_gauges();
-        self.metrics.render()
+        let peers: Vec<(u64, bool, Option<f64>)> = self
+            .health
+            .peers()
+            .into_iter()
+            .map(|p| (p.node_id, p.state == "pfail", p.last_contact_ms.map(|ms| ms as f64 / 1000.0)))
+            .collect();
+        let mut text = self.metrics.render();
+        text.push_str(&crate::metrics::render_peers(&peers));
+        text
     }
 }

@@ -312,7 +312,7 @@ impl Replicator {
         snapshot: bool,
     ) -> Result<(StatusCode, Option<u64>), String> {
         let uri = format!("http://{}/internal/replicate/{}", holder.peer_addr, bucket.0);
-        let request = Request::post(uri)
+        let request = crate::peer::with_secret(Request::post(uri))
             .header(HEADER_FROM, self.me)
             .header(HEADER_MAP_VERSION, holder.map_version)
             .header(HEADER_SNAPSHOT, if snapshot { "1" } else { "0" })

@@ -83,7 +83,7 @@ impl Puller {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let request = Request::get(&uri)
+            let request = crate::peer::with_secret(Request::get(&uri))
                 .body(Empty::new())
                 .map_err(|e| PullError::Refused { node: from, detail: e.to_string() })?;
             match self.http.request(request).await {

@@ -121,7 +121,7 @@ impl ShadowWriter {
         }
         body.extend_from_slice(&end_frame(0, changes.len() as u64));
         let uri = format!("http://{peer_addr}/internal/shadow/{}", bucket.0);
-        let Ok(request) = Request::post(uri).body(Full::new(body.freeze())) else { return };
+        let Ok(request) = crate::peer::with_secret(Request::post(uri)).body(Full::new(body.freeze())) else { return };
         let sent = tokio::time::timeout(WRITE_THROUGH_TIMEOUT, self.http.request(request)).await;
         match sent {
             Ok(Ok(r)) if r.status().is_success() => {}

@@ -10,5 +10,6 @@ mod process;
 mod readme;
 mod restart;
 mod routing;
+mod statefulset;
 mod transfer;
 mod workload;

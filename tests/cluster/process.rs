@@ -13,6 +13,7 @@ pub struct NodeProcess {
     pub addr: String,
     /// Everything needed to start it again on the same ports and data dir.
     args: Vec<String>,
+    envs: Vec<(String, String)>,
     log: std::path::PathBuf,
 }
 
@@ -36,7 +37,14 @@ impl NodeProcess {
 
     /// Like [`Self::start`], with more `shoal serve` flags.
     pub fn start_with(data_dir: &Path, extra: &[&str]) -> Self {
-        let (api, peer) = (free_port(), free_port());
+        let node = Self::launch(data_dir, (free_port(), free_port()), extra, &[]);
+        node.wait_ready();
+        node
+    }
+
+    /// Starts `shoal serve` on the given API and peer ports with more flags and environment
+    /// variables, without waiting for it.
+    pub fn launch(data_dir: &Path, (api, peer): (u16, u16), extra: &[&str], envs: &[(&str, &str)]) -> Self {
         let addr = format!("127.0.0.1:{api}");
         let mut args: Vec<String> =
             ["serve", "--listen", &addr, "--peer-listen", &format!("127.0.0.1:{peer}"), "--cache-size", "64MiB"]
@@ -46,14 +54,19 @@ impl NodeProcess {
         args.push("--data-dir".into());
         args.push(data_dir.display().to_string());
         args.extend(extra.iter().map(|s| s.to_string()));
+        let envs: Vec<(String, String)> = envs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         let log = data_dir.with_extension("log");
-        let child = spawn(&args, &log, false);
-        let node = NodeProcess { child, addr, args, log };
-        node.wait_ready();
-        node
+        let child = spawn(&args, &envs, &log, false);
+        NodeProcess { child, addr, args, envs, log }
     }
 
-    fn wait_ready(&self) {
+    /// The node's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits (bounded) until the node answers `shoal status`.
+    pub fn wait_ready(&self) {
         let deadline = Instant::now() + Duration::from_secs(60);
         while client(&self.addr, &["status"]).status.code() != Some(0) {
             assert!(Instant::now() < deadline, "node at {} did not become ready", self.addr);
@@ -69,27 +82,37 @@ impl NodeProcess {
 
     /// Starts the process again with the same flags (ports, data dir), appending to its log.
     pub fn restart(&mut self) {
-        self.child = spawn(&self.args, &self.log, true);
+        self.child = spawn(&self.args, &self.envs, &self.log, true);
         self.wait_ready();
     }
 
     /// Sends SIGTERM and waits (bounded) for the exit status.
     pub fn terminate(mut self) -> std::process::ExitStatus {
+        self.stop()
+    }
+
+    /// Sends SIGTERM and waits (bounded) for the exit status; the process can be restarted.
+    pub fn stop(&mut self) -> std::process::ExitStatus {
         let pid = self.child.id();
         let sent = Command::new("sh").arg("-c").arg(format!("kill -TERM {pid}")).status().expect("kill");
         assert!(sent.success());
-        let deadline = Instant::now() + Duration::from_secs(30);
+        self.wait_exit(Duration::from_secs(30))
+    }
+
+    /// Waits (bounded) until the process exits by itself.
+    pub fn wait_exit(&mut self, timeout: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + timeout;
         loop {
             if let Some(status) = self.child.try_wait().expect("wait") {
                 return status;
             }
-            assert!(Instant::now() < deadline, "node did not stop after SIGTERM");
+            assert!(Instant::now() < deadline, "node at {} did not stop", self.addr);
             std::thread::sleep(Duration::from_millis(50));
         }
     }
 }
 
-fn spawn(args: &[String], log: &Path, append: bool) -> Child {
+fn spawn(args: &[String], envs: &[(String, String)], log: &Path, append: bool) -> Child {
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(append)
@@ -97,7 +120,13 @@ fn spawn(args: &[String], log: &Path, append: bool) -> Child {
         .truncate(!append)
         .open(log)
         .expect("log file");
-    Command::new(BIN).args(args).stdout(Stdio::null()).stderr(log).spawn().expect("spawn shoal")
+    Command::new(BIN)
+        .args(args)
+        .envs(envs.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("spawn shoal")
 }
 
 /// Runs a client command against `addr`.
@@ -220,4 +249,25 @@ fn a_join_that_cannot_reach_the_cluster_gives_up_at_its_deadline_with_a_clear_er
     assert!(err.contains("could not join through") && err.contains(&nobody), "{err}");
     assert!(started.elapsed() < Duration::from_secs(30), "bounded by --join-timeout");
     assert!(!dir.path().join("node.json").exists(), "no identity was written");
+}
+
+#[test]
+fn json_logs_never_show_the_secrets() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let data = dir.path().join("node");
+    let flags = ["--log-format", "json", "--cluster-secret", "topsecret-1234", "--admin-token", "admintoken-5678"];
+    let node = NodeProcess::start_with(&data, &flags);
+    assert!(client(&node.addr, &["put", "k", "v"]).status.success());
+    let status = node.terminate();
+    assert!(status.success(), "{status}");
+    let log = std::fs::read_to_string(data.with_extension("log")).expect("log");
+    let lines: Vec<&str> = log.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert!(lines.len() >= 3, "{log}");
+    for line in &lines {
+        let entry: serde_json::Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
+        assert!(entry["level"].is_string() && entry["fields"].is_object(), "{line}");
+    }
+    assert!(log.contains("drained") && log.contains("node stopped"), "{log}");
+    assert!(!log.contains("topsecret-1234") && !log.contains("admintoken-5678"), "a secret was logged:\n{log}");
+    assert!(!log.contains("\u{1b}["), "no colour codes when not on a terminal");
 }

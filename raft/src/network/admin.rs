@@ -21,6 +21,9 @@ pub enum AdminRequest {
         api_addr: String,
         /// The joiner's internal address.
         peer_addr: String,
+        /// A name for people and tools (the pod name in a StatefulSet); optional.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        name: Option<String>,
     },
     /// Step 2 of a join: the registered node now runs Raft under its id; make it a learner,
     /// wait until it has caught up, then make it a member (and a voter if there is room).
@@ -154,6 +157,7 @@ impl AdminClient {
         let client = reqwest::Client::builder()
             .no_proxy()
             .local_address(super::outgoing_ip())
+            .default_headers(super::secret_headers())
             .tcp_nodelay(true)
             .connect_timeout(Duration::from_secs(2).min(timeout))
             .timeout(timeout)

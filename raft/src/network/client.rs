@@ -26,6 +26,7 @@ impl HttpRaftNetwork {
         let client = reqwest::Client::builder()
             .no_proxy()
             .local_address(super::outgoing_ip())
+            .default_headers(super::secret_headers())
             .tcp_nodelay(true)
             .connect_timeout(connect_timeout)
             .pool_idle_timeout(Duration::from_secs(30))

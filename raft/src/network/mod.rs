@@ -32,3 +32,30 @@ pub fn set_outgoing_ip(ip: IpAddr) {
 pub fn outgoing_ip() -> Option<IpAddr> {
     OUTGOING_IP.get().copied()
 }
+
+static CLUSTER_SECRET: OnceLock<String> = OnceLock::new();
+
+/// The header that carries the cluster secret on every request to a peer listener (R62).
+pub const SECRET_HEADER: &str = "x-shoal-cluster-secret";
+
+/// Makes every node-to-node request this process sends from now on carry `secret` in
+/// [`SECRET_HEADER`]. Set once per process (from `--cluster-secret`); later calls are ignored.
+pub fn set_cluster_secret(secret: String) {
+    let _ = CLUSTER_SECRET.set(secret);
+}
+
+/// The cluster secret this process sends, if one was set.
+pub fn cluster_secret() -> Option<&'static str> {
+    CLUSTER_SECRET.get().map(String::as_str)
+}
+
+/// Default headers of the reqwest clients that call peer listeners: the secret, if any.
+pub fn secret_headers() -> reqwest::header::HeaderMap {
+    let mut headers = reqwest::header::HeaderMap::new();
+    if let Some(value) = cluster_secret().and_then(|s| reqwest::header::HeaderValue::from_str(s).ok()) {
+        let mut value = value;
+        value.set_sensitive(true);
+        headers.insert(SECRET_HEADER, value);
+    }
+    headers
+}

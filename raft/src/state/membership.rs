@@ -8,9 +8,7 @@ impl ClusterState {
     pub(super) fn bootstrap(
         &mut self,
         cluster_id: &str,
-        node_id: NodeId,
-        api_addr: &str,
-        peer_addr: &str,
+        first: Member,
         voters: u8,
         replication: ReplicationMode,
     ) -> CommandResponse {
@@ -20,31 +18,34 @@ impl ClusterState {
         self.cluster_id = Some(cluster_id.to_string());
         self.settings.voters = voters;
         self.settings.replication = replication;
-        self.members = vec![Member {
-            id: node_id,
-            api_addr: api_addr.into(),
-            peer_addr: peer_addr.into(),
-            join_seq: 1,
-            leaving: false,
-        }];
+        let node_id = first.id;
+        self.members = vec![Member { join_seq: 1, leaving: false, ..first }];
         self.next_node_id = node_id + 1;
         self.next_join_seq = 2;
         self.map = DistributionMap::single(node_id);
         CommandResponse::MapChanged { map_version: self.map.version }
     }
 
-    pub(super) fn register(&mut self, api_addr: &str, peer_addr: &str) -> CommandResponse {
+    pub(super) fn register(&mut self, joiner: Registration) -> CommandResponse {
         if self.cluster_id.is_none() {
             return rejected("the cluster is not bootstrapped");
         }
-        if let Some(m) = self.members.iter().find(|m| m.api_addr == api_addr || m.peer_addr == peer_addr) {
+        let (api_addr, peer_addr) = (&joiner.api_addr, &joiner.peer_addr);
+        if let Some(m) = self.members.iter().find(|m| &m.api_addr == api_addr || &m.peer_addr == peer_addr) {
             return rejected(&format!("address already used by member {}", m.id));
         }
+        if let Some(m) = self.members.iter().find(|m| joiner.name.is_some() && m.name == joiner.name) {
+            return rejected(&format!(
+                "name {:?} already used by member {}",
+                joiner.name.as_deref().unwrap_or(""),
+                m.id
+            ));
+        }
         // A joiner that crashed and registers again gets a fresh id; drop its old one.
-        self.registered.retain(|_, r| r.api_addr != api_addr && r.peer_addr != peer_addr);
+        self.registered.retain(|_, r| &r.api_addr != api_addr && &r.peer_addr != peer_addr);
         let node_id = self.next_node_id;
         self.next_node_id += 1;
-        self.registered.insert(node_id, Registration { api_addr: api_addr.into(), peer_addr: peer_addr.into() });
+        self.registered.insert(node_id, joiner);
         CommandResponse::Registered { node_id }
     }
 
@@ -63,6 +64,7 @@ impl ClusterState {
             id: node_id,
             api_addr: reg.api_addr,
             peer_addr: reg.peer_addr,
+            name: reg.name,
             join_seq: self.next_join_seq,
             leaving: false,
         });

@@ -35,6 +35,9 @@ pub struct Member {
     pub api_addr: String,
     /// Its internal (Raft and node-to-node) address.
     pub peer_addr: String,
+    /// Its name for people and tools (the pod name in a StatefulSet), if it gave one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
     /// Its position in join order, counted over the whole life of the cluster (1 for the
     /// first member); increases with every admission, never reused.
     pub join_seq: u64,
@@ -51,6 +54,9 @@ pub struct Registration {
     pub api_addr: String,
     /// Its internal address.
     pub peer_addr: String,
+    /// Its name, if it gave one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 /// How an active node's writes reach the replica of their bucket (R15, R16).
@@ -167,8 +173,16 @@ impl ClusterState {
     /// answered with [`CommandResponse::Rejected`] (or `Busy`) and changes nothing.
     pub fn apply(&mut self, command: &ClusterCommand) -> CommandResponse {
         match command {
-            ClusterCommand::Bootstrap { cluster_id, node_id, api_addr, peer_addr, voters, replication } => {
-                self.bootstrap(cluster_id, *node_id, api_addr, peer_addr, *voters, *replication)
+            ClusterCommand::Bootstrap { cluster_id, node_id, api_addr, peer_addr, name, voters, replication } => {
+                let first = Member {
+                    id: *node_id,
+                    api_addr: api_addr.clone(),
+                    peer_addr: peer_addr.clone(),
+                    name: name.clone(),
+                    join_seq: 1,
+                    leaving: false,
+                };
+                self.bootstrap(cluster_id, first, *voters, *replication)
             }
             ClusterCommand::SetReplication { mode } => {
                 if self.cluster_id.is_none() {
@@ -181,7 +195,11 @@ impl ClusterState {
             ClusterCommand::HandOver { node_id } => self.hand_over(*node_id),
             ClusterCommand::Promoted { node_id, buckets, lost } => self.promoted(*node_id, buckets, lost),
             ClusterCommand::ClearLost { buckets } => self.clear_lost(buckets),
-            ClusterCommand::Register { api_addr, peer_addr } => self.register(api_addr, peer_addr),
+            ClusterCommand::Register { api_addr, peer_addr, name } => {
+                let registration =
+                    Registration { api_addr: api_addr.clone(), peer_addr: peer_addr.clone(), name: name.clone() };
+                self.register(registration)
+            }
             ClusterCommand::Admit { node_id, force } => self.admit(*node_id, *force),
             ClusterCommand::Remove { node_id, force } => self.remove(*node_id, *force),
             ClusterCommand::AckTransition { node_id, to_version } => self.ack_transition(*node_id, *to_version),

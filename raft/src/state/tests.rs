@@ -12,6 +12,7 @@ fn bootstrapped(voters: u8) -> ClusterState {
         node_id: 1,
         api_addr: "a1".into(),
         peer_addr: "p1".into(),
+        name: None,
         voters,
         replication: ReplicationMode::Sync,
     });
@@ -40,7 +41,7 @@ fn move_everything(s: &mut ClusterState) {
 
 fn join(s: &mut ClusterState, n: u32) -> NodeId {
     let CommandResponse::Registered { node_id } =
-        s.apply(&ClusterCommand::Register { api_addr: format!("a{n}"), peer_addr: format!("p{n}") })
+        s.apply(&ClusterCommand::Register { api_addr: format!("a{n}"), peer_addr: format!("p{n}"), name: None })
     else {
         panic!("register failed")
     };
@@ -66,7 +67,7 @@ fn counts(s: &ClusterState) -> Vec<usize> {
 fn a_join_keeps_the_stable_map_until_every_member_acknowledged() {
     let mut s = bootstrapped(3);
     let CommandResponse::Registered { node_id } =
-        s.apply(&ClusterCommand::Register { api_addr: "a2".into(), peer_addr: "p2".into() })
+        s.apply(&ClusterCommand::Register { api_addr: "a2".into(), peer_addr: "p2".into(), name: None })
     else {
         panic!()
     };
@@ -102,7 +103,7 @@ fn every_move_bumps_the_serving_map_version() {
 fn stale_and_aborted_moves_are_rejected() {
     let mut s = bootstrapped(3);
     let CommandResponse::Registered { node_id } =
-        s.apply(&ClusterCommand::Register { api_addr: "a2".into(), peer_addr: "p2".into() })
+        s.apply(&ClusterCommand::Register { api_addr: "a2".into(), peer_addr: "p2".into(), name: None })
     else {
         panic!()
     };
@@ -135,9 +136,11 @@ fn stale_and_aborted_moves_are_rejected() {
 #[test]
 fn membership_changes_wait_for_a_running_transfer_unless_forced() {
     let mut s = bootstrapped(3);
-    let reg = |s: &mut ClusterState, n: u32| match s
-        .apply(&ClusterCommand::Register { api_addr: format!("a{n}"), peer_addr: format!("p{n}") })
-    {
+    let reg = |s: &mut ClusterState, n: u32| match s.apply(&ClusterCommand::Register {
+        api_addr: format!("a{n}"),
+        peer_addr: format!("p{n}"),
+        name: None,
+    }) {
         CommandResponse::Registered { node_id } => node_id,
         other => panic!("{other:?}"),
     };
@@ -250,7 +253,7 @@ fn maps_stay_valid_through_joins_and_leaves() {
 fn the_previous_owner_holds_a_shadow_until_the_transfer_is_complete() {
     let mut s = bootstrapped(3);
     let CommandResponse::Registered { node_id } =
-        s.apply(&ClusterCommand::Register { api_addr: "a2".into(), peer_addr: "p2".into() })
+        s.apply(&ClusterCommand::Register { api_addr: "a2".into(), peer_addr: "p2".into(), name: None })
     else {
         panic!()
     };

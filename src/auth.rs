@@ -1,0 +1,126 @@
+//! Who may call what (R62): the cluster secret on the peer listener, the optional admin token
+//! on the cluster's write endpoints.
+//!
+//! - Every request to the peer listener (Raft, join, replication, transfer, shadows, pings)
+//!   must carry the cluster secret in `x-shoal-cluster-secret` when the node has one; a
+//!   missing or wrong secret gets 401 before any handler runs, so it changes nothing.
+//! - With `--admin-token`, the write endpoints under `/v1/cluster` (leave, config, clearing
+//!   lost buckets) need `Authorization: Bearer <token>`; reads and the key API stay open.
+//!
+//! Secrets are compared in constant time (`subtle`), are never logged, and print as `***` in
+//! the configuration's debug output.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{header, Method, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use subtle::ConstantTimeEq;
+
+/// A secret from the command line: compared in constant time, printed as `***`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(Arc<str>);
+
+impl Secret {
+    /// The secret's text (to send it).
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    /// Whether `given` is this secret, in time independent of where they differ.
+    pub fn matches(&self, given: &[u8]) -> bool {
+        self.0.as_bytes().ct_eq(given).into()
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("***")
+    }
+}
+
+impl std::str::FromStr for Secret {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s.is_empty() {
+            return Err("must not be empty".into());
+        }
+        if s.chars().any(|c| !c.is_ascii_graphic()) {
+            return Err("must be printable ASCII without spaces (it travels in an HTTP header)".into());
+        }
+        Ok(Secret(s.into()))
+    }
+}
+
+fn unauthorized(code: &'static str, detail: &str) -> Response {
+    let body = serde_json::json!({
+        "type": format!("urn:shoal:problem:{code}"),
+        "title": "Unauthorized",
+        "status": 401,
+        "code": code,
+        "detail": detail,
+    });
+    let mut response = (StatusCode::UNAUTHORIZED, axum::Json(body)).into_response();
+    response.headers_mut().insert(header::CONTENT_TYPE, header::HeaderValue::from_static("application/problem+json"));
+    response
+}
+
+/// Middleware of the peer listener: the cluster secret, when the node has one.
+pub async fn require_secret(State(secret): State<Option<Secret>>, request: Request<Body>, next: Next) -> Response {
+    if let Some(secret) = &secret {
+        let given = request.headers().get(shoal_raft::SECRET_HEADER).map(|v| v.as_bytes());
+        if !given.is_some_and(|g| secret.matches(g)) {
+            let what = if given.is_some() { "a wrong" } else { "no" };
+            tracing::debug!(path = %request.uri().path(), "peer request with {what} cluster secret refused");
+            return unauthorized(
+                "cluster_secret_required",
+                &format!(
+                    "this endpoint needs the cluster secret (header {}); {what} secret was given",
+                    shoal_raft::SECRET_HEADER
+                ),
+            );
+        }
+    }
+    next.run(request).await
+}
+
+/// Middleware of the client API: the admin token on `/v1/cluster` writes, when set.
+pub async fn require_admin_token(State(token): State<Option<Secret>>, request: Request<Body>, next: Next) -> Response {
+    let guarded = request.method() != Method::GET
+        && request.method() != Method::HEAD
+        && request.uri().path().starts_with("/v1/cluster");
+    if let (true, Some(token)) = (guarded, &token) {
+        let given = request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+            .map(<[u8]>::to_vec);
+        if !given.is_some_and(|g| token.matches(&g)) {
+            return unauthorized(
+                "admin_token_required",
+                "changing the cluster needs the admin token: Authorization: Bearer <token>",
+            );
+        }
+    }
+    next.run(request).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Secret;
+
+    #[test]
+    fn secrets_match_exactly_and_never_print() {
+        let s: Secret = "s3cret".parse().expect("valid");
+        assert!(s.matches(b"s3cret"));
+        assert!(!s.matches(b"s3cre"));
+        assert!(!s.matches(b"s3cret!"));
+        assert!(!s.matches(b""));
+        assert_eq!(format!("{s:?}"), "***");
+        assert!("".parse::<Secret>().is_err());
+        assert!("has space".parse::<Secret>().is_err());
+    }
+}
