@@ -41,17 +41,27 @@ impl std::fmt::Debug for Secret {
     }
 }
 
+/// Parsing never fails, so that a bad value is never echoed in an error message (clap prints
+/// refused values); [`Secret::problem`] says what is wrong without repeating it. Surrounding
+/// whitespace (the newline of a secret file) is dropped.
 impl std::str::FromStr for Secret {
-    type Err = String;
+    type Err = std::convert::Infallible;
 
-    fn from_str(s: &str) -> Result<Self, String> {
-        if s.is_empty() {
-            return Err("must not be empty".into());
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(Secret(s.trim().into()))
+    }
+}
+
+impl Secret {
+    /// Why this secret cannot be used, if it cannot.
+    pub fn problem(&self) -> Option<&'static str> {
+        if self.0.is_empty() {
+            return Some("is empty");
         }
-        if s.chars().any(|c| !c.is_ascii_graphic()) {
-            return Err("must be printable ASCII without spaces (it travels in an HTTP header)".into());
+        if self.0.chars().any(|c| !c.is_ascii_graphic()) {
+            return Some("must be printable ASCII without spaces (it travels in an HTTP header)");
         }
-        Ok(Secret(s.into()))
+        None
     }
 }
 
@@ -96,8 +106,9 @@ pub async fn require_admin_token(State(token): State<Option<Secret>>, request: R
         let given = request
             .headers()
             .get(header::AUTHORIZATION)
-            .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
-            .map(<[u8]>::to_vec);
+            .map(|v| v.as_bytes())
+            .filter(|v| v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer "))
+            .map(|v| v[7..].to_vec());
         if !given.is_some_and(|g| token.matches(&g)) {
             return unauthorized(
                 "admin_token_required",
@@ -114,13 +125,14 @@ mod tests {
 
     #[test]
     fn secrets_match_exactly_and_never_print() {
-        let s: Secret = "s3cret".parse().expect("valid");
-        assert!(s.matches(b"s3cret"));
+        let s: Secret = "s3cret\n".parse().expect("parses");
+        assert_eq!(s.problem(), None);
+        assert!(s.matches(b"s3cret"), "the newline of a secret file is dropped");
         assert!(!s.matches(b"s3cre"));
         assert!(!s.matches(b"s3cret!"));
         assert!(!s.matches(b""));
         assert_eq!(format!("{s:?}"), "***");
-        assert!("".parse::<Secret>().is_err());
-        assert!("has space".parse::<Secret>().is_err());
+        assert!("".parse::<Secret>().expect("parses").problem().is_some());
+        assert!("has space".parse::<Secret>().expect("parses").problem().is_some());
     }
 }

@@ -131,7 +131,7 @@ async fn send(
 
 /// The id of the member named `node` (its name, or its id).
 fn member_id(view: &ClusterView, node: &str) -> Result<u64, String> {
-    if let Some(m) = view.members.iter().find(|m| m.name.as_deref() == Some(node)) {
+    if let Some(m) = view.members.iter().find(|m| crate::discover::name_of(m).as_deref() == Some(node)) {
         return Ok(m.id);
     }
     match node.parse::<u64>() {

@@ -163,8 +163,9 @@ pub struct ServeConfig {
     #[arg(long, env = "SHOAL_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<crate::auth::Secret>,
 
-    /// On SIGTERM, how long the node may spend handing over before it exits: it stops being
-    /// ready at once, gives up Raft leadership, and waits for its replicas to be in sync.
+    /// On SIGTERM, how long the node may wait for its replicas before it exits: it stops being
+    /// ready and acknowledging writes at once, and waits until the replica of every bucket it
+    /// owns is in sync (a stop is not a leave: it comes back as the same member).
     #[arg(long, env = "SHOAL_DRAIN_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
     pub drain_timeout: Duration,
 
@@ -278,6 +279,11 @@ impl ServeConfig {
                     bytesize::ByteSize(self.cache_size),
                     bytesize::ByteSize(limit)
                 ));
+            }
+        }
+        for (flag, secret) in [("--cluster-secret", &self.cluster_secret), ("--admin-token", &self.admin_token)] {
+            if let Some(problem) = secret.as_ref().and_then(|s| s.problem()) {
+                return Err(format!("{flag} {problem}"));
             }
         }
         if self.drain_timeout.is_zero() {
@@ -461,7 +467,9 @@ mod tests {
         let printed = format!("{c:?}");
         assert!(!printed.contains("hunter2") && !printed.contains("tok3n"), "{printed}");
         assert!(c.cluster_secret.expect("secret").matches(b"hunter2"));
-        assert!(serve(&["--cluster-secret", ""]).is_err(), "an empty secret is refused");
+        let bad = serve(&["--cluster-secret", "not a secret"]).expect("parse");
+        let err = bad.validate().expect_err("refused");
+        assert!(err.contains("--cluster-secret") && !err.contains("not a secret"), "{err}");
     }
 
     #[test]

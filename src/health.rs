@@ -82,6 +82,8 @@ pub struct Health {
     in_flight: Mutex<std::collections::HashSet<NodeId>>,
     /// Set on SIGTERM: not ready, no new writes (see `NodeHandle::drain`).
     draining: AtomicBool,
+    /// Set while a leaving node waits for its replicas before handing over (R18).
+    handing_over: AtomicBool,
 }
 
 impl Health {
@@ -111,12 +113,18 @@ impl Health {
             failing: AtomicBool::new(false),
             in_flight: Mutex::new(std::collections::HashSet::new()),
             draining: AtomicBool::new(false),
+            handing_over: AtomicBool::new(false),
         })
     }
 
     /// Marks the node as stopping: `/readyz` fails and writes are refused from now on.
     pub fn start_draining(&self) {
         self.draining.store(true, Ordering::Relaxed);
+    }
+
+    /// Pauses (or resumes) this node's writes while it hands its buckets over (R18).
+    pub fn set_handing_over(&self, on: bool) {
+        self.handing_over.store(on, Ordering::Relaxed);
     }
 
     /// Whether the node is stopping.
@@ -177,6 +185,12 @@ impl Health {
     pub fn write_refusal(&self) -> Option<ApiError> {
         if *self.removed.borrow() {
             return Some(ApiError::unavailable("node_failed", "this node was failed by the cluster; it is rejoining"));
+        }
+        if self.handing_over.load(Ordering::Relaxed) {
+            return Some(ApiError::unavailable(
+                "node_leaving",
+                "this node is handing its buckets over to their replica; retry in a moment",
+            ));
         }
         if self.is_draining() {
             return Some(ApiError::unavailable(

@@ -57,9 +57,7 @@ fn serve(config: ServeConfig) -> Result<(), String> {
     let config = config.resolved();
     init_logs(config.log_format);
     config.validate().map_err(|e| format!("invalid configuration: {e}"))?;
-    if let Some(secret) = &config.cluster_secret {
-        shoal_raft::set_cluster_secret(secret.expose().to_string());
-    }
+
     // A node on its own loopback address (127.0.0.x) also talks to its peers from it.
     let ip = config.listen.ip();
     if ip.is_loopback() && !ip.is_unspecified() {

@@ -213,6 +213,12 @@ pub async fn start(config: ServeConfig) -> Result<NodeHandle, StartError> {
 /// Starts a node on listeners bound by the caller (tests bind port 0).
 pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<NodeHandle, StartError> {
     config.validate().map_err(StartError::Config)?;
+    if let Some(secret) = &config.cluster_secret {
+        // Every client of this process sends it (see `shoal_raft::set_cluster_secret`).
+        if !shoal_raft::set_cluster_secret(secret.expose().to_string()) {
+            return Err(StartError::Config("another node of this process uses a different --cluster-secret".into()));
+        }
+    }
     std::fs::create_dir_all(&config.data_dir)
         .map_err(|e| StartError::Io(format!("cannot create --data-dir {}: {e}", config.data_dir.display())))?;
     let local = |l: &TcpListener| l.local_addr().map_err(|e| StartError::Io(e.to_string()));
@@ -224,11 +230,23 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
     if let Some(id) = identity.as_ref().filter(|id| id.retired) {
         return Err(retired(&config, id.node_id));
     }
+    // Until the node serves, its API port answers /livez and says whether it has data (see
+    // `discover::starting_router`); it stops when the real server starts, or with this
+    // function's early returns (the sender is dropped).
+    let api_socket = listeners.api.into_std().map_err(|e| StartError::Io(e.to_string()))?;
+    let (starting_stop, starting_rx) = watch::channel(false);
+    let starting = {
+        let listener =
+            api_socket.try_clone().and_then(TcpListener::from_std).map_err(|e| StartError::Io(e.to_string()))?;
+        http_server::serve(listener, crate::discover::starting_router(identity.is_some()), starting_rx)
+    };
+    let api_listener = TcpListener::from_std(api_socket).map_err(|e| StartError::Io(e.to_string()))?;
     let mut config = config;
     if config.name.is_none() && !config.discover.is_empty() {
         config.name = crate::discover::hostname();
     }
-    if identity.is_none() && !config.discover.is_empty() {
+    // A node rejoining after it was failed (main's loop) already knows where its cluster is.
+    if identity.is_none() && !config.discover.is_empty() && config.join.is_empty() {
         let name = config.name.clone().unwrap_or_default();
         match crate::discover::discover(&config.discover, &name, config.join_timeout).await.map_err(StartError::Join)? {
             crate::discover::Decision::Bootstrap => {
@@ -310,8 +328,10 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
         .layer(axum::middleware::from_fn_with_state(config.admin_token.clone(), crate::auth::require_admin_token));
     let servers = vec![
         http_server::serve(listeners.peer, peer_router, shutdown.subscribe()),
-        http_server::serve(listeners.api, api_router, shutdown.subscribe()),
+        http_server::serve(api_listener, api_router, shutdown.subscribe()),
     ];
+    starting_stop.send_replace(true);
+    let _ = starting.await;
     let handle = NodeHandle {
         node_id,
         api_addr: api_bound,
@@ -348,6 +368,11 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
     handle.tasks.push(tokio::spawn(replicator.clone().drain_queue()));
     handle.tasks.push(tokio::spawn(replicator.clone().replicate_evictions()));
     handle.tasks.push(tokio::spawn(health.clone().run()));
+    handle.tasks.push(tokio::spawn(crate::replication::handover::hand_over_when_leaving(
+        control.clone(),
+        replicator.clone(),
+        health.clone(),
+    )));
     handle.tasks.push(tokio::spawn(leave_when_failed(
         control.clone(),
         health,

@@ -86,9 +86,6 @@ impl PeerClient {
             .parse()
             .map_err(|e| ApiError::Internal(format!("bad peer address {api_addr:?}: {e}")))?;
         let mut request = Request::builder().method(method).uri(uri);
-        if let Some(secret) = shoal_raft::cluster_secret() {
-            request = request.header(shoal_raft::SECRET_HEADER, secret);
-        }
         for (name, value) in headers {
             request = request.header(name, value);
         }
@@ -232,8 +229,14 @@ impl PeerClient {
 
     /// One member's transfer status, from its peer listener.
     pub async fn transfer_status(&self, peer_addr: &str) -> Result<TransferStatus, ApiError> {
-        let answer =
-            self.call_ok(Method::GET, peer_addr, "/internal/transfer/status", &[], Bytes::new(), STATS_TIMEOUT).await?;
+        // The one call of this client to a peer listener: it carries the cluster secret (the
+        // others go to API ports, which must never see it).
+        let secret: Vec<(HeaderName, String)> = shoal_raft::cluster_secret()
+            .map(|s| (HeaderName::from_static(shoal_raft::SECRET_HEADER), s.to_string()))
+            .into_iter()
+            .collect();
+        let path = "/internal/transfer/status";
+        let answer = self.call_ok(Method::GET, peer_addr, path, &secret, Bytes::new(), STATS_TIMEOUT).await?;
         serde_json::from_slice(&answer.body).map_err(|e| ApiError::Internal(e.to_string()))
     }
 

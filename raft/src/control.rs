@@ -314,6 +314,12 @@ impl ControlPlane {
     pub async fn admin_as_leader(&self, request: AdminRequest) -> Result<AdminResponse, ControlError> {
         match request {
             AdminRequest::Register { api_addr, peer_addr, name } => {
+                // Checked here, before the proposal, not in the state machine: nodes of an
+                // older version apply `Register` without looking at names.
+                if let Some(m) = self.state().members.iter().find(|m| name.is_some() && m.name == name) {
+                    let reason = format!("name {:?} already used by member {}", name.as_deref().unwrap_or(""), m.id);
+                    return Err(ControlError::Rejected { reason });
+                }
                 match self.write(ClusterCommand::Register { api_addr, peer_addr, name }).await? {
                     CommandResponse::Registered { node_id } => Ok(AdminResponse::Registered {
                         node_id,

@@ -33,12 +33,16 @@ pub struct SledLogStore {
 impl SledLogStore {
     /// Opens (or creates) the log trees in `db`.
     pub fn open(db: &sled::Db) -> Result<Self, sled::Error> {
-        Ok(SledLogStore {
+        let store = SledLogStore {
             db: db.clone(),
             log: db.open_tree("raft_log")?,
             meta: db.open_tree("raft_meta")?,
             committed: Default::default(),
-        })
+        };
+        // The metric starts from what was committed before a restart.
+        let committed = store.read_meta::<Option<LogId>>(KEY_COMMITTED, ErrorSubject::Store).ok().flatten().flatten();
+        store.committed.store(committed.map_or(0, |c| c.index), std::sync::atomic::Ordering::Relaxed);
+        Ok(store)
     }
 
     /// The last committed log index this node knows of (0 before any).

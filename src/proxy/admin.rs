@@ -137,14 +137,32 @@ impl NodeApi {
         }
     }
 
+    /// Readiness: a member with a map and a leader, not stopping, holding every bucket it
+    /// owns (none incoming or being restored), and every owned bucket attached to its
+    /// replica. The last two make a rolling restart wait until the data of the pod just
+    /// restarted is safe again before the next pod goes.
     pub(super) fn checks(&self) -> Vec<Check> {
         let state = self.control.state();
-        let check = |name: &str, ok: bool, detail: &str| Check { name: name.into(), ok, detail: detail.into() };
+        let check = |name: &str, ok: bool, detail: String| Check { name: name.into(), ok, detail };
+        let incoming = state.incoming_of(self.node_id).len();
+        let restoring = state.map.buckets_of(self.node_id).into_iter().filter(|&b| self.restoring.contains(b)).count();
+        let (attached, owned) = self.replicator.attached_count(&state);
+        let alone = state.members.len() <= 1;
         vec![
-            check("member", state.is_member(self.node_id), "this node is not a member of a cluster (yet)"),
-            check("leader", self.control.leader().is_some(), "no Raft leader is known"),
-            check("map", !state.map.is_empty(), "no distribution map applied"),
-            check("draining", !self.health.is_draining(), "this node is stopping (SIGTERM)"),
+            check("member", state.is_member(self.node_id), "this node is not a member of a cluster (yet)".into()),
+            check("leader", self.control.leader().is_some(), "no Raft leader is known".into()),
+            check("map", !state.map.is_empty(), "no distribution map applied".into()),
+            check("draining", !self.health.is_draining(), "this node is stopping (SIGTERM)".into()),
+            check(
+                "buckets",
+                incoming == 0 && restoring == 0,
+                format!("{incoming} buckets still to pull here, {restoring} being restored"),
+            ),
+            check(
+                "replicas",
+                alone || attached == owned,
+                format!("{attached} of {owned} owned buckets attached to their replica"),
+            ),
         ]
     }
 

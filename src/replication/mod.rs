@@ -43,8 +43,10 @@
 //! - `mod.rs`: the [`Replicator`], sending and the background tasks.
 //! - `receive.rs`: the holder's endpoint.
 //! - `follow.rs`: what the holder does when the map changes: promotion, cleanup.
+//! - `handover.rs`: a leaving member hands its buckets to its replica holder (R18).
 
 mod follow;
+pub mod handover;
 mod receive;
 
 use std::collections::{BTreeSet, VecDeque};
@@ -134,6 +136,8 @@ pub struct Replicator {
     /// Sender side: numbers every request, increasing across restarts (starts at the clock).
     seq: AtomicU64,
     queue: Mutex<VecDeque<Queued>>,
+    /// Changes taken off the queue by the drainer and not acknowledged yet.
+    sending: AtomicU64,
     wake: Notify,
     /// Promoted buckets installed in the active store, until the Raft state forgets them.
     installed: Mutex<BTreeSet<u16>>,
@@ -173,6 +177,7 @@ impl Replicator {
                     .unwrap_or(1),
             ),
             queue: Mutex::new(VecDeque::new()),
+            sending: AtomicU64::new(0),
             wake: Notify::new(),
             installed: Mutex::new(BTreeSet::new()),
             restoring,
@@ -375,10 +380,12 @@ impl Replicator {
         }
     }
 
-    /// Depth of the async queue and the age of its oldest change.
+    /// Depth of the async queue (changes in flight to the holder included) and the age of its
+    /// oldest queued change.
     pub fn queue_lag(&self) -> (usize, Duration) {
         let queue = self.queue.lock();
-        (queue.len(), queue.front().map(|q| q.at.elapsed()).unwrap_or_default())
+        let depth = queue.len() + self.sending.load(Ordering::Acquire) as usize;
+        (depth, queue.front().map(|q| q.at.elapsed()).unwrap_or_default())
     }
 
     /// Drains the async queue forever: batches of changes, in order, one request per run of
@@ -388,6 +395,7 @@ impl Replicator {
             let batch: Vec<Queued> = {
                 let mut queue = self.queue.lock();
                 let n = queue.len().min(BATCH);
+                self.sending.store(n as u64, Ordering::Release);
                 queue.drain(..n).collect()
             };
             if batch.is_empty() {
@@ -419,6 +427,7 @@ impl Replicator {
                 }
                 i = j;
             }
+            self.sending.store(0, Ordering::Release);
         }
     }
 

@@ -133,11 +133,17 @@ impl Puller {
             Ok(bytes) => match control.admin(AdminRequest::Moved { bucket: bucket.0, from, to, epoch }).await {
                 Ok(AdminResponse::Moved { map_version }) => {
                     tracing::debug!(bucket = bucket.0, from, map_version, bytes, "bucket moved here");
-                    // Serve it (and never pull it again) only once this node applied the flip.
-                    control.wait_for_state(FLIP_WAIT, |s| s.map.owner_of(bucket) == Some(to)).await;
+                    // The flip is committed: wait until this node applied it, however long
+                    // that takes (a later round must not pull the bucket again and wipe the
+                    // copy the flip serves).
+                    while !control.wait_for_state(FLIP_WAIT, |s| s.epoch_of(bucket) != epoch).await {
+                        tracing::debug!(bucket = bucket.0, "waiting to apply the committed flip");
+                    }
                     Ok(bytes)
                 }
                 Ok(other) => Err(PullError::Flip(ControlError::Fatal { detail: format!("unexpected {other:?}") })),
+                // Refused by the state machine: definitely not moved.
+                Err(e @ ControlError::Rejected { .. }) => Err(PullError::Flip(e)),
                 Err(e) => {
                     // The flip may still commit (a lost answer, a leader change): settle the
                     // move's epoch before deciding what the copy is worth.

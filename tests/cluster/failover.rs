@@ -167,3 +167,62 @@ async fn a_node_restarted_as_the_same_member_gets_its_buckets_back_from_its_repl
     wait_for("the replicas rebuilt", || async { (replica_items(&c).await == 600).then_some(()) }).await;
     c.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leaver_hands_its_buckets_to_its_replica_holder_which_serves_them_during_the_transfer() {
+    // A slow transfer (20 KB/s per bucket), so that the hand-over is seen before it ends.
+    let mut c = TestCluster::start_with(3, |config| config.transfer_rate = 20_000).await;
+    c.wait_for_counts(&[333, 333, 334]).await;
+    let keys: Vec<String> = (0..600).map(|i| format!("h{i}")).collect();
+    let big = "x".repeat(1000);
+    put_all(&c, 0, &keys, &big).await;
+    wait_for("every bucket attached to its replica", || async {
+        for s in c.running() {
+            let r = &c.json(s, "/v1/cluster").await["replication"];
+            if r["attached_buckets"] != r["owned_buckets"] {
+                return None;
+            }
+        }
+        Some(())
+    })
+    .await;
+    let leaver = c.id(2);
+    let r = c.http.post(c.url(0, &format!("/v1/cluster/nodes/{leaver}/leave"))).send().await.expect("leave");
+    assert_eq!(r.status(), 200);
+    // The leaver owns nothing (and is retired) at once: its replica holder serves its buckets
+    // while state transfer is still moving them to their new owners.
+    let view = wait_for("the leaver's buckets handed over", || async {
+        let view: Value = c.json(0, "/v1/cluster").await;
+        let gone = view["members"].as_array()?.iter().all(|m| m["id"].as_u64() != Some(leaver));
+        gone.then_some(view)
+    })
+    .await;
+    assert!(!view["transfer"].is_null(), "handed over before the transfer ended: {view}");
+    assert_all_readable(&c, 0, &keys, &big).await;
+    c.wait_stopped(2).await;
+    c.wait_settled().await;
+    c.wait_for_counts_among(&[500, 500], &[0, 1]).await;
+    assert_all_readable(&c, 1, &keys, &big).await;
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_node_is_unready_and_acknowledges_no_write() {
+    let mut c = TestCluster::start(2).await;
+    c.wait_for_counts(&[500, 500]).await;
+    wait_for("ready", || async {
+        let r = c.http.get(c.url(1, "/readyz")).send().await.ok()?;
+        (r.status() == 200).then_some(())
+    })
+    .await;
+    assert!(c.node(1).drain(Duration::from_secs(10)).await, "replicas in sync");
+    let r = c.http.get(c.url(1, "/readyz?verbose")).send().await.expect("readyz");
+    assert_eq!(r.status(), 503);
+    assert!(r.text().await.expect("text").contains("[-] draining"));
+    let r = c.http.put(c.url(1, "/v1/kv/during-drain")).body("v").send().await.expect("put");
+    assert_eq!(r.status(), 503);
+    let problem: Value = r.json().await.expect("json");
+    assert_eq!(problem["code"], "node_draining", "{problem}");
+    c.stop(1).await;
+    c.shutdown().await;
+}

@@ -96,7 +96,7 @@ impl NodeProcess {
         let pid = self.child.id();
         let sent = Command::new("sh").arg("-c").arg(format!("kill -TERM {pid}")).status().expect("kill");
         assert!(sent.success());
-        self.wait_exit(Duration::from_secs(30))
+        self.wait_exit(Duration::from_secs(60))
     }
 
     /// Waits (bounded) until the process exits by itself.
@@ -270,4 +270,14 @@ fn json_logs_never_show_the_secrets() {
     assert!(log.contains("drained") && log.contains("node stopped"), "{log}");
     assert!(!log.contains("topsecret-1234") && !log.contains("admintoken-5678"), "a secret was logged:\n{log}");
     assert!(!log.contains("\u{1b}["), "no colour codes when not on a terminal");
+
+    // A refused secret is not echoed either.
+    let out = Command::new(BIN)
+        .args(["serve", "--cluster-secret", "has a space-9876", "--data-dir"])
+        .arg(dir.path().join("other"))
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(err.contains("--cluster-secret") && !err.contains("space-9876"), "{err}");
 }

@@ -39,9 +39,10 @@ static CLUSTER_SECRET: OnceLock<String> = OnceLock::new();
 pub const SECRET_HEADER: &str = "x-shoal-cluster-secret";
 
 /// Makes every node-to-node request this process sends from now on carry `secret` in
-/// [`SECRET_HEADER`]. Set once per process (from `--cluster-secret`); later calls are ignored.
-pub fn set_cluster_secret(secret: String) {
-    let _ = CLUSTER_SECRET.set(secret);
+/// [`SECRET_HEADER`]. One secret per process (from `--cluster-secret`): returns false if a
+/// different one was set before.
+pub fn set_cluster_secret(secret: String) -> bool {
+    CLUSTER_SECRET.get_or_init(|| secret.clone()) == &secret
 }
 
 /// The cluster secret this process sends, if one was set.

@@ -34,13 +34,6 @@ impl ClusterState {
         if let Some(m) = self.members.iter().find(|m| &m.api_addr == api_addr || &m.peer_addr == peer_addr) {
             return rejected(&format!("address already used by member {}", m.id));
         }
-        if let Some(m) = self.members.iter().find(|m| joiner.name.is_some() && m.name == joiner.name) {
-            return rejected(&format!(
-                "name {:?} already used by member {}",
-                joiner.name.as_deref().unwrap_or(""),
-                m.id
-            ));
-        }
         // A joiner that crashed and registers again gets a fresh id; drop its old one.
         self.registered.retain(|_, r| &r.api_addr != api_addr && &r.peer_addr != peer_addr);
         let node_id = self.next_node_id;

@@ -360,3 +360,18 @@ fn the_replication_mode_is_set_at_bootstrap_and_changed_later() {
         CommandResponse::Rejected { .. }
     ));
 }
+
+#[test]
+fn commands_and_state_written_before_names_existed_still_read() {
+    let old: ClusterCommand =
+        serde_json::from_str(r#"{"type":"register","api_addr":"a","peer_addr":"p"}"#).expect("old register");
+    assert_eq!(old, ClusterCommand::Register { api_addr: "a".into(), peer_addr: "p".into(), name: None });
+    let old: ClusterCommand = serde_json::from_str(
+        r#"{"type":"bootstrap","cluster_id":"c","node_id":1,"api_addr":"a","peer_addr":"p","voters":3}"#,
+    )
+    .expect("old bootstrap");
+    assert!(matches!(old, ClusterCommand::Bootstrap { name: None, .. }));
+    let member: Member =
+        serde_json::from_str(r#"{"id":1,"api_addr":"a","peer_addr":"p","join_seq":1}"#).expect("old member");
+    assert_eq!(member.name, None);
+}
