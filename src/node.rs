@@ -380,10 +380,14 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
         handle.shutdown.clone(),
     )));
     let limits = (config.cache_size.saturating_mul(2), config.cache_size);
+    let shadows = crate::replication::follow::ShadowSource {
+        puller: transfer::import::Puller::new(transfer_config),
+        progress: handle.transfers.as_ref().map(|t| t.progress().clone()).unwrap_or_default(),
+    };
     handle.tasks.push(tokio::spawn(follow_map(
         control,
         cache,
-        replicator,
+        (replicator, shadows),
         limits,
         identity,
         config.data_dir.clone(),
@@ -544,7 +548,7 @@ async fn sweep_expired(cache: Arc<CacheStore>) {
 async fn follow_map(
     control: ControlPlane,
     cache: Arc<CacheStore>,
-    replicator: Arc<Replicator>,
+    (replicator, shadows): (Arc<Replicator>, crate::replication::follow::ShadowSource),
     (single_member_limit, limit): (u64, u64),
     identity: Identity,
     data_dir: std::path::PathBuf,
@@ -556,7 +560,7 @@ async fn follow_map(
     loop {
         let state = control.state();
         // Promotion first: a promoted bucket's data comes from the replica store.
-        replicator.follow(&state, single_member_limit, limit).await;
+        replicator.follow(&state, single_member_limit, limit, &shadows).await;
         if state.map.version != owned_version && !state.map.is_empty() {
             owned_version = state.map.version;
             let mut dropped = 0;

@@ -99,6 +99,9 @@ struct Inner {
 /// How long a retired or abandoned node stays in Raft's config before the leader drops it,
 /// unless it has already caught up with the log (and so has seen its own removal).
 const STALE_NODE_GRACE: Duration = Duration::from_secs(10);
+/// How long a non-member that has every entry is kept in the Raft config, so that heartbeats
+/// tell it the commit index (several heartbeat intervals).
+const COMMIT_NEWS_GRACE: Duration = Duration::from_secs(2);
 
 impl ControlPlane {
     /// Opens the Raft storage in `config.raft_dir` and starts Raft. Does not bootstrap or join.
@@ -535,7 +538,11 @@ impl ControlPlane {
                         .as_ref()
                         .and_then(|r| r.get(id).copied().flatten())
                         .is_some_and(|m| m.index >= applied);
-                    caught_up || now.duration_since(first_seen) >= STALE_NODE_GRACE
+                    // Caught up is not enough at once: the node has the entries but learns that
+                    // they are committed (and applies its own removal) only with the next
+                    // heartbeats; dropped before, it would never see that it left.
+                    let waited = now.duration_since(first_seen);
+                    (caught_up && waited >= COMMIT_NEWS_GRACE) || waited >= STALE_NODE_GRACE
                 })
                 .collect()
         };

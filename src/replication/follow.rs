@@ -4,14 +4,33 @@
 
 use std::sync::atomic::Ordering;
 
+use std::sync::Arc;
+
 use shoal_raft::{AdminRequest, BucketId, ClusterState};
 
 use super::Replicator;
+use crate::transfer::import::Puller;
+use crate::transfer::progress::Progress;
+
+/// How a promoted bucket the replica store does not hold is fetched from the shadow of the
+/// previous owner instead (the state-transfer restore stream).
+pub struct ShadowSource {
+    /// The client of the transfer endpoint.
+    pub puller: Puller,
+    /// Transfer counters.
+    pub progress: Arc<Progress>,
+}
 
 impl Replicator {
     /// Brings the stores in line with `state`. Returns after the report of promoted buckets
     /// was committed (or failed: the next call reports again).
-    pub async fn follow(&self, state: &ClusterState, single_member_limit: u64, limit: u64) {
+    ///
+    /// A promoted bucket whose replica this node does not hold (its owner failed before the
+    /// replica was attached) may still have a shadow on the node that handed it to the failed
+    /// owner in the running transfer: every write the failed owner acknowledged was written
+    /// through to that shadow, so it is pulled from there. Only without either copy is the
+    /// bucket reported lost.
+    pub async fn follow(&self, state: &ClusterState, single_member_limit: u64, limit: u64, shadows: &ShadowSource) {
         self.active.set_limit(if state.members.len() == 1 { single_member_limit } else { limit });
         let promotions = state.promotions_of(self.me);
         if !promotions.is_empty() {
@@ -35,6 +54,42 @@ impl Replicator {
                     lost.push(bucket.0);
                 }
             }
+            let mut still_lost = Vec::new();
+            for b in lost {
+                let bucket = BucketId(b);
+                let shadow = state.handoffs.get(&b).copied().filter(|&s| s == self.me || state.is_member(s));
+                let restored = match shadow {
+                    // This node handed the bucket over itself: the shadow is in its active store.
+                    Some(s) if s == self.me => {
+                        tracing::info!(bucket = b, "promoted bucket served from this node's own shadow");
+                        self.installed.lock().insert(b);
+                        self.detach(bucket);
+                        true
+                    }
+                    Some(s) => {
+                        let pulled = shadows.puller.restore(&self.control, &self.active, &shadows.progress, bucket, s);
+                        match pulled.await {
+                            Ok(bytes) => {
+                                tracing::info!(bucket = b, from = s, bytes, "promoted bucket restored from its shadow");
+                                self.installed.lock().insert(b);
+                                self.detach(bucket);
+                                true
+                            }
+                            Err(e) => {
+                                tracing::warn!(bucket = b, from = s, error = %e, "restoring a promoted bucket from its shadow");
+                                false
+                            }
+                        }
+                    }
+                    None => false,
+                };
+                if restored {
+                    promoted.push(b);
+                } else {
+                    still_lost.push(b);
+                }
+            }
+            let lost = still_lost;
             tracing::info!(
                 node_id = self.me,
                 promoted = promoted.len(),

@@ -45,7 +45,7 @@
 //! - `follow.rs`: what the holder does when the map changes: promotion, cleanup.
 //! - `handover.rs`: a leaving member hands its buckets to its replica holder (R18).
 
-mod follow;
+pub mod follow;
 pub mod handover;
 mod receive;
 
@@ -94,6 +94,9 @@ pub struct Holder {
     pub peer_addr: String,
     /// The writer's map version.
     pub map_version: u64,
+    /// The bucket's move epoch in that map: an attachment counts only for the ownership
+    /// period it was made in (a bucket that left and came back is sent whole again).
+    pub epoch: u64,
 }
 
 /// A change waiting in the async queue.
@@ -127,6 +130,8 @@ pub struct Replicator {
     http: Client<HttpConnector, Full<Bytes>>,
     /// Owner side: the holder that acknowledged a snapshot of each bucket (0: none).
     attached: Vec<AtomicU64>,
+    /// The move epoch each attachment was made in (see [`Holder::epoch`]).
+    attached_epoch: Vec<AtomicU64>,
     /// Holder side: the owner whose snapshot each replica bucket holds (0: none).
     sources: Vec<AtomicU64>,
     /// Holder side, per bucket: the sender and sequence number of the last request applied;
@@ -168,6 +173,7 @@ impl Replicator {
             locks: (0..BUCKET_COUNT).map(|_| tokio::sync::Mutex::new(())).collect(),
             http: Client::builder(TokioExecutor::new()).build(connector),
             attached: (0..BUCKET_COUNT).map(|_| AtomicU64::new(0)).collect(),
+            attached_epoch: (0..BUCKET_COUNT).map(|_| AtomicU64::new(0)).collect(),
             sources: (0..BUCKET_COUNT).map(|_| AtomicU64::new(0)).collect(),
             applied: (0..BUCKET_COUNT).map(|_| Mutex::new((0, 0))).collect(),
             seq: AtomicU64::new(
@@ -208,7 +214,7 @@ impl Replicator {
         }
         let id = state.replica_holder_of(bucket).filter(|&h| h != self.me)?;
         let peer_addr = state.member_of(id)?.peer_addr.clone();
-        Some(Holder { id, peer_addr, map_version: state.map.version })
+        Some(Holder { id, peer_addr, map_version: state.map.version, epoch: state.epoch_of(bucket) })
     }
 
     /// Whether `bucket` is promoted to this node and not installed yet (serving it now would
@@ -254,7 +260,7 @@ impl Replicator {
     }
 
     async fn send_sync(&self, bucket: BucketId, holder: &Holder, changes: &[Change]) -> Result<(), String> {
-        if self.attached[bucket.index()].load(Ordering::Acquire) == holder.id {
+        if self.is_attached(bucket, holder) {
             match self.send(bucket, holder, change_body(changes), false).await? {
                 (s, _) if s.is_success() => {
                     self.stats.sent.fetch_add(changes.len() as u64, Ordering::Relaxed);
@@ -299,6 +305,8 @@ impl Replicator {
         body.extend_from_slice(&end_frame(counter, items.len() as u64));
         match self.send(bucket, holder, body.freeze(), true).await.map_err(SnapshotError::Failed)? {
             (s, _) if s.is_success() => {
+                // The epoch first: whoever sees the id sees its epoch.
+                self.attached_epoch[bucket.index()].store(holder.epoch, Ordering::Release);
                 self.attached[bucket.index()].store(holder.id, Ordering::Release);
                 self.stats.snapshots.fetch_add(1, Ordering::Relaxed);
                 Ok(())
@@ -336,7 +344,7 @@ impl Replicator {
 
     fn enqueue(&self, bucket: BucketId, holder: &Holder, changes: &[Change]) {
         // Not attached yet: the attacher's snapshot (taken under the bucket lock) will carry it.
-        if self.attached[bucket.index()].load(Ordering::Acquire) != holder.id {
+        if !self.is_attached(bucket, holder) {
             return;
         }
         let mut queue = self.queue.lock();
@@ -360,6 +368,12 @@ impl Replicator {
     pub fn replica_snapshot(&self, bucket: BucketId, owner: NodeId) -> Option<(Vec<ExportedItem>, u64)> {
         let source = self.sources.get(bucket.index())?;
         (source.load(Ordering::Acquire) == owner).then(|| self.replica.snapshot(bucket))
+    }
+
+    /// Whether `holder` acknowledged a snapshot of `bucket` in the current ownership period.
+    fn is_attached(&self, bucket: BucketId, holder: &Holder) -> bool {
+        self.attached[bucket.index()].load(Ordering::Acquire) == holder.id
+            && self.attached_epoch[bucket.index()].load(Ordering::Acquire) == holder.epoch
     }
 
     /// Forgets that `bucket`'s replica holds a snapshot: the next change sends it whole.
@@ -457,7 +471,7 @@ impl Replicator {
             let state = self.control.state();
             for bucket in BucketId::all() {
                 let Some(holder) = self.holder_of(&state, bucket) else { continue };
-                if self.attached[bucket.index()].load(Ordering::Acquire) == holder.id || self.not_held(&state, bucket) {
+                if self.is_attached(bucket, &holder) || self.not_held(&state, bucket) {
                     continue;
                 }
                 let _lock = self.lock(bucket).await;
@@ -481,7 +495,7 @@ impl Replicator {
         for bucket in BucketId::all() {
             if let Some(holder) = self.holder_of(state, bucket) {
                 owned += 1;
-                if self.attached[bucket.index()].load(Ordering::Acquire) == holder.id {
+                if self.is_attached(bucket, &holder) {
                     attached += 1;
                 }
             }

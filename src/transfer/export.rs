@@ -101,6 +101,13 @@ pub(super) async fn stream_bucket(
         // From a shadow (a transfer's handover), else from the replica of the owner.
         // The replica first: in sync mode every acknowledged write reached it (a shadow's
         // write-through failures are only logged).
+        let shadow_here = exporter.control.state().handoffs.get(&bucket.0) == Some(&me);
+        if shadow_here && exporter.replicator.replica_snapshot(bucket, q.to).is_none() {
+            // This node holds a shadow, and the owner may have applied the change that gave it
+            // the bucket (a failover) a moment before us.
+            let ready = |s: &ClusterState| restore_refusal(s, me, bucket, q.to).is_none();
+            exporter.control.wait_for_state(Duration::from_secs(2), ready).await;
+        }
         let snapshot = exporter.replicator.replica_snapshot(bucket, q.to).or_else(|| {
             restore_refusal(&exporter.control.state(), me, bucket, q.to)
                 .is_none()
@@ -201,16 +208,19 @@ async fn produce(exporter: Exporter, bucket: BucketId, epoch: u64, tx: mpsc::Sen
         let _ = tx.send(error_frame("the source stopped sending")).await;
     }
     drop(tx);
-    settle_freeze(&exporter, bucket, epoch, token).await;
+    // Without END the new owner cannot flip the bucket: abort at once instead of holding
+    // writes frozen for FREEZE_TIMEOUT.
+    settle_freeze(&exporter, bucket, epoch, token, !ok).await;
 }
 
 /// Keeps `bucket` frozen until Raft has either moved it (its data is dropped here) or the
 /// move was aborted (it thaws and this node serves it on). Aborts the move itself when the
-/// new owner does not settle it in time.
-async fn settle_freeze(exporter: &Exporter, bucket: BucketId, epoch: u64, token: u64) {
+/// new owner does not settle it in time, or at once when the stream broke before its END
+/// (`doomed`: the new owner flips only a bucket it received whole).
+async fn settle_freeze(exporter: &Exporter, bucket: BucketId, epoch: u64, token: u64, doomed: bool) {
     let control = &exporter.control;
     let settled = |s: &ClusterState| s.epoch_of(bucket) > epoch;
-    let mut deadline = Instant::now() + FREEZE_TIMEOUT;
+    let mut deadline = if doomed { Instant::now() } else { Instant::now() + FREEZE_TIMEOUT };
     loop {
         if control.wait_for_state(deadline.saturating_duration_since(Instant::now()), settled).await {
             break;

@@ -60,8 +60,8 @@ impl ClusterState {
             let epoch = self.epoch_of(BucketId(bucket));
             self.bucket_epochs.insert(bucket, epoch + 1);
             self.promoted.insert(bucket, from);
-            // The replica is the copy to trust now, not a shadow from before.
-            self.handoffs.remove(&bucket);
+            // A shadow from the running transfer stays: if the heir holds no replica of the
+            // bucket (not attached yet), the shadow has every write `from` acknowledged.
             changed = true;
         }
         if changed {

@@ -375,3 +375,23 @@ fn commands_and_state_written_before_names_existed_still_read() {
         serde_json::from_str(r#"{"id":1,"api_addr":"a","peer_addr":"p","join_seq":1}"#).expect("old member");
     assert_eq!(member.name, None);
 }
+
+#[test]
+fn a_new_owner_that_fails_leaves_the_shadow_of_its_pulled_buckets_to_its_heir() {
+    let mut s = bootstrapped(3);
+    join(&mut s, 2);
+    let CommandResponse::Registered { node_id } =
+        s.apply(&ClusterCommand::Register { api_addr: "a3".into(), peer_addr: "p3".into(), name: None })
+    else {
+        panic!()
+    };
+    s.apply(&ClusterCommand::Admit { node_id, force: false });
+    settle_transition(&mut s);
+    let (bucket, from, epoch) = s.incoming_of(node_id)[0];
+    s.apply(&ClusterCommand::BucketMoved { bucket: bucket.0, from, to: node_id, epoch });
+    let heir = s.replica_of(node_id).expect("heir");
+    s.apply(&ClusterCommand::NodeFailed { node_id });
+    assert_eq!(s.map.owner_of(bucket), Some(heir), "the heir serves the failed owner's bucket");
+    assert_eq!(s.handoffs.get(&bucket.0), Some(&from), "the shadow of the running transfer is kept");
+    assert!(s.promoted.contains_key(&bucket.0));
+}
