@@ -163,9 +163,10 @@ pub struct ServeConfig {
     #[arg(long, env = "SHOAL_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<crate::auth::Secret>,
 
-    /// On SIGTERM, how long the node may wait for its replicas before it exits: it stops being
-    /// ready and acknowledging writes at once, and waits until the replica of every bucket it
-    /// owns is in sync (a stop is not a leave: it comes back as the same member).
+    /// On SIGTERM, how long the node may wait before it exits: it stops being ready and
+    /// acknowledging writes at once, gives its Raft vote (and leadership) to another member,
+    /// and waits until the replica of every bucket it owns is in sync (a stop is not a leave:
+    /// it comes back as the same member and gets its vote back).
     #[arg(long, env = "SHOAL_DRAIN_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
     pub drain_timeout: Duration,
 

@@ -147,24 +147,36 @@ impl NodeHandle {
     }
 
     /// Gets ready to stop (SIGTERM; a stop is not a leave): `/readyz` fails at once, writes
-    /// are refused (503 `node_draining`), and the node waits — at most `timeout` — until every
-    /// bucket it owns is attached to its replica and the async queue is empty, so that the
-    /// node restarting as the same member gets every acknowledged write back from its replica.
-    /// Returns whether the replicas were confirmed in sync in time.
-    ///
-    /// Raft leadership moves by election once this node stops (openraft 0.9 has no leadership
-    /// transfer), within the election timeout.
+    /// are refused (503 `node_draining`), the node gives up its Raft vote (`SetDraining`: the
+    /// leader replaces it by the next member in join order; a leader that is replaced steps
+    /// down, so leadership moves while this node still runs), and it waits — at most
+    /// `timeout` — until every bucket it owns is attached to its replica and the async queue is
+    /// empty, so that the node restarting as the same member gets every acknowledged write back
+    /// from its replica. Returns whether the replicas were confirmed in sync in time.
     pub async fn drain(&self, timeout: Duration) -> bool {
         self.health.start_draining();
         let deadline = tokio::time::Instant::now() + timeout;
         let leader = self.control.leader() == Some(self.node_id);
         tracing::info!(node_id = self.node_id, leader, timeout = ?timeout, "draining: replicas first, then stop");
+        let alone = self.control.state().members.len() <= 1;
+        let mut vote_given = alone || !self.control.is_voter();
+        if !vote_given {
+            let request = shoal_raft::AdminRequest::SetDraining { node_id: self.node_id, draining: true };
+            if let Err(e) = self.control.admin(request).await {
+                tracing::warn!(node_id = self.node_id, error = %e, "could not give up the Raft vote; stopping as a voter");
+                vote_given = true;
+            }
+        }
         loop {
             let state = self.control.state();
             let (attached, owned) = self.replicator.attached_count(&state);
             let (queued, _) = self.replicator.queue_lag();
             let alone = state.members.len() <= 1;
-            if alone || (attached == owned && queued == 0) {
+            if !vote_given && !self.control.is_voter() {
+                tracing::info!(node_id = self.node_id, leader = ?self.control.leader(), "gave up the Raft vote");
+                vote_given = true;
+            }
+            if alone || (attached == owned && queued == 0 && vote_given) {
                 tracing::info!(node_id = self.node_id, owned, "drained: every owned bucket's replica is in sync");
                 return true;
             }
@@ -174,9 +186,10 @@ impl NodeHandle {
                     attached,
                     owned,
                     queued,
-                    "drain timeout: stopping with replicas not confirmed in sync"
+                    vote_given,
+                    "drain timeout: stopping with replicas not confirmed in sync or the vote not handed on"
                 );
-                return false;
+                return attached == owned && queued == 0;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -262,6 +275,7 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
     let admin = shoal_raft::AdminClient::new(Duration::from_secs(40));
     let joiner = Joiner::new(config.join.clone(), config.join_timeout, admin);
     // A new node that joins gets its id first; a new cluster's first node is node 1.
+    let restarted = identity.is_some();
     let identity = match identity {
         Some(id) => id,
         None if config.join.is_empty() => {
@@ -300,7 +314,7 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
     // Buckets handed to this node in a transfer that is still running come back from their
     // shadows before this node serves them (its memory is empty after a restart).
     let restoring = Arc::new(Restoring::default());
-    restoring.mark(&control.state(), node_id);
+    restoring.mark(&control.state(), node_id, restarted);
     let replicator = Replicator::new(control.clone(), cache.clone(), config.cache_size, restoring.clone());
     let health = Health::new(control.clone(), config.health_config(), replicator.clone());
     let parts = NodeParts {
@@ -352,6 +366,7 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
         return Err(e);
     }
     let mut handle = handle;
+    handle.tasks.push(tokio::spawn(reclaim_vote(control.clone())));
     handle.tasks.push(tokio::spawn(transfer::restore::restore(
         control.clone(),
         cache.clone(),
@@ -540,6 +555,34 @@ async fn sweep_expired(cache: Arc<CacheStore>) {
         let buckets: Vec<BucketId> = (0..10).map(|i| BucketId((next + i) % shoal_raft::BUCKET_COUNT as u16)).collect();
         next = (next + 10) % shoal_raft::BUCKET_COUNT as u16;
         cache.sweep_expired(buckets);
+    }
+}
+
+/// A member that gave up its Raft vote when it stopped (see [`NodeHandle::drain`]) asks for it
+/// back once it runs again; the leader's reconciler then adds it to the Raft config again and
+/// makes it a voter. Asked on every start, through another member (out of the Raft config, this
+/// node knows no leader, and its own state may not show that it was stopping): it is harmless
+/// when the node was not stopping.
+async fn reclaim_vote(control: ControlPlane) {
+    let me = control.node_id();
+    let request = shoal_raft::AdminRequest::SetDraining { node_id: me, draining: false };
+    let mut pause = Duration::from_millis(500);
+    loop {
+        let state = control.state();
+        if !state.is_member(me) || state.members.len() <= 1 {
+            return;
+        }
+        for member in state.members.iter().filter(|m| m.id != me) {
+            match control.admin_client().call(&member.peer_addr, &request).await {
+                Ok(_) => {
+                    tracing::debug!(node_id = me, "asked for the Raft vote (back)");
+                    return;
+                }
+                Err(e) => tracing::debug!(node_id = me, via = member.id, error = %e, "asking for the Raft vote"),
+            }
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(5));
     }
 }
 

@@ -61,6 +61,15 @@ pub enum ClusterCommand {
         /// Buckets of which the heir held no copy.
         lost: Vec<u16>,
     },
+    /// A member stops (SIGTERM) and gives up its Raft vote, so that leadership and the
+    /// quorum move to members that stay while it is away; it asks for its vote back when it
+    /// restarts as the same member (`draining: false`).
+    SetDraining {
+        /// The member.
+        node_id: NodeId,
+        /// Whether it is stopping.
+        draining: bool,
+    },
     /// An operator acknowledges lost buckets: they serve again, empty.
     ClearLost {
         /// The buckets (all lost buckets when empty).

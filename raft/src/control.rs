@@ -368,6 +368,10 @@ impl ControlPlane {
                 self.write(ClusterCommand::ClearLost { buckets }).await?;
                 Ok(AdminResponse::Done)
             }
+            AdminRequest::SetDraining { node_id, draining } => {
+                self.write(ClusterCommand::SetDraining { node_id, draining }).await?;
+                Ok(AdminResponse::Done)
+            }
         }
     }
 
@@ -502,7 +506,8 @@ impl ControlPlane {
         }
         let metrics = self.raft_metrics();
         let membership = metrics.membership_config.membership().clone();
-        for member in &state.members {
+        // A stopping member is not added back (see below) until it asks for its vote again.
+        for member in state.members.iter().filter(|m| !state.draining.contains(&m.id)) {
             if membership.get_node(&member.id).is_none() {
                 let node = MemberNode { api_addr: member.api_addr.clone(), peer_addr: member.peer_addr.clone() };
                 self.inner.raft.add_learner(member.id, node, false).await.map_err(write_error)?;
@@ -515,6 +520,23 @@ impl ControlPlane {
             self.inner
                 .raft
                 .change_membership(ChangeMembers::ReplaceAllVoters(desired.clone()), true)
+                .await
+                .map_err(write_error)?;
+        }
+        // A stopping member leaves the Raft config altogether: in openraft a leader that is
+        // only a learner keeps leading, one that is not in the config steps down. It is
+        // added back as a learner once it runs again and asks for its vote (SetDraining).
+        let now = self.raft_metrics().membership_config.membership().clone();
+        let stopping: BTreeSet<NodeId> = now
+            .nodes()
+            .map(|(id, _)| *id)
+            .filter(|id| state.draining.contains(id) && !now.voter_ids().any(|v| v == *id))
+            .collect();
+        if !stopping.is_empty() {
+            tracing::info!(?stopping, "taking stopping members out of the Raft config");
+            self.inner
+                .raft
+                .change_membership(ChangeMembers::RemoveNodes(stopping), false)
                 .await
                 .map_err(write_error)?;
         }

@@ -24,13 +24,18 @@ pub struct Restoring {
 }
 
 impl Restoring {
-    /// Marks every bucket `me` serves that has a shadow or a replica elsewhere (call before
-    /// serving).
-    pub fn mark(&self, state: &ClusterState, me: NodeId) {
+    /// Marks the buckets to get back before serving them (call before serving). After a
+    /// restart in a cluster of several members: every bucket, because the state this node
+    /// read from its own disk may be behind (a bucket flipped to it just before it went down
+    /// is not in it yet); [`restore`] drops the ones it does not own once it has caught up
+    /// with the leader. Otherwise: every bucket `me` serves that has a shadow or a replica
+    /// elsewhere.
+    pub fn mark(&self, state: &ClusterState, me: NodeId, restarted: bool) {
         let mut set = self.buckets.write();
         let replica = state.replica_of(me).is_some();
         for b in BucketId::all() {
-            if state.map.owner_of(b) == Some(me) && (replica || state.shadow_of(b).is_some()) {
+            let owned = state.map.owner_of(b) == Some(me);
+            if (restarted && state.members.len() > 1) || (owned && (replica || state.shadow_of(b).is_some())) {
                 set.insert(b.0);
             }
         }
@@ -51,6 +56,32 @@ impl Restoring {
     }
 }
 
+/// Waits until this node knows a leader and has applied everything it knows to be committed,
+/// after a few heartbeats: the buckets it owns are then the ones the cluster says. No bound:
+/// until then every bucket answers `bucket_restoring` (a node that cannot reach a leader could
+/// not acknowledge writes anyway), rather than one flipped here before the restart being
+/// served empty.
+async fn catch_up(control: &ControlPlane) {
+    let started = std::time::Instant::now();
+    let mut said = std::time::Instant::now();
+    let mut waiting = |what: &str| {
+        if said.elapsed() >= std::time::Duration::from_secs(10) {
+            tracing::info!(node_id = control.node_id(), waited = ?started.elapsed(), "restore waits for {what}");
+            said = std::time::Instant::now();
+        }
+    };
+    while control.leader().is_none() {
+        waiting("a Raft leader");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    // The leader's next heartbeats carry its commit index.
+    tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+    while control.raft_metrics().last_applied.map_or(0, |l| l.index) < control.commit_index() {
+        waiting("the Raft log to be applied");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
 /// Pulls every marked bucket back from its shadow, retrying until it succeeds or the shadow
 /// is gone (then the bucket's data is lost, and said so in the log).
 pub async fn restore(
@@ -61,6 +92,9 @@ pub async fn restore(
     progress: Arc<Progress>,
 ) {
     let me = control.node_id();
+    if !restoring.pending().is_empty() {
+        catch_up(&control).await;
+    }
     let mut failures = 0;
     loop {
         let pending = restoring.pending();

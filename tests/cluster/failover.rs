@@ -226,3 +226,34 @@ async fn a_draining_node_is_unready_and_acknowledges_no_write() {
     c.stop(1).await;
     c.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_leader_hands_leadership_over_and_gets_its_vote_back_after_the_restart() {
+    let mut c = TestCluster::start(3).await;
+    c.wait_for_counts(&[333, 333, 334]).await;
+    let leader = wait_for("a leader", || async { c.json(0, "/v1/cluster").await["leader"].as_u64() }).await;
+    let slot = (0..3).find(|&s| c.id(s) == leader).expect("the leader's slot");
+    let other = (slot + 1) % 3;
+    let role_of = |view: &Value, id: u64| {
+        view["members"]
+            .as_array()
+            .and_then(|m| m.iter().find(|m| m["id"].as_u64() == Some(id)).cloned())
+            .map(|m| m["role"].as_str().unwrap_or_default().to_string())
+    };
+    assert!(c.node(slot).drain(Duration::from_secs(20)).await, "drained in time");
+    // Before it stops, another member leads and the stopping one no longer votes.
+    let view = wait_for("leadership handed over", || async {
+        let view: Value = c.json(other, "/v1/cluster").await;
+        let new_leader = view["leader"].as_u64()?;
+        (new_leader != leader && role_of(&view, leader).as_deref() == Some("learner")).then_some(view)
+    })
+    .await;
+    assert_ne!(view["leader"].as_u64(), Some(leader));
+    c.restart(slot).await.expect("restart as the same member");
+    wait_for("the vote back after the restart", || async {
+        let view: Value = c.json(other, "/v1/cluster").await;
+        (role_of(&view, leader).as_deref() == Some("voter")).then_some(())
+    })
+    .await;
+    c.shutdown().await;
+}

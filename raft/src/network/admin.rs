@@ -96,6 +96,15 @@ pub enum AdminRequest {
         /// The buckets.
         buckets: Vec<u16>,
     },
+    /// A member stops (SIGTERM) and gives up its Raft vote, so that leadership and the
+    /// quorum move to members that stay while it is away; it asks for its vote back when it
+    /// restarts as the same member (`draining: false`).
+    SetDraining {
+        /// The member.
+        node_id: NodeId,
+        /// Whether it is stopping.
+        draining: bool,
+    },
 }
 
 /// The leader's answer to an [`AdminRequest`].

@@ -21,6 +21,7 @@ impl ClusterState {
         let Some(heir) = self.replica_of(node) else { return rejected("no member holds the replica") };
         self.promote_all(node, heir);
         self.members.retain(|m| m.id != node);
+        self.draining.remove(&node);
         self.failed.insert(node);
         self.handoffs.retain(|_, n| *n != node);
         if let Some(t) = self.transition.as_mut() {

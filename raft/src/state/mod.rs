@@ -166,6 +166,10 @@ pub struct ClusterState {
     /// `bucket_lost` until an operator clears them.
     #[serde(default)]
     pub lost: BTreeSet<u16>,
+    /// Members that are stopping (SIGTERM) and have given up their Raft vote until they are
+    /// back.
+    #[serde(default)]
+    pub draining: BTreeSet<NodeId>,
 }
 
 impl ClusterState {
@@ -195,6 +199,17 @@ impl ClusterState {
             ClusterCommand::HandOver { node_id } => self.hand_over(*node_id),
             ClusterCommand::Promoted { node_id, buckets, lost } => self.promoted(*node_id, buckets, lost),
             ClusterCommand::ClearLost { buckets } => self.clear_lost(buckets),
+            ClusterCommand::SetDraining { node_id, draining } => {
+                if !self.is_member(*node_id) {
+                    return rejected(&format!("node {node_id} is not a member"));
+                }
+                if *draining {
+                    self.draining.insert(*node_id);
+                } else {
+                    self.draining.remove(node_id);
+                }
+                CommandResponse::Done
+            }
             ClusterCommand::Register { api_addr, peer_addr, name } => {
                 let registration =
                     Registration { api_addr: api_addr.clone(), peer_addr: peer_addr.clone(), name: name.clone() };
@@ -262,9 +277,18 @@ impl ClusterState {
     }
 
     /// The members that should vote in Raft: the first `settings.voters` active members in
-    /// join order.
+    /// join order that are not stopping.
     pub fn desired_voters(&self) -> BTreeSet<NodeId> {
-        self.active_ids().into_iter().take(usize::from(self.settings.voters.max(1))).collect()
+        let n = usize::from(self.settings.voters.max(1));
+        let active = self.active_ids();
+        // Members that are stopping give their vote to the next ones in join order, unless
+        // that would leave no voter at all.
+        let staying: BTreeSet<NodeId> =
+            active.iter().copied().filter(|id| !self.draining.contains(id)).take(n).collect();
+        if staying.is_empty() {
+            return active.into_iter().take(n).collect();
+        }
+        staying
     }
 
     /// Whether a membership change must wait: the state-transfer flag is set (a transition

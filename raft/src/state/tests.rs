@@ -395,3 +395,24 @@ fn a_new_owner_that_fails_leaves_the_shadow_of_its_pulled_buckets_to_its_heir() 
     assert_eq!(s.handoffs.get(&bucket.0), Some(&from), "the shadow of the running transfer is kept");
     assert!(s.promoted.contains_key(&bucket.0));
 }
+
+#[test]
+fn a_stopping_member_gives_its_vote_to_the_next_one_and_gets_it_back() {
+    let mut s = bootstrapped(3);
+    for n in 2..=4 {
+        join(&mut s, n);
+    }
+    assert_eq!(s.desired_voters(), BTreeSet::from([1, 2, 3]));
+    assert_eq!(s.apply(&ClusterCommand::SetDraining { node_id: 1, draining: true }), CommandResponse::Done);
+    assert_eq!(s.desired_voters(), BTreeSet::from([2, 3, 4]), "the oldest learner votes instead");
+    s.apply(&ClusterCommand::SetDraining { node_id: 1, draining: false });
+    assert_eq!(s.desired_voters(), BTreeSet::from([1, 2, 3]));
+    for id in 1..=4 {
+        s.apply(&ClusterCommand::SetDraining { node_id: id, draining: true });
+    }
+    assert_eq!(s.desired_voters(), BTreeSet::from([1, 2, 3]), "never no voter at all");
+    assert!(matches!(
+        s.apply(&ClusterCommand::SetDraining { node_id: 9, draining: true }),
+        CommandResponse::Rejected { .. }
+    ));
+}

@@ -97,6 +97,7 @@ impl ClusterState {
             .collect();
         for id in done {
             self.members.retain(|m| m.id != id);
+            self.draining.remove(&id);
             self.retired.insert(id);
             self.handoffs.retain(|_, n| *n != id);
             if let Some(t) = self.transition.as_mut() {
