@@ -176,6 +176,10 @@ impl NodeHandle {
                 tracing::info!(node_id = self.node_id, leader = ?self.control.leader(), "gave up the Raft vote");
                 vote_given = true;
             }
+            if !vote_given && state.draining.contains(&self.node_id) && state.desired_voters().contains(&self.node_id) {
+                // Too few members would stay voters: this one keeps its vote.
+                vote_given = true;
+            }
             if alone || (attached == owned && queued == 0 && vote_given) {
                 tracing::info!(node_id = self.node_id, owned, "drained: every owned bucket's replica is in sync");
                 return true;

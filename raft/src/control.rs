@@ -506,14 +506,15 @@ impl ControlPlane {
         }
         let metrics = self.raft_metrics();
         let membership = metrics.membership_config.membership().clone();
-        // A stopping member is not added back (see below) until it asks for its vote again.
-        for member in state.members.iter().filter(|m| !state.draining.contains(&m.id)) {
+        let desired = state.desired_voters();
+        // A stopping member is not added back (see below) until it asks for its vote again,
+        // unless it must vote after all.
+        for member in state.members.iter().filter(|m| !state.draining.contains(&m.id) || desired.contains(&m.id)) {
             if membership.get_node(&member.id).is_none() {
                 let node = MemberNode { api_addr: member.api_addr.clone(), peer_addr: member.peer_addr.clone() };
                 self.inner.raft.add_learner(member.id, node, false).await.map_err(write_error)?;
             }
         }
-        let desired = state.desired_voters();
         let voters: BTreeSet<NodeId> = membership.voter_ids().collect();
         if !desired.is_empty() && desired != voters {
             tracing::info!(?voters, ?desired, "changing Raft voters");

@@ -281,11 +281,12 @@ impl ClusterState {
     pub fn desired_voters(&self) -> BTreeSet<NodeId> {
         let n = usize::from(self.settings.voters.max(1));
         let active = self.active_ids();
-        // Members that are stopping give their vote to the next ones in join order, unless
-        // that would leave no voter at all.
+        // Members that are stopping give their vote to the next ones in join order, as long
+        // as at least two voters stay (one alone would make the cluster hang on it; when all
+        // stop at once, the voters stay as they were so that any majority can come back).
         let staying: BTreeSet<NodeId> =
             active.iter().copied().filter(|id| !self.draining.contains(id)).take(n).collect();
-        if staying.is_empty() {
+        if staying.len() < 2 {
             return active.into_iter().take(n).collect();
         }
         staying
