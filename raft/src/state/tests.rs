@@ -39,7 +39,8 @@ fn move_everything(s: &mut ClusterState) {
     }
 }
 
-fn join(s: &mut ClusterState, n: u32) -> NodeId {
+/// Registers and admits node `n`, and ends the transition: the transfer is to run.
+fn admit(s: &mut ClusterState, n: u32) -> NodeId {
     let CommandResponse::Registered { node_id } =
         s.apply(&ClusterCommand::Register { api_addr: format!("a{n}"), peer_addr: format!("p{n}"), name: None })
     else {
@@ -47,6 +48,11 @@ fn join(s: &mut ClusterState, n: u32) -> NodeId {
     };
     assert!(matches!(s.apply(&ClusterCommand::Admit { node_id, force: false }), CommandResponse::MapChanged { .. }));
     settle_transition(s);
+    node_id
+}
+
+fn join(s: &mut ClusterState, n: u32) -> NodeId {
+    let node_id = admit(s, n);
     move_everything(s);
     node_id
 }
@@ -252,13 +258,7 @@ fn maps_stay_valid_through_joins_and_leaves() {
 #[test]
 fn the_previous_owner_holds_a_shadow_until_the_transfer_is_complete() {
     let mut s = bootstrapped(3);
-    let CommandResponse::Registered { node_id } =
-        s.apply(&ClusterCommand::Register { api_addr: "a2".into(), peer_addr: "p2".into(), name: None })
-    else {
-        panic!()
-    };
-    s.apply(&ClusterCommand::Admit { node_id, force: false });
-    settle_transition(&mut s);
+    let node_id = admit(&mut s, 2);
     let incoming = s.incoming_of(node_id);
     let (first, from, epoch) = incoming[0];
     s.apply(&ClusterCommand::BucketMoved { bucket: first.0, from, to: node_id, epoch });
@@ -380,13 +380,7 @@ fn commands_and_state_written_before_names_existed_still_read() {
 fn a_new_owner_that_fails_leaves_the_shadow_of_its_pulled_buckets_to_its_heir() {
     let mut s = bootstrapped(3);
     join(&mut s, 2);
-    let CommandResponse::Registered { node_id } =
-        s.apply(&ClusterCommand::Register { api_addr: "a3".into(), peer_addr: "p3".into(), name: None })
-    else {
-        panic!()
-    };
-    s.apply(&ClusterCommand::Admit { node_id, force: false });
-    settle_transition(&mut s);
+    let node_id = admit(&mut s, 3);
     let (bucket, from, epoch) = s.incoming_of(node_id)[0];
     s.apply(&ClusterCommand::BucketMoved { bucket: bucket.0, from, to: node_id, epoch });
     let heir = s.replica_of(node_id).expect("heir");
