@@ -81,7 +81,7 @@ fn unauthorized(code: &'static str, detail: &str) -> Response {
 /// Middleware of the peer listener: the cluster secret, when the node has one.
 pub async fn require_secret(State(secret): State<Option<Secret>>, request: Request<Body>, next: Next) -> Response {
     if let Some(secret) = &secret {
-        let given = request.headers().get(shoal_raft::SECRET_HEADER).map(|v| v.as_bytes());
+        let given = request.headers().get(crate::transport::http::SECRET_HEADER).map(|v| v.as_bytes());
         if !given.is_some_and(|g| secret.matches(g)) {
             let what = if given.is_some() { "a wrong" } else { "no" };
             tracing::debug!(path = %request.uri().path(), "peer request with {what} cluster secret refused");
@@ -89,7 +89,7 @@ pub async fn require_secret(State(secret): State<Option<Secret>>, request: Reque
                 "cluster_secret_required",
                 &format!(
                     "this endpoint needs the cluster secret (header {}); {what} secret was given",
-                    shoal_raft::SECRET_HEADER
+                    crate::transport::http::SECRET_HEADER
                 ),
             );
         }

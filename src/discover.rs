@@ -29,7 +29,13 @@ use std::time::{Duration, Instant};
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use shoal_http_api::types::{ClusterView, MemberView};
-use shoal_http_api::{ApiError, Problem};
+use shoal_http_api::ApiError;
+
+use crate::peer::Peers;
+use crate::transport::CallError;
+
+/// The code a starting node with an empty data dir answers: it is no member of any cluster.
+const NOT_MEMBER: &str = "not_member";
 
 /// What discovery decided.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -89,7 +95,7 @@ pub fn hostname() -> Option<String> {
 /// `/livez` 200; `/readyz` and everything else 503, with code `starting` when this node has
 /// a data dir (it is a member coming back) and `not_member` when it has none.
 pub fn starting_router(has_data: bool) -> axum::Router {
-    let code = if has_data { "starting" } else { "not_member" };
+    let code = if has_data { "starting" } else { NOT_MEMBER };
     let detail = if has_data {
         "this node is starting with its data dir (a member coming back); retry"
     } else {
@@ -121,13 +127,7 @@ struct Round {
 
 /// Decides how a node named `name` with an empty data dir gets into its cluster; gives up at
 /// `timeout`.
-pub async fn discover(targets: &[String], name: &str, timeout: Duration) -> Result<Decision, String> {
-    let http = reqwest::Client::builder()
-        .no_proxy()
-        .local_address(shoal_raft::outgoing_ip())
-        .timeout(ANSWER_TIMEOUT)
-        .build()
-        .map_err(|e| e.to_string())?;
+pub async fn discover(peers: &Peers, targets: &[String], name: &str, timeout: Duration) -> Result<Decision, String> {
     let ordinal = ordinal_of(name);
     let predecessor = predecessor_of(name);
     let deadline = Instant::now() + timeout;
@@ -135,7 +135,7 @@ pub async fn discover(targets: &[String], name: &str, timeout: Duration) -> Resu
     let mut empty_rounds = 0;
     loop {
         let candidates = resolve(targets).await;
-        let round = ask(&http, &candidates).await;
+        let round = ask(peers, &candidates).await;
         let all_empty = !candidates.is_empty() && round.empty == candidates.len();
         empty_rounds = if all_empty { empty_rounds + 1 } else { 0 };
         let waiting_for = if round.clusters.len() > 1 {
@@ -190,21 +190,12 @@ enum Answer {
 }
 
 /// Asks every candidate for its view of the cluster.
-async fn ask(http: &reqwest::Client, candidates: &[String]) -> Round {
+async fn ask(peers: &Peers, candidates: &[String]) -> Round {
     let answers = futures::future::join_all(candidates.iter().map(|c| async move {
-        let Ok(response) = http.get(format!("http://{c}/v1/cluster")).send().await else {
-            return (c.clone(), Answer::Unknown);
-        };
-        let answer = if response.status().is_success() {
-            match response.json::<ClusterView>().await {
-                Ok(view) if view.members.iter().any(|m| m.id == view.node_id) => Answer::Member(Box::new(view)),
-                _ => Answer::Unknown,
-            }
-        } else {
-            match response.json::<Problem>().await {
-                Ok(p) if p.code == "not_member" => Answer::Empty,
-                _ => Answer::Unknown,
-            }
+        let answer = match peers.cluster(c, ANSWER_TIMEOUT).await {
+            Ok(view) if view.members.iter().any(|m| m.id == view.node_id) => Answer::Member(Box::new(view)),
+            Err(CallError::Api(e)) if e.code() == NOT_MEMBER => Answer::Empty,
+            _ => Answer::Unknown,
         };
         (c.clone(), answer)
     }))

@@ -14,44 +14,21 @@
 //! a node paused or cut off long enough to be failed cannot acknowledge a write for buckets
 //! that were given to another node meanwhile.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use axum::extract::State;
-use axum::routing::post;
-use axum::{Json, Router};
 use parking_lot::Mutex;
-use serde::{Deserialize, Serialize};
 use shoal_http_api::types::PeerHealth;
-use shoal_http_api::ApiError;
 use shoal_raft::{ControlPlane, MemberStatus, NodeId};
-
-use crate::replication::Replicator;
 use tokio::sync::watch;
+use tokio::time::Instant;
 
-/// A ping.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Ping {
-    /// The sender.
-    pub from: NodeId,
-    /// The members the sender has not heard from within the node timeout.
-    pub pfail: Vec<NodeId>,
-}
-
-/// The answer to a ping.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Pong {
-    /// The answering node.
-    pub node_id: NodeId,
-    /// Random at every start of the answering process: a change means it restarted, and its
-    /// replica store is empty.
-    #[serde(default)]
-    pub incarnation: u64,
-    /// The sender's membership in the answering node's view.
-    pub status: MemberStatus,
-}
+use crate::bucket::{write_refusal, NodeFacts};
+use crate::peer::Peers;
+use crate::replication::Replicator;
+use crate::transport::{Ping, Pong};
 
 /// Failure-detection settings.
 #[derive(Debug, Clone, Copy)]
@@ -67,19 +44,21 @@ pub struct Health {
     me: NodeId,
     control: ControlPlane,
     config: HealthConfig,
-    contacts: Mutex<HashMap<NodeId, Instant>>,
-    reports: Mutex<HashMap<NodeId, (Instant, Vec<NodeId>)>>,
-    http: reqwest::Client,
+    contacts: Mutex<BTreeMap<NodeId, Instant>>,
+    reports: Mutex<BTreeMap<NodeId, (Instant, Vec<NodeId>)>>,
+    peers: Peers,
+    /// How long one ping may wait for its pong.
+    ping_timeout: Duration,
     removed: watch::Sender<bool>,
     incarnation: u64,
-    incarnations: Mutex<HashMap<NodeId, u64>>,
+    incarnations: Mutex<BTreeMap<NodeId, u64>>,
     replicator: Arc<Replicator>,
     /// `NodeFailed` commands this node proposed as leader.
     pub fails_proposed: AtomicU64,
     /// Set while a `NodeFailed` proposal runs.
     failing: AtomicBool,
     /// Peers with a ping in flight.
-    in_flight: Mutex<std::collections::HashSet<NodeId>>,
+    in_flight: Mutex<BTreeSet<NodeId>>,
     /// Set on SIGTERM: not ready, no new writes (see `NodeHandle::drain`).
     draining: AtomicBool,
     /// Set while a leaving node waits for its replicas before handing over (R18).
@@ -87,31 +66,31 @@ pub struct Health {
 }
 
 impl Health {
-    /// A detector for the node of `control`.
-    pub fn new(control: ControlPlane, config: HealthConfig, replicator: Arc<Replicator>) -> Arc<Self> {
-        let timeout = config.node_timeout.min(Duration::from_secs(2)).max(Duration::from_millis(200));
-        let http = reqwest::Client::builder()
-            .local_address(shoal_raft::outgoing_ip())
-            .default_headers(shoal_raft::secret_headers())
-            .timeout(timeout)
-            .connect_timeout(timeout)
-            .tcp_nodelay(true)
-            .build()
-            .expect("a reqwest client with timeouts builds");
+    /// A detector for the node of `control`, pinging through `peers`; `incarnation` is random
+    /// at every start of the process (peers see a restart by it).
+    pub fn new(
+        control: ControlPlane,
+        config: HealthConfig,
+        replicator: Arc<Replicator>,
+        peers: Peers,
+        incarnation: u64,
+    ) -> Arc<Self> {
+        let ping_timeout = config.node_timeout.min(Duration::from_secs(2)).max(Duration::from_millis(200));
         Arc::new(Health {
             me: control.node_id(),
             control,
             config,
-            contacts: Mutex::new(HashMap::new()),
-            reports: Mutex::new(HashMap::new()),
-            http,
+            contacts: Mutex::new(BTreeMap::new()),
+            reports: Mutex::new(BTreeMap::new()),
+            peers,
+            ping_timeout,
             removed: watch::channel(false).0,
-            incarnation: rand::random(),
-            incarnations: Mutex::new(HashMap::new()),
+            incarnation,
+            incarnations: Mutex::new(BTreeMap::new()),
             replicator,
             fails_proposed: AtomicU64::new(0),
             failing: AtomicBool::new(false),
-            in_flight: Mutex::new(std::collections::HashSet::new()),
+            in_flight: Mutex::new(BTreeSet::new()),
             draining: AtomicBool::new(false),
             handing_over: AtomicBool::new(false),
         })
@@ -135,11 +114,6 @@ impl Health {
     /// Whether failure detection runs.
     pub fn enabled(&self) -> bool {
         !self.config.ping_interval.is_zero()
-    }
-
-    /// The peer endpoint.
-    pub fn peer_routes(self: &Arc<Self>) -> Router {
-        Router::new().route("/internal/ping", post(pong)).with_state(self.clone())
     }
 
     /// Resolves when a peer said this node was failed.
@@ -180,39 +154,29 @@ impl Health {
             .collect()
     }
 
-    /// Why this node must not acknowledge a write now, if it must not: a peer said it was
-    /// failed, or it has not heard from a majority of the members within the node timeout.
-    pub fn write_refusal(&self) -> Option<ApiError> {
-        if *self.removed.borrow() {
-            return Some(ApiError::unavailable("node_failed", "this node was failed by the cluster; it is rejoining"));
-        }
-        if self.handing_over.load(Ordering::Relaxed) {
-            return Some(ApiError::unavailable(
-                "node_leaving",
-                "this node is handing its buckets over to their replica; retry in a moment",
-            ));
-        }
-        if self.is_draining() {
-            return Some(ApiError::unavailable(
-                "node_draining",
-                "this node is stopping: it acknowledges no new write; its buckets serve again after its restart",
-            ));
-        }
+    /// What this node knows of itself that decides whether it may acknowledge a write (see
+    /// `crate::bucket::write_refusal`): a peer said it was failed, it hands its buckets over,
+    /// it stops, or it has not heard from a majority of the members within the node timeout.
+    pub fn node_facts(&self) -> NodeFacts {
+        let mut facts = NodeFacts {
+            failed: *self.removed.borrow(),
+            handing_over: self.handing_over.load(Ordering::Relaxed),
+            draining: self.is_draining(),
+            no_quorum: None,
+        };
         if !self.enabled() {
-            return None;
+            return facts;
         }
         let state = self.control.state();
         let n = state.members.len();
         if n <= 1 {
-            return None;
+            return facts;
         }
         let heard = state.members.iter().filter(|m| m.id == self.me || !self.is_pfail(m.id)).count();
-        (heard * 2 <= n).then(|| {
-            ApiError::unavailable(
-                "no_quorum",
-                format!("this node has heard from {heard} of {n} members recently; it acknowledges no write"),
-            )
-        })
+        if heard * 2 <= n {
+            facts.no_quorum = Some((heard, n));
+        }
+        facts
     }
 
     /// Pings every peer every interval, and as leader fails the members a majority reports.
@@ -234,7 +198,7 @@ impl Health {
             }
             // A node that cannot hear a majority (paused, cut off) reports nobody: its view is
             // stale, and its reports must not help fail healthy members.
-            let pfail = if self.write_refusal().is_some() { Vec::new() } else { self.pfail_members() };
+            let pfail = if write_refusal(self.node_facts()).is_some() { Vec::new() } else { self.pfail_members() };
             let ping = Ping { from: self.me, pfail };
             // Every peer on its own: a peer that does not answer must not hold up (and age)
             // the contacts of the others. One ping in flight per peer.
@@ -243,13 +207,13 @@ impl Health {
                     continue;
                 }
                 let (health, id, ping) = (self.clone(), m.id, ping.clone());
-                let url = format!("http://{}/internal/ping", m.peer_addr);
+                let peer_addr = m.peer_addr.clone();
                 tokio::spawn(async move {
                     // A pong proves the peer alive when the ping left, not when the answer is
                     // read: a node paused with answers in its socket buffer must not renew its
                     // lease with them.
                     let sent = Instant::now();
-                    let pong = health.ping(&url, &ping).await;
+                    let pong = health.peers.ping(&peer_addr, ping, health.ping_timeout).await.ok();
                     health.in_flight.lock().remove(&id);
                     if let Some(pong) = pong {
                         health.on_pong(id, sent, pong);
@@ -288,11 +252,6 @@ impl Health {
         }
     }
 
-    async fn ping(&self, url: &str, ping: &Ping) -> Option<Pong> {
-        let response = self.http.post(url).json(ping).send().await.ok()?;
-        response.json().await.ok()
-    }
-
     /// As leader: proposes `NodeFailed` for each member that a majority of the members (this
     /// node included) reports pfail.
     async fn fail_reported(&self) {
@@ -320,13 +279,15 @@ impl Health {
     }
 }
 
-/// `POST /internal/ping`: the sender's pfail list is a report. (It does not count as contact:
-/// a ping may have waited in a socket buffer; only this node's own pings, timed from their
-/// sending, do.)
-async fn pong(State(health): State<Arc<Health>>, Json(ping): Json<Ping>) -> Json<Pong> {
-    let status = health.control.member_status(ping.from);
-    if status == MemberStatus::Member {
-        health.reports.lock().insert(ping.from, (Instant::now(), ping.pfail));
+impl Health {
+    /// Answers a ping (`POST /internal/ping`): the sender's pfail list is a report. (It does
+    /// not count as contact: a ping may have waited in a socket buffer; only this node's own
+    /// pings, timed from their sending, do.)
+    pub fn pong(&self, ping: Ping) -> Pong {
+        let status = self.control.member_status(ping.from);
+        if status == MemberStatus::Member {
+            self.reports.lock().insert(ping.from, (Instant::now(), ping.pfail));
+        }
+        Pong { node_id: self.me, incarnation: self.incarnation, status }
     }
-    Json(Pong { node_id: health.me, incarnation: health.incarnation, status })
 }

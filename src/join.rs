@@ -4,9 +4,13 @@
 
 use std::time::Duration;
 
-use shoal_http_api::types::ClusterView;
 use shoal_raft::{AdminClient, AdminRequest, AdminResponse, ControlError, NodeId};
 use tokio::time::Instant;
+
+use crate::peer::Peers;
+
+/// How long a seed may take to describe its cluster.
+const SEED_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Registration's answer: the new id and the cluster's id.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -20,37 +24,20 @@ pub struct Registered {
 /// Talks to the members listed in `--join`.
 pub struct Joiner {
     seeds: Vec<String>,
-    http: reqwest::Client,
+    peers: Peers,
     admin: AdminClient,
     deadline: Instant,
 }
 
 impl Joiner {
     /// A joiner that gives up at `now + timeout`.
-    pub fn new(seeds: Vec<String>, timeout: Duration, admin: AdminClient) -> Self {
-        let http = reqwest::Client::builder()
-            .local_address(shoal_raft::outgoing_ip())
-            .no_proxy()
-            .connect_timeout(Duration::from_secs(2))
-            .timeout(Duration::from_secs(5))
-            .build()
-            .unwrap_or_default();
-        Joiner { seeds, http, admin, deadline: Instant::now() + timeout }
+    pub fn new(seeds: Vec<String>, timeout: Duration, peers: Peers, admin: AdminClient) -> Self {
+        Joiner { seeds, peers, admin, deadline: Instant::now() + timeout }
     }
 
     /// The peer address of the member answering at API address `seed`.
     async fn peer_of(&self, seed: &str) -> Result<String, String> {
-        let view: ClusterView = self
-            .http
-            .get(format!("http://{seed}/v1/cluster"))
-            .send()
-            .await
-            .map_err(|e| format!("{seed}: {e}"))?
-            .error_for_status()
-            .map_err(|e| format!("{seed}: {e}"))?
-            .json()
-            .await
-            .map_err(|e| format!("{seed}: {e}"))?;
+        let view = self.peers.cluster(seed, SEED_TIMEOUT).await.map_err(|e| format!("{seed}: {e}"))?;
         view.members
             .iter()
             .find(|m| m.id == view.node_id)

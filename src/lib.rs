@@ -9,8 +9,12 @@
 //! - [`config`]: the command line (`shoal serve` flags, client commands).
 //! - [`node`]: [`node::start`] builds a node and returns a [`node::NodeHandle`].
 //! - [`proxy`]: [`proxy::NodeApi`], one key operation: local if we own the bucket, else forward.
-//! - [`peer`]: the node-to-node HTTP client for forwarding and broadcasts.
+//! - [`transport`]: the seam for node-to-node traffic (HTTP, or the simulated network), and
+//!   the receiving side of every request.
+//! - [`peer`]: [`peer::Peers`], the typed calls a node makes to others over its transport.
 //! - [`http_server`]: the HTTP/1.1 accept loop (pipelining, TCP_NODELAY, graceful drain).
+//! - [`bucket`]: the bucket core: what this node does with each bucket, and the write path.
+//! - [`error`]: [`error::DataError`], why the data plane did not serve an operation.
 //! - [`cache`]: the store of the buckets this node holds.
 //! - [`replication`]: replicas, sync and async replication, promotion on failover.
 //! - [`health`]: ping/pong failure detection (pfail, fail by majority).
@@ -18,15 +22,18 @@
 //! - [`identity`]: the node's id in its data dir.
 //! - [`join`]: the joiner's side of the join protocol.
 //! - [`metrics`]: the node's Prometheus metrics.
+//! - [`sim`]: the deterministic simulation: whole clusters on a simulated network and clock.
 //! - [`cli`]: the command-line client.
 //! - [`bench`]: `shoal bench`, the load generator.
 
 pub mod auth;
 pub mod bench;
+pub mod bucket;
 pub mod cache;
 pub mod cli;
 pub mod config;
 pub mod discover;
+pub mod error;
 pub mod health;
 pub mod http_server;
 pub mod identity;
@@ -36,4 +43,6 @@ pub mod node;
 pub mod peer;
 pub mod proxy;
 pub mod replication;
+pub mod sim;
 pub mod transfer;
+pub mod transport;

@@ -58,11 +58,6 @@ fn serve(config: ServeConfig) -> Result<(), String> {
     init_logs(config.log_format);
     config.validate().map_err(|e| format!("invalid configuration: {e}"))?;
 
-    // A node on its own loopback address (127.0.0.x) also talks to its peers from it.
-    let ip = config.listen.ip();
-    if ip.is_loopback() && !ip.is_unspecified() {
-        shoal_raft::set_outgoing_ip(ip);
-    }
     server_runtime(config.worker_threads)?.block_on(async {
         let mut config = config;
         loop {

@@ -69,6 +69,13 @@ fn outcome_of(result: Result<(), &ApiError>) -> usize {
         Err(ApiError::Unavailable { .. } | ApiError::NotOwner { .. }) => 4,
         Err(ApiError::Redirect { .. }) => 5,
         Err(ApiError::Internal(_)) => 6,
+        Err(ApiError::Remote { problem, .. }) => match problem.status {
+            404 => 1,
+            412 => 2,
+            400..=499 => 3,
+            503 => 4,
+            _ => 6,
+        },
     }
 }
 

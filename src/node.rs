@@ -5,8 +5,8 @@
 //!          ┌──────────────── shoal node ────────────────────────────┐
 //!  client ─┤ API listener ── http-api router ── NodeApi (proxy) ──┐ │
 //!          │                                     │   CacheStore <─┘ │
-//!          │                                     └── PeerClient ───────> other nodes' APIs
-//!   peers ─┤ peer listener ── Raft RPCs, admin ── ControlPlane (openraft, sled)
+//!          │                                     └── Peers ─ Transport ─> other nodes
+//!   peers ─┤ peer listener ── PeerService ── ControlPlane (openraft, sled), replication, ...
 //!          └────────────────────────────────────────────────────────┘
 //! ```
 //!
@@ -22,11 +22,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use shoal_http_api::Limits;
-use shoal_raft::{BucketId, ClusterState, ControlConfig, ControlPlane, MemberStatus, NodeId};
+use shoal_raft::{BucketId, ClusterState, ControlConfig, ControlPlane, MemberStatus, NodeId, Storage};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::bucket::{AckProbe, BucketCore, LocalFacts};
 use crate::cache::{CacheStore, Clock};
 use crate::config::ServeConfig;
 use crate::health::Health;
@@ -34,12 +35,14 @@ use crate::http_server;
 use crate::identity::Identity;
 use crate::join::Joiner;
 use crate::metrics::NodeMetrics;
+use crate::peer::Peers;
 use crate::proxy::{NodeApi, NodeParts};
 use crate::replication::Replicator;
+use crate::transfer::export::Exporter;
+use crate::transfer::import::Puller;
 use crate::transfer::progress::Progress;
-use crate::transfer::restore::Restoring;
-use crate::transfer::shadow::ShadowWriter;
 use crate::transfer::{self, Transfers};
+use crate::transport::{HttpTransport, PeerService, Transport};
 
 /// Why a node could not start.
 #[derive(Debug, thiserror::Error)]
@@ -227,22 +230,58 @@ pub async fn start(config: ServeConfig) -> Result<NodeHandle, StartError> {
     start_with(config, listeners).await
 }
 
+/// What a node runs on besides its configuration: how it reaches other nodes, where its Raft
+/// state lives, the addresses others use to reach it, and the values that must differ per
+/// process start. Production builds one from the command line ([`start_with`]); the
+/// simulation builds one per simulated host.
+pub struct Environment {
+    /// Node-to-node messages.
+    pub transport: Arc<dyn Transport>,
+    /// The same transport, as the control plane sees it.
+    pub control_transport: Arc<dyn shoal_raft::ControlTransport>,
+    /// Where the Raft state lives.
+    pub storage: Storage,
+    /// The API address others use.
+    pub api_addr: String,
+    /// The peer address others use.
+    pub peer_addr: String,
+    /// Random at every process start (peers notice a restart by it).
+    pub incarnation: u64,
+    /// Where replication request numbers start; must increase across restarts.
+    pub first_seq: u64,
+    /// The id of a new cluster, if this node bootstraps one.
+    pub new_cluster_id: String,
+    /// Sees every acknowledged write (the simulation's checks).
+    pub probe: Option<Arc<dyn AckProbe>>,
+}
+
 /// Starts a node on listeners bound by the caller (tests bind port 0).
 pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<NodeHandle, StartError> {
     config.validate().map_err(StartError::Config)?;
-    if let Some(secret) = &config.cluster_secret {
-        // Every client of this process sends it (see `shoal_raft::set_cluster_secret`).
-        if !shoal_raft::set_cluster_secret(secret.expose().to_string()) {
-            return Err(StartError::Config("another node of this process uses a different --cluster-secret".into()));
-        }
-    }
     std::fs::create_dir_all(&config.data_dir)
         .map_err(|e| StartError::Io(format!("cannot create --data-dir {}: {e}", config.data_dir.display())))?;
     let local = |l: &TcpListener| l.local_addr().map_err(|e| StartError::Io(e.to_string()));
     let (api_bound, peer_bound) = (local(&listeners.api)?, local(&listeners.peer)?);
-    let api_addr = config.advertise.clone().unwrap_or_else(|| api_bound.to_string());
-    let peer_addr = config.peer_advertise.clone().unwrap_or_else(|| peer_bound.to_string());
-
+    // A node on its own loopback address (127.0.0.x) also talks to its peers from it, so that
+    // firewall rules can tell nodes apart.
+    let ip = config.listen.ip();
+    let local_ip = (ip.is_loopback() && !ip.is_unspecified()).then_some(ip);
+    let secret = config.cluster_secret.as_ref().map(|s| s.expose().to_string());
+    let transport = Arc::new(HttpTransport::new(local_ip, secret.as_deref(), config.reconnect_timeout));
+    let env = Environment {
+        transport: transport.clone(),
+        control_transport: transport,
+        storage: Storage::Dir(config.data_dir.join("raft")),
+        api_addr: config.advertise.clone().unwrap_or_else(|| api_bound.to_string()),
+        peer_addr: config.peer_advertise.clone().unwrap_or_else(|| peer_bound.to_string()),
+        incarnation: rand::random(),
+        first_seq: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_micros() as u64)
+            .unwrap_or(1),
+        new_cluster_id: new_cluster_id(),
+        probe: None,
+    };
     let identity = Identity::load(&config.data_dir).map_err(StartError::Io)?;
     if let Some(id) = identity.as_ref().filter(|id| id.retired) {
         return Err(retired(&config, id.node_id));
@@ -265,7 +304,9 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
     // A node rejoining after it was failed (main's loop) already knows where its cluster is.
     if identity.is_none() && !config.discover.is_empty() && config.join.is_empty() {
         let name = config.name.clone().unwrap_or_default();
-        match crate::discover::discover(&config.discover, &name, config.join_timeout).await.map_err(StartError::Join)? {
+        let peers = Peers::new(env.transport.clone());
+        let decision = crate::discover::discover(&peers, &config.discover, &name, config.join_timeout).await;
+        match decision.map_err(StartError::Join)? {
             crate::discover::Decision::Bootstrap => {
                 tracing::info!(name, "discovery: no cluster found; ordinal 0 creates one");
                 config.join.clear();
@@ -276,14 +317,47 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
             }
         }
     }
-    let admin = shoal_raft::AdminClient::new(Duration::from_secs(40));
-    let joiner = Joiner::new(config.join.clone(), config.join_timeout, admin);
+    let peer_listener = listeners.peer;
+    let (admin_token, cluster_secret) = (config.admin_token.clone(), config.cluster_secret.clone());
+    let serve = move |service: Arc<PeerService>, shutdown: &watch::Sender<bool>| {
+        let peer_router = crate::transport::service::peer_routes(service.clone())
+            .layer(axum::middleware::from_fn_with_state(cluster_secret, crate::auth::require_secret));
+        let api_router = shoal_http_api::router(service.api.clone())
+            .layer(axum::middleware::from_fn_with_state(admin_token, crate::auth::require_admin_token));
+        let servers = vec![
+            http_server::serve(peer_listener, peer_router, shutdown.subscribe()),
+            http_server::serve(api_listener, api_router, shutdown.subscribe()),
+        ];
+        starting_stop.send_replace(true);
+        servers
+    };
+    let mut handle = start_in(config, env, identity, serve).await?;
+    handle.api_addr = api_bound;
+    handle.peer_addr = peer_bound;
+    let _ = starting.await;
+    Ok(handle)
+}
+
+/// Starts a node in `env` with the identity its data dir held (if any). `serve` starts serving
+/// the node's [`PeerService`] (and its public API) to others, once it is built and before the
+/// node joins; it returns the tasks that serve, which stop when the shutdown signal turns
+/// true.
+pub async fn start_in(
+    config: ServeConfig,
+    env: Environment,
+    identity: Option<Identity>,
+    serve: impl FnOnce(Arc<PeerService>, &watch::Sender<bool>) -> Vec<JoinHandle<()>>,
+) -> Result<NodeHandle, StartError> {
+    let peers = Peers::new(env.transport.clone());
+    let admin = shoal_raft::AdminClient::new(env.control_transport.clone(), Duration::from_secs(40));
+    let joiner = Joiner::new(config.join.clone(), config.join_timeout, peers.clone(), admin);
+    let (api_addr, peer_addr) = (env.api_addr.clone(), env.peer_addr.clone());
     // A new node that joins gets its id first; a new cluster's first node is node 1.
     let restarted = identity.is_some();
     let identity = match identity {
         Some(id) => id,
         None if config.join.is_empty() => {
-            let id = Identity::new(1, new_cluster_id(), Vec::new());
+            let id = Identity::new(1, env.new_cluster_id.clone(), Vec::new());
             id.store(&config.data_dir).map_err(StartError::Io)?;
             id
         }
@@ -299,7 +373,7 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
     let node_id = identity.node_id;
 
     let mut control_config =
-        ControlConfig::new(node_id, api_addr.clone(), peer_addr.clone(), config.data_dir.join("raft"));
+        ControlConfig::new(node_id, api_addr.clone(), peer_addr.clone(), env.storage, env.control_transport);
     control_config.heartbeat = config.raft_heartbeat;
     control_config.name = config.name.clone();
     control_config.election_timeout = config.raft_election_timeout;
@@ -317,43 +391,50 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
     let progress = Arc::new(Progress::default());
     // Buckets handed to this node in a transfer that is still running come back from their
     // shadows before this node serves them (its memory is empty after a restart).
-    let restoring = Arc::new(Restoring::default());
-    restoring.mark(&control.state(), node_id, restarted);
-    let replicator = Replicator::new(control.clone(), cache.clone(), config.cache_size, restoring.clone());
-    let health = Health::new(control.clone(), config.health_config(), replicator.clone());
+    let facts = Arc::new(LocalFacts::default());
+    facts.mark_restoring(&control.state(), node_id, restarted);
+    let replicator =
+        Replicator::new(control.clone(), cache.clone(), config.cache_size, facts.clone(), peers.clone(), env.first_seq);
+    let health =
+        Health::new(control.clone(), config.health_config(), replicator.clone(), peers.clone(), env.incarnation);
+    let core = Arc::new(BucketCore::new(
+        control.clone(),
+        cache.clone(),
+        facts.clone(),
+        health.clone(),
+        replicator.clone(),
+        peers.clone(),
+        env.probe.clone(),
+    ));
     let parts = NodeParts {
         metrics: metrics.clone(),
         progress: progress.clone(),
-        shadows: Arc::new(ShadowWriter::new(replicator.clone())),
-        restoring: restoring.clone(),
+        core: core.clone(),
         replicator: replicator.clone(),
         health: health.clone(),
+        peers: peers.clone(),
     };
     let api = Arc::new(NodeApi::new(control.clone(), cache.clone(), limits, parts));
     let (shutdown, _) = watch::channel(false);
-    let peer_router = shoal_raft::peer_router(control.clone())
-        .merge(transfer::peer_routes(
-            control.clone(),
-            cache.clone(),
-            transfer_config,
-            progress.clone(),
-            replicator.clone(),
-        ))
-        .merge(replicator.peer_routes())
-        .merge(health.peer_routes())
-        .layer(axum::middleware::from_fn_with_state(config.cluster_secret.clone(), crate::auth::require_secret));
-    let api_router = shoal_http_api::router(api)
-        .layer(axum::middleware::from_fn_with_state(config.admin_token.clone(), crate::auth::require_admin_token));
-    let servers = vec![
-        http_server::serve(listeners.peer, peer_router, shutdown.subscribe()),
-        http_server::serve(api_listener, api_router, shutdown.subscribe()),
-    ];
-    starting_stop.send_replace(true);
-    let _ = starting.await;
+    let exporter = Exporter {
+        control: control.clone(),
+        cache: cache.clone(),
+        config: transfer_config,
+        progress: progress.clone(),
+        replicator: replicator.clone(),
+    };
+    let service = Arc::new(PeerService {
+        control: control.clone(),
+        api,
+        replicator: replicator.clone(),
+        exporter,
+        health: health.clone(),
+    });
+    let servers = serve(service, &shutdown);
     let handle = NodeHandle {
         node_id,
-        api_addr: api_bound,
-        peer_addr: peer_bound,
+        api_addr: api_addr.parse().unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0))),
+        peer_addr: peer_addr.parse().unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0))),
         control: control.clone(),
         cache: cache.clone(),
         shutdown,
@@ -374,18 +455,24 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
     handle.tasks.push(tokio::spawn(transfer::restore::restore(
         control.clone(),
         cache.clone(),
-        transfer::import::Puller::new(transfer_config),
-        restoring,
+        Puller::new(peers.clone(), transfer_config),
+        facts,
         progress.clone(),
     )));
-    handle.transfers =
-        Some(Transfers::start(control.clone(), cache.clone(), transfer_config, progress, metrics.clone()));
+    handle.transfers = Some(Transfers::start(
+        control.clone(),
+        cache.clone(),
+        peers.clone(),
+        transfer_config,
+        progress,
+        metrics.clone(),
+    ));
     handle.tasks.push(tokio::spawn(sweep_expired(cache.clone())));
     handle.tasks.push(tokio::spawn(sweep_expired(replicator.replica().clone())));
     handle.tasks.push(tokio::spawn(metrics_upkeep(metrics)));
     handle.tasks.push(tokio::spawn(replicator.clone().attach_all()));
     handle.tasks.push(tokio::spawn(replicator.clone().drain_queue()));
-    handle.tasks.push(tokio::spawn(replicator.clone().replicate_evictions()));
+    handle.tasks.push(tokio::spawn(replicate_evictions(core)));
     handle.tasks.push(tokio::spawn(health.clone().run()));
     handle.tasks.push(tokio::spawn(crate::replication::handover::hand_over_when_leaving(
         control.clone(),
@@ -400,7 +487,7 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
     )));
     let limits = (config.cache_size.saturating_mul(2), config.cache_size);
     let shadows = crate::replication::follow::ShadowSource {
-        puller: transfer::import::Puller::new(transfer_config),
+        puller: Puller::new(peers, transfer_config),
         progress: handle.transfers.as_ref().map(|t| t.progress().clone()).unwrap_or_default(),
     };
     handle.tasks.push(tokio::spawn(follow_map(
@@ -538,6 +625,16 @@ fn new_cluster_id() -> String {
     use rand::Rng;
     let bytes: [u8; 16] = rand::rng().random();
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Sends the store's evictions to the replicas, forever (see
+/// [`BucketCore::replicate_evictions`]).
+async fn replicate_evictions(core: Arc<BucketCore>) {
+    core.store_keeps_evictions();
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        core.replicate_evictions();
+    }
 }
 
 /// Folds buffered latency samples into the histograms every few seconds.

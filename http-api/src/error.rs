@@ -102,6 +102,16 @@ pub enum ApiError {
     /// A bug or a storage failure; details are logged, not returned.
     #[error("internal error")]
     Internal(String),
+    /// An error another node answered to a forwarded request, passed on as it came: its
+    /// status, code, detail and `Retry-After` (codes this node acts on are rebuilt as their
+    /// own variants instead, see [`ApiError::from_problem`]).
+    #[error("{}", .problem.detail)]
+    Remote {
+        /// The problem document the other node answered.
+        problem: Box<Problem>,
+        /// Its `Retry-After`, if it had one.
+        retry_after: Option<Duration>,
+    },
 }
 
 impl ApiError {
@@ -125,11 +135,14 @@ impl ApiError {
             ApiError::Redirect { .. } => StatusCode::TEMPORARY_REDIRECT,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::Remote { problem, .. } => {
+                StatusCode::from_u16(problem.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+            }
         }
     }
 
     /// The stable machine code.
-    pub fn code(&self) -> &'static str {
+    pub fn code(&self) -> &str {
         match self {
             ApiError::BadRequest(_) => "bad_request",
             ApiError::KeyTooLarge { .. } => "key_too_large",
@@ -145,11 +158,15 @@ impl ApiError {
             ApiError::Redirect { .. } => "redirect",
             ApiError::MethodNotAllowed => "method_not_allowed",
             ApiError::Internal(_) => "internal",
+            ApiError::Remote { problem, .. } => &problem.code,
         }
     }
 
     /// The problem document.
     pub fn problem(&self) -> Problem {
+        if let ApiError::Remote { problem, .. } = self {
+            return Problem::clone(problem);
+        }
         let status = self.status();
         let detail = match self {
             ApiError::Internal(_) => "internal error; see the node's log".to_string(),
@@ -172,9 +189,12 @@ impl ApiError {
         }
     }
 
-    /// Rebuilds the error a peer answered with from its problem document, so a forwarded
-    /// request fails exactly as it would have locally.
-    pub fn from_problem(problem: &Problem) -> Self {
+    /// Rebuilds the error a peer answered with from its problem document (and its
+    /// `Retry-After`), so a forwarded request fails exactly as it would have locally: the
+    /// codes a node acts on become their own variants, every other error passes on intact
+    /// ([`ApiError::Remote`]).
+    pub fn from_problem(problem: &Problem, retry_after: Option<Duration>) -> Self {
+        let remote = || ApiError::Remote { problem: Box::new(problem.clone()), retry_after };
         match problem.code.as_str() {
             "bad_request" => ApiError::BadRequest(problem.detail.clone()),
             "not_found" => ApiError::NotFound,
@@ -183,14 +203,7 @@ impl ApiError {
             "item_too_large" => ApiError::ItemTooLarge(problem.detail.clone()),
             "conflict" => ApiError::Conflict(problem.detail.clone()),
             "membership_change_in_progress" => ApiError::MembershipChangeInProgress(problem.detail.clone()),
-            "no_leader" => ApiError::unavailable("no_leader", problem.detail.clone()),
-            "not_ready" => ApiError::unavailable("not_ready", problem.detail.clone()),
-            "owner_unreachable" => ApiError::unavailable("owner_unreachable", problem.detail.clone()),
-            "unavailable" => ApiError::unavailable("unavailable", problem.detail.clone()),
-            "map_changing" => ApiError::unavailable("map_changing", problem.detail.clone()),
-            "bucket_moving" => ApiError::unavailable("bucket_moving", problem.detail.clone()),
-            "bucket_restoring" => ApiError::unavailable("bucket_restoring", problem.detail.clone()),
-            _ => ApiError::Internal(format!("peer answered {}: {}", problem.code, problem.detail)),
+            _ => remote(),
         }
     }
 }
@@ -208,7 +221,12 @@ impl IntoResponse for ApiError {
         let mut response = (status, body).into_response();
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
-        if let ApiError::Unavailable { retry_after, .. } = &self {
+        let retry_after = match &self {
+            ApiError::Unavailable { retry_after, .. } => Some(*retry_after),
+            ApiError::Remote { retry_after, .. } => *retry_after,
+            _ => None,
+        };
+        if let Some(retry_after) = retry_after {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after.as_secs().max(1)));
         }
         response
@@ -225,10 +243,26 @@ mod tests {
             ApiError::NotFound,
             ApiError::PreconditionFailed { current_version: Some(4) },
             ApiError::NotOwner { bucket: 0, map_version: 9 },
-            ApiError::unavailable("no_leader", "x"),
             ApiError::BadRequest("bad".into()),
         ] {
-            assert_eq!(ApiError::from_problem(&e.problem()), e);
+            assert_eq!(ApiError::from_problem(&e.problem(), None), e);
+        }
+    }
+
+    #[test]
+    fn other_errors_of_a_peer_pass_on_with_status_code_and_retry_after() {
+        for e in [
+            ApiError::unavailable("no_leader", "x"),
+            ApiError::unavailable("replication_failed", "the replica did not apply the write"),
+            ApiError::unavailable("node_draining", "stopping"),
+            ApiError::ItemTooLarge("too big".into()),
+        ] {
+            let retry_after = (e.status() == StatusCode::SERVICE_UNAVAILABLE).then_some(Duration::from_secs(1));
+            let passed = ApiError::from_problem(&e.problem(), retry_after);
+            assert_eq!((passed.status(), passed.code(), passed.problem()), (e.status(), e.code(), e.problem()));
+            let response = passed.into_response();
+            let retry = response.headers().get(header::RETRY_AFTER).map(|v| v.to_str().unwrap_or("").to_string());
+            assert_eq!(retry.as_deref(), retry_after.map(|_| "1"), "{e:?}");
         }
     }
 

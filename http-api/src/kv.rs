@@ -320,8 +320,7 @@ fn bulk_body_limit(limits: &Limits) -> usize {
 }
 
 fn key_error(e: &ApiError) -> KeyError {
-    let p = e.problem();
-    KeyError { code: p.code, detail: p.detail, status: p.status }
+    KeyError::of(e)
 }
 
 fn result_of(key: String, error: Option<KeyError>) -> KeyResult {

@@ -134,6 +134,30 @@ pub struct KeyError {
     pub status: u16,
 }
 
+impl KeyError {
+    /// The error of one key, as a bulk answer carries it.
+    pub fn of(e: &crate::ApiError) -> Self {
+        let p = e.problem();
+        KeyError { code: p.code, detail: p.detail, status: p.status }
+    }
+
+    /// The error a bulk answer's key carried, rebuilt as [`crate::ApiError::from_problem`]
+    /// rebuilds a whole answer's.
+    pub fn error(&self) -> crate::ApiError {
+        let problem = crate::Problem {
+            type_uri: format!("urn:shoal:problem:{}", self.code),
+            title: String::new(),
+            status: self.status,
+            detail: self.detail.clone(),
+            code: self.code.clone(),
+            current_version: None,
+            map_version: None,
+        };
+        let retry_after = (self.status == 503).then_some(Duration::from_secs(1));
+        crate::ApiError::from_problem(&problem, retry_after)
+    }
+}
+
 /// One key's result in a bulk answer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default, utoipa::ToSchema)]
 pub struct KeyResult {

@@ -70,6 +70,24 @@ pub enum ClusterCommand {
         /// Whether it is stopping.
         draining: bool,
     },
+    /// Every bucket `owner` serves is attached at the holder join order names for it
+    /// (`replica_of`): that holder holds its replica from now on — it has every write the owner
+    /// acknowledged, and inherits the owner's buckets if the owner fails — and the previous
+    /// holder may drop its copy.
+    ReplicaMoved {
+        /// The owner.
+        owner: NodeId,
+        /// Its new replica holder.
+        holder: NodeId,
+    },
+    /// A member that restarted found no copy left of buckets it owns (its replica holder
+    /// restarted too, or none was complete): they are lost.
+    BucketsLost {
+        /// The member.
+        node_id: NodeId,
+        /// The buckets.
+        buckets: Vec<u16>,
+    },
     /// An operator acknowledges lost buckets: they serve again, empty.
     ClearLost {
         /// The buckets (all lost buckets when empty).

@@ -29,16 +29,26 @@ use tokio::sync::Mutex;
 use tokio::task::JoinHandle;
 
 use crate::command::{ClusterCommand, CommandResponse};
+use crate::disk::{Disk, MemoryDisk};
 use crate::distribution::NodeId;
 use crate::error::ControlError;
-use crate::log_store::SledLogStore;
-use crate::network::{AdminClient, AdminRequest, AdminResponse, HttpRaftNetwork, MemberStatus};
+use crate::log_store::DiskLogStore;
+use crate::network::{AdminClient, AdminRequest, AdminResponse, ControlTransport, MemberStatus, RaftTransportNetwork};
 use crate::state::ClusterState;
-use crate::state_machine::{SledStateMachine, StateView};
+use crate::state_machine::{DiskStateMachine, StateView};
 use crate::types::{MemberNode, Raft, RaftMetrics};
 
+/// Where a node's Raft state lives.
+#[derive(Clone)]
+pub enum Storage {
+    /// A sled database in this directory.
+    Dir(PathBuf),
+    /// Memory (the deterministic simulation).
+    Memory(MemoryDisk),
+}
+
 /// How a node's control plane is set up.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ControlConfig {
     /// This node's id.
     pub node_id: NodeId,
@@ -46,8 +56,10 @@ pub struct ControlConfig {
     pub api_addr: String,
     /// The internal address others use for Raft and node-to-node traffic.
     pub peer_addr: String,
-    /// Where sled keeps the Raft log, vote and state machine.
-    pub raft_dir: PathBuf,
+    /// Where the Raft log, vote and state machine are kept.
+    pub storage: Storage,
+    /// How messages reach other nodes.
+    pub transport: Arc<dyn ControlTransport>,
     /// Raft heartbeat interval.
     pub heartbeat: Duration,
     /// Raft election timeout: a random value in `[election_timeout, 2 × election_timeout)`.
@@ -60,12 +72,19 @@ pub struct ControlConfig {
 
 impl ControlConfig {
     /// A config with shoal's default timings.
-    pub fn new(node_id: NodeId, api_addr: String, peer_addr: String, raft_dir: PathBuf) -> Self {
+    pub fn new(
+        node_id: NodeId,
+        api_addr: String,
+        peer_addr: String,
+        storage: Storage,
+        transport: Arc<dyn ControlTransport>,
+    ) -> Self {
         ControlConfig {
             node_id,
             api_addr,
             peer_addr,
-            raft_dir,
+            storage,
+            transport,
             heartbeat: Duration::from_millis(250),
             election_timeout: Duration::from_millis(1500),
             change_timeout: Duration::from_secs(30),
@@ -85,9 +104,9 @@ struct Inner {
     node: MemberNode,
     raft: Raft,
     view: StateView,
-    db: sled::Db,
+    disk: Disk,
     /// Reads the committed index the log store records.
-    log_store: SledLogStore,
+    log_store: DiskLogStore,
     admin_client: AdminClient,
     /// Held for the whole of a membership change on the leader, so changes never interleave.
     membership_lock: Mutex<()>,
@@ -104,11 +123,15 @@ const STALE_NODE_GRACE: Duration = Duration::from_secs(10);
 const COMMIT_NEWS_GRACE: Duration = Duration::from_secs(2);
 
 impl ControlPlane {
-    /// Opens the Raft storage in `config.raft_dir` and starts Raft. Does not bootstrap or join.
+    /// Opens the Raft storage `config.storage` names and starts Raft. Does not bootstrap or
+    /// join.
     pub async fn open(config: ControlConfig) -> Result<Self, ControlError> {
-        let db = open_db(&config.raft_dir).await?;
-        let log_store = SledLogStore::open(&db).map_err(fatal)?;
-        let state_machine = SledStateMachine::open(&db).map_err(fatal)?;
+        let disk = match &config.storage {
+            Storage::Dir(dir) => Disk::Sled(open_db(dir).await?),
+            Storage::Memory(memory) => Disk::Memory(memory.clone()),
+        };
+        let log_store = DiskLogStore::open(&disk).map_err(fatal)?;
+        let state_machine = DiskStateMachine::open(&disk).map_err(fatal)?;
         let view = state_machine.view();
         let heartbeat = config.heartbeat.as_millis() as u64;
         let election = config.election_timeout.as_millis() as u64;
@@ -124,19 +147,19 @@ impl ControlPlane {
         }
         .validate()
         .map_err(fatal)?;
-        let network = HttpRaftNetwork::new(Duration::from_secs(2));
+        let network = RaftTransportNetwork::new(config.transport.clone());
         let commit_reader = log_store.clone();
         let raft =
             Raft::new(config.node_id, Arc::new(raft_config), network, log_store, state_machine).await.map_err(fatal)?;
         let node = MemberNode { api_addr: config.api_addr.clone(), peer_addr: config.peer_addr.clone() };
-        let admin_client = AdminClient::new(config.change_timeout + Duration::from_secs(5));
+        let admin_client = AdminClient::new(config.transport.clone(), config.change_timeout + Duration::from_secs(5));
         let control = ControlPlane {
             inner: Arc::new(Inner {
                 config,
                 node,
                 raft,
                 view,
-                db,
+                disk,
                 log_store: commit_reader,
                 admin_client,
                 membership_lock: Mutex::new(()),
@@ -199,7 +222,7 @@ impl ControlPlane {
 
     /// The size of the Raft storage on disk, in bytes.
     pub fn storage_bytes(&self) -> u64 {
-        self.inner.db.size_on_disk().unwrap_or(0)
+        self.inner.disk.size_on_disk()
     }
 
     /// What the applied state says of `node_id`.
@@ -308,8 +331,13 @@ impl ControlPlane {
             if tokio::time::Instant::now() >= deadline {
                 return Err(last_error);
             }
+            // Until Raft's metrics change (a leader is known, or another one), at most 200 ms
+            // and at least 20 ms. A receiver cloned from openraft's has not seen the current
+            // value: mark it seen, or `changed` would answer at once and the loop would spin.
             let mut rx = self.inner.raft.metrics();
+            rx.borrow_and_update();
             let _ = tokio::time::timeout(Duration::from_millis(200), rx.changed()).await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 
@@ -366,6 +394,14 @@ impl ControlPlane {
             }
             AdminRequest::ClearLost { buckets } => {
                 self.write(ClusterCommand::ClearLost { buckets }).await?;
+                Ok(AdminResponse::Done)
+            }
+            AdminRequest::ReplicaMoved { owner, holder } => {
+                self.write(ClusterCommand::ReplicaMoved { owner, holder }).await?;
+                Ok(AdminResponse::Done)
+            }
+            AdminRequest::BucketsLost { node_id, buckets } => {
+                self.write(ClusterCommand::BucketsLost { node_id, buckets }).await?;
                 Ok(AdminResponse::Done)
             }
             AdminRequest::SetDraining { node_id, draining } => {
@@ -586,7 +622,7 @@ impl ControlPlane {
         if let Err(e) = self.inner.raft.shutdown().await {
             tracing::warn!(error = %e, "raft shutdown");
         }
-        let _ = crate::flush(&self.inner.db).await;
+        let _ = self.inner.disk.flush().await;
     }
 }
 

@@ -9,8 +9,11 @@
 //! - [`distribution`]: pure code: buckets, the map, `bucket_of`, `rebalance`.
 //! - [`command`]: the Raft commands ([`ClusterCommand`]) and their responses.
 //! - [`state`]: [`ClusterState`], the replicated state, and the pure `apply`.
-//! - [`log_store`], [`state_machine`]: openraft's storage traits on sled.
-//! - [`network`]: Raft RPCs and the join/leave protocol over HTTP on the peer listener.
+//! - [`disk`]: where the Raft state lives: sled, or memory for the simulation.
+//! - [`log_store`], [`state_machine`]: openraft's storage traits on a [`disk::Disk`].
+//! - [`network`]: Raft RPCs and the join/leave protocol, over the transport the node passes
+//!   in ([`ControlTransport`]).
+//! - [`runtime`]: openraft's async runtime, tokio with a generator the simulation seeds.
 //! - [`control`]: [`ControlPlane`], a node's handle: bootstrap, admin requests, reconciling
 //!   Raft's voters with the members.
 //! - [`types`]: the openraft type configuration; openraft's generics stop there.
@@ -22,10 +25,12 @@
 
 pub mod command;
 pub mod control;
+pub mod disk;
 pub mod distribution;
 pub mod error;
 pub mod log_store;
 pub mod network;
+pub mod runtime;
 pub mod state;
 pub mod state_machine;
 pub mod types;
@@ -34,25 +39,12 @@ pub mod types;
 mod storage_suite;
 
 pub use command::{ClusterCommand, CommandResponse};
-
-/// Makes every earlier write of `db` durable.
-///
-/// sled's own `flush_async` runs the flush on sled's I/O thread pool, whose seven threads
-/// also write the log buffers the flush waits for: with a few flushes at once (several nodes
-/// in one process, or a busy node) every pool thread ends up waiting and nothing is left to
-/// write (seen as a hang in our tests). The flush therefore runs on tokio's blocking pool.
-pub(crate) async fn flush(db: &sled::Db) -> Result<usize, sled::Error> {
-    let db = db.clone();
-    tokio::task::spawn_blocking(move || db.flush())
-        .await
-        .unwrap_or_else(|e| Err(sled::Error::Io(std::io::Error::other(e))))
-}
-pub use control::{ControlConfig, ControlPlane};
+pub use control::{ControlConfig, ControlPlane, Storage};
 pub use distribution::{bucket_of, BucketId, DistributionMap, NodeId, BUCKET_COUNT};
 pub use error::ControlError;
 pub use network::{
-    cluster_secret, outgoing_ip, peer_router, secret_headers, set_cluster_secret, set_outgoing_ip, AdminClient,
-    AdminRequest, AdminResponse, MemberStatus, SECRET_HEADER,
+    AdminClient, AdminRequest, AdminResponse, BoxFuture, ControlRpc, ControlTransport, MemberStatus, ServeError,
+    TransportError,
 };
 pub use state::{ClusterState, Member, ReplicationMode};
 pub use state_machine::StateView;

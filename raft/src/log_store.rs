@@ -1,10 +1,10 @@
-//! The Raft log and vote on sled: [`SledLogStore`].
+//! The Raft log and vote on a [`Disk`]: [`DiskLogStore`].
 //!
-//! One sled `Db` per node holds two trees of this store (`raft_log`: big-endian index →
-//! JSON entry; `raft_meta`: `vote`, `last_purged`, `committed`) and the state machine's
-//! tree. sled's flush is global, so one flush makes every earlier write of the
-//! whole `Db` durable; the vote and appended entries are flushed before they are
-//! acknowledged, as openraft requires.
+//! One disk per node (sled, or memory in the simulation) holds two trees of this store
+//! (`raft_log`: big-endian index → JSON entry; `raft_meta`: `vote`, `last_purged`,
+//! `committed`) and the state machine's tree. The flush is global, so one flush makes every
+//! earlier write of the whole disk durable; the vote and appended entries are flushed before
+//! they are acknowledged, as openraft requires.
 
 use std::fmt::Debug;
 use std::ops::{Bound, RangeBounds};
@@ -14,29 +14,30 @@ use openraft::{ErrorSubject, ErrorVerb, OptionalSend, RaftLogReader, StorageIOEr
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
+use crate::disk::{Disk, DiskError, Tree};
 use crate::types::{Entry, LogId, StorageError, TypeConfig, Vote};
 
 const KEY_VOTE: &str = "vote";
 const KEY_LAST_PURGED: &str = "last_purged";
 const KEY_COMMITTED: &str = "committed";
 
-/// openraft's log storage on sled. Cheap to clone (sled trees are `Arc`s).
+/// openraft's log storage on a [`Disk`]. Cheap to clone (trees are shared handles).
 #[derive(Clone)]
-pub struct SledLogStore {
-    db: sled::Db,
-    log: sled::Tree,
-    meta: sled::Tree,
+pub struct DiskLogStore {
+    disk: Disk,
+    log: Tree,
+    meta: Tree,
     /// The last committed index openraft reported (for metrics).
     committed: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
-impl SledLogStore {
-    /// Opens (or creates) the log trees in `db`.
-    pub fn open(db: &sled::Db) -> Result<Self, sled::Error> {
-        let store = SledLogStore {
-            db: db.clone(),
-            log: db.open_tree("raft_log")?,
-            meta: db.open_tree("raft_meta")?,
+impl DiskLogStore {
+    /// Opens (or creates) the log trees on `disk`.
+    pub fn open(disk: &Disk) -> Result<Self, DiskError> {
+        let store = DiskLogStore {
+            disk: disk.clone(),
+            log: disk.tree("raft_log")?,
+            meta: disk.tree("raft_meta")?,
             committed: Default::default(),
         };
         // The metric starts from what was committed before a restart.
@@ -51,23 +52,22 @@ impl SledLogStore {
     }
 
     fn read_meta<T: DeserializeOwned>(&self, key: &str, subject: ErrorSubject<u64>) -> Result<Option<T>, StorageError> {
-        let bytes = self.meta.get(key).map_err(|e| io_err(subject.clone(), ErrorVerb::Read, &e))?;
+        let bytes = self.meta.get(key.as_bytes()).map_err(|e| io_err(subject.clone(), ErrorVerb::Read, &e))?;
         bytes.map(|b| serde_json::from_slice(&b).map_err(|e| io_err(subject, ErrorVerb::Read, &e))).transpose()
     }
 
     fn write_meta<T: Serialize>(&self, key: &str, value: &T, subject: ErrorSubject<u64>) -> Result<(), StorageError> {
         let bytes = serde_json::to_vec(value).map_err(|e| io_err(subject.clone(), ErrorVerb::Write, &e))?;
-        self.meta.insert(key, bytes).map_err(|e| io_err(subject, ErrorVerb::Write, &e))?;
+        self.meta.insert(key.as_bytes(), bytes).map_err(|e| io_err(subject, ErrorVerb::Write, &e))?;
         Ok(())
     }
 
     async fn flush(&self, subject: ErrorSubject<u64>) -> Result<(), StorageError> {
-        crate::flush(&self.db).await.map_err(|e| io_err(subject, ErrorVerb::Write, &e))?;
-        Ok(())
+        self.disk.flush().await.map_err(|e| io_err(subject, ErrorVerb::Write, &e))
     }
 }
 
-/// Log keys are big-endian so that sled's byte order is index order.
+/// Log keys are big-endian so that the trees' byte order is index order.
 fn index_key(index: u64) -> [u8; 8] {
     index.to_be_bytes()
 }
@@ -76,7 +76,7 @@ fn io_err(subject: ErrorSubject<u64>, verb: ErrorVerb, e: &(impl std::error::Err
     StorageError::IO { source: StorageIOError::new(subject, verb, openraft::AnyError::new(e)) }
 }
 
-impl RaftLogReader<TypeConfig> for SledLogStore {
+impl RaftLogReader<TypeConfig> for DiskLogStore {
     async fn try_get_log_entries<RB: RangeBounds<u64> + Clone + Debug + OptionalSend>(
         &mut self,
         range: RB,
@@ -87,9 +87,10 @@ impl RaftLogReader<TypeConfig> for SledLogStore {
             Bound::Unbounded => 0,
         };
         let mut entries = Vec::new();
-        for item in self.log.range(index_key(start)..) {
-            let (key, value) = item.map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Read, &e))?;
-            let index = u64::from_be_bytes(key.as_ref().try_into().unwrap_or_default());
+        let stored =
+            self.log.range(&index_key(start), None).map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Read, &e))?;
+        for (key, value) in stored {
+            let index = u64::from_be_bytes(key.as_slice().try_into().unwrap_or_default());
             if !range.contains(&index) {
                 break;
             }
@@ -101,7 +102,7 @@ impl RaftLogReader<TypeConfig> for SledLogStore {
     }
 }
 
-impl RaftLogStorage<TypeConfig> for SledLogStore {
+impl RaftLogStorage<TypeConfig> for DiskLogStore {
     type LogReader = Self;
 
     async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, StorageError> {
@@ -153,10 +154,10 @@ impl RaftLogStorage<TypeConfig> for SledLogStore {
         for entry in entries {
             let bytes = serde_json::to_vec(&entry).map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Write, &e))?;
             self.log
-                .insert(index_key(entry.log_id.index), bytes)
+                .insert(&index_key(entry.log_id.index), bytes)
                 .map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Write, &e))?;
         }
-        let flushed = crate::flush(&self.db).await.map(|_| ()).map_err(std::io::Error::other);
+        let flushed = self.disk.flush().await.map_err(std::io::Error::other);
         callback.log_io_completed(flushed);
         Ok(())
     }
@@ -174,7 +175,7 @@ impl RaftLogStorage<TypeConfig> for SledLogStore {
     }
 }
 
-impl SledLogStore {
+impl DiskLogStore {
     /// Removes the entries from index `from` up to `to` (inclusive; `None`: to the end).
     ///
     /// A tail (`to == None`) is removed from the last entry backwards and a head from the
@@ -182,20 +183,20 @@ impl SledLogStore {
     /// part-way leaves no hole. Single-key removes only: sled batches take a process-wide
     /// write lock that can deadlock against a concurrent flush in sled 0.34.
     fn remove_range(&self, from: u64, to: Option<u64>) -> Result<(), StorageError> {
-        let read_err = |e: sled::Error| io_err(ErrorSubject::Logs, ErrorVerb::Read, &e);
-        let keys: Vec<sled::IVec> = match to {
-            Some(to) => {
-                self.log.range(index_key(from)..=index_key(to)).keys().collect::<Result<_, _>>().map_err(read_err)?
-            }
-            None => {
-                let mut keys: Vec<sled::IVec> =
-                    self.log.range(index_key(from)..).keys().collect::<Result<_, _>>().map_err(read_err)?;
-                keys.reverse();
-                keys
-            }
-        };
+        let read_err = |e: DiskError| io_err(ErrorSubject::Logs, ErrorVerb::Read, &e);
+        let to_key = to.map(index_key);
+        let mut keys: Vec<Vec<u8>> = self
+            .log
+            .range(&index_key(from), to_key.as_ref().map(|k| &k[..]))
+            .map_err(read_err)?
+            .into_iter()
+            .map(|(k, _)| k)
+            .collect();
+        if to.is_none() {
+            keys.reverse();
+        }
         for key in keys {
-            self.log.remove(key).map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Write, &e))?;
+            self.log.remove(&key).map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Write, &e))?;
         }
         Ok(())
     }

@@ -1,13 +1,14 @@
-//! The state machine on sled: [`SledStateMachine`], and [`StateView`], the lock-free handle
+//! The state machine on a [`Disk`]: [`DiskStateMachine`], and [`StateView`], the lock-free handle
 //! through which the rest of the node reads the applied [`ClusterState`].
 //!
 //! The whole control-plane state is small (members and 1000 owners, a few KiB), so after every
-//! `apply` batch it is written as one sled value together with the last applied log id and
+//! `apply` batch it is written as one value together with the last applied log id and
 //! membership, and flushed. The current snapshot lives in the same value, so the state and the
-//! snapshot change together: every write is a compare-and-swap of that one key, which sled
-//! makes atomic, and a restart finds exactly the state of some applied prefix of the log.
-//! (No sled batches or transactions: they take sled's process-wide write lock, which can
-//! deadlock against a concurrent flush in sled 0.34.)
+//! snapshot change together: every write replaces that one key, which the disk does
+//! atomically, and a restart finds exactly the state of some applied prefix of the log. The
+//! two parts of the value are kept encoded in memory, so an apply encodes only the state, not
+//! the snapshot again. (No sled batches or transactions: they take sled's process-wide write
+//! lock, which can deadlock against a concurrent flush in sled 0.34.)
 
 use std::io::Cursor;
 use std::sync::Arc;
@@ -19,6 +20,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 use crate::command::CommandResponse;
+use crate::disk::{Disk, Tree};
 use crate::state::ClusterState;
 use crate::types::{Entry, LogId, SnapshotMeta, StorageError, StoredMembership, TypeConfig};
 
@@ -38,7 +40,7 @@ struct PersistedSnapshot {
     data: Vec<u8>,
 }
 
-/// The one sled value of the state machine.
+/// The one stored value of the state machine.
 #[derive(Default, Serialize, Deserialize)]
 struct Stored {
     machine: PersistedMachine,
@@ -52,21 +54,56 @@ fn decode_stored(bytes: Option<&[u8]>) -> Result<Stored, StorageError> {
     }
 }
 
-/// Read-modify-writes the stored value with compare-and-swap, then flushes.
-async fn update_stored(db: &sled::Db, tree: &sled::Tree, change: impl Fn(&mut Stored)) -> Result<(), StorageError> {
-    loop {
-        let old = tree.get(KEY_STORED).map_err(|e| sm_err(ErrorVerb::Read, &e))?;
-        let mut stored = decode_stored(old.as_deref())?;
-        change(&mut stored);
-        let new = serde_json::to_vec(&stored).map_err(|e| sm_err(ErrorVerb::Write, &e))?;
-        match tree.compare_and_swap(KEY_STORED, old, Some(new)) {
-            Ok(Ok(())) => break,
-            Ok(Err(_conflict)) => continue,
-            Err(e) => return Err(sm_err(ErrorVerb::Write, &e)),
+/// The stored value, as the JSON of its two parts: what an apply writes is the new machine
+/// next to the snapshot as it was encoded when it was taken.
+struct Parts {
+    machine: Vec<u8>,
+    snapshot: Vec<u8>,
+}
+
+/// Writes the stored value; shared by the state machine and its snapshot builders, which
+/// take turns through the lock.
+#[derive(Clone)]
+struct StoredValue {
+    disk: Disk,
+    tree: Tree,
+    parts: Arc<tokio::sync::Mutex<Parts>>,
+}
+
+fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, StorageError> {
+    serde_json::to_vec(value).map_err(|e| sm_err(ErrorVerb::Write, &e))
+}
+
+impl StoredValue {
+    /// Replaces the machine and/or the snapshot part, writes the whole value (the same JSON as
+    /// [`Stored`]) and flushes.
+    async fn write(
+        &self,
+        machine: Option<&PersistedMachine>,
+        snapshot: Option<&PersistedSnapshot>,
+    ) -> Result<(), StorageError> {
+        let mut parts = self.parts.lock().await;
+        if let Some(m) = machine {
+            parts.machine = encode(m)?;
         }
+        if let Some(s) = snapshot {
+            parts.snapshot = encode(s)?;
+        }
+        let mut value = Vec::with_capacity(parts.machine.len() + parts.snapshot.len() + 32);
+        value.extend_from_slice(br#"{"machine":"#);
+        value.extend_from_slice(&parts.machine);
+        value.extend_from_slice(br#","snapshot":"#);
+        value.extend_from_slice(&parts.snapshot);
+        value.push(b'}');
+        self.tree.insert(KEY_STORED.as_bytes(), value).map_err(|e| sm_err(ErrorVerb::Write, &e))?;
+        self.disk.flush().await.map_err(|e| sm_err(ErrorVerb::Write, &e))
     }
-    crate::flush(db).await.map_err(|e| sm_err(ErrorVerb::Write, &e))?;
-    Ok(())
+
+    /// The snapshot last written.
+    async fn snapshot(&self) -> Result<Option<PersistedSnapshot>, StorageError> {
+        let parts = self.parts.lock().await;
+        serde_json::from_slice(&parts.snapshot).map_err(|e| sm_err(ErrorVerb::Read, &e))
+    }
 }
 
 /// A read handle on the applied state, shared by the whole node.
@@ -100,23 +137,24 @@ impl StateView {
     }
 }
 
-/// openraft's state machine for shoal's [`ClusterState`], persisted in sled.
-pub struct SledStateMachine {
-    db: sled::Db,
-    tree: sled::Tree,
+/// openraft's state machine for shoal's [`ClusterState`], persisted on a [`Disk`].
+pub struct DiskStateMachine {
+    stored: StoredValue,
     machine: PersistedMachine,
     view: StateView,
     snapshot_seq: u64,
 }
 
-impl SledStateMachine {
-    /// Opens the state machine in `db`, loading the state persisted by the last run.
-    pub fn open(db: &sled::Db) -> Result<Self, StorageError> {
-        let tree = db.open_tree("state_machine").map_err(|e| sm_err(ErrorVerb::Read, &e))?;
-        let stored = tree.get(KEY_STORED).map_err(|e| sm_err(ErrorVerb::Read, &e))?;
-        let machine = decode_stored(stored.as_deref())?.machine;
-        let view = StateView::new(machine.state.clone());
-        Ok(SledStateMachine { db: db.clone(), tree, machine, view, snapshot_seq: 0 })
+impl DiskStateMachine {
+    /// Opens the state machine on `disk`, loading the state persisted by the last run.
+    pub fn open(disk: &Disk) -> Result<Self, StorageError> {
+        let tree = disk.tree("state_machine").map_err(|e| sm_err(ErrorVerb::Read, &e))?;
+        let bytes = tree.get(KEY_STORED.as_bytes()).map_err(|e| sm_err(ErrorVerb::Read, &e))?;
+        let stored = decode_stored(bytes.as_deref())?;
+        let parts = Parts { machine: encode(&stored.machine)?, snapshot: encode(&stored.snapshot)? };
+        let stored_value = StoredValue { disk: disk.clone(), tree, parts: Arc::new(tokio::sync::Mutex::new(parts)) };
+        let view = StateView::new(stored.machine.state.clone());
+        Ok(DiskStateMachine { stored: stored_value, machine: stored.machine, view, snapshot_seq: 0 })
     }
 
     /// The read handle on the applied state.
@@ -126,13 +164,7 @@ impl SledStateMachine {
 
     /// Persists the machine (and, when installing one, the snapshot) in one atomic write.
     async fn persist(&self, snapshot: Option<&PersistedSnapshot>) -> Result<(), StorageError> {
-        update_stored(&self.db, &self.tree, |stored| {
-            stored.machine = self.machine.clone();
-            if let Some(snapshot) = snapshot {
-                stored.snapshot = Some(snapshot.clone());
-            }
-        })
-        .await
+        self.stored.write(Some(&self.machine), snapshot).await
     }
 
     fn publish(&self) {
@@ -148,8 +180,7 @@ fn sm_err(verb: ErrorVerb, e: &(impl std::error::Error + 'static)) -> StorageErr
 /// Builds a snapshot from a copy of the state taken when the builder was made, so that
 /// applies running meanwhile cannot tear it.
 pub struct SnapshotBuilder {
-    tree: sled::Tree,
-    db: sled::Db,
+    stored: StoredValue,
     machine: PersistedMachine,
     seq: u64,
 }
@@ -167,12 +198,12 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
             snapshot_id,
         };
         let stored = PersistedSnapshot { meta: meta.clone(), data: data.clone() };
-        update_stored(&self.db, &self.tree, |s| s.snapshot = Some(stored.clone())).await?;
+        self.stored.write(None, Some(&stored)).await?;
         Ok(Snapshot { meta, snapshot: Box::new(Cursor::new(data)) })
     }
 }
 
-impl RaftStateMachine<TypeConfig> for SledStateMachine {
+impl RaftStateMachine<TypeConfig> for DiskStateMachine {
     type SnapshotBuilder = SnapshotBuilder;
 
     async fn applied_state(&mut self) -> Result<(Option<LogId>, StoredMembership), StorageError> {
@@ -208,12 +239,7 @@ impl RaftStateMachine<TypeConfig> for SledStateMachine {
 
     async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
         self.snapshot_seq += 1;
-        SnapshotBuilder {
-            tree: self.tree.clone(),
-            db: self.db.clone(),
-            machine: self.machine.clone(),
-            seq: self.snapshot_seq,
-        }
+        SnapshotBuilder { stored: self.stored.clone(), machine: self.machine.clone(), seq: self.snapshot_seq }
     }
 
     async fn begin_receiving_snapshot(&mut self) -> Result<Box<Cursor<Vec<u8>>>, StorageError> {
@@ -240,8 +266,7 @@ impl RaftStateMachine<TypeConfig> for SledStateMachine {
     }
 
     async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, StorageError> {
-        let bytes = self.tree.get(KEY_STORED).map_err(|e| sm_err(ErrorVerb::Read, &e))?;
-        let Some(stored) = decode_stored(bytes.as_deref())?.snapshot else {
+        let Some(stored) = self.stored.snapshot().await? else {
             return Ok(None);
         };
         Ok(Some(Snapshot { meta: stored.meta, snapshot: Box::new(Cursor::new(stored.data)) }))

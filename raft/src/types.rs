@@ -32,6 +32,7 @@ openraft::declare_raft_types!(
         NodeId = NodeId,
         Node = MemberNode,
         SnapshotData = Cursor<Vec<u8>>,
+        AsyncRuntime = crate::runtime::ShoalRuntime,
 );
 
 /// The Raft instance of a shoal node.

@@ -145,7 +145,8 @@ impl NodeApi {
         let state = self.control.state();
         let check = |name: &str, ok: bool, detail: String| Check { name: name.into(), ok, detail };
         let incoming = state.incoming_of(self.node_id).len();
-        let restoring = state.map.buckets_of(self.node_id).into_iter().filter(|&b| self.restoring.contains(b)).count();
+        let restoring =
+            state.map.buckets_of(self.node_id).into_iter().filter(|&b| self.core.facts().is_restoring(b)).count();
         let (attached, owned) = self.replicator.attached_count(&state);
         let alone = state.members.len() <= 1;
         vec![

@@ -1,36 +1,40 @@
-//! Bulk operations: keys grouped by owner, one forwarded request per owner, all at once.
+//! Bulk operations: keys grouped by owner, one forwarded request per owner, all at once; the
+//! keys this node serves grouped by bucket, each bucket written under one write permit.
 
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::time::Instant;
 
-use base64::Engine;
-use bytes::Bytes;
 use futures::future::join_all;
-use shoal_http_api::types::{BulkResults, GetOk, KeyError, KeyResult, PutOk, RouteContext};
-use shoal_http_api::{ApiError, Problem, PutItem};
+use shoal_http_api::types::{GetOk, PutOk, RouteContext};
+use shoal_http_api::{ApiError, PutItem};
 use shoal_raft::{bucket_of, BucketId, NodeId};
 
-use super::{api_addr_of, NodeApi, Target, ROUTE_ATTEMPTS};
-use crate::cache::Change;
+use super::{api_addr_of, is_moving, routing, write_of, NodeApi, ROUTE_ATTEMPTS};
+use crate::bucket::Route;
+use crate::error::DataError;
 use crate::metrics::Op;
-use crate::transfer::shadow::ShadowGuard;
+
+/// The results of the keys of one bucket written here, by index into the request.
+type LocalResults<T> = Vec<(usize, Result<T, DataError>)>;
 
 impl NodeApi {
-    /// Runs a bulk operation: items grouped by owner, local ones here, each remote group in
-    /// one forwarded request, all groups at once; groups refused with `not_owner` are routed
-    /// again. Results come back in request order.
-    async fn bulk<I, T, Fut>(
+    /// Runs a bulk operation: the keys of each bucket this node serves by `local` (once per
+    /// bucket), every other owner's keys in one forwarded request, all owners at once. Keys
+    /// refused with `not_owner`, or whose bucket is frozen by a move, are routed again.
+    /// Results come back in request order.
+    async fn bulk<I, T, LF, RF>(
         &self,
         items: &[I],
         key_of: impl Fn(&I) -> &str,
         ctx: RouteContext,
-        local: impl Fn(&I, BucketId) -> Result<T, ApiError>,
-        remote: impl Fn(String, NodeId, Vec<I>, u64) -> Fut,
+        local: impl Fn(BucketId, Vec<usize>) -> LF,
+        remote: impl Fn(String, NodeId, Vec<I>, u64) -> RF,
     ) -> Result<Vec<Result<T, ApiError>>, ApiError>
     where
         I: Clone,
-        Fut: Future<Output = Result<Vec<Result<T, ApiError>>, ApiError>>,
+        LF: Future<Output = LocalResults<T>>,
+        RF: Future<Output = Result<Vec<Result<T, ApiError>>, ApiError>>,
     {
         let mut results: Vec<Option<Result<T, ApiError>>> = (0..items.len()).map(|_| None).collect();
         let mut pending: Vec<usize> = (0..items.len()).collect();
@@ -40,23 +44,24 @@ impl NodeApi {
             }
             // Every key of this attempt is decided on the same state.
             let state = self.state_at_least(ctx.forwarded_map_version.unwrap_or(0)).await;
-            let mut moving = Vec::new();
-            let mut groups: BTreeMap<NodeId, (u64, Vec<usize>)> = BTreeMap::new();
+            let mut here: BTreeMap<BucketId, Vec<usize>> = BTreeMap::new();
+            let mut groups: BTreeMap<NodeId, Vec<usize>> = BTreeMap::new();
             for &i in &pending {
                 let bucket = bucket_of(key_of(&items[i]).as_bytes());
-                match self.target_in(&state, bucket, ctx) {
-                    Ok((Target::Local, _)) => match local(&items[i], bucket) {
-                        // Frozen by a handover: try again once the flip (or abort) is settled.
-                        Err(e) if super::is_moving(&e) => moving.push(i),
-                        other => results[i] = Some(other),
-                    },
-                    Ok((Target::Remote { owner }, v)) => groups.entry(owner).or_insert((v, vec![])).1.push(i),
-                    Err(e @ ApiError::NotOwner { .. }) if ctx.forwarded_map_version.is_some() => return Err(e),
-                    Err(e) => results[i] = Some(Err(e)),
+                match self.core.route(&state, bucket, routing(ctx)) {
+                    Ok(Route::Local) => here.entry(bucket).or_default().push(i),
+                    Ok(Route::Forward { owner }) => groups.entry(owner).or_default().push(i),
+                    Ok(Route::Redirect { owner }) => {
+                        let redirect = api_addr_of(&state, owner).map(|api_addr| ApiError::Redirect { api_addr });
+                        results[i] = Some(Err(redirect.unwrap_or_else(|e| e)));
+                    }
+                    Err(e @ DataError::NotOwner { .. }) => return Err(e.into()),
+                    Err(e) => results[i] = Some(Err(e.into())),
                 }
             }
+            let version = state.map.version;
             let mut calls = Vec::new();
-            for (owner, (version, idx)) in groups {
+            for (owner, idx) in groups {
                 let api_addr = match api_addr_of(&state, owner) {
                     Ok(a) => a,
                     Err(e) => {
@@ -67,11 +72,30 @@ impl NodeApi {
                 let batch: Vec<I> = idx.iter().map(|&i| items[i].clone()).collect();
                 self.metrics.forwarded.increment(idx.len() as u64);
                 let call = remote(api_addr, owner, batch, version);
-                calls.push(async move { (idx, version, call.await) });
+                calls.push(async move { (idx, call.await) });
             }
+            let locals = async {
+                let mut done = Vec::new();
+                for (bucket, idx) in here {
+                    done.extend(local(bucket, idx).await);
+                }
+                done
+            };
+            let (done_here, answers) = futures::join!(locals, join_all(calls));
             let mut retry = Vec::new();
+            let mut moving = false;
+            for (i, result) in done_here {
+                match result {
+                    Err(e) if is_moving(&e) => {
+                        moving = true;
+                        retry.push(i);
+                    }
+                    Err(DataError::NotOwner { .. }) => retry.push(i),
+                    other => results[i] = Some(other.map_err(ApiError::from)),
+                }
+            }
             let mut newest = 0;
-            for (idx, version, answer) in join_all(calls).await {
+            for (idx, answer) in answers {
                 match answer {
                     Ok(answers) if answers.len() == idx.len() => {
                         for (i, a) in idx.into_iter().zip(answers) {
@@ -89,17 +113,22 @@ impl NodeApi {
                     Err(e) => idx.into_iter().for_each(|i| results[i] = Some(Err(e.clone()))),
                 }
             }
-            if !retry.is_empty() {
+            if newest > 0 {
                 self.state_at_least(newest).await;
             }
-            if !moving.is_empty() {
+            if moving {
+                // Frozen by a handover: try again once the flip (or abort) is settled.
                 self.cache.wait_thawed().await;
-                retry.extend(moving);
             }
             pending = retry;
         }
-        let changing = || ApiError::unavailable("map_changing", "the key's bucket is changing owner; retry");
-        Ok(results.into_iter().map(|r| r.unwrap_or_else(|| Err(changing()))).collect())
+        Ok(results
+            .into_iter()
+            .zip(items)
+            .map(|(r, item)| {
+                r.unwrap_or_else(|| Err(DataError::MapChanging(bucket_of(key_of(item).as_bytes())).into()))
+            })
+            .collect())
     }
 
     pub(super) async fn bulk_get_routed(
@@ -108,62 +137,16 @@ impl NodeApi {
         ctx: RouteContext,
     ) -> Result<Vec<Result<Option<GetOk>, ApiError>>, ApiError> {
         let started = Instant::now();
-        let local = |key: &String, bucket| match self.local_get(key, bucket) {
-            Ok(ok) => Ok(Some(ok)),
-            Err(ApiError::NotFound) => Ok(None),
-            Err(e) => Err(e),
+        let local = |bucket: BucketId, idx: Vec<usize>| {
+            let found = idx.into_iter().map(|i| (i, Ok(self.local_get(&keys[i], bucket)))).collect();
+            async move { found }
         };
         let remote = |api: String, owner: NodeId, batch: Vec<String>, v: u64| {
             let peers = &self.peers;
-            async move {
-                let answer: BulkResults = peers.bulk_get(&api, batch, v).await?;
-                Ok(answer
-                    .results
-                    .iter()
-                    .map(|r| match (&r.error, r.found) {
-                        (Some(e), _) => Err(key_error(e)),
-                        (None, Some(true)) => Ok(Some(GetOk {
-                            value: value_of(r)?,
-                            version: r.version.unwrap_or(0),
-                            bucket: r.bucket,
-                            node: owner,
-                        })),
-                        (None, _) => Ok(None),
-                    })
-                    .collect())
-            }
+            async move { peers.bulk_get(&api, owner, batch, v).await }
         };
         let result = self.bulk(&keys, |k| k.as_str(), ctx, local, remote).await;
         self.timed(Op::BulkGet, started, result)
-    }
-
-    /// Locks the buckets of `keys` that have shadows (see `transfer::shadow`).
-    async fn shadow_guards<'a>(
-        &'a self,
-        keys: impl Iterator<Item = &'a str>,
-        ctx: RouteContext,
-    ) -> Vec<ShadowGuard<'a>> {
-        let buckets: Vec<BucketId> = keys.map(|k| bucket_of(k.as_bytes())).collect();
-        let state = self.state_at_least(ctx.forwarded_map_version.unwrap_or(0)).await;
-        self.shadows.guards(&state, self.node_id, &buckets).await
-    }
-
-    /// Writes the local results of a bulk write through to the shadows and replicas of
-    /// `guards`; returns the buckets whose replica did not apply them, with the error.
-    async fn write_through_all(
-        &self,
-        guards: &[ShadowGuard<'_>],
-        changes: Vec<(BucketId, Change)>,
-    ) -> BTreeMap<BucketId, ApiError> {
-        let mut failed = BTreeMap::new();
-        for guard in guards {
-            let mine: Vec<Change> =
-                changes.iter().filter(|(b, _)| *b == guard.bucket).map(|(_, c)| c.clone()).collect();
-            if let Err(e) = self.shadows.write_through(guard, &mine).await {
-                failed.insert(guard.bucket, e);
-            }
-        }
-        failed
     }
 
     pub(super) async fn bulk_put_routed(
@@ -172,67 +155,43 @@ impl NodeApi {
         ctx: RouteContext,
     ) -> Result<Vec<Result<PutOk, ApiError>>, ApiError> {
         let started = Instant::now();
-        let remote = |api: String, owner: NodeId, batch: Vec<PutItem>, v: u64| {
-            let peers = &self.peers;
-            async move {
-                let answer = peers.bulk_put(&api, &batch, v).await?;
-                Ok(answer
-                    .results
-                    .into_iter()
-                    .map(|r| match r.error {
-                        Some(e) => Err(key_error(&e)),
-                        None => {
-                            Ok(PutOk { version: r.version.unwrap_or(0), bucket: r.bucket, node: owner, key: r.key })
-                        }
-                    })
-                    .collect())
-            }
-        };
-        if let Some(e) = self.health.write_refusal() {
+        if let Some(e) = self.write_refusal() {
             return self.timed(Op::BulkPut, started, Err(e));
         }
-        let guards = self.shadow_guards(items.iter().map(|i| i.key.as_str()), ctx).await;
-        let previous: Vec<Option<crate::cache::ExportedItem>> = items
-            .iter()
-            .map(|i| {
-                (!guards.is_empty())
-                    .then(|| self.cache.export_item(bucket_of(i.key.as_bytes()), i.key.as_bytes()))
-                    .flatten()
-            })
-            .collect();
-        let mut result =
-            self.bulk(&items, |i| i.key.as_str(), ctx, |item, bucket| self.local_put(item, bucket), remote).await;
-        // The lease again, after the writes (see `put`).
-        if let (Ok(results), Some(e)) = (&mut result, self.health.write_refusal()) {
-            for ((item, r), previous) in items.iter().zip(results.iter_mut()).zip(&previous) {
-                if r.as_ref().is_ok_and(|ok| ok.node == self.node_id) {
-                    let written = r.as_ref().ok().map(|ok| ok.version);
-                    self.undo(bucket_of(item.key.as_bytes()), &item.key, written, previous.as_ref());
-                    *r = Err(e.clone());
+        let local = |bucket: BucketId, idx: Vec<usize>| {
+            let items = &items;
+            async move {
+                let mut permit = match self.core.write_permit(bucket).await {
+                    Ok(p) => p,
+                    Err(e) => return idx.into_iter().map(|i| (i, Err(e.clone()))).collect(),
+                };
+                let mut done: LocalResults<PutOk> = idx
+                    .into_iter()
+                    .map(|i| {
+                        let item = &items[i];
+                        let put = permit.put(&write_of(item));
+                        (
+                            i,
+                            put.map(|version| PutOk {
+                                key: item.key.clone(),
+                                version,
+                                bucket: bucket.0,
+                                node: self.node_id,
+                            }),
+                        )
+                    })
+                    .collect();
+                if let Err(e) = permit.commit().await {
+                    done.iter_mut().filter(|(_, r)| r.is_ok()).for_each(|(_, r)| *r = Err(e.clone()));
                 }
+                done
             }
-        }
-        if let (false, Ok(results)) = (guards.is_empty(), &mut result) {
-            let changes = items
-                .iter()
-                .zip(results.iter())
-                .filter(|(_, r)| r.as_ref().is_ok_and(|ok| ok.node == self.node_id))
-                .filter_map(|(item, _)| {
-                    let b = bucket_of(item.key.as_bytes());
-                    self.cache.export_item(b, item.key.as_bytes()).map(|stored| (b, Change::Put(stored)))
-                })
-                .collect();
-            let failed = self.write_through_all(&guards, changes).await;
-            for ((item, r), previous) in items.iter().zip(results.iter_mut()).zip(&previous) {
-                let b = bucket_of(item.key.as_bytes());
-                if let (Some(e), Ok(ok)) = (failed.get(&b), &*r) {
-                    if ok.node == self.node_id {
-                        self.undo(b, &item.key, Some(ok.version), previous.as_ref());
-                        *r = Err(e.clone());
-                    }
-                }
-            }
-        }
+        };
+        let remote = |api: String, owner: NodeId, batch: Vec<PutItem>, v: u64| {
+            let peers = &self.peers;
+            async move { peers.bulk_put(&api, owner, batch, v).await }
+        };
+        let result = self.bulk(&items, |i| i.key.as_str(), ctx, local, remote).await;
         self.timed(Op::BulkPut, started, result)
     }
 
@@ -254,20 +213,35 @@ impl NodeApi {
         keys: Vec<(String, Option<u64>)>,
         ctx: RouteContext,
     ) -> Result<Vec<Result<bool, ApiError>>, ApiError> {
+        if let Some(e) = self.write_refusal() {
+            return Err(e);
+        }
+        let local = |bucket: BucketId, idx: Vec<usize>| {
+            let keys = &keys;
+            async move {
+                let mut permit = match self.core.write_permit(bucket).await {
+                    Ok(p) => p,
+                    Err(e) => return idx.into_iter().map(|i| (i, Err(e.clone()))).collect(),
+                };
+                let mut done: LocalResults<bool> = idx
+                    .into_iter()
+                    .map(|i| {
+                        let (key, cas) = &keys[i];
+                        (i, permit.delete(key.as_bytes(), *cas))
+                    })
+                    .collect();
+                if let Err(e) = permit.commit().await {
+                    done.iter_mut().filter(|(_, r)| matches!(r, Ok(true))).for_each(|(_, r)| *r = Err(e.clone()));
+                }
+                done
+            }
+        };
         let remote = |api: String, _owner: NodeId, batch: Vec<(String, Option<u64>)>, v: u64| {
             let peers = &self.peers;
             async move {
                 if batch.iter().all(|(_, cas)| cas.is_none()) {
                     let keys = batch.into_iter().map(|(k, _)| k).collect();
-                    let answer = peers.bulk_delete(&api, keys, v).await?;
-                    return Ok(answer
-                        .results
-                        .iter()
-                        .map(|r| match &r.error {
-                            Some(e) => Err(key_error(e)),
-                            None => Ok(r.deleted.unwrap_or(false)),
-                        })
-                        .collect());
+                    return peers.bulk_delete(&api, keys, v).await;
                 }
                 // Versioned deletes (rare: a bucket that moved away meanwhile) go one by one.
                 let mut results = Vec::with_capacity(batch.len());
@@ -282,72 +256,6 @@ impl NodeApi {
                 Ok(results)
             }
         };
-        if let Some(e) = self.health.write_refusal() {
-            return Err(e);
-        }
-        let local = |(key, cas): &(String, Option<u64>), bucket| self.local_delete(key, *cas, bucket);
-        let guards = self.shadow_guards(keys.iter().map(|(k, _)| k.as_str()), ctx).await;
-        let before: Vec<Option<crate::cache::ExportedItem>> = keys
-            .iter()
-            .map(|(k, _)| {
-                (!guards.is_empty()).then(|| self.cache.export_item(bucket_of(k.as_bytes()), k.as_bytes())).flatten()
-            })
-            .collect();
-        let mut result = self.bulk(&keys, |(k, _)| k.as_str(), ctx, local, remote).await;
-        let Ok(results) = &mut result else { return result };
-        let deleted_here = |key: &str, r: &Result<bool, ApiError>| {
-            matches!(r, Ok(true)) && self.cache.export_item(bucket_of(key.as_bytes()), key.as_bytes()).is_none()
-        };
-        // The lease again, after the deletes (see `put`).
-        if let Some(e) = self.health.write_refusal() {
-            for (((key, _), r), gone) in keys.iter().zip(results.iter_mut()).zip(&before) {
-                if gone.is_some() && deleted_here(key, r) {
-                    self.undo(bucket_of(key.as_bytes()), key, None, gone.as_ref());
-                    *r = Err(e.clone());
-                }
-            }
-        }
-        if !guards.is_empty() {
-            let changes = before
-                .iter()
-                .cloned()
-                .zip(results.iter())
-                .filter(|(_, r)| matches!(r, Ok(true)))
-                .filter_map(|(gone, _)| gone)
-                .map(|gone| (bucket_of(&gone.key), Change::Delete { key: gone.key, version: gone.version }))
-                .collect();
-            let failed = self.write_through_all(&guards, changes).await;
-            for (((key, _), r), gone) in keys.iter().zip(results.iter_mut()).zip(&before) {
-                let b = bucket_of(key.as_bytes());
-                if let (Some(e), Ok(true)) = (failed.get(&b), &*r) {
-                    self.undo(b, key, None, gone.as_ref());
-                    *r = Err(e.clone());
-                }
-            }
-        }
-        result
-    }
-}
-
-fn key_error(e: &KeyError) -> ApiError {
-    ApiError::from_problem(&Problem {
-        type_uri: String::new(),
-        title: String::new(),
-        status: e.status,
-        detail: e.detail.clone(),
-        code: e.code.clone(),
-        current_version: None,
-        map_version: None,
-    })
-}
-
-fn value_of(r: &KeyResult) -> Result<Bytes, ApiError> {
-    match (&r.value, &r.value_base64) {
-        (Some(text), _) => Ok(Bytes::from(text.clone())),
-        (None, Some(b64)) => base64::engine::general_purpose::STANDARD
-            .decode(b64)
-            .map(Bytes::from)
-            .map_err(|e| ApiError::Internal(format!("peer sent bad base64: {e}"))),
-        (None, None) => Ok(Bytes::new()),
+        self.bulk(&keys, |(k, _)| k.as_str(), ctx, local, remote).await
     }
 }

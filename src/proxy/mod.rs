@@ -39,15 +39,14 @@ use shoal_http_api::types::{
 use shoal_http_api::{ApiError, Limits, PutItem, ShoalApi};
 use shoal_raft::{bucket_of, BucketId, ClusterState, ControlPlane, NodeId};
 
+use crate::bucket::{BucketCore, Route, Routing};
 use crate::cache::{CacheError, CacheStore, Condition, Write};
-use crate::cache::{Change, ExportedItem};
+use crate::error::DataError;
 use crate::health::Health;
 use crate::metrics::{NodeMetrics, Op};
-use crate::peer::PeerClient;
+use crate::peer::Peers;
 use crate::replication::Replicator;
 use crate::transfer::progress::Progress;
-use crate::transfer::restore::Restoring;
-use crate::transfer::shadow::ShadowWriter;
 
 /// How long a node waits to catch up with a newer map version before answering.
 const MAP_CATCH_UP: Duration = Duration::from_secs(2);
@@ -55,12 +54,6 @@ const MAP_CATCH_UP: Duration = Duration::from_secs(2);
 const ROUTE_ATTEMPTS: usize = 3;
 /// How long a write waits for a bucket frozen by a handover before answering 503.
 const FROZEN_WAIT: Duration = Duration::from_secs(10);
-
-/// Where a key operation runs.
-enum Target {
-    Local,
-    Remote { owner: NodeId },
-}
 
 /// The API address of member `id` in `state`.
 fn api_addr_of(state: &ClusterState, id: NodeId) -> Result<String, ApiError> {
@@ -76,14 +69,14 @@ pub struct NodeParts {
     pub metrics: Arc<NodeMetrics>,
     /// Transfer progress.
     pub progress: Arc<Progress>,
-    /// Write-through to shadows during a transfer.
-    pub shadows: Arc<ShadowWriter>,
-    /// Buckets not restored yet after a restart.
-    pub restoring: Arc<Restoring>,
+    /// What the node does with each bucket, and the write path.
+    pub core: Arc<BucketCore>,
     /// Replicas.
     pub replicator: Arc<Replicator>,
     /// Failure detection.
     pub health: Arc<Health>,
+    /// Calls to other nodes.
+    pub peers: Peers,
 }
 
 /// The node's implementation of the public API.
@@ -91,14 +84,41 @@ pub struct NodeApi {
     node_id: NodeId,
     control: ControlPlane,
     cache: Arc<CacheStore>,
-    peers: PeerClient,
+    peers: Peers,
     limits: Limits,
     metrics: Arc<NodeMetrics>,
     progress: Arc<Progress>,
-    shadows: Arc<ShadowWriter>,
-    restoring: Arc<Restoring>,
+    core: Arc<BucketCore>,
     replicator: Arc<Replicator>,
     health: Arc<Health>,
+}
+
+/// How a request reached this node, as the bucket core sees it.
+fn routing(ctx: RouteContext) -> Routing {
+    Routing { forwarded: ctx.forwarded_map_version.is_some(), redirect: ctx.redirect }
+}
+
+/// Whether a local attempt found the bucket frozen by a move (wait, then route again).
+fn is_moving(e: &DataError) -> bool {
+    matches!(e, DataError::Moving(_) | DataError::Store(CacheError::Frozen))
+}
+
+/// The store's write of a validated item.
+fn write_of(item: &PutItem) -> Write<'_> {
+    let o = &item.options;
+    Write {
+        key: item.key.as_bytes(),
+        value: &item.value,
+        ttl: o.ttl,
+        sliding: o.sliding,
+        tags: &o.tags,
+        condition: match o.condition {
+            WriteCondition::Always => Condition::Always,
+            WriteCondition::Absent => Condition::Absent,
+            WriteCondition::Present => Condition::Present,
+            WriteCondition::Version(v) => Condition::Version(v),
+        },
+    }
 }
 
 impl NodeApi {
@@ -108,12 +128,11 @@ impl NodeApi {
             node_id: control.node_id(),
             control,
             cache,
-            peers: PeerClient::new(),
+            peers: parts.peers,
             limits,
             metrics: parts.metrics,
             progress: parts.progress,
-            shadows: parts.shadows,
-            restoring: parts.restoring,
+            core: parts.core,
             replicator: parts.replicator,
             health: parts.health,
         }
@@ -129,78 +148,41 @@ impl NodeApi {
         self.control.state()
     }
 
-    /// Decides where an operation on `bucket` runs, and under which map version.
-    async fn target(&self, bucket: BucketId, ctx: RouteContext) -> Result<(Target, u64), ApiError> {
-        let state = self.state_at_least(ctx.forwarded_map_version.unwrap_or(0)).await;
-        self.target_in(&state, bucket, ctx)
-    }
-
-    /// [`Self::target`] on a given state (bulk operations decide every key on one state).
-    fn target_in(&self, state: &ClusterState, bucket: BucketId, ctx: RouteContext) -> Result<(Target, u64), ApiError> {
-        let map_version = state.map.version;
-        let Some(owner) = state.map.owner_of(bucket) else {
-            return Err(ApiError::unavailable("not_ready", "this node has not joined a cluster yet"));
-        };
-        if state.is_lost(bucket) {
-            return Err(ApiError::unavailable(
-                "bucket_lost",
-                format!(
-                    "bucket {bucket} was lost: its owner and its replica failed together; \
-                     POST /v1/cluster/lost/clear acknowledges it and it serves again, empty"
-                ),
-            ));
-        }
-        if owner == self.node_id {
-            if self.restoring.contains(bucket) || self.replicator.awaiting_promotion(state, bucket) {
-                return Err(ApiError::unavailable(
-                    "bucket_restoring",
-                    format!("bucket {bucket} is being restored after a restart; retry"),
-                ));
-            }
-            return Ok((Target::Local, map_version));
-        }
-        if ctx.forwarded_map_version.is_some() {
-            return Err(ApiError::NotOwner { bucket: bucket.0, map_version });
-        }
-        if ctx.redirect {
-            return Err(ApiError::Redirect { api_addr: api_addr_of(state, owner)? });
-        }
-        // Until the map reflects a failure, the dead owner's buckets answer at once.
-        if self.health.is_pfail(owner) {
-            return Err(ApiError::unavailable(
-                "owner_unreachable",
-                format!("node {owner}, which owns bucket {bucket}, does not answer pings; retry"),
-            ));
-        }
-        Ok((Target::Remote { owner }, map_version))
-    }
-
-    /// Runs a key operation locally or at the owner, routing again when the owner's map
-    /// disagrees with ours.
-    async fn route<T, Fut>(
+    /// Runs a key operation on `bucket` here, when the bucket core says this node serves it,
+    /// or at its owner, routing again when the owner's map disagrees with ours (`not_owner`)
+    /// or the bucket is frozen while it moves (its flip or abort is waited for, then the
+    /// operation goes to whoever serves it).
+    async fn route<T, L, LF, R, RF>(
         &self,
-        key: &str,
+        bucket: BucketId,
         ctx: RouteContext,
-        local: impl Fn(BucketId) -> Result<T, ApiError>,
-        remote: impl Fn(String, u64) -> Fut,
+        local: L,
+        remote: R,
     ) -> Result<T, ApiError>
     where
-        Fut: Future<Output = Result<T, ApiError>>,
+        L: Fn() -> LF,
+        LF: Future<Output = Result<T, DataError>>,
+        R: Fn(String, u64) -> RF,
+        RF: Future<Output = Result<T, ApiError>>,
     {
-        let bucket = bucket_of(key.as_bytes());
-        let frozen_until = Instant::now() + FROZEN_WAIT;
+        let frozen_until = tokio::time::Instant::now() + FROZEN_WAIT;
         let mut attempts = 0;
         while attempts < ROUTE_ATTEMPTS {
-            match self.target(bucket, ctx).await? {
-                (Target::Local, _) => match local(bucket) {
-                    // The bucket is being handed over: wait for the flip (or the abort), then
-                    // route again; the answer then comes from whoever serves it.
-                    Err(e) if is_moving(&e) && Instant::now() < frozen_until => self.cache.wait_thawed().await,
-                    other => return other,
+            let state = self.state_at_least(ctx.forwarded_map_version.unwrap_or(0)).await;
+            match self.core.route(&state, bucket, routing(ctx))? {
+                Route::Local => match local().await {
+                    Err(e) if is_moving(&e) && tokio::time::Instant::now() < frozen_until => {
+                        self.cache.wait_thawed().await
+                    }
+                    // The map moved between the routing and the write: route again.
+                    Err(DataError::NotOwner { .. }) => attempts += 1,
+                    other => return other.map_err(ApiError::from),
                 },
-                (Target::Remote { owner }, version) => {
+                Route::Redirect { owner } => return Err(ApiError::Redirect { api_addr: api_addr_of(&state, owner)? }),
+                Route::Forward { owner } => {
                     attempts += 1;
-                    let api_addr = api_addr_of(&self.control.state(), owner)?;
+                    let version = state.map.version;
+                    let api_addr = api_addr_of(&state, owner)?;
                     self.metrics.forwarded.increment(1);
                     match remote(api_addr, version).await {
                         Err(ApiError::NotOwner { map_version, .. }) => {
@@ -211,74 +193,48 @@ impl NodeApi {
                 }
             }
         }
-        Err(ApiError::unavailable("map_changing", format!("bucket {bucket} is changing owner; retry")))
+        Err(DataError::MapChanging(bucket).into())
     }
 
-    fn local_get(&self, key: &str, bucket: BucketId) -> Result<GetOk, ApiError> {
+    fn local_get(&self, key: &str, bucket: BucketId) -> Option<GetOk> {
         match self.cache.get(bucket, key.as_bytes()) {
             Some(item) => {
                 self.metrics.hits.increment(1);
-                Ok(GetOk { value: item.value, version: item.version, bucket: bucket.0, node: self.node_id })
+                Some(GetOk { value: item.value, version: item.version, bucket: bucket.0, node: self.node_id })
             }
             None => {
                 self.metrics.misses.increment(1);
-                Err(ApiError::NotFound)
+                None
             }
         }
     }
 
-    fn local_put(&self, item: &PutItem, bucket: BucketId) -> Result<PutOk, ApiError> {
-        let o = &item.options;
-        let write = Write {
-            key: item.key.as_bytes(),
-            value: &item.value,
-            ttl: o.ttl,
-            sliding: o.sliding,
-            tags: &o.tags,
-            condition: match o.condition {
-                WriteCondition::Always => Condition::Always,
-                WriteCondition::Absent => Condition::Absent,
-                WriteCondition::Present => Condition::Present,
-                WriteCondition::Version(v) => Condition::Version(v),
-            },
-        };
-        let version = self.cache.put(bucket, &write).map_err(cache_error)?;
+    /// Writes `item` here, through a write permit.
+    async fn local_put(&self, item: &PutItem, bucket: BucketId) -> Result<PutOk, DataError> {
+        let mut permit = self.core.write_permit(bucket).await?;
+        let version = permit.put(&write_of(item))?;
+        permit.commit().await?;
         Ok(PutOk { key: item.key.clone(), version, bucket: bucket.0, node: self.node_id })
     }
 
-    fn local_delete(&self, key: &str, cas: Option<u64>, bucket: BucketId) -> Result<bool, ApiError> {
-        self.cache.delete(bucket, key.as_bytes(), cas).map_err(cache_error)
+    /// Deletes `key` here, through a write permit; `Ok(false)` when absent.
+    async fn local_delete(&self, key: &str, cas: Option<u64>, bucket: BucketId) -> Result<bool, DataError> {
+        let mut permit = self.core.write_permit(bucket).await?;
+        let deleted = permit.delete(key.as_bytes(), cas)?;
+        permit.commit().await?;
+        Ok(deleted)
     }
 
-    /// Takes back a write its replica did not apply (R16): the item as it was before comes
-    /// back (or goes, if there was none), unless a newer write replaced it meanwhile. The
-    /// bucket is re-sent whole to the replica before its next change, in case the replica
-    /// applied the write after all.
-    fn undo(&self, bucket: BucketId, key: &str, written: Option<u64>, previous: Option<&ExportedItem>) {
-        self.cache.restore(bucket, key.as_bytes(), written, previous);
-        self.replicator.detach(bucket);
-        self.replicator.count_undone(1);
+    /// Why this node takes no write now, even one it would only forward (it is stopping,
+    /// leaving, failed, or cut off from a majority).
+    fn write_refusal(&self) -> Option<ApiError> {
+        self.core.write_refusal().map(ApiError::from)
     }
 
     fn timed<T>(&self, op: Op, started: Instant, result: Result<T, ApiError>) -> Result<T, ApiError> {
         self.metrics.record(op, started, &result);
         result
     }
-}
-
-fn cache_error(e: CacheError) -> ApiError {
-    match e {
-        CacheError::ConditionFailed { current } => ApiError::PreconditionFailed { current_version: current },
-        CacheError::TooLarge { .. } => ApiError::ItemTooLarge(e.to_string()),
-        CacheError::Frozen => {
-            ApiError::unavailable("bucket_moving", "the key's bucket is moving to another node; retry")
-        }
-    }
-}
-
-/// Whether `e` says the bucket is frozen for a handover.
-fn is_moving(e: &ApiError) -> bool {
-    matches!(e, ApiError::Unavailable { code: "bucket_moving", .. })
 }
 
 impl ShoalApi for NodeApi {
@@ -288,96 +244,61 @@ impl ShoalApi for NodeApi {
 
     async fn get(&self, key: String, ctx: RouteContext) -> Result<GetOk, ApiError> {
         let started = Instant::now();
-        let result = self
-            .route(
-                &key,
-                ctx,
-                |bucket| self.local_get(&key, bucket),
-                |api, v| {
-                    let (peers, key) = (&self.peers, &key);
-                    async move { peers.get(&api, key, v).await }
-                },
-            )
-            .await;
+        let bucket = bucket_of(key.as_bytes());
+        let local = || async { Ok(self.local_get(&key, bucket)) };
+        let remote = |api: String, v: u64| {
+            let (peers, key) = (&self.peers, &key);
+            async move {
+                match peers.get(&api, key, v).await {
+                    Ok(ok) => Ok(Some(ok)),
+                    Err(ApiError::NotFound) => Ok(None),
+                    Err(e) => Err(e),
+                }
+            }
+        };
+        let result = self.route(bucket, ctx, local, remote).await.and_then(|found| found.ok_or(ApiError::NotFound));
         self.timed(Op::Get, started, result)
     }
 
     async fn put(&self, item: PutItem, ctx: RouteContext) -> Result<PutOk, ApiError> {
         let started = Instant::now();
-        if let Some(e) = self.health.write_refusal() {
+        if let Some(e) = self.write_refusal() {
             return self.timed(Op::Put, started, Err(e));
         }
         let bucket = bucket_of(item.key.as_bytes());
-        // The guard is decided on a map at least as new as the one the request is routed on.
-        let state = self.state_at_least(ctx.forwarded_map_version.unwrap_or(0)).await;
-        let shadow = self.shadows.guard(&state, self.node_id, bucket).await;
-        let previous = shadow.as_ref().and_then(|_| self.cache.export_item(bucket, item.key.as_bytes()));
-        let mut result = self
-            .route(
-                &item.key,
-                ctx,
-                |bucket| self.local_put(&item, bucket),
-                |api, v| {
-                    let (peers, item) = (&self.peers, &item);
-                    async move { peers.put(&api, item, v).await }
-                },
-            )
-            .await;
-        // The lease again, after the write: a node paused between the check and the write
-        // must not acknowledge it.
-        if let (Ok(ok), Some(e)) = (&result, self.health.write_refusal()) {
-            if ok.node == self.node_id {
-                self.undo(bucket, &item.key, Some(ok.version), previous.as_ref());
-                result = Err(e);
-            }
-        }
-        if let (Some(guard), Ok(ok)) = (&shadow, &result) {
-            if ok.node == self.node_id {
-                if let Some(stored) = self.cache.export_item(bucket, item.key.as_bytes()) {
-                    if let Err(e) = self.shadows.write_through(guard, &[Change::Put(stored)]).await {
-                        self.undo(bucket, &item.key, Some(ok.version), previous.as_ref());
-                        result = Err(e);
-                    }
-                }
-            }
-        }
+        let local = || self.local_put(&item, bucket);
+        let remote = |api: String, v: u64| {
+            let (peers, item) = (&self.peers, &item);
+            async move { peers.put(&api, item, v).await }
+        };
+        let result = self.route(bucket, ctx, local, remote).await;
         self.timed(Op::Put, started, result)
     }
 
     async fn delete(&self, key: String, cas: Option<u64>, ctx: RouteContext) -> Result<(), ApiError> {
         let started = Instant::now();
-        if let Some(e) = self.health.write_refusal() {
+        if let Some(e) = self.write_refusal() {
             return self.timed(Op::Delete, started, Err(e));
         }
         let bucket = bucket_of(key.as_bytes());
-        let state = self.state_at_least(ctx.forwarded_map_version.unwrap_or(0)).await;
-        let shadow = self.shadows.guard(&state, self.node_id, bucket).await;
-        let before = shadow.as_ref().and_then(|_| self.cache.export_item(bucket, key.as_bytes()));
-        let local = |bucket| match self.local_delete(&key, cas, bucket)? {
-            true => Ok(()),
-            false => Err(ApiError::NotFound),
-        };
-        let mut result = self
-            .route(&key, ctx, local, |api, v| {
-                let (peers, key) = (&self.peers, &key);
-                async move { peers.delete(&api, key, cas, v).await }
-            })
-            .await;
-        if let (Some(gone), Ok(()), Some(e)) = (&before, &result, self.health.write_refusal()) {
-            if self.cache.export_item(bucket, key.as_bytes()).is_none() {
-                self.undo(bucket, &key, None, Some(gone));
-                result = Err(e);
-            }
-        }
-        if let (Some(guard), Some(gone), Ok(())) = (&shadow, before, &result) {
-            if self.cache.export_item(bucket, key.as_bytes()).is_none() {
-                let change = Change::Delete { key: gone.key.clone(), version: gone.version };
-                if let Err(e) = self.shadows.write_through(guard, &[change]).await {
-                    self.undo(bucket, &key, None, Some(&gone));
-                    result = Err(e);
+        let local = || self.local_delete(&key, cas, bucket);
+        let remote = |api: String, v: u64| {
+            let (peers, key) = (&self.peers, &key);
+            async move {
+                match peers.delete(&api, key, cas, v).await {
+                    Ok(()) => Ok(true),
+                    Err(ApiError::NotFound) => Ok(false),
+                    Err(e) => Err(e),
                 }
             }
-        }
+        };
+        let result = self.route(bucket, ctx, local, remote).await.and_then(|deleted| {
+            if deleted {
+                Ok(())
+            } else {
+                Err(ApiError::NotFound)
+            }
+        });
         self.timed(Op::Delete, started, result)
     }
 

@@ -36,7 +36,7 @@ impl Replicator {
         if !promotions.is_empty() {
             let (mut promoted, mut lost) = (Vec::new(), Vec::new());
             for (bucket, from) in promotions {
-                let installed = self.installed.lock().contains(&bucket.0);
+                let installed = self.facts.is_installed(bucket);
                 // Under the holder's bucket lock: no replication request lands in between.
                 let _applying = self.applied[bucket.index()].lock();
                 let source = &self.sources[bucket.index()];
@@ -46,7 +46,7 @@ impl Replicator {
                     source.store(0, Ordering::Release);
                     let items = self.replica.take_bucket(bucket);
                     self.active.install_bucket(bucket, items);
-                    self.installed.lock().insert(bucket.0);
+                    self.facts.install(bucket);
                     // Its replica (on the next holder) gets the installed data, whole.
                     self.detach(bucket);
                     promoted.push(bucket.0);
@@ -62,7 +62,7 @@ impl Replicator {
                     // This node handed the bucket over itself: the shadow is in its active store.
                     Some(s) if s == self.me => {
                         tracing::info!(bucket = b, "promoted bucket served from this node's own shadow");
-                        self.installed.lock().insert(b);
+                        self.facts.install(bucket);
                         self.detach(bucket);
                         true
                     }
@@ -71,7 +71,7 @@ impl Replicator {
                         match pulled.await {
                             Ok(bytes) => {
                                 tracing::info!(bucket = b, from = s, bytes, "promoted bucket restored from its shadow");
-                                self.installed.lock().insert(b);
+                                self.facts.install(bucket);
                                 self.detach(bucket);
                                 true
                             }
@@ -104,7 +104,7 @@ impl Replicator {
                 tracing::warn!(error = %e, "could not report promoted buckets; retrying");
             }
         }
-        self.installed.lock().retain(|b| state.promoted.contains_key(b));
+        self.facts.forget_installed(state);
         for bucket in BucketId::all() {
             let source = self.sources[bucket.index()].load(Ordering::Acquire);
             if source == 0 || state.promoted.contains_key(&bucket.0) {

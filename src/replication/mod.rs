@@ -49,41 +49,32 @@ pub mod follow;
 pub mod handover;
 mod receive;
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use axum::Router;
 use bytes::{Bytes, BytesMut};
-use http_body_util::Full;
-use hyper::{Request, StatusCode};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use parking_lot::Mutex;
-use shoal_http_api::ApiError;
 use shoal_raft::{BucketId, ClusterState, ControlPlane, NodeId, ReplicationMode, BUCKET_COUNT};
 use tokio::sync::{MutexGuard, Notify};
+use tokio::time::Instant;
 
+use crate::bucket::{change_body, phase_of, LocalFacts, Phase, WritePlan};
 use crate::cache::{CacheStore, Change, ExportedItem};
-use crate::transfer::frame::{change_frames, end_frame, item_frames, HEADER};
-use crate::transfer::restore::Restoring;
+use crate::error::DataError;
+use crate::peer::Peers;
+use crate::transfer::frame::{end_frame, item_frames, HEADER};
+use crate::transport::{CallError, ReplicaAnswer, Replicate};
 
-/// How long one replication request may take.
-const SEND_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a holder's newer map may take to reach this node before a refused write fails.
+const CATCH_UP: Duration = Duration::from_secs(2);
 /// How many queued changes the async drainer sends per round.
 const BATCH: usize = 512;
 /// The async queue's bound; past it the queue is dropped and the buckets re-attached.
 const QUEUE_LIMIT: usize = 200_000;
 /// How often the background attacher looks for buckets without a replica.
 const ATTACH_EVERY: Duration = Duration::from_millis(500);
-
-/// Request headers of `POST /internal/replicate/{bucket}`.
-pub(crate) const HEADER_FROM: &str = "x-shoal-from";
-pub(crate) const HEADER_MAP_VERSION: &str = "x-shoal-map-version";
-pub(crate) const HEADER_SNAPSHOT: &str = "x-shoal-snapshot";
-pub(crate) const HEADER_SEQ: &str = "x-shoal-seq";
 
 /// The member holding a bucket's replica, as the writer sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -126,8 +117,8 @@ pub struct Replicator {
     control: ControlPlane,
     active: Arc<CacheStore>,
     replica: Arc<CacheStore>,
-    locks: Vec<tokio::sync::Mutex<()>>,
-    http: Client<HttpConnector, Full<Bytes>>,
+    facts: Arc<LocalFacts>,
+    peers: Peers,
     /// Owner side: the holder that acknowledged a snapshot of each bucket (0: none).
     attached: Vec<AtomicU64>,
     /// The move epoch each attachment was made in (see [`Holder::epoch`]).
@@ -144,49 +135,38 @@ pub struct Replicator {
     /// Changes taken off the queue by the drainer and not acknowledged yet.
     sending: AtomicU64,
     wake: Notify,
-    /// Promoted buckets installed in the active store, until the Raft state forgets them.
-    installed: Mutex<BTreeSet<u16>>,
-    /// Buckets this node owns but has not got back after a restart.
-    restoring: Arc<Restoring>,
     /// Counters.
     pub stats: ReplicationStats,
 }
 
 impl Replicator {
-    /// A replicator over `active`, with a replica store of `limit_bytes`.
+    /// A replicator over `active`, with a replica store of `limit_bytes`, sending through
+    /// `peers`; its request numbers start at `first_seq` (they must increase across restarts:
+    /// the clock in microseconds).
     pub fn new(
         control: ControlPlane,
         active: Arc<CacheStore>,
         limit_bytes: u64,
-        restoring: Arc<Restoring>,
+        facts: Arc<LocalFacts>,
+        peers: Peers,
+        first_seq: u64,
     ) -> Arc<Self> {
-        let mut connector = HttpConnector::new();
-        connector.set_local_address(shoal_raft::outgoing_ip());
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(SEND_TIMEOUT));
         let replica = Arc::new(active.sibling(limit_bytes));
         Arc::new(Replicator {
             me: control.node_id(),
             control,
             active,
             replica,
-            locks: (0..BUCKET_COUNT).map(|_| tokio::sync::Mutex::new(())).collect(),
-            http: Client::builder(TokioExecutor::new()).build(connector),
+            facts,
+            peers,
             attached: (0..BUCKET_COUNT).map(|_| AtomicU64::new(0)).collect(),
             attached_epoch: (0..BUCKET_COUNT).map(|_| AtomicU64::new(0)).collect(),
             sources: (0..BUCKET_COUNT).map(|_| AtomicU64::new(0)).collect(),
             applied: (0..BUCKET_COUNT).map(|_| Mutex::new((0, 0))).collect(),
-            seq: AtomicU64::new(
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map(|d| d.as_micros() as u64)
-                    .unwrap_or(1),
-            ),
+            seq: AtomicU64::new(first_seq.max(1)),
             queue: Mutex::new(VecDeque::new()),
             sending: AtomicU64::new(0),
             wake: Notify::new(),
-            installed: Mutex::new(BTreeSet::new()),
-            restoring,
             stats: ReplicationStats::default(),
         })
     }
@@ -196,15 +176,20 @@ impl Replicator {
         &self.replica
     }
 
-    /// The peer endpoint of the holder side.
-    pub fn peer_routes(self: &Arc<Self>) -> Router {
-        receive::routes(self.clone())
+    /// Locks `bucket`: a snapshot sent under the lock falls between two writes.
+    async fn lock(&self, bucket: BucketId) -> MutexGuard<'_, ()> {
+        self.facts.lock(bucket).await
     }
 
-    /// Locks `bucket` for a write: writes to one bucket reach its replica in the order they
-    /// were applied.
-    pub async fn lock(&self, bucket: BucketId) -> MutexGuard<'_, ()> {
-        self.locks[bucket.index()].lock().await
+    /// The holder a write of `plan` goes to, as this replicator tracks it.
+    pub fn holder_for(&self, plan: &WritePlan) -> Option<Holder> {
+        let replica = plan.replica.as_ref()?;
+        Some(Holder {
+            id: replica.node,
+            peer_addr: replica.peer_addr.clone(),
+            map_version: plan.map_version,
+            epoch: plan.epoch,
+        })
     }
 
     /// The holder of `bucket`'s replica if this node owns the bucket and one exists.
@@ -217,24 +202,16 @@ impl Replicator {
         Some(Holder { id, peer_addr, map_version: state.map.version, epoch: state.epoch_of(bucket) })
     }
 
-    /// Whether `bucket` is promoted to this node and not installed yet (serving it now would
-    /// answer from an empty bucket).
-    pub fn awaiting_promotion(&self, state: &ClusterState, bucket: BucketId) -> bool {
-        !state.promoted.is_empty()
-            && state.promoted.contains_key(&bucket.0)
-            && !self.installed.lock().contains(&bucket.0)
-    }
-
     /// Whether this node owns `bucket` but does not hold its data yet (restoring after a
     /// restart, or promoted and not installed): it must not be exported or sent to a replica,
     /// which would spread an empty bucket.
     pub fn not_held(&self, state: &ClusterState, bucket: BucketId) -> bool {
-        self.restoring.contains(bucket) || self.awaiting_promotion(state, bucket)
+        matches!(phase_of(state, self.me, bucket, self.facts.of(bucket)), Phase::Restoring | Phase::AwaitingPromotion)
     }
 
     /// Sends `changes` of `bucket` (applied locally, bucket lock held) to its replica: at once
     /// in sync mode, through the queue in async mode.
-    pub async fn replicate(&self, bucket: BucketId, holder: &Holder, changes: &[Change]) -> Result<(), ApiError> {
+    pub async fn replicate(&self, bucket: BucketId, holder: &Holder, changes: &[Change]) -> Result<(), DataError> {
         if changes.is_empty() {
             return Ok(());
         }
@@ -246,10 +223,7 @@ impl Replicator {
             ReplicationMode::Sync => self.send_sync(bucket, holder, changes).await.map_err(|e| {
                 self.stats.failures.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(bucket = bucket.0, holder = holder.id, error = %e, "replication failed");
-                ApiError::unavailable(
-                    "replication_failed",
-                    format!("the replica (node {}) did not apply the write: {e}; nothing was stored", holder.id),
-                )
+                DataError::ReplicationFailed { holder: holder.id, detail: e }
             }),
         }
     }
@@ -261,14 +235,14 @@ impl Replicator {
 
     async fn send_sync(&self, bucket: BucketId, holder: &Holder, changes: &[Change]) -> Result<(), String> {
         if self.is_attached(bucket, holder) {
-            match self.send(bucket, holder, change_body(changes), false).await? {
-                (s, _) if s.is_success() => {
+            match self.send(bucket, holder, change_body(changes), false).await.map_err(|e| e.to_string())? {
+                ReplicaAnswer::Applied => {
                     self.stats.sent.fetch_add(changes.len() as u64, Ordering::Relaxed);
                     return Ok(());
                 }
-                (StatusCode::PRECONDITION_FAILED, _) => {}
-                (StatusCode::CONFLICT, their_version) => return self.refenced(bucket, holder, their_version).await,
-                (s, _) => return Err(format!("the replica answered {s}")),
+                ReplicaAnswer::NeedSnapshot(_) => {}
+                ReplicaAnswer::Fenced { map_version, .. } => return self.refenced(bucket, holder, map_version).await,
+                ReplicaAnswer::Refused(reason) => return Err(format!("the replica refused: {reason}")),
             }
         }
         // The snapshot includes the changes: they are applied locally already.
@@ -280,9 +254,9 @@ impl Replicator {
 
     /// The holder refused because its map is newer: catch up and, if this node still owns the
     /// bucket, send it whole to the holder the new map names (the write is in it).
-    async fn refenced(&self, bucket: BucketId, holder: &Holder, their_version: Option<u64>) -> Result<(), String> {
-        let version = their_version.unwrap_or(holder.map_version + 1);
-        self.control.wait_for_state(SEND_TIMEOUT, |s| s.map.version >= version).await;
+    async fn refenced(&self, bucket: BucketId, holder: &Holder, their_version: u64) -> Result<(), String> {
+        let version = their_version.max(holder.map_version + 1);
+        self.control.wait_for_state(CATCH_UP, |s| s.map.version >= version).await;
         let state = self.control.state();
         match self.holder_of(&state, bucket) {
             Some(next) if next.id != holder.id || next.map_version > holder.map_version => {
@@ -303,46 +277,42 @@ impl Replicator {
             }
         }
         body.extend_from_slice(&end_frame(counter, items.len() as u64));
-        match self.send(bucket, holder, body.freeze(), true).await.map_err(SnapshotError::Failed)? {
-            (s, _) if s.is_success() => {
+        match self.send(bucket, holder, body.freeze(), true).await.map_err(|e| SnapshotError::Failed(e.to_string()))? {
+            ReplicaAnswer::Applied => {
                 // The epoch first: whoever sees the id sees its epoch.
                 self.attached_epoch[bucket.index()].store(holder.epoch, Ordering::Release);
                 self.attached[bucket.index()].store(holder.id, Ordering::Release);
                 self.stats.snapshots.fetch_add(1, Ordering::Relaxed);
                 Ok(())
             }
-            (StatusCode::CONFLICT, v) => Err(Fenced(v)),
-            (s, _) => Err(SnapshotError::Failed(format!("the replica refused the bucket snapshot: {s}"))),
+            ReplicaAnswer::Fenced { map_version, .. } => Err(Fenced(map_version)),
+            ReplicaAnswer::NeedSnapshot(reason) | ReplicaAnswer::Refused(reason) => {
+                Err(SnapshotError::Failed(format!("the replica refused the bucket snapshot: {reason}")))
+            }
         }
     }
 
-    /// Sends one request; answers the status and the holder's map version.
+    /// Sends one request to `holder`.
     async fn send(
         &self,
         bucket: BucketId,
         holder: &Holder,
         body: Bytes,
         snapshot: bool,
-    ) -> Result<(StatusCode, Option<u64>), String> {
-        let uri = format!("http://{}/internal/replicate/{}", holder.peer_addr, bucket.0);
-        let request = crate::peer::with_secret(Request::post(uri))
-            .header(HEADER_FROM, self.me)
-            .header(HEADER_MAP_VERSION, holder.map_version)
-            .header(HEADER_SNAPSHOT, if snapshot { "1" } else { "0" })
-            .header(HEADER_SEQ, self.seq.fetch_add(1, Ordering::Relaxed))
-            .body(Full::new(body))
-            .map_err(|e| e.to_string())?;
-        match tokio::time::timeout(SEND_TIMEOUT, self.http.request(request)).await {
-            Ok(Ok(r)) => {
-                let version = r.headers().get(HEADER_MAP_VERSION).and_then(|v| v.to_str().ok()?.parse().ok());
-                Ok((r.status(), version))
-            }
-            Ok(Err(e)) => Err(format!("unreachable: {e}")),
-            Err(_) => Err("timed out".into()),
-        }
+    ) -> Result<ReplicaAnswer, CallError> {
+        let request = Replicate {
+            bucket,
+            from: self.me,
+            map_version: holder.map_version,
+            snapshot,
+            seq: self.seq.fetch_add(1, Ordering::Relaxed),
+            body,
+        };
+        self.peers.replicate(&holder.peer_addr, request).await
     }
 
-    fn enqueue(&self, bucket: BucketId, holder: &Holder, changes: &[Change]) {
+    /// Queues `changes` of `bucket` for its holder (async replication and evictions).
+    pub fn enqueue(&self, bucket: BucketId, holder: &Holder, changes: &[Change]) {
         // Not attached yet: the attacher's snapshot (taken under the bucket lock) will carry it.
         if !self.is_attached(bucket, holder) {
             return;
@@ -425,7 +395,7 @@ impl Replicator {
                 }
                 let changes: Vec<Change> = batch[i..j].iter().map(|q| q.change.clone()).collect();
                 match self.send(bucket, holder, change_body(&changes), false).await {
-                    Ok((s, _)) if s.is_success() => {
+                    Ok(ReplicaAnswer::Applied) => {
                         self.stats.sent.fetch_add(changes.len() as u64, Ordering::Relaxed);
                     }
                     other => {
@@ -442,25 +412,6 @@ impl Replicator {
                 i = j;
             }
             self.sending.store(0, Ordering::Release);
-        }
-    }
-
-    /// Sends the active store's evictions to the replica, forever: as deletes through the
-    /// queue, in either mode (an eviction acknowledges nothing to a client).
-    pub async fn replicate_evictions(self: Arc<Self>) {
-        self.active.keep_evictions();
-        loop {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            let evicted = self.active.take_evicted();
-            if evicted.is_empty() {
-                continue;
-            }
-            let state = self.control.state();
-            for (bucket, key, version) in evicted {
-                if let Some(holder) = self.holder_of(&state, bucket) {
-                    self.enqueue(bucket, &holder, &[Change::Delete { key, version }]);
-                }
-            }
         }
     }
 
@@ -506,8 +457,9 @@ impl Replicator {
 
 /// Why a snapshot did not land.
 enum SnapshotError {
-    /// The holder's map says the sender does not own the bucket or it is not the replica.
-    Fenced(Option<u64>),
+    /// The holder's map (this version) says the sender does not own the bucket or it is not
+    /// the replica.
+    Fenced(u64),
     /// Anything else.
     Failed(String),
 }
@@ -516,19 +468,8 @@ use SnapshotError::Fenced;
 impl From<SnapshotError> for String {
     fn from(e: SnapshotError) -> String {
         match e {
-            Fenced(v) => format!("fenced by the replica's map (version {v:?})"),
+            Fenced(v) => format!("fenced by the replica's map (version {v})"),
             SnapshotError::Failed(e) => e,
         }
     }
-}
-
-fn change_body(changes: &[Change]) -> Bytes {
-    let mut body = BytesMut::from(&HEADER[..]);
-    for c in changes {
-        for f in change_frames(c) {
-            body.extend_from_slice(&f);
-        }
-    }
-    body.extend_from_slice(&end_frame(0, changes.len() as u64));
-    body.freeze()
 }

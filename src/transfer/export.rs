@@ -17,21 +17,19 @@
 //! ```
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use axum::body::Body;
-use axum::extract::{Path, Query, State};
-use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures::StreamExt;
 use shoal_raft::{AdminRequest, BucketId, ClusterState, ControlPlane, NodeId};
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 
 use super::frame::{change_frames, end_frame, error_frame, item_frames, HEADER};
 use super::progress::Progress;
 use super::TransferConfig;
 use crate::cache::CacheStore;
+use crate::transport::FrameStream;
 
 /// How long a frozen bucket waits for its move to be settled before the source aborts it.
 pub const FREEZE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -40,25 +38,26 @@ const CATCH_UP_ROUNDS: usize = 8;
 /// Freeze once a round has this few recorded writes or fewer.
 const FREEZE_BELOW: usize = 64;
 
-/// What the export handler needs.
+/// The source side of bucket streams and the holder of shadows.
 #[derive(Clone)]
 pub struct Exporter {
-    pub(super) control: ControlPlane,
-    pub(super) cache: Arc<CacheStore>,
-    pub(super) config: TransferConfig,
-    pub(super) progress: Arc<Progress>,
-    pub(super) replicator: Arc<crate::replication::Replicator>,
+    /// The control plane.
+    pub control: ControlPlane,
+    /// The active store.
+    pub cache: Arc<CacheStore>,
+    /// How transfers run.
+    pub config: TransferConfig,
+    /// Transfer counters.
+    pub progress: Arc<Progress>,
+    /// The replica store (restores are served from it).
+    pub replicator: Arc<crate::replication::Replicator>,
 }
 
-/// Query of the transfer endpoint.
-#[derive(serde::Deserialize)]
-pub(super) struct StreamQuery {
-    to: NodeId,
-    epoch: u64,
-    /// Send the shadow copy back to the bucket's owner (after it restarted): a plain
-    /// snapshot, no freeze.
-    #[serde(default)]
-    restore: bool,
+/// Why a stream is refused: an HTTP status and the reason.
+type Refusal = (u16, String);
+
+fn frames_of(frames: Vec<Bytes>) -> FrameStream {
+    Box::pin(futures::stream::iter(frames.into_iter().map(Ok)))
 }
 
 /// Why this node will not send its shadow of `bucket` to `to`.
@@ -86,65 +85,64 @@ fn refusal(state: &ClusterState, me: NodeId, bucket: BucketId, to: NodeId, epoch
     None
 }
 
-/// `GET /internal/transfer/{bucket}`: streams the bucket (see the module docs).
-pub(super) async fn stream_bucket(
-    State(exporter): State<Exporter>,
-    Path(bucket): Path<u16>,
-    Query(q): Query<StreamQuery>,
-) -> Response {
-    let me = exporter.control.node_id();
-    if usize::from(bucket) >= shoal_raft::BUCKET_COUNT {
-        return (StatusCode::BAD_REQUEST, format!("no bucket {bucket}")).into_response();
+impl Exporter {
+    /// `GET /internal/transfer/{bucket}?to=&epoch=[&restore=true]`: streams the bucket to its
+    /// new owner `to` (see the module docs), or with `restore` sends the copy this node holds
+    /// back to the bucket's owner after its restart: a plain snapshot, no freeze.
+    pub async fn open(&self, bucket: BucketId, to: NodeId, epoch: u64, restore: bool) -> Result<FrameStream, Refusal> {
+        let me = self.control.node_id();
+        if restore {
+            return self.restore_copy(bucket, to).await;
+        }
+        // The new owner may have applied the target a moment before us.
+        self.control.wait_for_state(Duration::from_secs(2), |s| refusal(s, me, bucket, to, epoch).is_none()).await;
+        if let Some(reason) = refusal(&self.control.state(), me, bucket, to, epoch) {
+            return Err((409, reason));
+        }
+        if self.cache.is_frozen(bucket) {
+            // An earlier pull of this move froze it and its flip is not settled (its answer may
+            // have been lost): a new export would thaw it while that flip can still land.
+            let reason =
+                format!("bucket {bucket} is frozen by an earlier transfer whose flip is not settled yet; retry");
+            return Err((409, reason));
+        }
+        if self.replicator.not_held(&self.control.state(), bucket) {
+            let reason = format!("node {me} is still getting bucket {bucket} back (restore or failover); retry");
+            return Err((409, reason));
+        }
+        tracing::debug!(bucket = bucket.0, to, epoch, "exporting bucket");
+        let (tx, rx) = mpsc::channel::<Bytes>(16);
+        tokio::spawn(produce(self.clone(), bucket, epoch, tx));
+        Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx).map(Ok)))
     }
-    let bucket = BucketId(bucket);
-    if q.restore {
-        // From a shadow (a transfer's handover), else from the replica of the owner.
-        // The replica first: in sync mode every acknowledged write reached it (a shadow's
-        // write-through failures are only logged).
-        let shadow_here = exporter.control.state().handoffs.get(&bucket.0) == Some(&me);
-        if shadow_here && exporter.replicator.replica_snapshot(bucket, q.to).is_none() {
+
+    /// The copy of `bucket` this node holds for its owner `to`: the replica first (in sync
+    /// mode every acknowledged write reached it; a shadow's write-through failures are only
+    /// logged), else the shadow of a transfer's handover.
+    async fn restore_copy(&self, bucket: BucketId, to: NodeId) -> Result<FrameStream, Refusal> {
+        let me = self.control.node_id();
+        let shadow_here = self.control.state().handoffs.get(&bucket.0) == Some(&me);
+        if shadow_here && self.replicator.replica_snapshot(bucket, to).is_none() {
             // This node holds a shadow, and the owner may have applied the change that gave it
             // the bucket (a failover) a moment before us.
-            let ready = |s: &ClusterState| restore_refusal(s, me, bucket, q.to).is_none();
-            exporter.control.wait_for_state(Duration::from_secs(2), ready).await;
+            let ready = |s: &ClusterState| restore_refusal(s, me, bucket, to).is_none();
+            self.control.wait_for_state(Duration::from_secs(2), ready).await;
         }
-        let snapshot = exporter.replicator.replica_snapshot(bucket, q.to).or_else(|| {
-            restore_refusal(&exporter.control.state(), me, bucket, q.to)
-                .is_none()
-                .then(|| exporter.cache.snapshot(bucket))
+        let snapshot = self.replicator.replica_snapshot(bucket, to).or_else(|| {
+            restore_refusal(&self.control.state(), me, bucket, to).is_none().then(|| self.cache.snapshot(bucket))
         });
         let Some((items, counter)) = snapshot else {
-            let reason = format!("node {me} holds neither a shadow nor a replica of bucket {bucket} for node {}", q.to);
-            return (StatusCode::NOT_FOUND, reason).into_response();
+            return Err((
+                404,
+                format!("node {me} holds neither a shadow nor a replica of bucket {bucket} for node {to}"),
+            ));
         };
         let mut frames = vec![Bytes::from_static(HEADER)];
         frames.extend(items.iter().flat_map(item_frames));
         frames.push(end_frame(counter, items.len() as u64));
-        let sent: u64 = frames.iter().map(|f| f.len() as u64).sum();
-        exporter.progress.sent(sent);
-        let body = Body::from_stream(futures::stream::iter(frames.into_iter().map(Ok::<_, std::io::Error>)));
-        return (StatusCode::OK, [("content-type", "application/vnd.shoal.transfer")], body).into_response();
+        self.progress.sent(frames.iter().map(|f| f.len() as u64).sum());
+        Ok(frames_of(frames))
     }
-    // The new owner may have applied the target a moment before us.
-    exporter.control.wait_for_state(Duration::from_secs(2), |s| refusal(s, me, bucket, q.to, q.epoch).is_none()).await;
-    if let Some(reason) = refusal(&exporter.control.state(), me, bucket, q.to, q.epoch) {
-        return (StatusCode::CONFLICT, reason).into_response();
-    }
-    if exporter.cache.is_frozen(bucket) {
-        // An earlier pull of this move froze it and its flip is not settled (its answer may
-        // have been lost): a new export would thaw it while that flip can still land.
-        let reason = format!("bucket {bucket} is frozen by an earlier transfer whose flip is not settled yet; retry");
-        return (StatusCode::CONFLICT, reason).into_response();
-    }
-    if exporter.replicator.not_held(&exporter.control.state(), bucket) {
-        let reason = format!("node {me} is still getting bucket {bucket} back (restore or failover); retry");
-        return (StatusCode::CONFLICT, reason).into_response();
-    }
-    tracing::debug!(bucket = bucket.0, to = q.to, epoch = q.epoch, "exporting bucket");
-    let (tx, rx) = mpsc::channel::<Bytes>(16);
-    tokio::spawn(produce(exporter, bucket, q.epoch, tx));
-    let body = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx).map(Ok::<_, std::io::Error>));
-    (StatusCode::OK, [("content-type", "application/vnd.shoal.transfer")], body).into_response()
 }
 
 /// Sends the bucket into `tx`; a failed send means the receiver went away.

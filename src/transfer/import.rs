@@ -3,18 +3,15 @@
 
 use std::time::Duration;
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Empty};
-use hyper::{Request, StatusCode};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+use futures::StreamExt;
 use shoal_raft::{AdminRequest, AdminResponse, BucketId, ControlError, ControlPlane, NodeId};
 
 use super::frame::{Decoded, Decoder, FrameError};
 use super::progress::Progress;
 use super::TransferConfig;
 use crate::cache::CacheStore;
+use crate::peer::Peers;
+use crate::transport::{CallError, FrameStream, StreamRequest};
 
 /// How long a puller waits to apply the flip it asked for.
 const FLIP_WAIT: Duration = Duration::from_secs(10);
@@ -33,10 +30,12 @@ pub enum PullError {
         detail: String,
     },
     /// The source refused (not ready yet, or the move is stale).
-    #[error("node {node} refused: {detail}")]
+    #[error("node {node} refused ({status}): {detail}")]
     Refused {
         /// The source.
         node: NodeId,
+        /// The HTTP status of the refusal (404: it holds no copy).
+        status: u16,
         /// Why.
         detail: String,
     },
@@ -53,46 +52,30 @@ pub enum PullError {
     Flip(#[from] ControlError),
 }
 
-/// The HTTP client that pulls buckets.
+/// Pulls buckets from other nodes.
 #[derive(Clone)]
 pub struct Puller {
-    http: Client<HttpConnector, Empty<Bytes>>,
+    peers: Peers,
     config: TransferConfig,
 }
 
 impl Puller {
-    /// A client whose connections give up after `config.reconnect_timeout`.
-    pub fn new(config: TransferConfig) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_local_address(shoal_raft::outgoing_ip());
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(config.reconnect_timeout));
-        Puller { http: Client::builder(TokioExecutor::new()).build(connector), config }
+    /// A puller over `peers`, whose connections give up after `config.reconnect_timeout`.
+    pub fn new(peers: Peers, config: TransferConfig) -> Self {
+        Puller { peers, config }
     }
 
-    /// Opens the stream of `bucket` at `peer_addr`, with R35's reconnect attempts: up to
-    /// three tries, two seconds apart, when the connection itself fails.
-    async fn open(
-        &self,
-        from: NodeId,
-        peer_addr: &str,
-        query: &str,
-        bucket: BucketId,
-    ) -> Result<hyper::body::Incoming, PullError> {
-        let uri = format!("http://{peer_addr}/internal/transfer/{}?{query}", bucket.0);
+    /// Opens the stream `request` at `peer_addr`, with the reconnect attempts the
+    /// configuration asks for (three tries, two seconds apart, by default) when the connection
+    /// itself fails.
+    async fn open(&self, from: NodeId, peer_addr: &str, request: StreamRequest) -> Result<FrameStream, PullError> {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let request = crate::peer::with_secret(Request::get(&uri))
-                .body(Empty::new())
-                .map_err(|e| PullError::Refused { node: from, detail: e.to_string() })?;
-            match self.http.request(request).await {
-                Ok(response) if response.status() == StatusCode::OK => return Ok(response.into_body()),
-                Ok(response) => {
-                    let status = response.status();
-                    let body = response.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
-                    let detail = format!("{status}: {}", String::from_utf8_lossy(&body));
-                    return Err(PullError::Refused { node: from, detail });
+            match self.peers.open_stream(peer_addr, request, self.config.reconnect_timeout).await {
+                Ok(frames) => return Ok(frames),
+                Err(CallError::Refused { status, reason }) => {
+                    return Err(PullError::Refused { node: from, status, detail: reason });
                 }
                 Err(e) if attempt < 1 + self.config.reconnect_attempts => {
                     tracing::debug!(node = from, error = %e, attempt, "cannot reach the source; retrying");
@@ -122,13 +105,14 @@ impl Puller {
         if state.map.owner_of(bucket) == Some(to) || state.epoch_of(bucket) != epoch {
             return Ok(0);
         }
-        let peer_addr = state
-            .member_of(from)
-            .map(|m| m.peer_addr.clone())
-            .ok_or_else(|| PullError::Refused { node: from, detail: "not a member".into() })?;
+        let peer_addr = state.member_of(from).map(|m| m.peer_addr.clone()).ok_or_else(|| PullError::Refused {
+            node: from,
+            status: 409,
+            detail: "not a member".into(),
+        })?;
         cache.take_bucket(bucket);
-        let query = format!("to={to}&epoch={epoch}");
-        let result = self.receive(cache, progress, from, &peer_addr, &query, bucket).await;
+        let request = StreamRequest::Bucket { bucket, to, epoch, restore: false };
+        let result = self.receive(cache, progress, from, &peer_addr, request).await;
         let flipped = match result {
             Ok(bytes) => match control.admin(AdminRequest::Moved { bucket: bucket.0, from, to, epoch }).await {
                 Ok(AdminResponse::Moved { map_version }) => {
@@ -182,13 +166,15 @@ impl Puller {
         from: NodeId,
     ) -> Result<u64, PullError> {
         let state = control.state();
-        let peer_addr = state
-            .member_of(from)
-            .map(|m| m.peer_addr.clone())
-            .ok_or_else(|| PullError::Refused { node: from, detail: "not a member".into() })?;
+        let peer_addr = state.member_of(from).map(|m| m.peer_addr.clone()).ok_or_else(|| PullError::Refused {
+            node: from,
+            status: 409,
+            detail: "not a member".into(),
+        })?;
         cache.take_bucket(bucket);
-        let query = format!("to={}&epoch={}&restore=true", control.node_id(), state.epoch_of(bucket));
-        let result = self.receive(cache, progress, from, &peer_addr, &query, bucket).await;
+        let request =
+            StreamRequest::Bucket { bucket, to: control.node_id(), epoch: state.epoch_of(bucket), restore: true };
+        let result = self.receive(cache, progress, from, &peer_addr, request).await;
         if result.is_err() {
             cache.take_bucket(bucket);
         }
@@ -201,16 +187,15 @@ impl Puller {
         progress: &Progress,
         from: NodeId,
         peer_addr: &str,
-        query: &str,
-        bucket: BucketId,
+        request: StreamRequest,
     ) -> Result<u64, PullError> {
-        let mut body = self.open(from, peer_addr, query, bucket).await?;
+        let StreamRequest::Bucket { bucket, .. } = request;
+        let mut frames = self.open(from, peer_addr, request).await?;
         let mut decoder = Decoder::default();
         let broken = |error| PullError::Stream { node: from, error };
         loop {
-            let Some(frame) = body.frame().await else { return Err(broken(FrameError::Truncated)) };
-            let frame = frame.map_err(|_| broken(FrameError::Truncated))?;
-            let Ok(data) = frame.into_data() else { continue };
+            let Some(data) = frames.next().await else { return Err(broken(FrameError::Truncated)) };
+            let data = data.map_err(|_| broken(FrameError::Truncated))?;
             progress.received(data.len() as u64);
             decoder.feed(&data);
             while let Some(decoded) = decoder.next_decoded().map_err(broken)? {

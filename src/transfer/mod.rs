@@ -31,16 +31,13 @@ pub mod stuck;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::State;
-use axum::routing::get;
-use axum::{Json, Router};
 use futures::stream::{self, StreamExt};
 use shoal_raft::{AdminRequest, ControlPlane};
 use tokio::task::JoinHandle;
 
 use crate::cache::CacheStore;
 use crate::metrics::NodeMetrics;
-use export::Exporter;
+use crate::peer::Peers;
 use import::{backoff, Puller};
 use progress::Progress;
 
@@ -88,14 +85,16 @@ impl Transfers {
     pub fn start(
         control: ControlPlane,
         cache: Arc<CacheStore>,
+        peers: Peers,
         config: TransferConfig,
         progress: Arc<Progress>,
         metrics: Arc<NodeMetrics>,
     ) -> Self {
+        let puller = Puller::new(peers.clone(), config);
         let tasks = vec![
             tokio::spawn(ack_transitions(control.clone())),
-            tokio::spawn(stuck::detect_stuck(control.clone(), config, metrics.clone())),
-            tokio::spawn(pull_buckets(control, cache, config, progress.clone(), metrics)),
+            tokio::spawn(stuck::detect_stuck(control.clone(), peers, config, metrics.clone())),
+            tokio::spawn(pull_buckets(control, cache, puller, config, progress.clone(), metrics)),
         ];
         Transfers { tasks, progress }
     }
@@ -112,27 +111,6 @@ impl Transfers {
             let _ = task.await;
         }
     }
-}
-
-/// The transfer routes of the peer listener: `GET /internal/transfer/{bucket}` (the stream)
-/// and `GET /internal/transfer/status`.
-pub fn peer_routes(
-    control: ControlPlane,
-    cache: Arc<CacheStore>,
-    config: TransferConfig,
-    progress: Arc<Progress>,
-    replicator: Arc<crate::replication::Replicator>,
-) -> Router {
-    let exporter = Exporter { control, cache, config, progress, replicator };
-    Router::new()
-        .route("/internal/transfer/status", get(status))
-        .route("/internal/shadow/{bucket}", axum::routing::post(shadow::apply_shadow))
-        .route("/internal/transfer/{bucket}", get(export::stream_bucket))
-        .with_state(exporter)
-}
-
-async fn status(State(exporter): State<Exporter>) -> Json<shoal_http_api::types::TransferStatus> {
-    Json(exporter.progress.status(exporter.control.node_id()))
 }
 
 /// How long to wait before trying a failed acknowledgement again.
@@ -167,12 +145,12 @@ async fn ack_transitions(control: ControlPlane) {
 async fn pull_buckets(
     control: ControlPlane,
     cache: Arc<CacheStore>,
+    puller: Puller,
     config: TransferConfig,
     progress: Arc<Progress>,
     metrics: Arc<NodeMetrics>,
 ) {
     let me = control.node_id();
-    let puller = Puller::new(config);
     let mut applied = control.view().subscribe();
     let mut failures = 0u32;
     let mut round_open = false;

@@ -1,7 +1,7 @@
 //! A node's transfer progress: what it has pulled, what it has sent, and when it last did
 //! anything (the leader's stuck detector asks for that).
 
-use std::time::Instant;
+use tokio::time::Instant;
 
 use parking_lot::Mutex;
 use shoal_http_api::types::TransferStatus;

@@ -7,54 +7,14 @@
 //! it). Until then, operations on those buckets answer 503 `bucket_restoring`. A bucket of
 //! which neither holds a copy serves again empty, said in the log.
 
-use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use parking_lot::RwLock;
-use shoal_raft::{BucketId, ClusterState, ControlPlane, NodeId};
+use shoal_raft::ControlPlane;
 
 use super::import::{backoff, PullError, Puller};
 use super::progress::Progress;
+use crate::bucket::LocalFacts;
 use crate::cache::CacheStore;
-
-/// The buckets this node serves but has not got back yet.
-#[derive(Debug, Default)]
-pub struct Restoring {
-    buckets: RwLock<BTreeSet<u16>>,
-}
-
-impl Restoring {
-    /// Marks the buckets to get back before serving them (call before serving). After a
-    /// restart in a cluster of several members: every bucket, because the state this node
-    /// read from its own disk may be behind (a bucket flipped to it just before it went down
-    /// is not in it yet); [`restore`] drops the ones it does not own once it has caught up
-    /// with the leader. Otherwise: every bucket `me` serves that has a shadow or a replica
-    /// elsewhere.
-    pub fn mark(&self, state: &ClusterState, me: NodeId, restarted: bool) {
-        let mut set = self.buckets.write();
-        let replica = state.replica_of(me).is_some();
-        for b in BucketId::all() {
-            let owned = state.map.owner_of(b) == Some(me);
-            if (restarted && state.members.len() > 1) || (owned && (replica || state.shadow_of(b).is_some())) {
-                set.insert(b.0);
-            }
-        }
-    }
-
-    /// Whether `bucket` is waiting to be restored.
-    pub fn contains(&self, bucket: BucketId) -> bool {
-        let set = self.buckets.read();
-        !set.is_empty() && set.contains(&bucket.0)
-    }
-
-    fn remove(&self, bucket: BucketId) {
-        self.buckets.write().remove(&bucket.0);
-    }
-
-    fn pending(&self) -> Vec<BucketId> {
-        self.buckets.read().iter().map(|&b| BucketId(b)).collect()
-    }
-}
 
 /// Waits until this node knows a leader and has applied everything it knows to be committed,
 /// after a few heartbeats: the buckets it owns are then the ones the cluster says. No bound:
@@ -88,16 +48,16 @@ pub async fn restore(
     control: ControlPlane,
     cache: Arc<CacheStore>,
     puller: Puller,
-    restoring: Arc<Restoring>,
+    facts: Arc<LocalFacts>,
     progress: Arc<Progress>,
 ) {
     let me = control.node_id();
-    if !restoring.pending().is_empty() {
+    if !facts.restoring().is_empty() {
         catch_up(&control).await;
     }
     let mut failures = 0;
     loop {
-        let pending = restoring.pending();
+        let pending = facts.restoring();
         if pending.is_empty() {
             return;
         }
@@ -112,15 +72,15 @@ pub async fn restore(
                 if owned {
                     tracing::error!(node_id = me, bucket = bucket.0, "no copy left: the bucket serves again, empty");
                 }
-                restoring.remove(bucket);
+                facts.restored(bucket);
                 continue;
             };
             match puller.restore(&control, &cache, &progress, bucket, source).await {
                 Ok(bytes) => {
                     tracing::debug!(node_id = me, bucket = bucket.0, from = source, bytes, "bucket restored");
-                    restoring.remove(bucket);
+                    facts.restored(bucket);
                 }
-                Err(PullError::Refused { detail, .. }) if detail.starts_with("404") => {
+                Err(PullError::Refused { status: 404, detail, .. }) => {
                     // The replica holder has no copy: the shadow, if another node holds it.
                     let shadow = state.shadow_of(bucket).filter(|&s| s != source);
                     let from_shadow = match shadow {
@@ -130,7 +90,7 @@ pub async fn restore(
                     if from_shadow.is_none() {
                         tracing::error!(node_id = me, bucket = bucket.0, from = source, %detail, "no copy left: the bucket serves again, empty");
                     }
-                    restoring.remove(bucket);
+                    facts.restored(bucket);
                 }
                 Err(e) => {
                     tracing::warn!(node_id = me, bucket = bucket.0, from = source, error = %e, "restore failed; will retry");

@@ -7,25 +7,26 @@
 //! (`shoal_transfer_stuck_total`) and clears the state-transfer flag, so membership may change
 //! again. The buckets still to move stay in the target; a member that comes back resumes.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use shoal_raft::{AdminRequest, ControlPlane, NodeId};
 
 use super::TransferConfig;
 use crate::metrics::NodeMetrics;
-use crate::peer::PeerClient;
+use crate::peer::Peers;
 
 /// Runs the detector (it acts only while this node leads).
-pub async fn detect_stuck(control: ControlPlane, config: TransferConfig, metrics: Arc<NodeMetrics>) {
-    let peers = PeerClient::new();
+pub async fn detect_stuck(control: ControlPlane, peers: Peers, config: TransferConfig, metrics: Arc<NodeMetrics>) {
     let mut tick = tokio::time::interval(config.check_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // Leader-local memory: when each pending map was first seen, and when each member last
     // answered or moved data.
     let mut transition_seen: Option<(u64, Instant)> = None;
-    let mut last_heard: HashMap<NodeId, Instant> = HashMap::new();
+    let mut last_heard: BTreeMap<NodeId, Instant> = BTreeMap::new();
     loop {
         tick.tick().await;
         let state = control.state();

@@ -3,9 +3,12 @@
 //! Any member accepts an [`AdminRequest`] on its peer listener and forwards it to the Raft
 //! leader, which serializes membership changes (see `raft/DESIGN.md`).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+
+use super::{ControlRpc, ControlTransport};
 
 use crate::distribution::NodeId;
 use crate::error::ControlError;
@@ -91,6 +94,21 @@ pub enum AdminRequest {
         /// Buckets of which it held no copy.
         lost: Vec<u16>,
     },
+    /// Every bucket `owner` serves is attached at the holder join order names for it: that
+    /// holder holds its replica from now on.
+    ReplicaMoved {
+        /// The owner.
+        owner: NodeId,
+        /// Its new replica holder.
+        holder: NodeId,
+    },
+    /// A member that restarted found no copy left of these buckets it owns.
+    BucketsLost {
+        /// The member.
+        node_id: NodeId,
+        /// The buckets.
+        buckets: Vec<u16>,
+    },
     /// An operator acknowledges lost buckets (all when empty).
     ClearLost {
         /// The buckets.
@@ -154,25 +172,20 @@ pub enum MemberStatus {
     Unknown,
 }
 
-/// Sends admin requests to a member's peer address.
+/// Sends admin requests to a member's peer address, through the node's transport.
 #[derive(Clone)]
 pub struct AdminClient {
-    client: reqwest::Client,
+    transport: Arc<dyn ControlTransport>,
+    timeout: Duration,
 }
+
+/// How long a member may take to say what it knows of a node id.
+const STATUS_TIMEOUT: Duration = Duration::from_secs(2);
 
 impl AdminClient {
     /// A client whose requests give up after `timeout`.
-    pub fn new(timeout: Duration) -> Self {
-        let client = reqwest::Client::builder()
-            .no_proxy()
-            .local_address(super::outgoing_ip())
-            .default_headers(super::secret_headers())
-            .tcp_nodelay(true)
-            .connect_timeout(Duration::from_secs(2).min(timeout))
-            .timeout(timeout)
-            .build()
-            .unwrap_or_default();
-        AdminClient { client }
+    pub fn new(transport: Arc<dyn ControlTransport>, timeout: Duration) -> Self {
+        AdminClient { transport, timeout }
     }
 
     /// Sends `request` to the node at `peer_addr`, which handles it or forwards it to the
@@ -193,29 +206,30 @@ impl AdminClient {
         request: &AdminRequest,
         forwarded: bool,
     ) -> Result<AdminResponse, ControlError> {
-        let response = self
-            .client
-            .post(format!("http://{peer_addr}/internal/admin?forwarded={forwarded}"))
-            .json(request)
-            .send()
+        let body = serde_json::to_vec(request).map_err(|e| network(peer_addr, &e))?;
+        let rpc = ControlRpc::Admin { forwarded };
+        let answer = self
+            .transport
+            .control(peer_addr, None, rpc, body, self.timeout)
             .await
             .map_err(|e| network(peer_addr, &e))?;
-        let result: Result<AdminResponse, ControlError> = response.json().await.map_err(|e| network(peer_addr, &e))?;
+        let result: Result<AdminResponse, ControlError> =
+            serde_json::from_slice(&answer).map_err(|e| network(peer_addr, &e))?;
         result
     }
 
     /// Asks the node at `peer_addr` what its cluster knows of `node_id`.
     pub async fn member_status(&self, peer_addr: &str, node_id: NodeId) -> Result<MemberStatus, ControlError> {
-        let response = self
-            .client
-            .get(format!("http://{peer_addr}/internal/members/{node_id}"))
-            .send()
+        let rpc = ControlRpc::MemberStatus { node_id };
+        let answer = self
+            .transport
+            .control(peer_addr, None, rpc, Vec::new(), STATUS_TIMEOUT)
             .await
             .map_err(|e| network(peer_addr, &e))?;
-        response.json().await.map_err(|e| network(peer_addr, &e))
+        serde_json::from_slice(&answer).map_err(|e| network(peer_addr, &e))
     }
 }
 
-fn network(peer: &str, e: &reqwest::Error) -> ControlError {
+fn network(peer: &str, e: &dyn std::error::Error) -> ControlError {
     ControlError::Network { peer: peer.to_string(), detail: e.to_string() }
 }

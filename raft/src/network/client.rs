@@ -1,6 +1,6 @@
-//! The sending side of Raft RPCs.
+//! The sending side of Raft RPCs: openraft's network factory over the [`ControlTransport`].
 
-use std::time::Duration;
+use std::sync::Arc;
 
 use openraft::error::{InstallSnapshotError, NetworkError, RemoteError, Unreachable};
 use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
@@ -11,80 +11,59 @@ use openraft::raft::{
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
+use super::{ControlRpc, ControlTransport, TransportError};
 use crate::distribution::NodeId;
 use crate::types::{MemberNode, RaftError, RpcError, TypeConfig};
 
-/// openraft's network factory: every connection shares one pooled HTTP client.
+/// openraft's network factory: every connection goes through the node's transport.
 #[derive(Clone)]
-pub struct HttpRaftNetwork {
-    client: reqwest::Client,
+pub struct RaftTransportNetwork {
+    transport: Arc<dyn ControlTransport>,
 }
 
-impl HttpRaftNetwork {
-    /// A network whose requests give up after `connect_timeout` when a peer is unreachable.
-    pub fn new(connect_timeout: Duration) -> Self {
-        let client = reqwest::Client::builder()
-            .no_proxy()
-            .local_address(super::outgoing_ip())
-            .default_headers(super::secret_headers())
-            .tcp_nodelay(true)
-            .connect_timeout(connect_timeout)
-            .pool_idle_timeout(Duration::from_secs(30))
-            .build()
-            .unwrap_or_default();
-        HttpRaftNetwork { client }
+impl RaftTransportNetwork {
+    /// A network over `transport`.
+    pub fn new(transport: Arc<dyn ControlTransport>) -> Self {
+        RaftTransportNetwork { transport }
     }
 }
 
-impl RaftNetworkFactory<TypeConfig> for HttpRaftNetwork {
+impl RaftNetworkFactory<TypeConfig> for RaftTransportNetwork {
     type Network = PeerConnection;
 
     async fn new_client(&mut self, target: NodeId, node: &MemberNode) -> PeerConnection {
-        PeerConnection { client: self.client.clone(), target, base: format!("http://{}", node.peer_addr) }
+        PeerConnection { transport: self.transport.clone(), target, peer_addr: node.peer_addr.clone() }
     }
 }
 
 /// A connection to one peer's Raft endpoints.
 pub struct PeerConnection {
-    client: reqwest::Client,
+    transport: Arc<dyn ControlTransport>,
     target: NodeId,
-    base: String,
+    peer_addr: String,
 }
 
 impl PeerConnection {
-    async fn send<Req, Resp, E>(&self, path: &str, req: &Req, option: &RPCOption) -> Result<Resp, RpcError<E>>
+    async fn send<Req, Resp, E>(&self, rpc: ControlRpc, req: &Req, option: &RPCOption) -> Result<Resp, RpcError<E>>
     where
         Req: Serialize,
         Resp: DeserializeOwned,
         E: std::error::Error + DeserializeOwned,
     {
-        let response = self
-            .client
-            .post(format!("{}{}", self.base, path))
-            .header(super::server::HEADER_RAFT_TARGET, self.target)
-            .timeout(option.hard_ttl())
-            .json(req)
-            .send()
-            .await
-            .map_err(|e| {
-                if e.is_connect() {
-                    RpcError::Unreachable(Unreachable::new(&e))
-                } else {
-                    RpcError::Network(NetworkError::new(&e))
-                }
-            })?;
-        if !response.status().is_success() {
-            let status = response.status();
-            let body = response.text().await.unwrap_or_default();
-            let err = std::io::Error::other(format!("HTTP {status}: {body}"));
-            // Another node now listens at the address: as good as unreachable.
-            if status == reqwest::StatusCode::MISDIRECTED_REQUEST {
-                return Err(RpcError::Unreachable(Unreachable::new(&err)));
-            }
-            return Err(RpcError::Network(NetworkError::new(&err)));
-        }
-        let result: Result<Resp, RaftError<E>> =
-            response.json().await.map_err(|e| RpcError::Network(NetworkError::new(&e)))?;
+        let network =
+            |e: &dyn std::error::Error| RpcError::Network(NetworkError::new(&std::io::Error::other(e.to_string())));
+        let body = serde_json::to_vec(req).map_err(|e| network(&e))?;
+        let answer =
+            self.transport.control(&self.peer_addr, Some(self.target), rpc, body, option.hard_ttl()).await.map_err(
+                |e| match e {
+                    // Nothing listens there, or another node does: openraft backs off.
+                    TransportError::Unreachable(_) | TransportError::Misdirected(_) => {
+                        RpcError::Unreachable(Unreachable::new(&e))
+                    }
+                    TransportError::Failed(_) => RpcError::Network(NetworkError::new(&e)),
+                },
+            )?;
+        let result: Result<Resp, RaftError<E>> = serde_json::from_slice(&answer).map_err(|e| network(&e))?;
         result.map_err(|e| RpcError::RemoteError(RemoteError::new(self.target, e)))
     }
 }
@@ -95,7 +74,7 @@ impl RaftNetwork<TypeConfig> for PeerConnection {
         req: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
     ) -> Result<AppendEntriesResponse<NodeId>, RpcError> {
-        self.send("/raft/append", &req, &option).await
+        self.send(ControlRpc::Append, &req, &option).await
     }
 
     async fn install_snapshot(
@@ -103,10 +82,10 @@ impl RaftNetwork<TypeConfig> for PeerConnection {
         req: InstallSnapshotRequest<TypeConfig>,
         option: RPCOption,
     ) -> Result<InstallSnapshotResponse<NodeId>, RpcError<InstallSnapshotError>> {
-        self.send("/raft/snapshot", &req, &option).await
+        self.send(ControlRpc::Snapshot, &req, &option).await
     }
 
     async fn vote(&mut self, req: VoteRequest<NodeId>, option: RPCOption) -> Result<VoteResponse<NodeId>, RpcError> {
-        self.send("/raft/vote", &req, &option).await
+        self.send(ControlRpc::Vote, &req, &option).await
     }
 }

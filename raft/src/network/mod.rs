@@ -1,62 +1,84 @@
-//! Raft's transport and the control plane's internal endpoints, over HTTP on the peer
-//! listener.
+//! The control plane's messages between nodes, and the transport they travel on.
 //!
-//! - `client.rs`: [`HttpRaftNetwork`], openraft's network factory: one shared reqwest client,
-//!   JSON bodies, connect errors reported as `Unreachable` so openraft backs off.
-//! - `server.rs`: [`peer_router`], the axum routes that receive Raft RPCs and admin requests.
+//! This crate does not open sockets. It declares what it needs from the node-to-node
+//! transport — [`ControlTransport`], one call that carries a serialized message to a peer
+//! and brings its serialized answer back — and the node passes an implementation in: HTTP
+//! between real processes, an in-memory network in the deterministic simulation. The cluster
+//! secret and the source address of connections belong to that implementation, not to this
+//! crate.
+//!
+//! - `client.rs`: [`RaftTransportNetwork`], openraft's network factory over the transport.
+//! - `server.rs`: [`ControlPlane::serve_rpc`](crate::ControlPlane::serve_rpc), the receiving
+//!   side of every message.
 //! - `admin.rs`: [`AdminRequest`]/[`AdminResponse`], the join/leave protocol, and
-//!   [`AdminClient`] that sends them to a member's peer address.
+//!   [`AdminClient`] that sends them to a member.
 
 mod admin;
 mod client;
 mod server;
 
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
 pub use admin::{AdminClient, AdminRequest, AdminResponse, MemberStatus};
-pub use client::HttpRaftNetwork;
-pub use server::peer_router;
+pub use client::RaftTransportNetwork;
+pub use server::ServeError;
 
-use std::net::IpAddr;
-use std::sync::OnceLock;
+use crate::distribution::NodeId;
 
-static OUTGOING_IP: OnceLock<IpAddr> = OnceLock::new();
+/// A boxed future, as trait objects return them.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
-/// Makes every node-to-node connection this process opens from now on leave from `ip`.
-/// A node listening on its own loopback address (127.0.0.x) sets it at start-up, so that
-/// firewall rules can tell nodes apart by source address (fault tests cut links that way).
-/// Set once per process; later calls are ignored.
-pub fn set_outgoing_ip(ip: IpAddr) {
-    let _ = OUTGOING_IP.set(ip);
+/// Which control-plane endpoint a message is for. Bodies are JSON made and read by this crate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ControlRpc {
+    /// Raft `AppendEntries`.
+    Append,
+    /// Raft `Vote`.
+    Vote,
+    /// Raft `InstallSnapshot`.
+    Snapshot,
+    /// An [`AdminRequest`]; `forwarded` marks one a member already forwarded to the node it
+    /// believes leads (handled there or answered `NotLeader`, never forwarded again).
+    Admin {
+        /// Whether a member forwarded it.
+        forwarded: bool,
+    },
+    /// What the receiver's cluster knows of a node id.
+    MemberStatus {
+        /// The id asked about.
+        node_id: NodeId,
+    },
 }
 
-/// The source address of node-to-node connections, if one was set.
-pub fn outgoing_ip() -> Option<IpAddr> {
-    OUTGOING_IP.get().copied()
+/// Why a message got no answer from the receiver's control plane.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TransportError {
+    /// No connection could be made: the message was certainly not delivered.
+    #[error("unreachable: {0}")]
+    Unreachable(String),
+    /// Sent, but no usable answer came back (timeout, broken connection, garbage): the
+    /// receiver may or may not have handled it.
+    #[error("{0}")]
+    Failed(String),
+    /// Another node now listens at the address (it asked for another node id).
+    #[error("misdirected: {0}")]
+    Misdirected(String),
 }
 
-static CLUSTER_SECRET: OnceLock<String> = OnceLock::new();
-
-/// The header that carries the cluster secret on every request to a peer listener (R62).
-pub const SECRET_HEADER: &str = "x-shoal-cluster-secret";
-
-/// Makes every node-to-node request this process sends from now on carry `secret` in
-/// [`SECRET_HEADER`]. One secret per process (from `--cluster-secret`): returns false if a
-/// different one was set before.
-pub fn set_cluster_secret(secret: String) -> bool {
-    CLUSTER_SECRET.get_or_init(|| secret.clone()) == &secret
-}
-
-/// The cluster secret this process sends, if one was set.
-pub fn cluster_secret() -> Option<&'static str> {
-    CLUSTER_SECRET.get().map(String::as_str)
-}
-
-/// Default headers of the reqwest clients that call peer listeners: the secret, if any.
-pub fn secret_headers() -> reqwest::header::HeaderMap {
-    let mut headers = reqwest::header::HeaderMap::new();
-    if let Some(value) = cluster_secret().and_then(|s| reqwest::header::HeaderValue::from_str(s).ok()) {
-        let mut value = value;
-        value.set_sensitive(true);
-        headers.insert(SECRET_HEADER, value);
-    }
-    headers
+/// Carries control-plane messages to peers (see the module docs).
+pub trait ControlTransport: Send + Sync + 'static {
+    /// Sends `body` for `rpc` to the node at `peer_addr`, meant for node `target` when the
+    /// sender knows its id (the receiver refuses a message meant for another id: a node that
+    /// rejoined under a new id on the same address must not receive the old id's log), and
+    /// waits at most `timeout` for the answer's body.
+    fn control(
+        &self,
+        peer_addr: &str,
+        target: Option<NodeId>,
+        rpc: ControlRpc,
+        body: Vec<u8>,
+        timeout: Duration,
+    ) -> BoxFuture<'_, Result<Vec<u8>, TransportError>>;
 }

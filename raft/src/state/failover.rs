@@ -18,9 +18,10 @@ impl ClusterState {
         if self.members.len() < 2 {
             return rejected("the last member cannot be failed");
         }
-        let Some(heir) = self.replica_of(node) else { return rejected("no member holds the replica") };
+        let Some(heir) = self.heir_of(node) else { return rejected("no member holds the replica") };
         self.promote_all(node, heir);
         self.members.retain(|m| m.id != node);
+        self.forget_holdings_of(node);
         self.draining.remove(&node);
         self.failed.insert(node);
         self.handoffs.retain(|_, n| *n != node);
@@ -43,10 +44,33 @@ impl ClusterState {
         if !member.leaving {
             return rejected(&format!("node {node} is not leaving"));
         }
-        let Some(heir) = self.replica_of(node) else { return rejected("no member holds the replica") };
+        let Some(heir) = self.heir_of(node) else { return rejected("no member holds the replica") };
         self.promote_all(node, heir);
         self.settle();
         CommandResponse::MapChanged { map_version: self.map.version }
+    }
+
+    pub(super) fn replica_moved(&mut self, owner: NodeId, holder: NodeId) -> CommandResponse {
+        if !self.is_member(owner) || !self.is_member(holder) {
+            return rejected(&format!("nodes {owner} and {holder} must both be members"));
+        }
+        if self.replica_of(owner) != Some(holder) {
+            return rejected(&format!("join order no longer names node {holder} to hold node {owner}'s replica"));
+        }
+        self.replica_holders.insert(owner, holder);
+        CommandResponse::Done
+    }
+
+    pub(super) fn buckets_lost(&mut self, node: NodeId, buckets: &[u16]) -> CommandResponse {
+        if !self.is_member(node) {
+            return rejected(&format!("node {node} is not a member"));
+        }
+        for &b in buckets {
+            if usize::from(b) < BUCKET_COUNT && self.map.owner_of(BucketId(b)) == Some(node) {
+                self.lost.insert(b);
+            }
+        }
+        CommandResponse::Done
     }
 
     /// Gives every bucket `from` serves to `heir`, which holds their replica.

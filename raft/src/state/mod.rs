@@ -170,6 +170,14 @@ pub struct ClusterState {
     /// back.
     #[serde(default)]
     pub draining: BTreeSet<NodeId>,
+    /// Per member, the member that holds its replica: it has every write the member
+    /// acknowledged, and inherits the member's buckets if it fails. It changes only when the
+    /// member has attached all its buckets at the holder join order names (`ReplicaMoved`), so
+    /// a change of membership never leaves a member without a complete replica. Missing: the
+    /// member has no such holder yet (it just joined a one-node cluster, or its holder left or
+    /// failed); its writes go to the holder join order names, which inherits its buckets.
+    #[serde(default)]
+    pub replica_holders: BTreeMap<NodeId, NodeId>,
 }
 
 impl ClusterState {
@@ -199,6 +207,8 @@ impl ClusterState {
             ClusterCommand::HandOver { node_id } => self.hand_over(*node_id),
             ClusterCommand::Promoted { node_id, buckets, lost } => self.promoted(*node_id, buckets, lost),
             ClusterCommand::ClearLost { buckets } => self.clear_lost(buckets),
+            ClusterCommand::ReplicaMoved { owner, holder } => self.replica_moved(*owner, *holder),
+            ClusterCommand::BucketsLost { node_id, buckets } => self.buckets_lost(*node_id, buckets),
             ClusterCommand::SetDraining { node_id, draining } => {
                 if !self.is_member(*node_id) {
                     return rejected(&format!("node {node_id} is not a member"));
@@ -259,6 +269,24 @@ impl ClusterState {
         }
         let pos = ids.iter().position(|&m| m == id)?;
         Some(ids[(pos + 1) % ids.len()])
+    }
+
+    /// The member that holds `id`'s complete replica now (see `replica_holders`), if any.
+    pub fn committed_holder_of(&self, id: NodeId) -> Option<NodeId> {
+        self.replica_holders.get(&id).copied().filter(|&h| h != id && self.is_member(h))
+    }
+
+    /// The member that inherits `id`'s buckets if it fails or hands them over: the holder of
+    /// its complete replica, else the one join order names.
+    pub fn heir_of(&self, id: NodeId) -> Option<NodeId> {
+        self.committed_holder_of(id).or_else(|| self.replica_of(id))
+    }
+
+    /// Forgets the replica holdings of a member that is gone (failed or retired): as owner
+    /// and as holder.
+    pub(crate) fn forget_holdings_of(&mut self, id: NodeId) {
+        self.replica_holders.remove(&id);
+        self.replica_holders.retain(|_, h| *h != id);
     }
 
     /// The member whose replica `id` holds (the one before it in the ring).

@@ -410,3 +410,54 @@ fn a_stopping_member_gives_its_vote_to_the_next_one_and_gets_it_back() {
         CommandResponse::Rejected { .. }
     ));
 }
+
+#[test]
+fn a_replica_holder_changes_only_when_the_owner_says_the_new_one_is_complete() {
+    let mut s = three_nodes();
+    for (owner, holder) in [(1, 2), (2, 3), (3, 1)] {
+        assert_eq!(s.apply(&ClusterCommand::ReplicaMoved { owner, holder }), CommandResponse::Done);
+        assert_eq!(s.committed_holder_of(owner), Some(holder));
+    }
+    // Node 4 joins after node 3: join order now names node 4 for node 3's replica, but node 1
+    // keeps it (and inherits node 3's buckets) until node 3 says node 4 is complete.
+    join(&mut s, 4);
+    assert_eq!(s.replica_of(3), Some(4));
+    assert_eq!(s.committed_holder_of(3), Some(1));
+    assert_eq!(s.heir_of(3), Some(1));
+    let r = s.apply(&ClusterCommand::ReplicaMoved { owner: 3, holder: 1 });
+    assert!(matches!(r, CommandResponse::Rejected { .. }), "join order does not name node 1 any more: {r:?}");
+    assert_eq!(s.apply(&ClusterCommand::ReplicaMoved { owner: 3, holder: 4 }), CommandResponse::Done);
+    assert_eq!(s.heir_of(3), Some(4));
+    // A member with no complete holder yet (node 4) is inherited by the one join order names.
+    assert_eq!((s.committed_holder_of(4), s.heir_of(4)), (None, Some(1)));
+}
+
+#[test]
+fn a_failed_member_s_buckets_go_to_the_holder_of_its_complete_replica() {
+    let mut s = three_nodes();
+    s.apply(&ClusterCommand::ReplicaMoved { owner: 3, holder: 1 });
+    join(&mut s, 4);
+    let of_3 = s.map.buckets_of(3);
+    s.apply(&ClusterCommand::NodeFailed { node_id: 3 });
+    for b in &of_3 {
+        assert_eq!(s.map.owner_of(*b), Some(1), "node 1 held node 3's complete replica, not node 4");
+    }
+    assert!(!s.replica_holders.contains_key(&3), "a failed member's holdings are forgotten");
+    // The holder fails: its owners have no complete holder until they say so again.
+    s.apply(&ClusterCommand::ReplicaMoved { owner: 2, holder: 4 });
+    assert_eq!(s.replica_of(2), Some(4));
+    s.apply(&ClusterCommand::NodeFailed { node_id: 4 });
+    assert_eq!(s.committed_holder_of(2), None);
+}
+
+#[test]
+fn a_restarted_owner_reports_buckets_with_no_copy_left_as_lost() {
+    let mut s = three_nodes();
+    let of_2: Vec<u16> = s.map.buckets_of(2).iter().map(|b| b.0).collect();
+    let of_1 = s.map.buckets_of(1)[0].0;
+    assert_eq!(s.apply(&ClusterCommand::BucketsLost { node_id: 2, buckets: vec![of_2[0], of_1] }), CommandResponse::Done);
+    assert!(s.is_lost(BucketId(of_2[0])));
+    assert!(!s.is_lost(BucketId(of_1)), "only the reporter's own buckets");
+    let r = s.apply(&ClusterCommand::BucketsLost { node_id: 9, buckets: vec![of_2[1]] });
+    assert!(matches!(r, CommandResponse::Rejected { .. }));
+}

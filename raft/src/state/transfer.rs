@@ -97,6 +97,7 @@ impl ClusterState {
             .collect();
         for id in done {
             self.members.retain(|m| m.id != id);
+            self.forget_holdings_of(id);
             self.draining.remove(&id);
             self.retired.insert(id);
             self.handoffs.retain(|_, n| *n != id);

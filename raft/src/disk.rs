@@ -1,0 +1,178 @@
+//! [`Disk`]: where a node keeps its Raft log, vote and state machine — sled on a real disk,
+//! or memory in the deterministic simulation (sled's background threads and flushes would
+//! make a run depend on the machine's timing).
+//!
+//! The log store and the state machine are written once, against the few operations both
+//! backends offer: named trees of byte keys in order, single-key writes, compare-and-swap of
+//! one key, and a flush that makes every earlier write durable. A memory disk is durable by
+//! definition (a write is "on disk" once it returns); it survives a simulated crash because
+//! the simulation keeps the [`MemoryDisk`] and opens the node again on it.
+
+use std::collections::BTreeMap;
+use std::ops::Bound;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+/// A failed disk operation.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct DiskError(pub String);
+
+impl From<sled::Error> for DiskError {
+    fn from(e: sled::Error) -> Self {
+        DiskError(e.to_string())
+    }
+}
+
+/// A key and its value.
+pub type Entry = (Vec<u8>, Vec<u8>);
+
+/// The ordered byte map of one memory tree.
+type MemoryTree = Arc<Mutex<BTreeMap<Vec<u8>, Vec<u8>>>>;
+
+/// A disk in memory: named trees that live as long as someone holds the handle.
+#[derive(Clone, Default)]
+pub struct MemoryDisk {
+    trees: Arc<Mutex<BTreeMap<String, MemoryTree>>>,
+}
+
+impl MemoryDisk {
+    /// A deep copy: what a crash leaves behind. The simulation restarts a killed node on the
+    /// copy, so nothing its old instance still does can reach the new one.
+    pub fn copy(&self) -> MemoryDisk {
+        let trees = self.trees.lock();
+        let copied = trees.iter().map(|(name, tree)| (name.clone(), Arc::new(Mutex::new(tree.lock().clone()))));
+        MemoryDisk { trees: Arc::new(Mutex::new(copied.collect())) }
+    }
+}
+
+/// A node's Raft storage.
+#[derive(Clone)]
+pub enum Disk {
+    /// sled on a real disk.
+    Sled(sled::Db),
+    /// Memory (the simulation).
+    Memory(MemoryDisk),
+}
+
+/// One ordered tree of a [`Disk`].
+#[derive(Clone)]
+pub enum Tree {
+    /// A sled tree.
+    Sled(sled::Tree),
+    /// A memory tree.
+    Memory(MemoryTree),
+}
+
+impl Disk {
+    /// Opens (or creates) the tree `name`.
+    pub fn tree(&self, name: &str) -> Result<Tree, DiskError> {
+        match self {
+            Disk::Sled(db) => Ok(Tree::Sled(db.open_tree(name)?)),
+            Disk::Memory(m) => Ok(Tree::Memory(m.trees.lock().entry(name.to_string()).or_default().clone())),
+        }
+    }
+
+    /// Makes every earlier write of every tree durable.
+    ///
+    /// sled's own `flush_async` runs the flush on sled's I/O thread pool, whose seven threads
+    /// also write the log buffers the flush waits for: with a few flushes at once (several
+    /// nodes in one process, or a busy node) every pool thread ends up waiting and nothing is
+    /// left to write (seen as a hang in our tests). The flush therefore runs on tokio's
+    /// blocking pool.
+    pub async fn flush(&self) -> Result<(), DiskError> {
+        match self {
+            Disk::Sled(db) => {
+                let db = db.clone();
+                tokio::task::spawn_blocking(move || db.flush())
+                    .await
+                    .map_err(|e| DiskError(e.to_string()))?
+                    .map(|_| ())
+                    .map_err(DiskError::from)
+            }
+            Disk::Memory(_) => Ok(()),
+        }
+    }
+
+    /// Bytes on disk (0 for memory).
+    pub fn size_on_disk(&self) -> u64 {
+        match self {
+            Disk::Sled(db) => db.size_on_disk().unwrap_or(0),
+            Disk::Memory(_) => 0,
+        }
+    }
+}
+
+impl Tree {
+    /// The value under `key`.
+    pub fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, DiskError> {
+        match self {
+            Tree::Sled(t) => Ok(t.get(key)?.map(|v| v.to_vec())),
+            Tree::Memory(t) => Ok(t.lock().get(key).cloned()),
+        }
+    }
+
+    /// Stores `value` under `key`.
+    pub fn insert(&self, key: &[u8], value: Vec<u8>) -> Result<(), DiskError> {
+        match self {
+            Tree::Sled(t) => t.insert(key, value).map(|_| ()).map_err(DiskError::from),
+            Tree::Memory(t) => {
+                t.lock().insert(key.to_vec(), value);
+                Ok(())
+            }
+        }
+    }
+
+    /// Removes `key`.
+    pub fn remove(&self, key: &[u8]) -> Result<(), DiskError> {
+        match self {
+            Tree::Sled(t) => t.remove(key).map(|_| ()).map_err(DiskError::from),
+            Tree::Memory(t) => {
+                t.lock().remove(key);
+                Ok(())
+            }
+        }
+    }
+
+    /// The entries from `from` (inclusive) to `to` (inclusive; `None`: to the end), in key
+    /// order.
+    pub fn range(&self, from: &[u8], to: Option<&[u8]>) -> Result<Vec<Entry>, DiskError> {
+        let end = to.map_or(Bound::Unbounded, Bound::Included);
+        match self {
+            Tree::Sled(t) => t
+                .range::<&[u8], _>((Bound::Included(from), end))
+                .map(|r| r.map(|(k, v)| (k.to_vec(), v.to_vec())).map_err(DiskError::from))
+                .collect(),
+            Tree::Memory(t) => Ok(t
+                .lock()
+                .range::<[u8], _>((Bound::Included(from), end))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect()),
+        }
+    }
+
+    /// The last entry in key order.
+    pub fn last(&self) -> Result<Option<Entry>, DiskError> {
+        match self {
+            Tree::Sled(t) => Ok(t.last()?.map(|(k, v)| (k.to_vec(), v.to_vec()))),
+            Tree::Memory(t) => Ok(t.lock().iter().next_back().map(|(k, v)| (k.clone(), v.clone()))),
+        }
+    }
+
+    /// Replaces the value under `key` by `new` if it is still `old` (`None`: absent);
+    /// returns whether it did. Atomic.
+    pub fn compare_and_swap(&self, key: &[u8], old: Option<&[u8]>, new: Vec<u8>) -> Result<bool, DiskError> {
+        match self {
+            Tree::Sled(t) => Ok(t.compare_and_swap(key, old, Some(new))?.is_ok()),
+            Tree::Memory(t) => {
+                let mut t = t.lock();
+                if t.get(key).map(Vec::as_slice) != old {
+                    return Ok(false);
+                }
+                t.insert(key.to_vec(), new);
+                Ok(true)
+            }
+        }
+    }
+}

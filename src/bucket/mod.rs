@@ -1,0 +1,237 @@
+//! The bucket core: the one place that decides what this node does with a bucket, and the one
+//! write path.
+//!
+//! - [`phase`]: pure functions from (the replicated state, this node's facts about the bucket
+//!   and about itself) to the bucket's [`Phase`], where a key operation runs ([`route_of`]),
+//!   and — the question every write asks — whether this node may write the bucket now and who
+//!   must get a copy ([`write_plan`]).
+//! - [`LocalFacts`]: what this node knows of its buckets that Raft does not say (being restored
+//!   after a restart, a promoted copy installed) and the per-bucket write locks.
+//! - [`BucketCore`]: asks the pure functions on the current state and hands out
+//!   [`WritePermit`]s: a permit holds the bucket's lock while it writes, and its commit sends
+//!   the writes to every copy the plan names, or takes them all back.
+//!
+//! ```text
+//!  put k ─ route_of ─▶ Local ─ write_permit(b): plan on the state, lock b (when copies), plan again
+//!                                 │ permit.put(k) ── the store (refused while b is frozen)
+//!                                 │ permit.commit(): lease still held? ── shadow ── replica (sync: wait)
+//!                                 └─ all good: 2xx │ any failure: every write taken back, 503
+//! ```
+//!
+//! `DESIGN.md` beside this module draws the phases, the write path and the reconciler, with the
+//! invariants and the tests that check them.
+
+mod permit;
+pub mod phase;
+#[cfg(test)]
+pub(crate) mod testing;
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use parking_lot::{Mutex, RwLock};
+use shoal_raft::{BucketId, ClusterState, ControlPlane, NodeId, BUCKET_COUNT};
+use tokio::sync::MutexGuard;
+
+pub use permit::{change_body, WritePermit};
+pub use phase::{
+    export_refusal, phase_of, route_of, write_plan, write_refusal, BucketFacts, NodeFacts, Phase, Recipient, Route,
+    Routing, WritePlan,
+};
+
+use crate::cache::CacheStore;
+use crate::error::DataError;
+use crate::health::Health;
+use crate::peer::Peers;
+use crate::replication::Replicator;
+
+/// Sees every write a node acknowledges, with the ownership period (the bucket's move epoch)
+/// it belongs to. The simulation checks with it that no two nodes acknowledge writes of one
+/// bucket in one period.
+pub trait AckProbe: Send + Sync {
+    /// Node `node` acknowledged a write of `bucket` in move epoch `epoch`.
+    fn acknowledged(&self, node: NodeId, bucket: BucketId, epoch: u64);
+}
+
+/// What this node knows of its buckets that the replicated state does not say, and the lock
+/// that serializes writes to each bucket (so its copies apply them in the order it did).
+pub struct LocalFacts {
+    restoring: RwLock<BTreeSet<u16>>,
+    installed: Mutex<BTreeSet<u16>>,
+    locks: Vec<tokio::sync::Mutex<()>>,
+}
+
+impl Default for LocalFacts {
+    fn default() -> Self {
+        LocalFacts {
+            restoring: RwLock::new(BTreeSet::new()),
+            installed: Mutex::new(BTreeSet::new()),
+            locks: (0..BUCKET_COUNT).map(|_| tokio::sync::Mutex::new(())).collect(),
+        }
+    }
+}
+
+impl LocalFacts {
+    /// What this node knows of `bucket`.
+    pub fn of(&self, bucket: BucketId) -> BucketFacts {
+        BucketFacts { restoring: self.is_restoring(bucket), installed: self.is_installed(bucket) }
+    }
+
+    /// Locks `bucket` for a write (or anything that must not interleave with one).
+    pub async fn lock(&self, bucket: BucketId) -> MutexGuard<'_, ()> {
+        self.locks[bucket.index()].lock().await
+    }
+
+    /// Whether `bucket` waits to be restored.
+    pub fn is_restoring(&self, bucket: BucketId) -> bool {
+        let set = self.restoring.read();
+        !set.is_empty() && set.contains(&bucket.0)
+    }
+
+    /// The buckets waiting to be restored.
+    pub fn restoring(&self) -> Vec<BucketId> {
+        self.restoring.read().iter().map(|&b| BucketId(b)).collect()
+    }
+
+    /// Marks the buckets to get back before serving them, at start (before serving). After a
+    /// restart in a cluster of several members: every bucket, because the state this node read
+    /// from its own disk may be behind (a bucket flipped to it just before it went down is not
+    /// in it yet); the restorer drops the ones it does not own once it has caught up with the
+    /// leader. Otherwise: every bucket `me` serves that has a shadow or a replica elsewhere.
+    pub fn mark_restoring(&self, state: &ClusterState, me: NodeId, restarted: bool) {
+        let mut set = self.restoring.write();
+        let replica = state.replica_of(me).is_some();
+        for b in BucketId::all() {
+            let owned = state.map.owner_of(b) == Some(me);
+            if (restarted && state.members.len() > 1) || (owned && (replica || state.shadow_of(b).is_some())) {
+                set.insert(b.0);
+            }
+        }
+    }
+
+    /// `bucket` is back (or has no copy to come back from).
+    pub fn restored(&self, bucket: BucketId) {
+        self.restoring.write().remove(&bucket.0);
+    }
+
+    /// Whether this node installed its copy of the promoted `bucket`.
+    pub fn is_installed(&self, bucket: BucketId) -> bool {
+        let set = self.installed.lock();
+        !set.is_empty() && set.contains(&bucket.0)
+    }
+
+    /// This node installed its copy of the promoted `bucket`.
+    pub fn install(&self, bucket: BucketId) {
+        self.installed.lock().insert(bucket.0);
+    }
+
+    /// Forgets installed promotions the state no longer lists.
+    pub fn forget_installed(&self, state: &ClusterState) {
+        self.installed.lock().retain(|b| state.promoted.contains_key(b));
+    }
+}
+
+/// The bucket core of one node (see the module docs).
+pub struct BucketCore {
+    me: NodeId,
+    control: ControlPlane,
+    store: Arc<CacheStore>,
+    facts: Arc<LocalFacts>,
+    health: Arc<Health>,
+    replicator: Arc<Replicator>,
+    peers: Peers,
+    probe: Option<Arc<dyn AckProbe>>,
+}
+
+impl BucketCore {
+    /// The core over this node's parts.
+    pub fn new(
+        control: ControlPlane,
+        store: Arc<CacheStore>,
+        facts: Arc<LocalFacts>,
+        health: Arc<Health>,
+        replicator: Arc<Replicator>,
+        peers: Peers,
+        probe: Option<Arc<dyn AckProbe>>,
+    ) -> Self {
+        BucketCore { me: control.node_id(), control, store, facts, health, replicator, peers, probe }
+    }
+
+    /// This node's facts about its buckets.
+    pub fn facts(&self) -> &Arc<LocalFacts> {
+        &self.facts
+    }
+
+    /// The phase of `bucket` on `state`.
+    pub fn phase(&self, state: &ClusterState, bucket: BucketId) -> Phase {
+        phase_of(state, self.me, bucket, self.facts.of(bucket))
+    }
+
+    /// Where a key operation on `bucket` runs, decided on `state`.
+    pub fn route(&self, state: &ClusterState, bucket: BucketId, routing: Routing) -> Result<Route, DataError> {
+        let phase = self.phase(state, bucket);
+        let suspected = match phase {
+            Phase::Incoming { from: owner } | Phase::Shadow { owner } | Phase::Foreign { owner } => {
+                !routing.forwarded && !routing.redirect && self.health.is_pfail(owner)
+            }
+            _ => false,
+        };
+        route_of(state, bucket, phase, routing, suspected)
+    }
+
+    /// Why this node may acknowledge no write now, if it may not.
+    pub fn write_refusal(&self) -> Option<DataError> {
+        write_refusal(self.health.node_facts())
+    }
+
+    /// A permit to write `bucket`: on the current state this node may write it (else why
+    /// not), and it holds the bucket's lock when the writes must reach other nodes.
+    pub async fn write_permit(&self, bucket: BucketId) -> Result<WritePermit<'_>, DataError> {
+        let decide = || {
+            let state = self.control.state();
+            write_plan(&state, self.me, bucket, self.facts.of(bucket), self.health.node_facts())
+        };
+        let plan = decide()?;
+        if !plan.has_copies() {
+            return Ok(WritePermit::new(self, plan, None));
+        }
+        let lock = self.facts.lock(bucket).await;
+        // The map may have moved while this write waited for the lock.
+        let plan = decide()?;
+        Ok(WritePermit::new(self, plan, Some(lock)))
+    }
+
+    /// Permits for several buckets, taken in ascending bucket order (so two bulk writes cannot
+    /// wait for each other's locks).
+    pub async fn write_permits(&self, buckets: &[BucketId]) -> Vec<(BucketId, Result<WritePermit<'_>, DataError>)> {
+        let mut sorted = buckets.to_vec();
+        sorted.sort();
+        sorted.dedup();
+        let mut permits = Vec::with_capacity(sorted.len());
+        for b in sorted {
+            permits.push((b, self.write_permit(b).await));
+        }
+        permits
+    }
+
+    /// Makes the store keep its evictions for [`Self::replicate_evictions`].
+    pub fn store_keeps_evictions(&self) {
+        self.store.keep_evictions();
+    }
+
+    /// Sends the store's evictions of buckets this node serves to their replica, through the
+    /// queue in either mode (an eviction acknowledges nothing to a client).
+    pub fn replicate_evictions(&self) {
+        let evicted = self.store.take_evicted();
+        if evicted.is_empty() {
+            return;
+        }
+        let state = self.control.state();
+        for (bucket, key, version) in evicted {
+            let plan = write_plan(&state, self.me, bucket, self.facts.of(bucket), NodeFacts::default());
+            if let Some(holder) = plan.ok().and_then(|p| self.replicator.holder_for(&p)) {
+                self.replicator.enqueue(bucket, &holder, &[crate::cache::Change::Delete { key, version }]);
+            }
+        }
+    }
+}

@@ -1,0 +1,137 @@
+//! [`WritePermit`]: the one write path. Single and bulk puts and deletes, and removal by tag,
+//! all write through a permit.
+//!
+//! A permit is taken per bucket ([`BucketCore::write_permit`]): the plan says this node may
+//! write the bucket and which copies must get the writes; the bucket's lock (held when there
+//! are copies) keeps the copies' order the store's. The writes go to the store at once,
+//! recorded with what they replaced; [`WritePermit::commit`] then checks the lease again,
+//! writes through to the shadow and to the replica, and only then counts the writes as done.
+//! If anything fails, every write of the permit is taken back: the item as it was comes back
+//! under a new version (so every copy orders it after the write), and the bucket is sent whole
+//! to its replica before its next change, in case the replica applied the write after all.
+
+use bytes::{Bytes, BytesMut};
+use tokio::sync::MutexGuard;
+
+use super::phase::{write_refusal, WritePlan};
+use super::BucketCore;
+use crate::cache::{Change, ExportedItem, Write};
+use crate::error::DataError;
+use crate::transfer::frame::{change_frames, end_frame, HEADER};
+
+/// One write done under a permit, and how to take it back.
+struct Done {
+    key: Bytes,
+    /// The item's version after the write (`None`: deleted).
+    written: Option<u64>,
+    /// The item it replaced.
+    previous: Option<ExportedItem>,
+    /// The write as its copies apply it.
+    change: Change,
+}
+
+/// Permission to write one bucket now (see the module docs).
+pub struct WritePermit<'a> {
+    core: &'a BucketCore,
+    plan: WritePlan,
+    _lock: Option<MutexGuard<'a, ()>>,
+    done: Vec<Done>,
+}
+
+impl<'a> WritePermit<'a> {
+    pub(super) fn new(core: &'a BucketCore, plan: WritePlan, lock: Option<MutexGuard<'a, ()>>) -> Self {
+        WritePermit { core, plan, _lock: lock, done: Vec::new() }
+    }
+
+    /// What the permit was decided on.
+    pub fn plan(&self) -> &WritePlan {
+        &self.plan
+    }
+
+    /// Writes an item; answers its new version. Nothing is written when it fails.
+    pub fn put(&mut self, write: &Write<'_>) -> Result<u64, DataError> {
+        let store = &self.core.store;
+        let bucket = self.plan.bucket;
+        if !self.plan.has_copies() {
+            return store.put(bucket, write).map_err(DataError::from);
+        }
+        let previous = store.export_item(bucket, write.key);
+        let version = store.put(bucket, write)?;
+        if let Some(stored) = store.export_item(bucket, write.key) {
+            let key = stored.key.clone();
+            self.done.push(Done { key, written: Some(version), previous, change: Change::Put(stored) });
+        }
+        Ok(version)
+    }
+
+    /// Deletes `key` (with `expected`, only at that version); `Ok(false)` when absent.
+    pub fn delete(&mut self, key: &[u8], expected: Option<u64>) -> Result<bool, DataError> {
+        let store = &self.core.store;
+        let bucket = self.plan.bucket;
+        if !self.plan.has_copies() {
+            return store.delete(bucket, key, expected).map_err(DataError::from);
+        }
+        let previous = store.export_item(bucket, key);
+        let deleted = store.delete(bucket, key, expected)?;
+        if let (true, Some(gone)) = (deleted, previous) {
+            let change = Change::Delete { key: gone.key.clone(), version: gone.version };
+            self.done.push(Done { key: gone.key.clone(), written: None, previous: Some(gone), change });
+        }
+        Ok(deleted)
+    }
+
+    /// Makes the writes count: the node still holds its lease, the shadow has them (a shadow
+    /// that cannot be reached is logged: it only matters if the owner dies too), and the replica
+    /// has them (sync) or they are queued for it (async). Otherwise every write is taken back
+    /// and the error says why.
+    pub async fn commit(mut self) -> Result<(), DataError> {
+        let core = self.core;
+        // The lease again, after the writes: a node paused between the decision and the write
+        // must not acknowledge it.
+        if let Some(refusal) = write_refusal(core.health.node_facts()) {
+            self.undo();
+            return Err(refusal);
+        }
+        if !self.done.is_empty() {
+            let changes: Vec<Change> = self.done.iter().map(|d| d.change.clone()).collect();
+            if let Some(shadow) = &self.plan.shadow {
+                if let Err(e) = core.peers.shadow(&shadow.peer_addr, self.plan.bucket, change_body(&changes)).await {
+                    tracing::warn!(bucket = self.plan.bucket.0, shadow = shadow.node, error = %e, "shadow write-through failed");
+                }
+            }
+            if let Some(holder) = core.replicator.holder_for(&self.plan) {
+                if let Err(e) = core.replicator.replicate(self.plan.bucket, &holder, &changes).await {
+                    self.undo();
+                    return Err(e);
+                }
+            }
+        }
+        if let Some(probe) = &core.probe {
+            probe.acknowledged(core.me, self.plan.bucket, self.plan.epoch);
+        }
+        Ok(())
+    }
+
+    /// Takes every write of this permit back, newest first.
+    fn undo(&mut self) {
+        let core = self.core;
+        let bucket = self.plan.bucket;
+        for d in self.done.drain(..).rev() {
+            core.store.restore(bucket, &d.key, d.written, d.previous.as_ref());
+            core.replicator.count_undone(1);
+        }
+        core.replicator.detach(bucket);
+    }
+}
+
+/// A body of framed changes, as shadows and replicas take them.
+pub fn change_body(changes: &[Change]) -> Bytes {
+    let mut body = BytesMut::from(&HEADER[..]);
+    for c in changes {
+        for f in change_frames(c) {
+            body.extend_from_slice(&f);
+        }
+    }
+    body.extend_from_slice(&end_frame(0, changes.len() as u64));
+    body.freeze()
+}

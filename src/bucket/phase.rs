@@ -1,0 +1,258 @@
+//! The pure decisions of the bucket core: from the replicated state, this node's facts about a
+//! bucket and about itself, what the node does with the bucket. No I/O, no locks, no clock:
+//! every function here is a function of its arguments, tested as such.
+
+use shoal_raft::{BucketId, ClusterState, NodeId};
+
+use crate::error::DataError;
+
+/// What this node knows of one bucket that the replicated state does not say.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BucketFacts {
+    /// It restarted and has not got the bucket back from a copy elsewhere yet.
+    pub restoring: bool,
+    /// A failover or hand-over gave it the bucket, and it has installed its copy.
+    pub installed: bool,
+}
+
+/// What this node knows of itself that decides whether it may acknowledge a write.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NodeFacts {
+    /// A peer said the cluster failed this node.
+    pub failed: bool,
+    /// It pauses its writes to hand its buckets over (it leaves).
+    pub handing_over: bool,
+    /// It is stopping.
+    pub draining: bool,
+    /// It has not heard from a majority of the members within the node timeout: (heard,
+    /// members).
+    pub no_quorum: Option<(usize, usize)>,
+}
+
+/// A bucket's local phase on this node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// No map yet: the node is not a member of a cluster.
+    NoMap,
+    /// Both copies died together: nobody serves it until an operator clears it.
+    Lost,
+    /// This node owns it and holds its data: it serves it.
+    Serving,
+    /// This node owns it but lost its data in a restart: it gets it back from a copy first.
+    Restoring,
+    /// A failover or hand-over gave it to this node, which has not installed its copy yet.
+    AwaitingPromotion,
+    /// The target map gives it to this node; `from` serves it meanwhile (the data is pulled).
+    Incoming {
+        /// Who serves it now.
+        from: NodeId,
+    },
+    /// This node handed it to `owner` in the running transfer and keeps a shadow copy.
+    Shadow {
+        /// Who serves it now.
+        owner: NodeId,
+    },
+    /// Another node serves it; this node keeps nothing of it in its active store.
+    Foreign {
+        /// Who serves it.
+        owner: NodeId,
+    },
+}
+
+/// The phase of `bucket` on node `me` (see [`Phase`]).
+pub fn phase_of(state: &ClusterState, me: NodeId, bucket: BucketId, facts: BucketFacts) -> Phase {
+    let Some(owner) = state.map.owner_of(bucket) else { return Phase::NoMap };
+    if state.is_lost(bucket) {
+        return Phase::Lost;
+    }
+    if owner == me {
+        if facts.restoring {
+            return Phase::Restoring;
+        }
+        if !state.promoted.is_empty() && state.promoted.contains_key(&bucket.0) && !facts.installed {
+            return Phase::AwaitingPromotion;
+        }
+        return Phase::Serving;
+    }
+    if state.target.as_ref().and_then(|t| t.owner_of(bucket)) == Some(me) {
+        return Phase::Incoming { from: owner };
+    }
+    if state.shadow_of(bucket) == Some(me) {
+        return Phase::Shadow { owner };
+    }
+    Phase::Foreign { owner }
+}
+
+impl Phase {
+    /// Whether this node holds data of the bucket in its active store that must stay: it
+    /// serves it, gets it, pulls it, or shadows it. (A restoring bucket is being refilled;
+    /// a lost one may hold the newest copy there is.)
+    pub fn keeps_active_data(self) -> bool {
+        !matches!(self, Phase::Foreign { .. } | Phase::NoMap)
+    }
+
+    /// Whether the node serves the bucket's data (reads and, with a write plan, writes).
+    pub fn serves(self) -> bool {
+        self == Phase::Serving
+    }
+}
+
+/// How a key request that reached this node is routed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Routing {
+    /// Another node forwarded it, routing by this map version: serve it here or refuse.
+    pub forwarded: bool,
+    /// The client asked to be redirected instead of forwarded.
+    pub redirect: bool,
+}
+
+/// Where a key operation on a bucket runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// Here.
+    Local,
+    /// At the owner, in one hop.
+    Forward {
+        /// The owner.
+        owner: NodeId,
+    },
+    /// The client goes to the owner itself.
+    Redirect {
+        /// The owner.
+        owner: NodeId,
+    },
+}
+
+/// Where a key operation on `bucket` in `phase` runs, given how it reached this node and
+/// whether this node suspects the owner (a fast 503 instead of a forward that would wait).
+pub fn route_of(
+    state: &ClusterState,
+    bucket: BucketId,
+    phase: Phase,
+    routing: Routing,
+    owner_suspected: bool,
+) -> Result<Route, DataError> {
+    match phase {
+        Phase::NoMap => Err(DataError::NotReady),
+        Phase::Lost => Err(DataError::Lost(bucket)),
+        Phase::Serving => Ok(Route::Local),
+        Phase::Restoring | Phase::AwaitingPromotion => Err(DataError::Restoring(bucket)),
+        Phase::Incoming { from: owner } | Phase::Shadow { owner } | Phase::Foreign { owner } => {
+            if routing.forwarded {
+                return Err(DataError::NotOwner { bucket, map_version: state.map.version });
+            }
+            if routing.redirect {
+                return Ok(Route::Redirect { owner });
+            }
+            if owner_suspected {
+                return Err(DataError::OwnerUnreachable { owner, bucket });
+            }
+            Ok(Route::Forward { owner })
+        }
+    }
+}
+
+/// Why this node may acknowledge no write now, whatever the bucket.
+pub fn write_refusal(node: NodeFacts) -> Option<DataError> {
+    if node.failed {
+        return Some(DataError::NodeFailed);
+    }
+    if node.handing_over {
+        return Some(DataError::NodeLeaving);
+    }
+    if node.draining {
+        return Some(DataError::NodeDraining);
+    }
+    node.no_quorum.map(|(heard, members)| DataError::NoQuorum { heard, members })
+}
+
+/// A node a write must reach (a copy of the bucket) before it is acknowledged.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Recipient {
+    /// The node.
+    pub node: NodeId,
+    /// Its peer address.
+    pub peer_addr: String,
+}
+
+/// Who gets a write to a bucket, as decided on one map.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WritePlan {
+    /// The bucket.
+    pub bucket: BucketId,
+    /// The map version it was decided on.
+    pub map_version: u64,
+    /// The bucket's move epoch then: the ownership period the write belongs to.
+    pub epoch: u64,
+    /// The holder of the bucket's replica (sync: before the answer; async: queued).
+    pub replica: Option<Recipient>,
+    /// The node that handed the bucket over in the running transfer and keeps a shadow.
+    pub shadow: Option<Recipient>,
+}
+
+impl WritePlan {
+    /// Whether the write reaches another node (and so must be serialized per bucket).
+    pub fn has_copies(&self) -> bool {
+        self.replica.is_some() || self.shadow.is_some()
+    }
+}
+
+/// May node `me` write `bucket` now, and who must get a copy of the write?
+///
+/// Yes only if the node may acknowledge writes at all ([`write_refusal`]) and the bucket is
+/// [`Phase::Serving`] here; the copies are the bucket's replica holder (the member after the
+/// owner in join order, when that is another node) and, during a transfer, the shadow the
+/// previous owner keeps. A bucket this node does not serve is refused with why; the caller
+/// routes it.
+pub fn write_plan(
+    state: &ClusterState,
+    me: NodeId,
+    bucket: BucketId,
+    facts: BucketFacts,
+    node: NodeFacts,
+) -> Result<WritePlan, DataError> {
+    if let Some(refusal) = write_refusal(node) {
+        return Err(refusal);
+    }
+    let phase = phase_of(state, me, bucket, facts);
+    match route_of(state, bucket, phase, Routing { forwarded: true, redirect: false }, false)? {
+        Route::Local => {}
+        // Unreachable with `forwarded`: route_of refuses instead.
+        Route::Forward { .. } | Route::Redirect { .. } => {
+            return Err(DataError::NotOwner { bucket, map_version: state.map.version })
+        }
+    }
+    let copy_of = |node: NodeId| state.member_of(node).map(|m| Recipient { node, peer_addr: m.peer_addr.clone() });
+    let replica = state.replica_holder_of(bucket).filter(|&h| h != me).and_then(copy_of);
+    let shadow = state.shadow_of(bucket).filter(|&s| s != me).and_then(copy_of);
+    Ok(WritePlan { bucket, map_version: state.map.version, epoch: state.epoch_of(bucket), replica, shadow })
+}
+
+/// Why this node will not stream `bucket` to its new owner `to` for the move at `epoch`
+/// (yet): it must serve it, hold its data, and the target must give it to `to` at that epoch.
+pub fn export_refusal(
+    state: &ClusterState,
+    me: NodeId,
+    bucket: BucketId,
+    facts: BucketFacts,
+    to: NodeId,
+    epoch: u64,
+) -> Option<String> {
+    match phase_of(state, me, bucket, facts) {
+        Phase::Serving => {}
+        Phase::Restoring | Phase::AwaitingPromotion => {
+            return Some(format!("node {me} is still getting bucket {bucket} back (restore or failover); retry"))
+        }
+        _ => return Some(format!("node {me} does not serve bucket {bucket}")),
+    }
+    if state.target.as_ref().and_then(|t| t.owner_of(bucket)) != Some(to) {
+        return Some(format!("the target does not give bucket {bucket} to node {to}"));
+    }
+    if state.epoch_of(bucket) != epoch {
+        return Some(format!("bucket {bucket} is at move epoch {}, not {epoch}", state.epoch_of(bucket)));
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests;

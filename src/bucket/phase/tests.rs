@@ -1,0 +1,150 @@
+//! The pure decisions of the bucket core: examples, and properties over random histories of
+//! the replicated state (`crate::bucket::testing`).
+
+use proptest::prelude::*;
+use shoal_raft::{BucketId, ClusterState, NodeId};
+
+use super::*;
+use crate::bucket::testing::{self, Step};
+
+fn node(failed: bool, handing_over: bool, draining: bool, no_quorum: Option<(usize, usize)>) -> NodeFacts {
+    NodeFacts { failed, handing_over, draining, no_quorum }
+}
+
+/// Every id the history ever used (members, failed, retired).
+fn ids(s: &ClusterState) -> Vec<NodeId> {
+    (1..s.next_node_id.max(2)).collect()
+}
+
+fn history(steps: &[Step]) -> ClusterState {
+    testing::states(steps).pop().unwrap_or_else(testing::bootstrapped)
+}
+
+#[test]
+fn a_one_node_cluster_serves_every_bucket_with_no_copy() {
+    let s = testing::bootstrapped();
+    for b in [BucketId(0), BucketId(999)] {
+        assert_eq!(phase_of(&s, 1, b, BucketFacts::default()), Phase::Serving);
+        let plan = write_plan(&s, 1, b, BucketFacts::default(), NodeFacts::default()).expect("writable");
+        assert!(!plan.has_copies());
+    }
+    assert_eq!(phase_of(&ClusterState::default(), 1, BucketId(0), BucketFacts::default()), Phase::NoMap);
+}
+
+#[test]
+fn writes_name_the_replica_holder_and_the_shadow_of_a_moved_bucket() {
+    // Two members; the second pulls half the buckets: moved ones have a shadow on node 1.
+    let s = history(&[Step::Join, Step::EndTransition, Step::Move(1)]);
+    let moved = BucketId::all().find(|&b| s.shadow_of(b) == Some(1)).expect("a moved bucket");
+    let plan = write_plan(&s, 2, moved, BucketFacts::default(), NodeFacts::default()).expect("node 2 writes it");
+    assert_eq!(plan.replica.as_ref().map(|r| r.node), Some(1), "node 1 holds node 2's replica");
+    assert_eq!(plan.shadow.as_ref().map(|r| r.node), Some(1));
+    assert_eq!(plan.epoch, s.epoch_of(moved));
+    assert_eq!(phase_of(&s, 1, moved, BucketFacts::default()), Phase::Shadow { owner: 2 });
+    let still = BucketId::all().find(|&b| s.map.owner_of(b) == Some(1) && s.incoming_of(2).iter().any(|x| x.0 == b));
+    let still = still.expect("a bucket still to move");
+    assert_eq!(phase_of(&s, 2, still, BucketFacts::default()), Phase::Incoming { from: 1 });
+    assert!(matches!(
+        write_plan(&s, 2, still, BucketFacts::default(), NodeFacts::default()),
+        Err(DataError::NotOwner { .. })
+    ));
+}
+
+#[test]
+fn a_node_refuses_writes_while_failed_leaving_draining_or_cut_off_in_that_order() {
+    let s = testing::bootstrapped();
+    let b = BucketId(3);
+    let refusal = |n: NodeFacts| write_plan(&s, 1, b, BucketFacts::default(), n).err();
+    assert_eq!(refusal(node(true, true, true, Some((1, 3)))), Some(DataError::NodeFailed));
+    assert_eq!(refusal(node(false, true, true, Some((1, 3)))), Some(DataError::NodeLeaving));
+    assert_eq!(refusal(node(false, false, true, Some((1, 3)))), Some(DataError::NodeDraining));
+    assert_eq!(refusal(node(false, false, false, Some((1, 3)))), Some(DataError::NoQuorum { heard: 1, members: 3 }));
+    assert_eq!(refusal(NodeFacts::default()), None);
+}
+
+#[test]
+fn a_restoring_or_unpromoted_bucket_is_not_served_and_a_lost_one_nowhere() {
+    let s = testing::bootstrapped();
+    let b = BucketId(5);
+    let restoring = BucketFacts { restoring: true, installed: false };
+    assert_eq!(phase_of(&s, 1, b, restoring), Phase::Restoring);
+    assert_eq!(route_of(&s, b, Phase::Restoring, Routing::default(), false), Err(DataError::Restoring(b)));
+    // Node 2 fails: its buckets are promoted to node 1, which has not installed them yet.
+    let s = history(&[
+        Step::Join,
+        Step::EndTransition,
+        Step::Move(8),
+        Step::Join,
+        Step::EndTransition,
+        Step::Move(8),
+        Step::Fail(1),
+    ]);
+    let promoted = s.promotions_of(3);
+    let (b, _) = *promoted.first().expect("node 3 inherits node 2's buckets");
+    assert_eq!(phase_of(&s, 3, b, BucketFacts::default()), Phase::AwaitingPromotion);
+    assert_eq!(phase_of(&s, 3, b, BucketFacts { restoring: false, installed: true }), Phase::Serving);
+    let mut lost = s.clone();
+    testing::apply(&mut lost, &Step::Report(u64::MAX));
+    assert!(lost.is_lost(b));
+    for id in ids(&lost) {
+        assert_eq!(phase_of(&lost, id, b, BucketFacts::default()), Phase::Lost);
+    }
+}
+
+#[test]
+fn forwarded_requests_are_never_forwarded_again_and_a_suspected_owner_answers_at_once() {
+    let s = history(&[Step::Join, Step::EndTransition, Step::Move(8)]);
+    let b = BucketId::all().find(|&b| s.map.owner_of(b) == Some(2)).expect("node 2 owns some");
+    let phase = phase_of(&s, 1, b, BucketFacts::default());
+    assert_eq!(phase, Phase::Foreign { owner: 2 });
+    let forwarded = Routing { forwarded: true, redirect: false };
+    assert!(matches!(route_of(&s, b, phase, forwarded, false), Err(DataError::NotOwner { .. })));
+    assert_eq!(route_of(&s, b, phase, Routing::default(), false), Ok(Route::Forward { owner: 2 }));
+    assert_eq!(
+        route_of(&s, b, phase, Routing::default(), true),
+        Err(DataError::OwnerUnreachable { owner: 2, bucket: b })
+    );
+    assert_eq!(
+        route_of(&s, b, phase, Routing { forwarded: false, redirect: true }, false),
+        Ok(Route::Redirect { owner: 2 })
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// One writer per bucket in every state (so per move epoch), never a lost bucket; the
+    /// copies are other members; whoever must keep data keeps it.
+    #[test]
+    fn every_state_has_at_most_one_writer_per_bucket(steps in prop::collection::vec(testing::step(), 0..40)) {
+        for s in testing::states(&steps) {
+            let installed = BucketFacts { restoring: false, installed: true };
+            for b in BucketId::all() {
+                let writers: Vec<NodeId> = ids(&s)
+                    .into_iter()
+                    .filter(|&id| write_plan(&s, id, b, installed, NodeFacts::default()).is_ok())
+                    .collect();
+                prop_assert!(writers.len() <= 1, "bucket {b} has writers {writers:?}");
+                if s.is_lost(b) {
+                    prop_assert!(writers.is_empty(), "lost bucket {b} is written by {writers:?}");
+                }
+                for &w in &writers {
+                    prop_assert_eq!(s.map.owner_of(b), Some(w));
+                    let plan = write_plan(&s, w, b, installed, NodeFacts::default()).expect("writable");
+                    for copy in plan.replica.iter().chain(plan.shadow.iter()) {
+                        prop_assert!(copy.node != w && s.is_member(copy.node), "copy {copy:?} of {b} written by {w}");
+                    }
+                    // Not restored yet: not written.
+                    let restoring = BucketFacts { restoring: true, installed: true };
+                    prop_assert!(write_plan(&s, w, b, restoring, NodeFacts::default()).is_err());
+                }
+                if let Some(to) = s.target.as_ref().and_then(|t| t.owner_of(b)) {
+                    prop_assert!(phase_of(&s, to, b, installed).keeps_active_data(), "target owner of {b} keeps it");
+                }
+                if let Some(shadow) = s.shadow_of(b) {
+                    prop_assert!(phase_of(&s, shadow, b, installed).keeps_active_data(), "shadow of {b} keeps it");
+                }
+            }
+        }
+    }
+}

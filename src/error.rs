@@ -1,0 +1,130 @@
+//! [`DataError`]: why the data plane did not serve a key operation, typed; it becomes the
+//! public API's [`ApiError`] in one place ([`From<DataError> for ApiError`]), at the edge.
+
+use shoal_http_api::ApiError;
+use shoal_raft::{BucketId, NodeId};
+
+use crate::cache::CacheError;
+
+/// Why a key operation was not served here (nothing was changed unless said).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DataError {
+    /// The node is not a member of a cluster with a map yet.
+    #[error("this node has not joined a cluster yet")]
+    NotReady,
+    /// A forwarded request reached a node that does not own the bucket in its map.
+    #[error("node does not own bucket {bucket} in map version {map_version}")]
+    NotOwner {
+        /// The bucket.
+        bucket: BucketId,
+        /// This node's map version.
+        map_version: u64,
+    },
+    /// The client asked for a redirect and another node owns the key.
+    #[error("the key is served by {api_addr}")]
+    Redirect {
+        /// The owner's API address.
+        api_addr: String,
+    },
+    /// The bucket's owner and its replica failed together: no copy is left.
+    #[error(
+        "bucket {0} was lost: its owner and its replica failed together; POST /v1/cluster/lost/clear \
+         acknowledges it and it serves again, empty"
+    )]
+    Lost(BucketId),
+    /// This node owns the bucket but is still getting its data (after a restart or a failover).
+    #[error("bucket {0} is being restored after a restart; retry")]
+    Restoring(BucketId),
+    /// The bucket is frozen while it moves to another node.
+    #[error("the key's bucket is moving to another node; retry")]
+    Moving(BucketId),
+    /// The bucket changed owner more often than a request routes again.
+    #[error("bucket {0} is changing owner; retry")]
+    MapChanging(BucketId),
+    /// The owner does not answer pings.
+    #[error("node {owner}, which owns bucket {bucket}, does not answer pings; retry")]
+    OwnerUnreachable {
+        /// The owner.
+        owner: NodeId,
+        /// The bucket.
+        bucket: BucketId,
+    },
+    /// The cluster failed this node; it acknowledges nothing and rejoins.
+    #[error("this node was failed by the cluster; it is rejoining")]
+    NodeFailed,
+    /// This node is handing its buckets over to their replica (it leaves).
+    #[error("this node is handing its buckets over to their replica; retry in a moment")]
+    NodeLeaving,
+    /// This node is stopping.
+    #[error("this node is stopping: it acknowledges no new write; its buckets serve again after its restart")]
+    NodeDraining,
+    /// This node has not heard from a majority of the members within the node timeout.
+    #[error("this node has heard from {heard} of {members} members recently; it acknowledges no write")]
+    NoQuorum {
+        /// Members heard from (itself included).
+        heard: usize,
+        /// Members.
+        members: usize,
+    },
+    /// The replica did not apply a write; the write was taken back.
+    #[error("the replica (node {holder}) did not apply the write: {detail}; nothing was stored")]
+    ReplicationFailed {
+        /// The replica holder.
+        holder: NodeId,
+        /// What happened.
+        detail: String,
+    },
+    /// The store refused the write.
+    #[error(transparent)]
+    Store(#[from] CacheError),
+}
+
+impl From<DataError> for ApiError {
+    fn from(e: DataError) -> Self {
+        let unavailable = |code: &'static str, e: &DataError| ApiError::unavailable(code, e.to_string());
+        match e {
+            DataError::NotReady => unavailable("not_ready", &e),
+            DataError::NotOwner { bucket, map_version } => ApiError::NotOwner { bucket: bucket.0, map_version },
+            DataError::Redirect { api_addr } => ApiError::Redirect { api_addr },
+            DataError::Lost(_) => unavailable("bucket_lost", &e),
+            DataError::Restoring(_) => unavailable("bucket_restoring", &e),
+            DataError::Moving(_) => unavailable("bucket_moving", &e),
+            DataError::MapChanging(_) => unavailable("map_changing", &e),
+            DataError::OwnerUnreachable { .. } => unavailable("owner_unreachable", &e),
+            DataError::NodeFailed => unavailable("node_failed", &e),
+            DataError::NodeLeaving => unavailable("node_leaving", &e),
+            DataError::NodeDraining => unavailable("node_draining", &e),
+            DataError::NoQuorum { .. } => unavailable("no_quorum", &e),
+            DataError::ReplicationFailed { .. } => unavailable("replication_failed", &e),
+            DataError::Store(CacheError::ConditionFailed { current }) => {
+                ApiError::PreconditionFailed { current_version: current }
+            }
+            DataError::Store(CacheError::TooLarge { .. }) => ApiError::ItemTooLarge(e.to_string()),
+            DataError::Store(CacheError::Frozen) => unavailable("bucket_moving", &e),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_refusal_keeps_its_code_and_a_retry_hint() {
+        let b = BucketId(7);
+        for (e, code) in [
+            (DataError::Lost(b), "bucket_lost"),
+            (DataError::Restoring(b), "bucket_restoring"),
+            (DataError::Moving(b), "bucket_moving"),
+            (DataError::NoQuorum { heard: 1, members: 3 }, "no_quorum"),
+            (DataError::ReplicationFailed { holder: 2, detail: "timed out".into() }, "replication_failed"),
+            (DataError::NodeDraining, "node_draining"),
+            (DataError::OwnerUnreachable { owner: 3, bucket: b }, "owner_unreachable"),
+        ] {
+            let api = ApiError::from(e);
+            assert_eq!((api.code(), api.status().as_u16()), (code, 503));
+        }
+        let api = ApiError::from(DataError::Store(CacheError::ConditionFailed { current: Some(4) }));
+        assert_eq!(api, ApiError::PreconditionFailed { current_version: Some(4) });
+    }
+}

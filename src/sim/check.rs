@@ -1,0 +1,215 @@
+//! What a simulation's history must satisfy.
+//!
+//! Every key belongs to one client, which works on it one operation at a time, so what a read
+//! may see is well defined: the state left by the last acknowledged write before it, or the
+//! effect of any write that got no definite answer (it may have landed, or may still land). A
+//! read that sees anything else went back in time; a read that finds nothing where the last
+//! acknowledged write stored a value was served by a bucket that lost its data. While a link
+//! is cut, a node cut off from the majority may still serve reads from its old copy (the read
+//! lease is not there yet): such reads are counted apart, not failed.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::workload::{Op, OpKind, Outcome};
+
+/// The state a write leaves: a value, or nothing.
+type State = Option<String>;
+
+fn effect(kind: &OpKind) -> Option<State> {
+    match kind {
+        OpKind::Put(v) => Some(Some(v.clone())),
+        OpKind::Delete => Some(None),
+        OpKind::Get => None,
+    }
+}
+
+/// What may be seen of a key after the operations `before`.
+fn allowed(before: &[&Op]) -> BTreeSet<State> {
+    let mut acked: State = None;
+    let mut maybe = BTreeSet::new();
+    for op in before {
+        let Some(state) = effect(&op.kind) else { continue };
+        match &op.outcome {
+            Outcome::Ok { .. } | Outcome::NotFound => acked = state,
+            Outcome::Failed(_) | Outcome::Unknown(_) => {
+                maybe.insert(state);
+            }
+        }
+    }
+    maybe.insert(acked);
+    maybe
+}
+
+/// The operations of each key, in the order their client ran them.
+fn by_key(history: &[Op]) -> BTreeMap<&str, Vec<&Op>> {
+    let mut keys: BTreeMap<&str, Vec<&Op>> = BTreeMap::new();
+    for op in history {
+        keys.entry(op.key.as_str()).or_default().push(op);
+    }
+    for ops in keys.values_mut() {
+        ops.sort_by_key(|op| op.start);
+    }
+    keys
+}
+
+/// What the reads of a history say.
+#[derive(Debug, Default)]
+pub struct ReadVerdict {
+    /// Reads that saw what no acknowledged write left there, outside any split.
+    pub violations: Vec<String>,
+    /// Such reads while a link was cut (stale reads of a cut-off node).
+    pub stale_during_split: usize,
+    /// Reads checked.
+    pub reads: usize,
+}
+
+/// Checks every read of `history`.
+pub fn check_reads(history: &[Op]) -> ReadVerdict {
+    let mut verdict = ReadVerdict::default();
+    for (key, ops) in by_key(history) {
+        for (i, op) in ops.iter().enumerate() {
+            let seen: State = match (&op.kind, &op.outcome) {
+                (OpKind::Get, Outcome::Ok { value, .. }) => value.clone(),
+                (OpKind::Get, Outcome::NotFound) => None,
+                _ => continue,
+            };
+            verdict.reads += 1;
+            let ok = allowed(&ops[..i]);
+            if ok.contains(&seen) {
+                continue;
+            }
+            if op.during_split {
+                verdict.stale_during_split += 1;
+            } else {
+                verdict.violations.push(format!(
+                    "read of {key} at {:?} through host {} saw {seen:?}, allowed {ok:?} ({:?})",
+                    op.start, op.host, op.outcome
+                ));
+            }
+        }
+    }
+    verdict
+}
+
+/// What a key holds at the end.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Final {
+    /// This value (or nothing).
+    Read(State),
+    /// Its bucket is reported lost: owner and replica died together.
+    Lost,
+    /// The final read failed.
+    Unreadable(String),
+}
+
+/// What the end state says.
+#[derive(Debug, Default)]
+pub struct FinalVerdict {
+    /// Keys whose acknowledged write is gone (or that hold a value nobody wrote).
+    pub violations: Vec<String>,
+    /// Keys whose bucket is reported lost.
+    pub lost_buckets: usize,
+    /// Keys checked.
+    pub keys: usize,
+    /// Writes acknowledged in all.
+    pub acknowledged: usize,
+}
+
+/// Checks the final state of every key against `history`.
+pub fn check_final(history: &[Op], finals: &BTreeMap<String, Final>) -> FinalVerdict {
+    let mut verdict = FinalVerdict {
+        acknowledged: history.iter().filter(|op| op.acknowledged_write()).count(),
+        ..FinalVerdict::default()
+    };
+    let keys = by_key(history);
+    for (key, end) in finals {
+        verdict.keys += 1;
+        let ops = keys.get(key.as_str()).cloned().unwrap_or_default();
+        let ok = allowed(&ops);
+        match end {
+            Final::Read(state) if ok.contains(state) => {}
+            Final::Read(state) => {
+                verdict.violations.push(format!("{key} ends as {state:?}, allowed {ok:?}"));
+            }
+            Final::Lost => verdict.lost_buckets += 1,
+            Final::Unreadable(e) => verdict.violations.push(format!("{key} cannot be read at the end: {e}")),
+        }
+    }
+    verdict
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn op(n: usize, key: &str, kind: OpKind, outcome: Outcome, during_split: bool) -> Op {
+        let t = Duration::from_millis(n as u64);
+        Op { client: 0, key: key.into(), kind, start: t, end: t, outcome, during_split, host: 0 }
+    }
+
+    fn ok() -> Outcome {
+        Outcome::Ok { value: None, version: 1, node: 1 }
+    }
+
+    fn read(v: &str) -> Outcome {
+        Outcome::Ok { value: Some(v.into()), version: 1, node: 1 }
+    }
+
+    #[test]
+    fn a_read_that_goes_back_in_time_is_found_unless_a_link_was_cut() {
+        let mut history = Vec::new();
+        for (kind, outcome, split) in [
+            (OpKind::Put("a".into()), ok(), false),
+            (OpKind::Get, read("a"), false),
+            (OpKind::Put("b".into()), ok(), false),
+            (OpKind::Get, read("a"), false),
+            (OpKind::Get, read("a"), true),
+            (OpKind::Put("c".into()), Outcome::Unknown("timeout".into()), false),
+            (OpKind::Get, read("c"), false),
+            (OpKind::Get, read("b"), false),
+            (OpKind::Delete, ok(), false),
+            (OpKind::Get, Outcome::NotFound, false),
+            (OpKind::Get, read("c"), false),
+            (OpKind::Get, read("zzz"), false),
+        ] {
+            history.push(op(history.len(), "k", kind, outcome, split));
+        }
+        let verdict = check_reads(&history);
+        assert_eq!(verdict.reads, 8);
+        assert_eq!(verdict.stale_during_split, 1);
+        assert_eq!(verdict.violations.len(), 2, "{:?}", verdict.violations);
+        assert!(verdict.violations[0].contains("Some(\"a\")"), "{:?}", verdict.violations);
+        assert!(verdict.violations[1].contains("zzz"), "{:?}", verdict.violations);
+    }
+
+    #[test]
+    fn a_lost_acknowledged_write_and_a_phantom_are_found_at_the_end() {
+        let mut history = Vec::new();
+        for (key, kind, outcome) in [
+            ("lost", OpKind::Put("a".into()), ok()),
+            ("lost", OpKind::Put("b".into()), ok()),
+            ("fine", OpKind::Put("a".into()), ok()),
+            ("fine", OpKind::Put("b".into()), Outcome::Failed("replication_failed".into())),
+            ("gone", OpKind::Put("a".into()), ok()),
+            ("gone", OpKind::Delete, ok()),
+        ] {
+            history.push(op(history.len(), key, kind, outcome, false));
+        }
+        let finals: BTreeMap<String, Final> = [
+            ("lost".to_string(), Final::Read(Some("a".into()))),
+            ("fine".to_string(), Final::Read(Some("b".into()))),
+            ("gone".to_string(), Final::Read(None)),
+            ("phantom".to_string(), Final::Read(Some("x".into()))),
+            ("reported".to_string(), Final::Lost),
+        ]
+        .into_iter()
+        .collect();
+        let verdict = check_final(&history, &finals);
+        assert_eq!(verdict.acknowledged, 5);
+        assert_eq!(verdict.lost_buckets, 1);
+        assert_eq!(verdict.violations.len(), 2, "{:?}", verdict.violations);
+        assert!(verdict.violations.iter().any(|v| v.starts_with("lost ")));
+        assert!(verdict.violations.iter().any(|v| v.starts_with("phantom ")));
+    }
+}

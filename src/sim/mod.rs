@@ -1,0 +1,509 @@
+//! The deterministic simulation: a whole cluster — real nodes, Raft included — in one thread,
+//! on a simulated network and clock, driven by a seeded schedule of joins, leaves, kills and
+//! restarts, partitions, delays and lost messages while clients read and write.
+//!
+//! A run is a function of its seed: one tokio thread whose clock only moves when every task
+//! waits (tokio's paused time), every random choice from generators seeded by it (the
+//! network's, the schedule's, the clients', Raft's election timeouts, tokio's own `select!`
+//! fairness), Raft's state on memory disks. So a failing seed replays exactly, as often as
+//! needed, with logs.
+//!
+//! What a run checks (see `check.rs`):
+//! - every read sees what the writes before it left (outside splits, where a cut-off node may
+//!   still answer from its old copy);
+//! - once the schedule heals, every acknowledged write is readable, unless its bucket is
+//!   reported lost (its owner and its replica died together);
+//! - no two nodes acknowledge writes for the same bucket in the same move epoch;
+//! - the cluster converges within a bounded simulated time after the last fault.
+//!
+//! # Layout
+//! - `network.rs`: [`network::SimNetwork`] and each host's [`network::SimTransport`].
+//! - `cluster.rs`: [`cluster::SimCluster`], hosts and their supervisors.
+//! - `workload.rs`: the clients and their history.
+//! - `check.rs`: the checks of a history.
+//! - `mod.rs`: [`Scenario`], the schedule, [`run`].
+
+pub mod check;
+pub mod cluster;
+pub mod network;
+pub mod workload;
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use shoal_http_api::types::RouteContext;
+use shoal_http_api::{ApiError, ShoalApi};
+use shoal_raft::{BucketId, NodeId};
+use tokio::time::Instant;
+
+use crate::bucket::AckProbe;
+use check::{check_final, check_reads, Final, FinalVerdict, ReadVerdict};
+use cluster::{HostPhase, SimCluster};
+use network::{HostId, SimNetwork};
+use workload::{key_of, Clients, OpKind, Outcome};
+
+/// What a run does.
+#[derive(Debug, Clone)]
+pub struct Scenario {
+    /// A name for reports.
+    pub name: &'static str,
+    /// Members at the start (they join one after the other before the clients start).
+    pub nodes: usize,
+    /// Most hosts the schedule may add.
+    pub max_hosts: usize,
+    /// How long faults are injected (simulated time).
+    pub duration: Duration,
+    /// Clients.
+    pub clients: usize,
+    /// Keys per client.
+    pub keys: usize,
+    /// Which faults the schedule may inject.
+    pub faults: Faults,
+    /// How long the cluster may take to converge once the faults stop.
+    pub converge_within: Duration,
+}
+
+/// The faults a schedule may inject.
+#[derive(Debug, Clone, Copy)]
+pub struct Faults {
+    /// kill -9 of a node, and its restart.
+    pub kill: bool,
+    /// Links cut between groups of nodes, then healed.
+    pub partition: bool,
+    /// New nodes join; members leave.
+    pub membership: bool,
+    /// Messages lost for a while.
+    pub drops: bool,
+    /// Slow links for a while.
+    pub delays: bool,
+}
+
+impl Faults {
+    /// Every kind of fault.
+    pub const ALL: Faults = Faults { kill: true, partition: true, membership: true, drops: true, delays: true };
+}
+
+/// What a run found.
+#[derive(Debug)]
+pub struct Report {
+    /// The seed.
+    pub seed: u64,
+    /// The scenario's name.
+    pub scenario: &'static str,
+    /// What the schedule did, with simulated times.
+    pub events: Vec<String>,
+    /// The reads' verdict.
+    pub reads: ReadVerdict,
+    /// The end state's verdict.
+    pub finals: FinalVerdict,
+    /// Bucket epochs in which more than one node acknowledged a write.
+    pub double_writers: Vec<String>,
+    /// How long the cluster took to converge after the faults stopped, if it did.
+    pub converged_after: Option<Duration>,
+    /// Why it did not converge, if it did not.
+    pub not_converged: Option<String>,
+    /// A digest of everything observable: equal for equal seeds.
+    pub digest: u64,
+    /// Operations the clients ran.
+    pub operations: usize,
+}
+
+impl Report {
+    /// Everything that must not happen, one line each.
+    pub fn violations(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.reads.violations.clone();
+        v.extend(self.finals.violations.iter().cloned());
+        v.extend(self.double_writers.iter().cloned());
+        if let Some(why) = &self.not_converged {
+            v.push(format!("did not converge: {why}"));
+        }
+        v
+    }
+
+    /// A few lines for people.
+    pub fn summary(&self) -> String {
+        format!(
+            "seed {} ({}): {} ops, {} writes acknowledged, {} reads, {} stale reads during splits, {} keys in \
+             lost buckets, converged after {:?}, digest {:016x}",
+            self.seed,
+            self.scenario,
+            self.operations,
+            self.finals.acknowledged,
+            self.reads.reads,
+            self.reads.stale_during_split,
+            self.finals.lost_buckets,
+            self.converged_after,
+            self.digest
+        )
+    }
+}
+
+/// Runs `scenario` under `seed` on a fresh single-threaded runtime with a paused clock.
+pub fn run(seed: u64, scenario: &Scenario) -> Report {
+    shoal_raft::runtime::seed_thread_rng(seed);
+    let mut builder = tokio::runtime::Builder::new_current_thread();
+    builder.enable_time().start_paused(true);
+    #[cfg(tokio_unstable)]
+    builder.rng_seed(tokio::runtime::RngSeed::from_bytes(&seed.to_le_bytes()));
+    let runtime = builder.build().unwrap_or_else(|e| panic!("a runtime for the simulation: {e}"));
+    let report = runtime.block_on(simulate(seed, scenario.clone()));
+    // Whatever a killed node left running goes with the runtime.
+    runtime.shutdown_background();
+    report
+}
+
+/// Whether runs replay exactly: tokio's own random choices (`select!` fairness) can only be
+/// seeded when it is built with `--cfg tokio_unstable` (`.cargo/config.toml` sets it).
+pub fn replays_exactly() -> bool {
+    cfg!(tokio_unstable)
+}
+
+/// Things the schedule undoes later.
+enum Undo {
+    Restart(HostId),
+    Heal,
+    Drops,
+    Delays,
+}
+
+const LATENCY: (Duration, Duration) = (Duration::from_micros(200), Duration::from_millis(3));
+
+thread_local! {
+    static STARTED: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
+}
+
+/// A log timer that prints the simulated time since the run began (install it with
+/// `tracing_subscriber::fmt().with_timer(SimTime)` to read a run's logs).
+pub struct SimTime;
+
+impl tracing_subscriber::fmt::time::FormatTime for SimTime {
+    fn format_time(&self, w: &mut tracing_subscriber::fmt::format::Writer<'_>) -> std::fmt::Result {
+        match STARTED.with(|s| s.get()) {
+            Some(t0) if tokio::runtime::Handle::try_current().is_ok() => write!(w, "{:>10.3?}", t0.elapsed()),
+            _ => write!(w, "{:>10}", "-"),
+        }
+    }
+}
+
+async fn simulate(seed: u64, scenario: Scenario) -> Report {
+    let t0 = Instant::now();
+    STARTED.with(|s| s.set(Some(t0)));
+    let at = |t: Instant| t.duration_since(t0);
+    let net = SimNetwork::new(seed);
+    let writers = Arc::new(Writers::default());
+    let cluster = Arc::new(SimCluster::new(net.clone(), seed, |_| {}, Some(writers.clone())));
+    let mut rng = StdRng::seed_from_u64(seed.rotate_left(17) ^ 0xdead_beef);
+    let mut events = Vec::new();
+    for _ in 0..scenario.nodes {
+        let h = cluster.add_host();
+        let joined = wait_until(&cluster, Duration::from_secs(120), |c| {
+            c.running().iter().any(|(x, _, _)| *x == h) && settled(c).is_none()
+        })
+        .await;
+        if !joined {
+            events.push(format!("{:?} host {h} did not join in time", at(Instant::now())));
+        }
+    }
+    let clients = Clients::start(&cluster, scenario.clients, scenario.keys, seed, t0);
+    let end = Instant::now() + scenario.duration;
+    let mut undo: Vec<(Instant, Undo)> = Vec::new();
+    let mut split = false;
+    while Instant::now() < end {
+        let next = Instant::now() + Duration::from_millis(rng.random_range(500..4000));
+        while let Some(i) = undo.iter().position(|(t, _)| *t <= next) {
+            let (t, what) = undo.remove(i);
+            tokio::time::sleep_until(t).await;
+            let done = match what {
+                Undo::Restart(h) => {
+                    cluster.restart(h);
+                    format!("restart host {h}")
+                }
+                Undo::Heal => {
+                    net.heal();
+                    split = false;
+                    "heal".to_string()
+                }
+                Undo::Drops => {
+                    net.set_drop_rate(0.0);
+                    "no more drops".to_string()
+                }
+                Undo::Delays => {
+                    net.set_latency(LATENCY.0, LATENCY.1);
+                    "normal latency".to_string()
+                }
+            };
+            events.push(format!("{:?} {done}", at(Instant::now())));
+        }
+        tokio::time::sleep_until(next).await;
+        if Instant::now() >= end {
+            break;
+        }
+        let phases = cluster.phases();
+        let running: Vec<HostId> = cluster.running().iter().map(|(h, _, _)| *h).collect();
+        let down = phases.iter().filter(|(_, p)| matches!(p, HostPhase::Down)).count();
+        let live = phases.iter().filter(|(_, p)| !matches!(p, HostPhase::Retired)).count();
+        let later =
+            |rng: &mut StdRng, lo: u64, hi: u64| Instant::now() + Duration::from_millis(rng.random_range(lo..hi));
+        let event = match rng.random_range(0..6) {
+            0 if scenario.faults.kill && down == 0 && running.len() >= 3 => {
+                let h = running[rng.random_range(0..running.len())];
+                cluster.kill(h);
+                undo.push((later(&mut rng, 1000, 10_000), Undo::Restart(h)));
+                format!("kill host {h}")
+            }
+            1 if scenario.faults.partition && !split && running.len() >= 3 => {
+                let mut hosts = running.clone();
+                for i in (1..hosts.len()).rev() {
+                    hosts.swap(i, rng.random_range(0..=i));
+                }
+                let small = rng.random_range(1..=(hosts.len() - 1) / 2);
+                let (left, right) = hosts.split_at(small);
+                net.partition(left, right);
+                split = true;
+                undo.push((later(&mut rng, 1000, 12_000), Undo::Heal));
+                format!("partition {left:?} | {right:?}")
+            }
+            2 if scenario.faults.membership && live < scenario.max_hosts => {
+                let h = cluster.add_host();
+                format!("add host {h}")
+            }
+            3 if scenario.faults.membership && running.len() > 3 && down == 0 => {
+                let (h, node_id, _) = cluster.running()[rng.random_range(0..running.len())].clone();
+                let via = cluster.running()[rng.random_range(0..running.len())].2.clone();
+                let answer = via.api.leave(node_id, false).await;
+                format!(
+                    "host {h} (node {node_id}) leaves: {}",
+                    answer.map(|_| "ok".to_string()).unwrap_or_else(|e| e.code().to_string())
+                )
+            }
+            4 if scenario.faults.drops => {
+                let rate = rng.random_range(0.01..0.2);
+                net.set_drop_rate(rate);
+                undo.push((later(&mut rng, 1000, 8000), Undo::Drops));
+                format!("drop {:.0}% of messages", rate * 100.0)
+            }
+            5 if scenario.faults.delays => {
+                let high = Duration::from_millis(rng.random_range(20..200));
+                net.set_latency(LATENCY.0, high);
+                undo.push((later(&mut rng, 1000, 8000), Undo::Delays));
+                format!("latency up to {high:?}")
+            }
+            _ => continue,
+        };
+        events.push(format!("{:?} {event}", at(Instant::now())));
+    }
+    // The faults stop: every link heals, every killed node starts again.
+    net.heal();
+    net.set_drop_rate(0.0);
+    net.set_latency(LATENCY.0, LATENCY.1);
+    for (_, what) in undo {
+        if let Undo::Restart(h) = what {
+            cluster.restart(h);
+        }
+    }
+    let healed = Instant::now();
+    events.push(format!("{:?} faults stop", at(healed)));
+    let done = wait_until(&cluster, scenario.converge_within, |c| converged(c).is_none()).await;
+    let converged_after = done.then(|| healed.elapsed());
+    let not_converged = if done { None } else { converged(&cluster) };
+    let history = clients.stop().await;
+    let finals = final_reads(&cluster, scenario.clients, scenario.keys).await;
+    let reads = check_reads(&history);
+    let finals_verdict = check_final(&history, &finals);
+    let mut digest = Fnv::default();
+    for e in &events {
+        digest.add(e);
+    }
+    for op in &history {
+        digest.add(&format!(
+            "{} {} {:?} {:?} {:?} {:?} {}",
+            op.client, op.key, op.kind, op.start, op.end, op.outcome, op.host
+        ));
+    }
+    for (k, f) in &finals {
+        digest.add(&format!("{k} {f:?}"));
+    }
+    Report {
+        seed,
+        scenario: scenario.name,
+        events,
+        reads,
+        finals: finals_verdict,
+        double_writers: writers.doubles(),
+        converged_after,
+        not_converged,
+        digest: digest.0,
+        operations: history.len(),
+    }
+}
+
+/// Who acknowledged writes of each bucket in each move epoch.
+#[derive(Default)]
+struct Writers {
+    by_epoch: parking_lot::Mutex<BTreeMap<(u16, u64), std::collections::BTreeSet<NodeId>>>,
+}
+
+impl AckProbe for Writers {
+    fn acknowledged(&self, node: NodeId, bucket: BucketId, epoch: u64) {
+        self.by_epoch.lock().entry((bucket.0, epoch)).or_default().insert(node);
+    }
+}
+
+impl Writers {
+    /// The bucket epochs in which more than one node acknowledged writes.
+    fn doubles(&self) -> Vec<String> {
+        let by_epoch = self.by_epoch.lock();
+        by_epoch
+            .iter()
+            .filter(|(_, nodes)| nodes.len() > 1)
+            .map(|((b, e), nodes)| format!("bucket {b} epoch {e}: writes acknowledged by nodes {nodes:?}"))
+            .collect()
+    }
+}
+
+/// Polls `done` every 200 ms of simulated time until it holds or `timeout` passes.
+async fn wait_until(cluster: &SimCluster, timeout: Duration, done: impl Fn(&SimCluster) -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if done(cluster) {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        cluster.changed(Duration::from_millis(200)).await;
+    }
+}
+
+/// Why the running nodes are not settled: a transition or transfer runs, or they disagree.
+fn settled(cluster: &SimCluster) -> Option<String> {
+    let running = cluster.running();
+    let mut versions = BTreeMap::new();
+    for (h, _, service) in &running {
+        let state = service.control.state();
+        if state.transition.is_some() || state.target.is_some() {
+            return Some(format!("host {h} sees a transition or transfer"));
+        }
+        versions.insert(state.map.version, *h);
+    }
+    (versions.len() > 1).then(|| format!("the hosts see different map versions: {versions:?}"))
+}
+
+/// Why the cluster has not converged: a host that should run does not, a node is not ready,
+/// the members are not the running nodes, or they are not settled.
+fn converged(cluster: &SimCluster) -> Option<String> {
+    for (h, phase) in cluster.phases() {
+        if matches!(phase, HostPhase::Starting | HostPhase::Down) {
+            return Some(format!("host {h} is not running"));
+        }
+    }
+    let running = cluster.running();
+    let ids: std::collections::BTreeSet<_> = running.iter().map(|(_, id, _)| *id).collect();
+    for (h, _, service) in &running {
+        let state = service.control.state();
+        let members: std::collections::BTreeSet<_> = state.member_ids().into_iter().collect();
+        if members != ids {
+            return Some(format!("host {h} sees members {members:?}, running {ids:?}"));
+        }
+        if let Some(check) = service.api.readiness().into_iter().find(|c| !c.ok) {
+            return Some(format!("host {h} is not ready: {}: {}", check.name, check.detail));
+        }
+    }
+    settled(cluster)
+}
+
+/// Reads every key through the running nodes, trying again while they answer 503.
+async fn final_reads(cluster: &SimCluster, clients: usize, keys: usize) -> BTreeMap<String, Final> {
+    let mut finals = BTreeMap::new();
+    for c in 0..clients {
+        for n in 0..keys {
+            let key = key_of(c, n);
+            let mut last = String::new();
+            let mut end = None;
+            for attempt in 0..20 {
+                let running = cluster.running();
+                if running.is_empty() {
+                    break;
+                }
+                let (h, _, _) = running[attempt % running.len()];
+                match workload::run(cluster, h, &key, &OpKind::Get).await {
+                    Outcome::Ok { value, .. } => end = Some(Final::Read(value)),
+                    Outcome::NotFound => end = Some(Final::Read(None)),
+                    Outcome::Failed(code) if code == "bucket_lost" => end = Some(Final::Lost),
+                    other => last = format!("{other:?}"),
+                }
+                if end.is_some() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            finals.insert(key, end.unwrap_or(Final::Unreadable(last)));
+        }
+    }
+    finals
+}
+
+/// FNV-1a, for the run's digest.
+#[derive(Clone, Copy)]
+struct Fnv(u64);
+
+impl Default for Fnv {
+    fn default() -> Self {
+        Fnv(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Fnv {
+    fn add(&mut self, text: &str) {
+        for b in text.bytes().chain([b'\n']) {
+            self.0 ^= u64::from(b);
+            self.0 = self.0.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+}
+
+/// The lines of a report worth printing when a seed fails.
+pub fn explain(report: &Report) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "{}", report.summary());
+    for e in &report.events {
+        let _ = writeln!(out, "  event {e}");
+    }
+    for v in report.violations().iter().take(20) {
+        let _ = writeln!(out, "  VIOLATION {v}");
+    }
+    let _ = writeln!(
+        out,
+        "  replay: SHOAL_SIM_SEED={} RUST_LOG=info cargo test --test sim replay -- --nocapture",
+        report.seed
+    );
+    out
+}
+
+/// An error's code, for reports.
+pub fn code_of(e: &ApiError) -> String {
+    e.code().to_string()
+}
+
+/// Reads `key` through host `h` (a convenience for tests).
+pub async fn read(cluster: &SimCluster, h: HostId, key: &str) -> Result<Option<String>, String> {
+    let addr = cluster.api_addr(h);
+    let key = key.to_string();
+    let answer =
+        cluster
+            .net()
+            .client_call(&addr, workload::CLIENT_TIMEOUT, move |s| async move {
+                s.api.get(key, RouteContext::default()).await
+            })
+            .await;
+    match answer {
+        Ok(Ok(ok)) => Ok(Some(String::from_utf8_lossy(&ok.value).into_owned())),
+        Ok(Err(ApiError::NotFound)) => Ok(None),
+        Ok(Err(e)) => Err(code_of(&e)),
+        Err(e) => Err(e.to_string()),
+    }
+}

@@ -1,0 +1,536 @@
+//! [`HttpTransport`]: node-to-node messages over HTTP/1.1.
+//!
+//! One hyper-util client (its pool keeps idle keep-alive connections per peer, TCP_NODELAY)
+//! for every short call, and one for bucket streams, whose connect timeout is
+//! `--reconnect-timeout`. Both send from the node's own address when it set one (a node on its
+//! own loopback address, so firewall rules can tell nodes apart). Requests to a peer listener
+//! carry the cluster secret; forwarded key operations go to the owner's public API, which
+//! never sees the secret.
+
+use std::net::IpAddr;
+use std::time::Duration;
+
+use base64::Engine;
+use bytes::Bytes;
+use futures::StreamExt;
+use http_body_util::{BodyExt, BodyStream, Full};
+use hyper::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE};
+use hyper::{Method, Request, StatusCode, Uri};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use shoal_http_api::types::{BulkKeys, BulkPut, BulkPutItem, BulkResults, GetOk, KeyError, KeyResult, WriteCondition};
+use shoal_http_api::{
+    ApiError, Problem, PutItem, HEADER_BUCKET, HEADER_FORWARDED_MAP_VERSION, HEADER_FORWARD_DEADLINE, HEADER_NODE,
+    HEADER_SCOPE,
+};
+use shoal_raft::{BoxFuture, ControlRpc, ControlTransport, NodeId, TransportError};
+
+use super::{CallError, FrameStream, PeerAnswer, PeerRequest, ReplicaAnswer, StreamRequest, Transport};
+
+/// The header that carries the cluster secret on every request to a peer listener.
+pub const SECRET_HEADER: &str = "x-shoal-cluster-secret";
+/// The header naming the Raft node a Raft message is meant for.
+pub const HEADER_RAFT_TARGET: &str = "x-shoal-raft-target";
+/// `POST /internal/replicate/{bucket}`: the sending owner.
+pub const HEADER_FROM: &str = "x-shoal-from";
+/// `POST /internal/replicate/{bucket}`: the sender's map version; on a 409, the holder's.
+pub const HEADER_MAP_VERSION: &str = "x-shoal-map-version";
+/// `POST /internal/replicate/{bucket}`: `1` for a whole bucket.
+pub const HEADER_SNAPSHOT: &str = "x-shoal-snapshot";
+/// `POST /internal/replicate/{bucket}`: the request's sequence number.
+pub const HEADER_SEQ: &str = "x-shoal-seq";
+/// The media type of bucket streams and replication bodies.
+pub const TRANSFER_MEDIA_TYPE: &str = "application/vnd.shoal.transfer";
+
+/// How long a forwarded request may take before the caller gets `owner_unreachable`; the
+/// owner refuses it once this has passed (`HEADER_FORWARD_DEADLINE`).
+pub const FORWARD_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long opening a connection for a short call may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Characters escaped in a key's path segment: all but unreserved ones.
+const SEGMENT: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'_').remove(b'~');
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+/// The production transport (see the module docs).
+pub struct HttpTransport {
+    calls: HttpClient,
+    streams: HttpClient,
+    secret: Option<HeaderValue>,
+}
+
+/// An answer: status, headers, whole body.
+struct Answer {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+fn client(local_ip: Option<IpAddr>, connect_timeout: Duration) -> HttpClient {
+    let mut connector = HttpConnector::new();
+    connector.set_local_address(local_ip);
+    connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(connect_timeout));
+    Client::builder(TokioExecutor::new())
+        .pool_timer(TokioTimer::new())
+        .pool_max_idle_per_host(64)
+        .pool_idle_timeout(Duration::from_secs(60))
+        .build(connector)
+}
+
+impl HttpTransport {
+    /// A transport sending from `local_ip` (when set), carrying `secret` to peer listeners,
+    /// whose bucket streams give up connecting after `stream_connect_timeout`.
+    pub fn new(local_ip: Option<IpAddr>, secret: Option<&str>, stream_connect_timeout: Duration) -> Self {
+        let secret = secret.and_then(|s| HeaderValue::from_str(s).ok()).map(|mut v| {
+            v.set_sensitive(true);
+            v
+        });
+        HttpTransport {
+            calls: client(local_ip, CONNECT_TIMEOUT),
+            streams: client(local_ip, stream_connect_timeout),
+            secret,
+        }
+    }
+
+    fn builder(&self, method: Method, uri: String, peer: bool) -> Result<hyper::http::request::Builder, CallError> {
+        let uri: Uri = uri.parse().map_err(|e| CallError::Unreachable(format!("bad address: {e}")))?;
+        let mut builder = Request::builder().method(method).uri(uri);
+        if let (true, Some(secret)) = (peer, &self.secret) {
+            builder = builder.header(SECRET_HEADER, secret.clone());
+        }
+        Ok(builder)
+    }
+
+    /// Sends a request and reads the whole answer.
+    async fn exchange(&self, request: Request<Full<Bytes>>, timeout: Duration) -> Result<Answer, CallError> {
+        let exchange = async {
+            let response = self.calls.request(request).await.map_err(|e| transport_error(&e))?;
+            let (parts, body) = response.into_parts();
+            let body = body.collect().await.map_err(|e| CallError::Broken(e.to_string()))?.to_bytes();
+            Ok(Answer { status: parts.status, headers: parts.headers, body })
+        };
+        tokio::time::timeout(timeout, exchange).await.map_err(|_| CallError::Timeout)?
+    }
+
+    /// A request to a peer listener.
+    async fn peer(
+        &self,
+        method: Method,
+        uri: String,
+        headers: &[(&'static str, String)],
+        body: Bytes,
+        timeout: Duration,
+    ) -> Result<Answer, CallError> {
+        let mut builder = self.builder(method, uri, true)?;
+        for (name, value) in headers {
+            builder = builder.header(*name, value);
+        }
+        let request = builder.body(Full::new(body)).map_err(|e| CallError::Broken(e.to_string()))?;
+        self.exchange(request, timeout).await
+    }
+
+    /// A request to a public API; a non-2xx answer becomes the error it describes.
+    async fn api(
+        &self,
+        method: Method,
+        api_addr: &str,
+        path: &str,
+        headers: &[(HeaderName, String)],
+        body: Bytes,
+        timeout: Duration,
+    ) -> Result<Answer, CallError> {
+        let mut builder = self.builder(method, format!("http://{api_addr}{path}"), false)?;
+        for (name, value) in headers {
+            builder = builder.header(name, value);
+        }
+        let request = builder.body(Full::new(body)).map_err(|e| CallError::Broken(e.to_string()))?;
+        let answer = self.exchange(request, timeout).await?;
+        if answer.status.is_success() {
+            Ok(answer)
+        } else {
+            Err(CallError::Api(error_of(&answer, api_addr)))
+        }
+    }
+
+    async fn api_json<T: DeserializeOwned>(
+        &self,
+        method: Method,
+        api_addr: &str,
+        path: &str,
+        headers: &[(HeaderName, String)],
+        body: Bytes,
+        timeout: Duration,
+    ) -> Result<T, CallError> {
+        let answer = self.api(method, api_addr, path, headers, body, timeout).await?;
+        json(&answer.body)
+    }
+
+    async fn post_json<T: Serialize, R: DeserializeOwned>(
+        &self,
+        api_addr: &str,
+        path: &str,
+        headers: &[(HeaderName, String)],
+        body: &T,
+        timeout: Duration,
+    ) -> Result<R, CallError> {
+        let body = serde_json::to_vec(body).map_err(|e| CallError::Broken(e.to_string()))?;
+        self.api_json(Method::POST, api_addr, path, headers, Bytes::from(body), timeout).await
+    }
+
+    async fn send(&self, addr: &str, request: PeerRequest, timeout: Duration) -> Result<PeerAnswer, CallError> {
+        match request {
+            PeerRequest::Replicate(r) => {
+                let headers = [
+                    (HEADER_FROM, r.from.to_string()),
+                    (HEADER_MAP_VERSION, r.map_version.to_string()),
+                    (HEADER_SNAPSHOT, if r.snapshot { "1" } else { "0" }.to_string()),
+                    (HEADER_SEQ, r.seq.to_string()),
+                ];
+                let uri = format!("http://{addr}/internal/replicate/{}", r.bucket.0);
+                let answer = self.peer(Method::POST, uri, &headers, r.body, timeout).await?;
+                let reason = || String::from_utf8_lossy(&answer.body).into_owned();
+                Ok(PeerAnswer::Replicated(match answer.status {
+                    s if s.is_success() => ReplicaAnswer::Applied,
+                    StatusCode::PRECONDITION_FAILED => ReplicaAnswer::NeedSnapshot(reason()),
+                    StatusCode::CONFLICT => {
+                        let version =
+                            answer.headers.get(HEADER_MAP_VERSION).and_then(|v| v.to_str().ok()?.parse().ok());
+                        ReplicaAnswer::Fenced { map_version: version.unwrap_or(r.map_version + 1), reason: reason() }
+                    }
+                    s => return Err(CallError::Refused { status: s.as_u16(), reason: reason() }),
+                }))
+            }
+            PeerRequest::Shadow { bucket, body } => {
+                let uri = format!("http://{addr}/internal/shadow/{}", bucket.0);
+                let answer = self.peer(Method::POST, uri, &[], body, timeout).await?;
+                refused_unless_success(&answer)?;
+                Ok(PeerAnswer::ShadowApplied)
+            }
+            PeerRequest::Ping(ping) => {
+                let body = serde_json::to_vec(&ping).map_err(|e| CallError::Broken(e.to_string()))?;
+                let headers = [(CONTENT_TYPE.as_str(), "application/json".to_string())];
+                let answer = self
+                    .peer(Method::POST, format!("http://{addr}/internal/ping"), &headers, body.into(), timeout)
+                    .await?;
+                refused_unless_success(&answer)?;
+                Ok(PeerAnswer::Pong(json(&answer.body)?))
+            }
+            PeerRequest::TransferStatus => {
+                let uri = format!("http://{addr}/internal/transfer/status");
+                let answer = self.peer(Method::GET, uri, &[], Bytes::new(), timeout).await?;
+                refused_unless_success(&answer)?;
+                Ok(PeerAnswer::TransferStatus(json(&answer.body)?))
+            }
+            PeerRequest::Get { key, map_version } => {
+                let answer = self
+                    .api(Method::GET, addr, &key_path(&key), &forwarded(map_version), Bytes::new(), timeout)
+                    .await?;
+                let header = |name: HeaderName| answer.headers.get(name).and_then(|v| v.to_str().ok());
+                let version = header(hyper::header::ETAG).and_then(|e| e.trim_matches('"').parse().ok()).unwrap_or(0);
+                let bucket = header(HEADER_BUCKET).and_then(|b| b.parse().ok()).unwrap_or(0);
+                let node = header(HEADER_NODE).and_then(|n| n.parse().ok()).unwrap_or(0);
+                Ok(PeerAnswer::Got(GetOk { value: answer.body, version, bucket, node }))
+            }
+            PeerRequest::Put { item, map_version } => {
+                let mut path = key_path(&item.key);
+                let query = put_query(&item);
+                if !query.is_empty() {
+                    path.push('?');
+                    path.push_str(&serde_urlencoded::to_string(&query).map_err(|e| CallError::Broken(e.to_string()))?);
+                }
+                let headers = forwarded(map_version);
+                let ok = self.api_json(Method::PUT, addr, &path, &headers, item.value.clone(), timeout).await?;
+                Ok(PeerAnswer::Put(ok))
+            }
+            PeerRequest::Delete { key, cas, map_version } => {
+                let mut path = key_path(&key);
+                if let Some(cas) = cas {
+                    path.push_str(&format!("?cas={cas}"));
+                }
+                self.api(Method::DELETE, addr, &path, &forwarded(map_version), Bytes::new(), timeout).await?;
+                Ok(PeerAnswer::Deleted)
+            }
+            PeerRequest::BulkGet { keys, map_version } => {
+                let answer: BulkResults =
+                    self.post_json(addr, "/v1/bulk/get", &forwarded(map_version), &BulkKeys { keys }, timeout).await?;
+                Ok(PeerAnswer::BulkGot(answer.results.iter().map(bulk_get_result).collect()))
+            }
+            PeerRequest::BulkPut { items, map_version } => {
+                let body = BulkPut { items: items.iter().map(bulk_item).collect() };
+                let answer: BulkResults =
+                    self.post_json(addr, "/v1/bulk/put", &forwarded(map_version), &body, timeout).await?;
+                Ok(PeerAnswer::BulkPut(answer.results.into_iter().map(bulk_put_result).collect()))
+            }
+            PeerRequest::BulkDelete { keys, map_version } => {
+                let answer: BulkResults = self
+                    .post_json(addr, "/v1/bulk/delete", &forwarded(map_version), &BulkKeys { keys }, timeout)
+                    .await?;
+                Ok(PeerAnswer::BulkDeleted(
+                    answer
+                        .results
+                        .iter()
+                        .map(|r| match &r.error {
+                            Some(e) => Err(key_error(e)),
+                            None => Ok(r.deleted.unwrap_or(false)),
+                        })
+                        .collect(),
+                ))
+            }
+            PeerRequest::Keys { prefix, limit } => {
+                let query = serde_urlencoded::to_string([("prefix", prefix.as_str()), ("limit", &limit.to_string())])
+                    .map_err(|e| CallError::Broken(e.to_string()))?;
+                let path = format!("/v1/kv?{query}");
+                Ok(PeerAnswer::Keys(
+                    self.api_json(Method::GET, addr, &path, &local_scope(), Bytes::new(), timeout).await?,
+                ))
+            }
+            PeerRequest::Tagged { tag, limit } => {
+                let path = format!("/v1/tags/{}?limit={limit}", utf8_percent_encode(&tag, SEGMENT));
+                Ok(PeerAnswer::Keys(
+                    self.api_json(Method::GET, addr, &path, &local_scope(), Bytes::new(), timeout).await?,
+                ))
+            }
+            PeerRequest::RemoveTagged { tag } => {
+                let path = format!("/v1/tags/{}", utf8_percent_encode(&tag, SEGMENT));
+                let removed = self.api_json(Method::DELETE, addr, &path, &local_scope(), Bytes::new(), timeout).await?;
+                Ok(PeerAnswer::Removed(removed))
+            }
+            PeerRequest::NodeStats => Ok(PeerAnswer::NodeStats(
+                self.api_json(Method::GET, addr, "/v1/node", &[], Bytes::new(), timeout).await?,
+            )),
+            PeerRequest::Cluster => {
+                let view = self.api_json(Method::GET, addr, "/v1/cluster", &[], Bytes::new(), timeout).await?;
+                Ok(PeerAnswer::Cluster(Box::new(view)))
+            }
+        }
+    }
+
+    async fn stream(
+        &self,
+        peer_addr: &str,
+        request: StreamRequest,
+        timeout: Duration,
+    ) -> Result<FrameStream, CallError> {
+        let StreamRequest::Bucket { bucket, to, epoch, restore } = request;
+        let mut uri = format!("http://{peer_addr}/internal/transfer/{}?to={to}&epoch={epoch}", bucket.0);
+        if restore {
+            uri.push_str("&restore=true");
+        }
+        let request = self
+            .builder(Method::GET, uri, true)?
+            .body(Full::new(Bytes::new()))
+            .map_err(|e| CallError::Broken(e.to_string()))?;
+        let response = tokio::time::timeout(timeout, self.streams.request(request))
+            .await
+            .map_err(|_| CallError::Timeout)?
+            .map_err(|e| transport_error(&e))?;
+        if response.status() != StatusCode::OK {
+            let status = response.status().as_u16();
+            let body = response.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+            return Err(CallError::Refused { status, reason: String::from_utf8_lossy(&body).into_owned() });
+        }
+        let frames = BodyStream::new(response.into_body()).filter_map(|frame| async move {
+            match frame {
+                Ok(frame) => frame.into_data().ok().map(Ok),
+                Err(e) => Some(Err(CallError::Broken(e.to_string()))),
+            }
+        });
+        Ok(Box::pin(frames))
+    }
+}
+
+impl ControlTransport for HttpTransport {
+    fn control(
+        &self,
+        peer_addr: &str,
+        target: Option<NodeId>,
+        rpc: ControlRpc,
+        body: Vec<u8>,
+        timeout: Duration,
+    ) -> BoxFuture<'_, Result<Vec<u8>, TransportError>> {
+        let (method, path) = match rpc {
+            ControlRpc::Append => (Method::POST, "/raft/append".to_string()),
+            ControlRpc::Vote => (Method::POST, "/raft/vote".to_string()),
+            ControlRpc::Snapshot => (Method::POST, "/raft/snapshot".to_string()),
+            ControlRpc::Admin { forwarded } => (Method::POST, format!("/internal/admin?forwarded={forwarded}")),
+            ControlRpc::MemberStatus { node_id } => (Method::GET, format!("/internal/members/{node_id}")),
+        };
+        let uri = format!("http://{peer_addr}{path}");
+        Box::pin(async move {
+            let mut headers = vec![(CONTENT_TYPE.as_str(), "application/json".to_string())];
+            if let Some(t) = target {
+                headers.push((HEADER_RAFT_TARGET, t.to_string()));
+            }
+            let answer = self.peer(method, uri, &headers, Bytes::from(body), timeout).await.map_err(|e| match e {
+                CallError::Unreachable(d) => TransportError::Unreachable(d),
+                other => TransportError::Failed(other.to_string()),
+            })?;
+            match answer.status {
+                s if s.is_success() => Ok(answer.body.to_vec()),
+                StatusCode::MISDIRECTED_REQUEST => {
+                    Err(TransportError::Misdirected(String::from_utf8_lossy(&answer.body).into_owned()))
+                }
+                s => Err(TransportError::Failed(format!("HTTP {s}: {}", String::from_utf8_lossy(&answer.body)))),
+            }
+        })
+    }
+}
+
+impl Transport for HttpTransport {
+    fn call(
+        &self,
+        addr: &str,
+        request: PeerRequest,
+        timeout: Duration,
+    ) -> BoxFuture<'_, Result<PeerAnswer, CallError>> {
+        let addr = addr.to_string();
+        Box::pin(async move { self.send(&addr, request, timeout).await })
+    }
+
+    fn open_stream(
+        &self,
+        peer_addr: &str,
+        request: StreamRequest,
+        timeout: Duration,
+    ) -> BoxFuture<'_, Result<FrameStream, CallError>> {
+        let peer_addr = peer_addr.to_string();
+        Box::pin(async move { self.stream(&peer_addr, request, timeout).await })
+    }
+}
+
+fn transport_error(e: &hyper_util::client::legacy::Error) -> CallError {
+    if e.is_connect() {
+        CallError::Unreachable(e.to_string())
+    } else {
+        CallError::Broken(e.to_string())
+    }
+}
+
+fn refused_unless_success(answer: &Answer) -> Result<(), CallError> {
+    if answer.status.is_success() {
+        return Ok(());
+    }
+    Err(CallError::Refused {
+        status: answer.status.as_u16(),
+        reason: String::from_utf8_lossy(&answer.body).into_owned(),
+    })
+}
+
+fn json<T: DeserializeOwned>(body: &[u8]) -> Result<T, CallError> {
+    serde_json::from_slice(body).map_err(|e| CallError::Broken(format!("unreadable JSON: {e}")))
+}
+
+/// `/v1/kv/<key, percent-encoded>`.
+fn key_path(key: &str) -> String {
+    format!("/v1/kv/{}", utf8_percent_encode(key, SEGMENT))
+}
+
+fn forwarded(map_version: u64) -> [(HeaderName, String); 2] {
+    let deadline = shoal_http_api::unix_ms() + FORWARD_TIMEOUT.as_millis() as u64;
+    [(HEADER_FORWARDED_MAP_VERSION, map_version.to_string()), (HEADER_FORWARD_DEADLINE, deadline.to_string())]
+}
+
+fn local_scope() -> [(HeaderName, String); 1] {
+    [(HEADER_SCOPE, "local".to_string())]
+}
+
+/// Rebuilds the error a peer's API answered with.
+fn error_of(answer: &Answer, api_addr: &str) -> ApiError {
+    let is_problem = answer.headers.get(CONTENT_TYPE) == Some(&HeaderValue::from_static(shoal_http_api::PROBLEM_JSON));
+    match serde_json::from_slice::<Problem>(&answer.body) {
+        Ok(problem) if is_problem => {
+            let retry_after =
+                answer.headers.get(hyper::header::RETRY_AFTER).and_then(|v| v.to_str().ok()?.parse().ok());
+            ApiError::from_problem(&problem, retry_after.map(Duration::from_secs))
+        }
+        _ if answer.status == StatusCode::NOT_FOUND => ApiError::NotFound,
+        _ => ApiError::unavailable("owner_unreachable", format!("node at {api_addr} answered {}", answer.status)),
+    }
+}
+
+/// The error of one key of a bulk answer.
+fn key_error(e: &KeyError) -> ApiError {
+    e.error()
+}
+
+fn bulk_get_result(r: &KeyResult) -> Result<Option<GetOk>, ApiError> {
+    match (&r.error, r.found) {
+        (Some(e), _) => Err(key_error(e)),
+        (None, Some(true)) => {
+            let value = match (&r.value, &r.value_base64) {
+                (Some(text), _) => Bytes::from(text.clone()),
+                (None, Some(b64)) => base64::engine::general_purpose::STANDARD
+                    .decode(b64)
+                    .map(Bytes::from)
+                    .map_err(|e| ApiError::Internal(format!("peer sent bad base64: {e}")))?,
+                (None, None) => Bytes::new(),
+            };
+            // The node is filled in by the caller, which knows whom it asked.
+            Ok(Some(GetOk { value, version: r.version.unwrap_or(0), bucket: r.bucket, node: 0 }))
+        }
+        (None, _) => Ok(None),
+    }
+}
+
+fn bulk_put_result(r: KeyResult) -> Result<shoal_http_api::types::PutOk, ApiError> {
+    match r.error {
+        Some(e) => Err(key_error(&e)),
+        // The node is filled in by the caller, which knows whom it asked.
+        None => {
+            Ok(shoal_http_api::types::PutOk { version: r.version.unwrap_or(0), bucket: r.bucket, node: 0, key: r.key })
+        }
+    }
+}
+
+/// The query of a forwarded PUT: the item's options in the public API's syntax.
+fn put_query(item: &PutItem) -> Vec<(&'static str, String)> {
+    let o = &item.options;
+    let mut q = Vec::new();
+    if let Some(ttl) = o.ttl {
+        q.push(("ttl", format!("{}ms", ttl.as_millis())));
+    }
+    if let Some(sliding) = o.sliding {
+        q.push(("sliding", format!("{}ms", sliding.as_millis())));
+    }
+    if !o.tags.is_empty() {
+        q.push(("tags", o.tags.join(",")));
+    }
+    match o.condition {
+        WriteCondition::Always => {}
+        WriteCondition::Absent => q.push(("mode", "add".into())),
+        WriteCondition::Present => q.push(("mode", "replace".into())),
+        WriteCondition::Version(v) => q.push(("cas", v.to_string())),
+    }
+    q
+}
+
+/// An item in the bulk-put syntax (values that are not UTF-8 go as base64).
+fn bulk_item(item: &PutItem) -> BulkPutItem {
+    let o = &item.options;
+    let (value, value_base64) = match std::str::from_utf8(&item.value) {
+        Ok(text) => (Some(text.to_string()), None),
+        Err(_) => (None, Some(base64::engine::general_purpose::STANDARD.encode(&item.value))),
+    };
+    let (cas, mode) = match o.condition {
+        WriteCondition::Always => (None, None),
+        WriteCondition::Absent => (None, Some("add".to_string())),
+        WriteCondition::Present => (None, Some("replace".to_string())),
+        WriteCondition::Version(v) => (Some(v), None),
+    };
+    BulkPutItem {
+        key: item.key.clone(),
+        value,
+        value_base64,
+        ttl: o.ttl.map(|d| format!("{}ms", d.as_millis())),
+        sliding: o.sliding.map(|d| format!("{}ms", d.as_millis())),
+        tags: o.tags.clone(),
+        cas,
+        mode,
+    }
+}

@@ -1,0 +1,304 @@
+//! The seam for node-to-node traffic: every message one node sends another goes through a
+//! [`Transport`], so the protocol code runs the same over real HTTP and in the deterministic
+//! simulation (`crate::sim`).
+//!
+//! ```text
+//!   sender                         Transport                          receiver
+//!   Peers (typed calls) ──▶ call(addr, PeerRequest) ──▶ HTTP ──▶ routes ──▶ PeerService::serve
+//!   Puller              ──▶ open_stream(addr, ..)   ──▶ (or the simulated network) ──▶ open_stream
+//!   shoal-raft          ──▶ control(addr, rpc, body)──▶ ...                ──▶ ControlPlane::serve_rpc
+//! ```
+//!
+//! Two kinds of destination: a peer address (the internal listener: replication, shadows,
+//! pings, transfer status and streams, Raft and admin messages) and an API address (forwarded
+//! key operations and broadcasts, which the owner answers exactly as it would answer a client).
+//! Answers are typed; errors keep what the receiver said ([`CallError::Api`]) apart from what
+//! the network did (unreachable, timed out, broken).
+//!
+//! # Layout
+//! - `mod.rs`: the trait, the requests and answers.
+//! - `http.rs`: [`HttpTransport`], the production implementation: one hyper client whose pool
+//!   keeps connections per peer, the cluster secret, the source address.
+//! - `service.rs`: [`PeerService`], the receiving side (one dispatch for every request), and the
+//!   peer listener's routes that feed it.
+
+pub mod http;
+pub mod service;
+
+use std::pin::Pin;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::Stream;
+use serde::{Deserialize, Serialize};
+use shoal_http_api::types::{ClusterView, GetOk, KeyList, NodeStats, PutOk, Removed, TransferStatus};
+use shoal_http_api::{ApiError, PutItem};
+use shoal_raft::{BoxFuture, BucketId, ControlTransport, MemberStatus, NodeId};
+
+pub use http::HttpTransport;
+pub use service::PeerService;
+
+/// A request to another node.
+#[derive(Debug, Clone)]
+pub enum PeerRequest {
+    /// Changes (or a whole snapshot) of a bucket for its replica, to the holder's peer address.
+    Replicate(Replicate),
+    /// Writes of a bucket for the shadow the previous owner keeps during a transfer.
+    Shadow {
+        /// The bucket.
+        bucket: BucketId,
+        /// Framed changes (`transfer::frame`).
+        body: Bytes,
+    },
+    /// A failure-detection ping.
+    Ping(Ping),
+    /// The receiver's transfer progress (the leader's stuck detector asks).
+    TransferStatus,
+    /// A forwarded read, to the owner's API address.
+    Get {
+        /// The key.
+        key: String,
+        /// The sender's map version.
+        map_version: u64,
+    },
+    /// A forwarded write.
+    Put {
+        /// The item.
+        item: PutItem,
+        /// The sender's map version.
+        map_version: u64,
+    },
+    /// A forwarded delete.
+    Delete {
+        /// The key.
+        key: String,
+        /// Only at this version.
+        cas: Option<u64>,
+        /// The sender's map version.
+        map_version: u64,
+    },
+    /// Forwarded reads of keys one owner holds.
+    BulkGet {
+        /// The keys.
+        keys: Vec<String>,
+        /// The sender's map version.
+        map_version: u64,
+    },
+    /// Forwarded writes of items one owner holds.
+    BulkPut {
+        /// The items.
+        items: Vec<PutItem>,
+        /// The sender's map version.
+        map_version: u64,
+    },
+    /// Forwarded deletes of keys one owner holds.
+    BulkDelete {
+        /// The keys.
+        keys: Vec<String>,
+        /// The sender's map version.
+        map_version: u64,
+    },
+    /// A broadcast: the receiver's own keys with a prefix.
+    Keys {
+        /// The prefix.
+        prefix: String,
+        /// At most this many.
+        limit: usize,
+    },
+    /// A broadcast: the receiver's own keys with a tag.
+    Tagged {
+        /// The tag.
+        tag: String,
+        /// At most this many.
+        limit: usize,
+    },
+    /// A broadcast: remove the receiver's own items with a tag.
+    RemoveTagged {
+        /// The tag.
+        tag: String,
+    },
+    /// The receiver's own figures.
+    NodeStats,
+    /// The cluster as the receiver sees it (a joiner asks its seed).
+    Cluster,
+}
+
+/// The answer to a [`PeerRequest`], in the same order of variants.
+#[derive(Debug, Clone)]
+pub enum PeerAnswer {
+    /// What the replica holder did.
+    Replicated(ReplicaAnswer),
+    /// The shadow applied the writes.
+    ShadowApplied,
+    /// The pong.
+    Pong(Pong),
+    /// Transfer progress.
+    TransferStatus(TransferStatus),
+    /// The value read.
+    Got(GetOk),
+    /// The write done.
+    Put(PutOk),
+    /// The key was deleted.
+    Deleted,
+    /// One result per key.
+    BulkGot(Vec<Result<Option<GetOk>, ApiError>>),
+    /// One result per item.
+    BulkPut(Vec<Result<PutOk, ApiError>>),
+    /// One result per key (`Ok(false)`: absent).
+    BulkDeleted(Vec<Result<bool, ApiError>>),
+    /// Keys found.
+    Keys(KeyList),
+    /// Items removed.
+    Removed(Removed),
+    /// The figures.
+    NodeStats(NodeStats),
+    /// The cluster view.
+    Cluster(Box<ClusterView>),
+}
+
+/// A request that answers with a stream of frames.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamRequest {
+    /// Stream a bucket to its new owner `to` (move `epoch`), or with `restore` send the copy
+    /// this node holds (replica or shadow) back to the bucket's owner after its restart.
+    Bucket {
+        /// The bucket.
+        bucket: BucketId,
+        /// The receiver.
+        to: NodeId,
+        /// The move epoch the receiver saw.
+        epoch: u64,
+        /// A plain copy back to the owner (no freeze, no flip).
+        restore: bool,
+    },
+}
+
+/// A stream of frames (`transfer::frame`).
+pub type FrameStream = Pin<Box<dyn Stream<Item = Result<Bytes, CallError>> + Send>>;
+
+/// Changes (or a snapshot) of one bucket for its replica.
+#[derive(Debug, Clone)]
+pub struct Replicate {
+    /// The bucket.
+    pub bucket: BucketId,
+    /// The owner that sends them.
+    pub from: NodeId,
+    /// The sender's map version (the holder fences by it).
+    pub map_version: u64,
+    /// A whole bucket (replaces the replica bucket) rather than changes on top of one.
+    pub snapshot: bool,
+    /// Increases with every request of the sender: one held up in the network is refused.
+    pub seq: u64,
+    /// Framed changes or items, then END (`transfer::frame`).
+    pub body: Bytes,
+}
+
+/// What the replica holder did with a [`Replicate`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReplicaAnswer {
+    /// Applied.
+    Applied,
+    /// Not applied: the holder has no snapshot of the bucket from this sender (or applied a
+    /// newer request already); the sender sends the bucket whole (HTTP 412).
+    NeedSnapshot(String),
+    /// Not applied: in the holder's map, at least as new as the sender's, the sender does
+    /// not own the bucket or the holder is not its replica (HTTP 409).
+    Fenced {
+        /// The holder's map version.
+        map_version: u64,
+        /// Why.
+        reason: String,
+    },
+    /// Not applied: the request is malformed (HTTP 400).
+    Refused(String),
+}
+
+/// A ping.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Ping {
+    /// The sender.
+    pub from: NodeId,
+    /// The members the sender has not heard from within the node timeout.
+    pub pfail: Vec<NodeId>,
+}
+
+/// The answer to a ping.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Pong {
+    /// The answering node.
+    pub node_id: NodeId,
+    /// Random at every start of the answering process: a change means it restarted, and its
+    /// replica store is empty.
+    #[serde(default)]
+    pub incarnation: u64,
+    /// The sender's membership in the answering node's view.
+    pub status: MemberStatus,
+}
+
+/// Why a call got no answer it could use.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CallError {
+    /// No connection could be made: the request was certainly not delivered.
+    #[error("unreachable: {0}")]
+    Unreachable(String),
+    /// No answer in time: the receiver may or may not have handled the request.
+    #[error("no answer in time")]
+    Timeout,
+    /// Sent, but the answer was broken or unreadable.
+    #[error("{0}")]
+    Broken(String),
+    /// The receiver answered with an error of the public API (a forwarded operation).
+    #[error("{0}")]
+    Api(ApiError),
+    /// The receiver refused an internal request (HTTP status and its reason).
+    #[error("{status}: {reason}")]
+    Refused {
+        /// The HTTP status it would have.
+        status: u16,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Carries every node-to-node message (see the module docs). Implementations: HTTP
+/// ([`HttpTransport`]) and the simulated network (`crate::sim`).
+pub trait Transport: ControlTransport {
+    /// Sends `request` to the node at `addr` and waits at most `timeout` for its answer.
+    fn call(&self, addr: &str, request: PeerRequest, timeout: Duration)
+        -> BoxFuture<'_, Result<PeerAnswer, CallError>>;
+
+    /// Opens a stream at the node at `peer_addr`; waits at most `timeout` for it to start.
+    fn open_stream(
+        &self,
+        peer_addr: &str,
+        request: StreamRequest,
+        timeout: Duration,
+    ) -> BoxFuture<'_, Result<FrameStream, CallError>>;
+}
+
+/// What an answer of the wrong kind becomes (a bug on one side).
+pub fn unexpected(answer: &PeerAnswer) -> CallError {
+    CallError::Broken(format!("unexpected answer {}", answer_name(answer)))
+}
+
+fn answer_name(answer: &PeerAnswer) -> &'static str {
+    match answer {
+        PeerAnswer::Replicated(_) => "replicated",
+        PeerAnswer::ShadowApplied => "shadow applied",
+        PeerAnswer::Pong(_) => "pong",
+        PeerAnswer::TransferStatus(_) => "transfer status",
+        PeerAnswer::Got(_) => "got",
+        PeerAnswer::Put(_) => "put",
+        PeerAnswer::Deleted => "deleted",
+        PeerAnswer::BulkGot(_) => "bulk got",
+        PeerAnswer::BulkPut(_) => "bulk put",
+        PeerAnswer::BulkDeleted(_) => "bulk deleted",
+        PeerAnswer::Keys(_) => "keys",
+        PeerAnswer::Removed(_) => "removed",
+        PeerAnswer::NodeStats(_) => "node stats",
+        PeerAnswer::Cluster(_) => "cluster",
+    }
+}
+
+/// How long an internal call (replication, shadows, status) may take by default.
+pub const PEER_CALL_TIMEOUT: Duration = Duration::from_secs(2);

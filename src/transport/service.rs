@@ -1,0 +1,255 @@
+//! The receiving side: [`PeerService`] answers every [`PeerRequest`] a node can get, and
+//! [`peer_routes`] turns the peer listener's HTTP requests into the same calls. The simulated
+//! network calls [`PeerService`] directly, so both paths run the same handlers.
+
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::StreamExt;
+use shoal_http_api::types::RouteContext;
+use shoal_http_api::ShoalApi;
+use shoal_raft::{BucketId, ControlPlane, ControlRpc, NodeId, ServeError, BUCKET_COUNT};
+
+use super::http::{
+    HEADER_FROM, HEADER_MAP_VERSION, HEADER_RAFT_TARGET, HEADER_SEQ, HEADER_SNAPSHOT, TRANSFER_MEDIA_TYPE,
+};
+use super::{CallError, FrameStream, PeerAnswer, PeerRequest, Ping, ReplicaAnswer, Replicate, StreamRequest};
+use crate::health::Health;
+use crate::proxy::NodeApi;
+use crate::replication::Replicator;
+use crate::transfer::export::Exporter;
+
+/// Everything a node answers to other nodes.
+pub struct PeerService {
+    /// The control plane (Raft and admin messages).
+    pub control: ControlPlane,
+    /// The public API (forwarded key operations, broadcasts).
+    pub api: Arc<NodeApi>,
+    /// The replica holder's side.
+    pub replicator: Arc<Replicator>,
+    /// Bucket streams and shadows.
+    pub exporter: Exporter,
+    /// Pings.
+    pub health: Arc<Health>,
+}
+
+fn forwarded(map_version: u64) -> RouteContext {
+    RouteContext { forwarded_map_version: Some(map_version), redirect: false }
+}
+
+impl PeerService {
+    /// Answers one request.
+    pub async fn serve(&self, request: PeerRequest) -> Result<PeerAnswer, CallError> {
+        let api = &self.api;
+        let failed = CallError::Api;
+        Ok(match request {
+            PeerRequest::Replicate(r) => PeerAnswer::Replicated(self.replicator.receive(r).await),
+            PeerRequest::Shadow { bucket, body } => {
+                self.exporter
+                    .apply_shadow(bucket, &body)
+                    .await
+                    .map_err(|(status, reason)| CallError::Refused { status, reason })?;
+                PeerAnswer::ShadowApplied
+            }
+            PeerRequest::Ping(ping) => PeerAnswer::Pong(self.health.pong(ping)),
+            PeerRequest::TransferStatus => {
+                PeerAnswer::TransferStatus(self.exporter.progress.status(self.control.node_id()))
+            }
+            PeerRequest::Get { key, map_version } => {
+                PeerAnswer::Got(api.get(key, forwarded(map_version)).await.map_err(failed)?)
+            }
+            PeerRequest::Put { item, map_version } => {
+                PeerAnswer::Put(api.put(item, forwarded(map_version)).await.map_err(failed)?)
+            }
+            PeerRequest::Delete { key, cas, map_version } => {
+                api.delete(key, cas, forwarded(map_version)).await.map_err(failed)?;
+                PeerAnswer::Deleted
+            }
+            PeerRequest::BulkGet { keys, map_version } => {
+                PeerAnswer::BulkGot(api.bulk_get(keys, forwarded(map_version)).await.map_err(failed)?)
+            }
+            PeerRequest::BulkPut { items, map_version } => {
+                PeerAnswer::BulkPut(api.bulk_put(items, forwarded(map_version)).await.map_err(failed)?)
+            }
+            PeerRequest::BulkDelete { keys, map_version } => {
+                PeerAnswer::BulkDeleted(api.bulk_delete(keys, forwarded(map_version)).await.map_err(failed)?)
+            }
+            PeerRequest::Keys { prefix, limit } => {
+                PeerAnswer::Keys(api.keys(prefix, limit, shoal_http_api::types::Scope::Local).await.map_err(failed)?)
+            }
+            PeerRequest::Tagged { tag, limit } => {
+                PeerAnswer::Keys(api.tagged(tag, limit, shoal_http_api::types::Scope::Local).await.map_err(failed)?)
+            }
+            PeerRequest::RemoveTagged { tag } => {
+                PeerAnswer::Removed(api.remove_tagged(tag, shoal_http_api::types::Scope::Local).await.map_err(failed)?)
+            }
+            PeerRequest::NodeStats => PeerAnswer::NodeStats(api.node_stats()),
+            PeerRequest::Cluster => PeerAnswer::Cluster(Box::new(api.cluster().await.map_err(failed)?)),
+        })
+    }
+
+    /// Opens a stream.
+    pub async fn open_stream(&self, request: StreamRequest) -> Result<FrameStream, CallError> {
+        let StreamRequest::Bucket { bucket, to, epoch, restore } = request;
+        self.exporter
+            .open(bucket, to, epoch, restore)
+            .await
+            .map_err(|(status, reason)| CallError::Refused { status, reason })
+    }
+
+    /// A control-plane message.
+    pub async fn control(&self, target: Option<NodeId>, rpc: ControlRpc, body: &[u8]) -> Result<Vec<u8>, ServeError> {
+        self.control.serve_rpc(target, rpc, body).await
+    }
+}
+
+/// The peer listener's routes (the cluster secret is checked in front of them, `crate::auth`):
+/// Raft (`/raft/{append,vote,snapshot}`), admin (`/internal/admin`, `/internal/members/{id}`),
+/// replication (`/internal/replicate/{bucket}`), shadows (`/internal/shadow/{bucket}`), pings
+/// (`/internal/ping`), transfer status and bucket streams (`/internal/transfer/...`).
+pub fn peer_routes(service: Arc<PeerService>) -> Router {
+    Router::new()
+        .route("/raft/append", post(raft_append))
+        .route("/raft/vote", post(raft_vote))
+        .route("/raft/snapshot", post(raft_snapshot))
+        .route("/internal/admin", post(admin))
+        .route("/internal/members/{id}", get(member_status))
+        .route("/internal/replicate/{bucket}", post(replicate))
+        .route("/internal/shadow/{bucket}", post(shadow))
+        .route("/internal/ping", post(ping))
+        .route("/internal/transfer/status", get(transfer_status))
+        .route("/internal/transfer/{bucket}", get(stream_bucket))
+        .with_state(service)
+}
+
+fn control_answer(result: Result<Vec<u8>, ServeError>) -> Response {
+    match result {
+        Ok(body) => ([(axum::http::header::CONTENT_TYPE, "application/json")], body).into_response(),
+        Err(ServeError::Misdirected(reason)) => (StatusCode::MISDIRECTED_REQUEST, reason).into_response(),
+        Err(ServeError::BadRequest(reason)) => (StatusCode::BAD_REQUEST, reason).into_response(),
+    }
+}
+
+fn raft_target(headers: &HeaderMap) -> Option<NodeId> {
+    headers.get(HEADER_RAFT_TARGET).and_then(|v| v.to_str().ok()?.parse().ok())
+}
+
+async fn raft_append(State(s): State<Arc<PeerService>>, headers: HeaderMap, body: Bytes) -> Response {
+    control_answer(s.control(raft_target(&headers), ControlRpc::Append, &body).await)
+}
+
+async fn raft_vote(State(s): State<Arc<PeerService>>, headers: HeaderMap, body: Bytes) -> Response {
+    control_answer(s.control(raft_target(&headers), ControlRpc::Vote, &body).await)
+}
+
+async fn raft_snapshot(State(s): State<Arc<PeerService>>, headers: HeaderMap, body: Bytes) -> Response {
+    control_answer(s.control(raft_target(&headers), ControlRpc::Snapshot, &body).await)
+}
+
+#[derive(serde::Deserialize)]
+struct AdminQuery {
+    #[serde(default)]
+    forwarded: bool,
+}
+
+async fn admin(State(s): State<Arc<PeerService>>, Query(q): Query<AdminQuery>, body: Bytes) -> Response {
+    control_answer(s.control(None, ControlRpc::Admin { forwarded: q.forwarded }, &body).await)
+}
+
+async fn member_status(State(s): State<Arc<PeerService>>, Path(node_id): Path<NodeId>) -> Response {
+    control_answer(s.control(None, ControlRpc::MemberStatus { node_id }, &[]).await)
+}
+
+/// The bucket of a path, or the 400 to answer.
+fn bucket_of_path(bucket: u16) -> Result<BucketId, (StatusCode, String)> {
+    if usize::from(bucket) >= BUCKET_COUNT {
+        return Err((StatusCode::BAD_REQUEST, format!("no bucket {bucket}")));
+    }
+    Ok(BucketId(bucket))
+}
+
+fn header_u64(headers: &HeaderMap, name: &str) -> Option<u64> {
+    headers.get(name)?.to_str().ok()?.parse().ok()
+}
+
+async fn replicate(
+    State(s): State<Arc<PeerService>>,
+    Path(bucket): Path<u16>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let bucket = match bucket_of_path(bucket) {
+        Ok(b) => b,
+        Err(refusal) => return refusal.into_response(),
+    };
+    let (Some(from), Some(map_version)) = (header_u64(&headers, HEADER_FROM), header_u64(&headers, HEADER_MAP_VERSION))
+    else {
+        return (StatusCode::BAD_REQUEST, "missing sender or map version").into_response();
+    };
+    let snapshot = headers.get(HEADER_SNAPSHOT).is_some_and(|v| v == "1");
+    let seq = header_u64(&headers, HEADER_SEQ).unwrap_or(0);
+    let request = Replicate { bucket, from, map_version, snapshot, seq, body };
+    match s.replicator.receive(request).await {
+        ReplicaAnswer::Applied => StatusCode::NO_CONTENT.into_response(),
+        ReplicaAnswer::NeedSnapshot(reason) => (StatusCode::PRECONDITION_FAILED, reason).into_response(),
+        ReplicaAnswer::Fenced { map_version, reason } => {
+            (StatusCode::CONFLICT, [(HEADER_MAP_VERSION, map_version.to_string())], reason).into_response()
+        }
+        ReplicaAnswer::Refused(reason) => (StatusCode::BAD_REQUEST, reason).into_response(),
+    }
+}
+
+async fn shadow(State(s): State<Arc<PeerService>>, Path(bucket): Path<u16>, body: Bytes) -> Response {
+    let bucket = match bucket_of_path(bucket) {
+        Ok(b) => b,
+        Err(refusal) => return refusal.into_response(),
+    };
+    match s.exporter.apply_shadow(bucket, &body).await {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err((status, reason)) => (StatusCode::from_u16(status).unwrap_or(StatusCode::CONFLICT), reason).into_response(),
+    }
+}
+
+async fn ping(State(s): State<Arc<PeerService>>, Json(ping): Json<Ping>) -> Response {
+    Json(s.health.pong(ping)).into_response()
+}
+
+async fn transfer_status(State(s): State<Arc<PeerService>>) -> Response {
+    Json(s.exporter.progress.status(s.control.node_id())).into_response()
+}
+
+/// Query of the bucket stream.
+#[derive(serde::Deserialize)]
+struct StreamQuery {
+    to: NodeId,
+    epoch: u64,
+    #[serde(default)]
+    restore: bool,
+}
+
+async fn stream_bucket(
+    State(s): State<Arc<PeerService>>,
+    Path(bucket): Path<u16>,
+    Query(q): Query<StreamQuery>,
+) -> Response {
+    let bucket = match bucket_of_path(bucket) {
+        Ok(b) => b,
+        Err(refusal) => return refusal.into_response(),
+    };
+    let request = StreamRequest::Bucket { bucket, to: q.to, epoch: q.epoch, restore: q.restore };
+    match s.open_stream(request).await {
+        Ok(frames) => {
+            let body = Body::from_stream(frames.map(|f| f.map_err(|e| std::io::Error::other(e.to_string()))));
+            (StatusCode::OK, [(axum::http::header::CONTENT_TYPE, TRANSFER_MEDIA_TYPE)], body).into_response()
+        }
+        Err(CallError::Refused { status, reason }) => {
+            (StatusCode::from_u16(status).unwrap_or(StatusCode::CONFLICT), reason).into_response()
+        }
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}
