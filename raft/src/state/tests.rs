@@ -455,7 +455,10 @@ fn a_restarted_owner_reports_buckets_with_no_copy_left_as_lost() {
     let mut s = three_nodes();
     let of_2: Vec<u16> = s.map.buckets_of(2).iter().map(|b| b.0).collect();
     let of_1 = s.map.buckets_of(1)[0].0;
-    assert_eq!(s.apply(&ClusterCommand::BucketsLost { node_id: 2, buckets: vec![of_2[0], of_1] }), CommandResponse::Done);
+    assert_eq!(
+        s.apply(&ClusterCommand::BucketsLost { node_id: 2, buckets: vec![of_2[0], of_1] }),
+        CommandResponse::Done
+    );
     assert!(s.is_lost(BucketId(of_2[0])));
     assert!(!s.is_lost(BucketId(of_1)), "only the reporter's own buckets");
     let r = s.apply(&ClusterCommand::BucketsLost { node_id: 9, buckets: vec![of_2[1]] });
