@@ -1,4 +1,4 @@
-//! Who may call what (R62): the cluster secret on the peer listener, the optional admin token
+//! Who may call what: the cluster secret on the peer listener, the optional admin token
 //! on the cluster's write endpoints.
 //!
 //! - Every request to the peer listener (Raft, join, replication, transfer, shadows, pings)

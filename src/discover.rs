@@ -1,4 +1,4 @@
-//! Finding the cluster in a StatefulSet (R40): `--discover NAME:PORT` and the pod name.
+//! Finding the cluster in a StatefulSet: `--discover NAME:PORT` and the pod name.
 //!
 //! With an empty data dir a node asks every candidate (every address the headless Service
 //! resolves to, ready or not, or the addresses listed) whether it is a member of a cluster:

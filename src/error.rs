@@ -5,6 +5,33 @@ use shoal_http_api::ApiError;
 use shoal_raft::{BucketId, NodeId};
 
 use crate::cache::CacheError;
+use crate::transport::CallError;
+
+/// Why a replica holder did not apply a write or a bucket sent whole.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ReplicaError {
+    /// The request got no usable answer.
+    #[error(transparent)]
+    Call(#[from] CallError),
+    /// The holder has no snapshot of the bucket from this node: it must be sent whole.
+    #[error("the replica needs the bucket whole: {0}")]
+    NeedsSnapshot(String),
+    /// In the holder's map (this version), this node does not own the bucket or the holder
+    /// is not its replica.
+    #[error("fenced by the replica's map (version {0})")]
+    Fenced(u64),
+    /// The holder refused the request as malformed.
+    #[error("the replica refused: {0}")]
+    Refused(String),
+    /// Fenced, and this node's newer map agrees: the bucket is no longer this node's.
+    #[error("node {holder} refused the write: this node no longer owns bucket {bucket}")]
+    NoLongerOwner {
+        /// The holder.
+        holder: NodeId,
+        /// The bucket.
+        bucket: BucketId,
+    },
+}
 
 /// Why a key operation was not served here (nothing was changed unless said).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -33,7 +60,7 @@ pub enum DataError {
     )]
     Lost(BucketId),
     /// This node owns the bucket but is still getting its data (after a restart or a failover).
-    #[error("bucket {0} is being restored after a restart; retry")]
+    #[error("bucket {0} is being restored (after a restart or a failover); retry")]
     Restoring(BucketId),
     /// The bucket is frozen while it moves to another node.
     #[error("the key's bucket is moving to another node; retry")]
@@ -67,12 +94,12 @@ pub enum DataError {
         members: usize,
     },
     /// The replica did not apply a write; the write was taken back.
-    #[error("the replica (node {holder}) did not apply the write: {detail}; nothing was stored")]
+    #[error("the replica (node {holder}) did not apply the write: {cause}; nothing was stored")]
     ReplicationFailed {
         /// The replica holder.
         holder: NodeId,
         /// What happened.
-        detail: String,
+        cause: ReplicaError,
     },
     /// The store refused the write.
     #[error(transparent)]
@@ -117,7 +144,13 @@ mod tests {
             (DataError::Restoring(b), "bucket_restoring"),
             (DataError::Moving(b), "bucket_moving"),
             (DataError::NoQuorum { heard: 1, members: 3 }, "no_quorum"),
-            (DataError::ReplicationFailed { holder: 2, detail: "timed out".into() }, "replication_failed"),
+            (
+                DataError::ReplicationFailed {
+                    holder: 2,
+                    cause: ReplicaError::Call(crate::transport::CallError::Timeout),
+                },
+                "replication_failed",
+            ),
             (DataError::NodeDraining, "node_draining"),
             (DataError::OwnerUnreachable { owner: 3, bucket: b }, "owner_unreachable"),
         ] {

@@ -1,4 +1,4 @@
-//! Failure detection (R41–R43): ping/pong between every pair of members.
+//! Failure detection: ping/pong between every pair of members.
 //!
 //! ```text
 //!  every --ping-interval:  A ── POST /internal/ping {from: A, pfail: [ids A has not heard from]} ──▶ B
@@ -9,7 +9,7 @@
 //! ```
 //!
 //! A pong that says "you were failed" makes this node stop, discard its data and rejoin as
-//! a new member (R45). The same contacts give a *lease*: a node that has not heard from a
+//! a new member. The same contacts give a *lease*: a node that has not heard from a
 //! majority of the members within `--node-timeout` acknowledges no write (`503 no_quorum`), so
 //! a node paused or cut off long enough to be failed cannot acknowledge a write for buckets
 //! that were given to another node meanwhile.
@@ -61,7 +61,7 @@ pub struct Health {
     in_flight: Mutex<BTreeSet<NodeId>>,
     /// Set on SIGTERM: not ready, no new writes (see `NodeHandle::drain`).
     draining: AtomicBool,
-    /// Set while a leaving node waits for its replicas before handing over (R18).
+    /// Set while a leaving node waits for its replicas before handing over.
     handing_over: AtomicBool,
 }
 
@@ -101,7 +101,7 @@ impl Health {
         self.draining.store(true, Ordering::Relaxed);
     }
 
-    /// Pauses (or resumes) this node's writes while it hands its buckets over (R18).
+    /// Pauses (or resumes) this node's writes while it hands its buckets over.
     pub fn set_handing_over(&self, on: bool) {
         self.handing_over.store(on, Ordering::Relaxed);
     }

@@ -16,13 +16,16 @@
 //! - [`bucket`]: the bucket core: what this node does with each bucket, and the write path.
 //! - [`error`]: [`error::DataError`], why the data plane did not serve an operation.
 //! - [`cache`]: the store of the buckets this node holds.
+//! - [`reconcile`]: the one loop that acts on the replicated state (pulls, restores,
+//!   promotions, replicas, hand-over, drops), planned by a pure function.
 //! - [`replication`]: replicas, sync and async replication, promotion on failover.
 //! - [`health`]: ping/pong failure detection (pfail, fail by majority).
 //! - [`transfer`]: state transfer: acknowledging transitions, moving buckets with their data.
 //! - [`identity`]: the node's id in its data dir.
 //! - [`join`]: the joiner's side of the join protocol.
 //! - [`metrics`]: the node's Prometheus metrics.
-//! - [`sim`]: the deterministic simulation: whole clusters on a simulated network and clock.
+//! - `sim` (feature `sim`, on in the tests): the deterministic simulation: whole clusters on a
+//!   simulated network and clock.
 //! - [`cli`]: the command-line client.
 //! - [`bench`]: `shoal bench`, the load generator.
 
@@ -42,7 +45,9 @@ pub mod metrics;
 pub mod node;
 pub mod peer;
 pub mod proxy;
+pub mod reconcile;
 pub mod replication;
+#[cfg(feature = "sim")]
 pub mod sim;
 pub mod transfer;
 pub mod transport;

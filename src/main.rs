@@ -87,7 +87,7 @@ fn serve(config: ServeConfig) -> Result<(), String> {
                     return Err(e.to_string());
                 }
             };
-            // R45: a failed node discards its stale data and Raft state and joins as a new member.
+            // A failed node discards its stale data and Raft state and joins as a new member.
             shoal::node::discard_data_dir(&config.data_dir)?;
             tracing::info!(join = ?rejoin, "rejoining the cluster as a new member");
             config.join = rejoin;

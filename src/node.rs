@@ -27,7 +27,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::bucket::{AckProbe, BucketCore, LocalFacts};
+use crate::bucket::{BucketCore, LocalFacts, Probe};
 use crate::cache::{CacheStore, Clock};
 use crate::config::ServeConfig;
 use crate::health::Health;
@@ -37,11 +37,10 @@ use crate::join::Joiner;
 use crate::metrics::NodeMetrics;
 use crate::peer::Peers;
 use crate::proxy::{NodeApi, NodeParts};
+use crate::reconcile::Reconciler;
 use crate::replication::Replicator;
 use crate::transfer::export::Exporter;
-use crate::transfer::import::Puller;
 use crate::transfer::progress::Progress;
-use crate::transfer::{self, Transfers};
 use crate::transport::{HttpTransport, PeerService, Transport};
 
 /// Why a node could not start.
@@ -105,7 +104,6 @@ pub struct NodeHandle {
     shutdown: watch::Sender<bool>,
     servers: Vec<JoinHandle<()>>,
     tasks: Vec<JoinHandle<()>>,
-    transfers: Option<Transfers>,
     rejoin: Arc<parking_lot::Mutex<Option<Vec<String>>>>,
     health: Arc<Health>,
     replicator: Arc<Replicator>,
@@ -138,7 +136,7 @@ impl NodeHandle {
     }
 
     /// After the node stopped by itself: `Some(API addresses)` if it stopped because the
-    /// cluster failed it; it must then discard its data dir and join as a new member (R45).
+    /// cluster failed it; it must then discard its data dir and join as a new member.
     pub fn rejoin(&self) -> Option<Vec<String>> {
         self.rejoin.lock().clone()
     }
@@ -211,9 +209,6 @@ impl NodeHandle {
             let _ = server.await;
         }
         tracing::debug!(node_id = self.node_id, "servers stopped; stopping tasks");
-        if let Some(transfers) = self.transfers {
-            transfers.stop().await;
-        }
         for task in self.tasks {
             task.abort();
             let _ = task.await;
@@ -252,7 +247,7 @@ pub struct Environment {
     /// The id of a new cluster, if this node bootstraps one.
     pub new_cluster_id: String,
     /// Sees every acknowledged write (the simulation's checks).
-    pub probe: Option<Arc<dyn AckProbe>>,
+    pub probe: Option<Arc<dyn Probe>>,
 }
 
 /// Starts a node on listeners bound by the caller (tests bind port 0).
@@ -421,7 +416,7 @@ pub async fn start_in(
         cache: cache.clone(),
         config: transfer_config,
         progress: progress.clone(),
-        replicator: replicator.clone(),
+        facts: core.facts().clone(),
     };
     let service = Arc::new(PeerService {
         control: control.clone(),
@@ -440,7 +435,6 @@ pub async fn start_in(
         shutdown,
         servers,
         tasks: Vec::new(),
-        transfers: None,
         rejoin: Arc::new(parking_lot::Mutex::new(None)),
         health: health.clone(),
         replicator: replicator.clone(),
@@ -451,54 +445,27 @@ pub async fn start_in(
         return Err(e);
     }
     let mut handle = handle;
-    handle.tasks.push(tokio::spawn(reclaim_vote(control.clone())));
-    handle.tasks.push(tokio::spawn(transfer::restore::restore(
-        control.clone(),
-        cache.clone(),
-        Puller::new(peers.clone(), transfer_config),
-        facts,
-        progress.clone(),
-    )));
-    handle.transfers = Some(Transfers::start(
-        control.clone(),
-        cache.clone(),
-        peers.clone(),
-        transfer_config,
-        progress,
-        metrics.clone(),
-    ));
     handle.tasks.push(tokio::spawn(sweep_expired(cache.clone())));
     handle.tasks.push(tokio::spawn(sweep_expired(replicator.replica().clone())));
-    handle.tasks.push(tokio::spawn(metrics_upkeep(metrics)));
-    handle.tasks.push(tokio::spawn(replicator.clone().attach_all()));
-    handle.tasks.push(tokio::spawn(replicator.clone().drain_queue()));
-    handle.tasks.push(tokio::spawn(replicate_evictions(core)));
+    handle.tasks.push(tokio::spawn(metrics_upkeep(metrics.clone())));
+    handle.tasks.push(tokio::spawn(replicate_evictions(core.clone())));
     handle.tasks.push(tokio::spawn(health.clone().run()));
-    handle.tasks.push(tokio::spawn(crate::replication::handover::hand_over_when_leaving(
-        control.clone(),
-        replicator.clone(),
-        health.clone(),
-    )));
-    handle.tasks.push(tokio::spawn(leave_when_failed(
-        control.clone(),
-        health,
-        handle.rejoin.clone(),
-        handle.shutdown.clone(),
-    )));
-    let limits = (config.cache_size.saturating_mul(2), config.cache_size);
-    let shadows = crate::replication::follow::ShadowSource {
-        puller: Puller::new(peers, transfer_config),
-        progress: handle.transfers.as_ref().map(|t| t.progress().clone()).unwrap_or_default(),
-    };
-    handle.tasks.push(tokio::spawn(follow_map(
+    let reconciler = Reconciler::new(crate::reconcile::Parts {
+        core,
+        store: cache,
         control,
-        cache,
-        (replicator, shadows),
-        limits,
-        identity,
-        config.data_dir.clone(),
-        handle.shutdown.clone(),
-    )));
+        replicator,
+        health,
+        peers,
+        progress,
+        metrics,
+        transfer: transfer_config,
+        limits: (config.cache_size.saturating_mul(2), config.cache_size),
+        identity: (identity, config.data_dir.clone()),
+        shutdown: handle.shutdown.clone(),
+        rejoin: handle.rejoin.clone(),
+    });
+    handle.tasks.push(tokio::spawn(reconciler.run()));
     tracing::info!(node_id, api = %api_addr, peer = %peer_addr, "node ready");
     Ok(handle)
 }
@@ -567,38 +534,6 @@ fn failed(state: &ClusterState, node_id: NodeId) -> StartError {
     StartError::Failed { node_id, join }
 }
 
-/// Stops the node when the cluster failed it (a pong said so, or the applied state does), and
-/// records where to rejoin.
-async fn leave_when_failed(
-    control: ControlPlane,
-    health: Arc<Health>,
-    rejoin: Arc<parking_lot::Mutex<Option<Vec<String>>>>,
-    shutdown: watch::Sender<bool>,
-) {
-    let me = control.node_id();
-    let mut applied = control.view().subscribe();
-    loop {
-        tokio::select! {
-            _ = health.removed() => {}
-            changed = applied.changed() => {
-                if changed.is_err() {
-                    return;
-                }
-                if !control.state().failed.contains(&me) {
-                    continue;
-                }
-            }
-        }
-        let state = control.state();
-        if let StartError::Failed { join, .. } = failed(&state, me) {
-            tracing::error!(node_id = me, "the cluster failed this node: it stops, discards its data and rejoins");
-            *rejoin.lock() = Some(join);
-        }
-        shutdown.send_replace(true);
-        return;
-    }
-}
-
 /// Discards what a failed node holds in its data dir (its identity and Raft state), so that
 /// it can join again as a new member.
 pub fn discard_data_dir(data_dir: &std::path::Path) -> Result<(), String> {
@@ -656,91 +591,5 @@ async fn sweep_expired(cache: Arc<CacheStore>) {
         let buckets: Vec<BucketId> = (0..10).map(|i| BucketId((next + i) % shoal_raft::BUCKET_COUNT as u16)).collect();
         next = (next + 10) % shoal_raft::BUCKET_COUNT as u16;
         cache.sweep_expired(buckets);
-    }
-}
-
-/// A member that gave up its Raft vote when it stopped (see [`NodeHandle::drain`]) asks for it
-/// back once it runs again; the leader's reconciler then adds it to the Raft config again and
-/// makes it a voter. Asked on every start, through another member (out of the Raft config, this
-/// node knows no leader, and its own state may not show that it was stopping): it is harmless
-/// when the node was not stopping.
-async fn reclaim_vote(control: ControlPlane) {
-    let me = control.node_id();
-    let request = shoal_raft::AdminRequest::SetDraining { node_id: me, draining: false };
-    let mut pause = Duration::from_millis(500);
-    loop {
-        let state = control.state();
-        if !state.is_member(me) || state.members.len() <= 1 {
-            return;
-        }
-        for member in state.members.iter().filter(|m| m.id != me) {
-            match control.admin_client().call(&member.peer_addr, &request).await {
-                Ok(_) => {
-                    tracing::debug!(node_id = me, "asked for the Raft vote (back)");
-                    return;
-                }
-                Err(e) => tracing::debug!(node_id = me, via = member.id, error = %e, "asking for the Raft vote"),
-            }
-        }
-        tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(Duration::from_secs(5));
-    }
-}
-
-/// Follows the applied state: drops the data of buckets this node no longer owns, and stops
-/// the node once it has left the cluster (and is no longer a Raft voter).
-async fn follow_map(
-    control: ControlPlane,
-    cache: Arc<CacheStore>,
-    (replicator, shadows): (Arc<Replicator>, crate::replication::follow::ShadowSource),
-    (single_member_limit, limit): (u64, u64),
-    identity: Identity,
-    data_dir: std::path::PathBuf,
-    shutdown: watch::Sender<bool>,
-) {
-    let node_id = identity.node_id;
-    let mut applied = control.view().subscribe();
-    let mut owned_version = 0;
-    loop {
-        let state = control.state();
-        // Promotion first: a promoted bucket's data comes from the replica store.
-        replicator.follow(&state, single_member_limit, limit, &shadows).await;
-        if state.map.version != owned_version && !state.map.is_empty() {
-            owned_version = state.map.version;
-            let mut dropped = 0;
-            // Keep what this node serves, and what the target brings to it (a bucket being
-            // pulled sits here before its flip).
-            let keep = |b: BucketId| {
-                state.map.owner_of(b) == Some(node_id)
-                    || state.target.as_ref().is_some_and(|t| t.owner_of(b) == Some(node_id))
-                    || state.shadow_of(b) == Some(node_id)
-            };
-            for bucket in BucketId::all() {
-                if !keep(bucket) && cache.bucket_stats(bucket).0 > 0 {
-                    dropped += cache.take_bucket(bucket).len();
-                }
-            }
-            if dropped > 0 {
-                tracing::debug!(
-                    node_id,
-                    map_version = owned_version,
-                    dropped,
-                    "dropped the items of buckets that moved away"
-                );
-            }
-        }
-        if state.retired.contains(&node_id) && !control.is_voter() {
-            let mut retired = identity.clone();
-            retired.retired = true;
-            if let Err(e) = retired.store(&data_dir) {
-                tracing::error!(error = %e, "could not record that this node left");
-            }
-            tracing::info!(node_id, "this node has left the cluster; stopping");
-            shutdown.send_replace(true);
-            return;
-        }
-        // Membership changes (voter demotion) show in Raft's metrics, not always in a new
-        // applied entry, so wake up periodically too.
-        let _ = tokio::time::timeout(Duration::from_millis(500), applied.changed()).await;
     }
 }

@@ -23,6 +23,13 @@ install nft nftables   # the fault tests cut links with nft rules
 install ip iproute2
 install unshare util-linux
 
+# .cargo/config.toml builds with --cfg tokio_unstable, which lets the deterministic simulation
+# seed tokio's own random choices; a RUSTFLAGS from the environment replaces that setting, so
+# it is added back.
+if [ -n "${RUSTFLAGS:-}" ]; then
+    export RUSTFLAGS="$RUSTFLAGS --cfg tokio_unstable"
+fi
+
 echo "== format"
 cargo fmt --all -- --check
 echo "== lint"

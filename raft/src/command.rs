@@ -46,7 +46,7 @@ pub enum ClusterCommand {
         node_id: NodeId,
     },
     /// A leaving member's replica is in sync: its buckets are served by the member holding
-    /// that replica from now on (R18), and state transfer spreads them from there.
+    /// that replica from now on, and state transfer spreads them from there.
     HandOver {
         /// The leaving member.
         node_id: NodeId,
@@ -80,8 +80,9 @@ pub enum ClusterCommand {
         /// Its new replica holder.
         holder: NodeId,
     },
-    /// A member that restarted found no copy left of buckets it owns (its replica holder
-    /// restarted too, or none was complete): they are lost.
+    /// A member that restarted found no copy left of buckets it owns. No longer proposed (a
+    /// restarted owner now serves such buckets empty and says so in its log); kept so that
+    /// logs written by earlier versions replay to the same state.
     BucketsLost {
         /// The member.
         node_id: NodeId,

@@ -400,10 +400,6 @@ impl ControlPlane {
                 self.write(ClusterCommand::ReplicaMoved { owner, holder }).await?;
                 Ok(AdminResponse::Done)
             }
-            AdminRequest::BucketsLost { node_id, buckets } => {
-                self.write(ClusterCommand::BucketsLost { node_id, buckets }).await?;
-                Ok(AdminResponse::Done)
-            }
             AdminRequest::SetDraining { node_id, draining } => {
                 self.write(ClusterCommand::SetDraining { node_id, draining }).await?;
                 Ok(AdminResponse::Done)
@@ -456,7 +452,7 @@ impl ControlPlane {
             });
         };
         let node = MemberNode { api_addr: registration.api_addr.clone(), peer_addr: registration.peer_addr.clone() };
-        self.inner.raft.add_learner(node_id, node, false).await.map_err(write_error)?;
+        self.bounded("adding the node to Raft", self.inner.raft.add_learner(node_id, node, false)).await?;
         self.wait_caught_up(node_id).await?;
         let map_version = match self.write(ClusterCommand::Admit { node_id, force }).await? {
             CommandResponse::MapChanged { map_version } => map_version,
@@ -508,10 +504,24 @@ impl ControlPlane {
             .map_err(|_| ControlError::Timeout { what: format!("node {node_id} to catch up with the Raft log") })
     }
 
+    /// Waits for a Raft write, at most `change_timeout`: a leader cut off from its majority
+    /// never commits, and openraft does not give up by itself. After the timeout the outcome
+    /// is unknown (the entry may still commit).
+    async fn bounded<T>(
+        &self,
+        what: &str,
+        write: impl std::future::Future<Output = Result<T, OpenRaftError<NodeId, ClientWriteError<NodeId, MemberNode>>>>,
+    ) -> Result<T, ControlError> {
+        match tokio::time::timeout(self.inner.config.change_timeout, write).await {
+            Ok(result) => result.map_err(write_error),
+            Err(_) => Err(ControlError::Timeout { what: what.into() }),
+        }
+    }
+
     /// Commits `command` (this node must be the leader) and returns its response; a
     /// `Rejected` response becomes an error.
     pub async fn write(&self, command: ClusterCommand) -> Result<CommandResponse, ControlError> {
-        let response = self.inner.raft.client_write(command).await.map_err(write_error)?;
+        let response = self.bounded("the Raft log to commit", self.inner.raft.client_write(command)).await?;
         match response.data {
             CommandResponse::Rejected { reason } => Err(ControlError::Rejected { reason }),
             CommandResponse::Busy { reason } => Err(ControlError::MembershipChangeInProgress { reason }),
@@ -548,17 +558,17 @@ impl ControlPlane {
         for member in state.members.iter().filter(|m| !state.draining.contains(&m.id) || desired.contains(&m.id)) {
             if membership.get_node(&member.id).is_none() {
                 let node = MemberNode { api_addr: member.api_addr.clone(), peer_addr: member.peer_addr.clone() };
-                self.inner.raft.add_learner(member.id, node, false).await.map_err(write_error)?;
+                self.bounded("adding a member to Raft", self.inner.raft.add_learner(member.id, node, false)).await?;
             }
         }
         let voters: BTreeSet<NodeId> = membership.voter_ids().collect();
         if !desired.is_empty() && desired != voters {
             tracing::info!(?voters, ?desired, "changing Raft voters");
-            self.inner
-                .raft
-                .change_membership(ChangeMembers::ReplaceAllVoters(desired.clone()), true)
-                .await
-                .map_err(write_error)?;
+            self.bounded(
+                "changing the Raft voters",
+                self.inner.raft.change_membership(ChangeMembers::ReplaceAllVoters(desired.clone()), true),
+            )
+            .await?;
         }
         // A stopping member leaves the Raft config altogether: in openraft a leader that is
         // only a learner keeps leading, one that is not in the config steps down. It is
@@ -571,11 +581,11 @@ impl ControlPlane {
             .collect();
         if !stopping.is_empty() {
             tracing::info!(?stopping, "taking stopping members out of the Raft config");
-            self.inner
-                .raft
-                .change_membership(ChangeMembers::RemoveNodes(stopping), false)
-                .await
-                .map_err(write_error)?;
+            self.bounded(
+                "taking stopping members out of Raft",
+                self.inner.raft.change_membership(ChangeMembers::RemoveNodes(stopping), false),
+            )
+            .await?;
         }
         let applied = metrics.last_applied.map(|l| l.index).unwrap_or(0);
         let stale: BTreeSet<NodeId> = {
@@ -607,7 +617,11 @@ impl ControlPlane {
         };
         if !stale.is_empty() {
             tracing::info!(?stale, "dropping non-members from the Raft config");
-            self.inner.raft.change_membership(ChangeMembers::RemoveNodes(stale), false).await.map_err(write_error)?;
+            self.bounded(
+                "dropping non-members from Raft",
+                self.inner.raft.change_membership(ChangeMembers::RemoveNodes(stale), false),
+            )
+            .await?;
         }
         Ok(())
     }

@@ -26,7 +26,7 @@ pub mod phase;
 #[cfg(test)]
 pub(crate) mod testing;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock};
@@ -45,19 +45,29 @@ use crate::health::Health;
 use crate::peer::Peers;
 use crate::replication::Replicator;
 
-/// Sees every write a node acknowledges, with the ownership period (the bucket's move epoch)
-/// it belongs to. The simulation checks with it that no two nodes acknowledge writes of one
-/// bucket in one period.
-pub trait AckProbe: Send + Sync {
+/// Sees what the simulation checks: every write a node acknowledges, with the ownership period
+/// (the bucket's move epoch) it belongs to — no two nodes may acknowledge writes of one bucket
+/// in one period — and every bucket a node serves again empty because no copy of it was left.
+pub trait Probe: Send + Sync {
     /// Node `node` acknowledged a write of `bucket` in move epoch `epoch`.
     fn acknowledged(&self, node: NodeId, bucket: BucketId, epoch: u64);
+
+    /// Node `node` serves `bucket` again, empty: every copy of it was lost.
+    fn emptied(&self, node: NodeId, bucket: BucketId);
+
+    /// Node `node` answered a read of `bucket` from its own copy, knowing the bucket's move
+    /// epoch as `epoch` (a node with an old map may answer from a copy that is no longer the
+    /// bucket's).
+    fn served(&self, node: NodeId, bucket: BucketId, epoch: u64);
 }
 
 /// What this node knows of its buckets that the replicated state does not say, and the lock
 /// that serializes writes to each bucket (so its copies apply them in the order it did).
 pub struct LocalFacts {
     restoring: RwLock<BTreeSet<u16>>,
-    installed: Mutex<BTreeSet<u16>>,
+    /// Promoted buckets whose copy is installed, with the move epoch of their promotion: a
+    /// later promotion of the same bucket (a new epoch) is installed again.
+    installed: Mutex<BTreeMap<u16, u64>>,
     locks: Vec<tokio::sync::Mutex<()>>,
 }
 
@@ -65,16 +75,23 @@ impl Default for LocalFacts {
     fn default() -> Self {
         LocalFacts {
             restoring: RwLock::new(BTreeSet::new()),
-            installed: Mutex::new(BTreeSet::new()),
+            installed: Mutex::new(BTreeMap::new()),
             locks: (0..BUCKET_COUNT).map(|_| tokio::sync::Mutex::new(())).collect(),
         }
     }
 }
 
 impl LocalFacts {
-    /// What this node knows of `bucket`.
-    pub fn of(&self, bucket: BucketId) -> BucketFacts {
-        BucketFacts { restoring: self.is_restoring(bucket), installed: self.is_installed(bucket) }
+    /// What this node knows of `bucket`, on `state`.
+    pub fn of(&self, state: &ClusterState, bucket: BucketId) -> BucketFacts {
+        BucketFacts { restoring: self.is_restoring(bucket), installed: self.is_installed(state, bucket) }
+    }
+
+    /// Whether node `me` owns `bucket` on `state` but does not hold its data yet (restoring
+    /// after a restart, or promoted and not installed): it must not be exported or sent to a
+    /// replica, which would spread an empty bucket.
+    pub fn not_held(&self, state: &ClusterState, me: NodeId, bucket: BucketId) -> bool {
+        matches!(phase_of(state, me, bucket, self.of(state, bucket)), Phase::Restoring | Phase::AwaitingPromotion)
     }
 
     /// Locks `bucket` for a write (or anything that must not interleave with one).
@@ -96,8 +113,8 @@ impl LocalFacts {
     /// Marks the buckets to get back before serving them, at start (before serving). After a
     /// restart in a cluster of several members: every bucket, because the state this node read
     /// from its own disk may be behind (a bucket flipped to it just before it went down is not
-    /// in it yet); the restorer drops the ones it does not own once it has caught up with the
-    /// leader. Otherwise: every bucket `me` serves that has a shadow or a replica elsewhere.
+    /// in it yet); the reconciler unmarks the ones it does not own once it has caught up with
+    /// the leader. Otherwise: every bucket `me` serves that has a shadow or a replica elsewhere.
     pub fn mark_restoring(&self, state: &ClusterState, me: NodeId, restarted: bool) {
         let mut set = self.restoring.write();
         let replica = state.replica_of(me).is_some();
@@ -114,20 +131,19 @@ impl LocalFacts {
         self.restoring.write().remove(&bucket.0);
     }
 
-    /// Whether this node installed its copy of the promoted `bucket`.
-    pub fn is_installed(&self, bucket: BucketId) -> bool {
-        let set = self.installed.lock();
-        !set.is_empty() && set.contains(&bucket.0)
+    /// Whether this node installed its copy of `bucket`, promoted to it on `state`.
+    pub fn is_installed(&self, state: &ClusterState, bucket: BucketId) -> bool {
+        if state.promoted.is_empty() || !state.promoted.contains_key(&bucket.0) {
+            return false;
+        }
+        self.installed.lock().get(&bucket.0) == Some(&state.epoch_of(bucket))
     }
 
-    /// This node installed its copy of the promoted `bucket`.
-    pub fn install(&self, bucket: BucketId) {
-        self.installed.lock().insert(bucket.0);
-    }
-
-    /// Forgets installed promotions the state no longer lists.
-    pub fn forget_installed(&self, state: &ClusterState) {
-        self.installed.lock().retain(|b| state.promoted.contains_key(b));
+    /// This node installed its copy of `bucket`, promoted to it on `state`.
+    pub fn install(&self, state: &ClusterState, bucket: BucketId) {
+        let mut installed = self.installed.lock();
+        installed.retain(|b, _| state.promoted.contains_key(b));
+        installed.insert(bucket.0, state.epoch_of(bucket));
     }
 }
 
@@ -140,7 +156,7 @@ pub struct BucketCore {
     health: Arc<Health>,
     replicator: Arc<Replicator>,
     peers: Peers,
-    probe: Option<Arc<dyn AckProbe>>,
+    probe: Option<Arc<dyn Probe>>,
 }
 
 impl BucketCore {
@@ -152,7 +168,7 @@ impl BucketCore {
         health: Arc<Health>,
         replicator: Arc<Replicator>,
         peers: Peers,
-        probe: Option<Arc<dyn AckProbe>>,
+        probe: Option<Arc<dyn Probe>>,
     ) -> Self {
         BucketCore { me: control.node_id(), control, store, facts, health, replicator, peers, probe }
     }
@@ -162,9 +178,14 @@ impl BucketCore {
         &self.facts
     }
 
+    /// What sees acknowledged writes and emptied buckets (the simulation).
+    pub fn probe(&self) -> Option<&Arc<dyn Probe>> {
+        self.probe.as_ref()
+    }
+
     /// The phase of `bucket` on `state`.
     pub fn phase(&self, state: &ClusterState, bucket: BucketId) -> Phase {
-        phase_of(state, self.me, bucket, self.facts.of(bucket))
+        phase_of(state, self.me, bucket, self.facts.of(state, bucket))
     }
 
     /// Where a key operation on `bucket` runs, decided on `state`.
@@ -189,7 +210,7 @@ impl BucketCore {
     pub async fn write_permit(&self, bucket: BucketId) -> Result<WritePermit<'_>, DataError> {
         let decide = || {
             let state = self.control.state();
-            write_plan(&state, self.me, bucket, self.facts.of(bucket), self.health.node_facts())
+            write_plan(&state, self.me, bucket, self.facts.of(&state, bucket), self.health.node_facts())
         };
         let plan = decide()?;
         if !plan.has_copies() {
@@ -228,9 +249,15 @@ impl BucketCore {
         }
         let state = self.control.state();
         for (bucket, key, version) in evicted {
-            let plan = write_plan(&state, self.me, bucket, self.facts.of(bucket), NodeFacts::default());
-            if let Some(holder) = plan.ok().and_then(|p| self.replicator.holder_for(&p)) {
-                self.replicator.enqueue(bucket, &holder, &[crate::cache::Change::Delete { key, version }]);
+            let Ok(plan) = write_plan(&state, self.me, bucket, self.facts.of(&state, bucket), NodeFacts::default())
+            else {
+                continue;
+            };
+            let change = [crate::cache::Change::Delete { key, version }];
+            for holder in
+                [self.replicator.holder_for(&plan), self.replicator.next_holder_for(&plan)].into_iter().flatten()
+            {
+                self.replicator.enqueue(bucket, &holder, &change);
             }
         }
     }

@@ -17,7 +17,7 @@ use super::phase::{write_refusal, WritePlan};
 use super::BucketCore;
 use crate::cache::{Change, ExportedItem, Write};
 use crate::error::DataError;
-use crate::transfer::frame::{change_frames, end_frame, HEADER};
+use crate::transport::frame::{change_frames, end_frame, HEADER};
 
 /// One write done under a permit, and how to take it back.
 struct Done {
@@ -100,7 +100,8 @@ impl<'a> WritePermit<'a> {
                 }
             }
             if let Some(holder) = core.replicator.holder_for(&self.plan) {
-                if let Err(e) = core.replicator.replicate(self.plan.bucket, &holder, &changes).await {
+                let next = core.replicator.next_holder_for(&self.plan);
+                if let Err(e) = core.replicator.replicate(self.plan.bucket, &holder, next.as_ref(), &changes).await {
                     self.undo();
                     return Err(e);
                 }

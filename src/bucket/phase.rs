@@ -184,8 +184,12 @@ pub struct WritePlan {
     pub map_version: u64,
     /// The bucket's move epoch then: the ownership period the write belongs to.
     pub epoch: u64,
-    /// The holder of the bucket's replica (sync: before the answer; async: queued).
+    /// The holder of the owner's complete replica (else the one join order names): every
+    /// write must reach it (sync: before the answer; async: queued).
     pub replica: Option<Recipient>,
+    /// The holder join order names, while it is not yet the complete one: it gets the writes
+    /// of buckets already sent to it whole, and a failure there fails no write.
+    pub next_replica: Option<Recipient>,
     /// The node that handed the bucket over in the running transfer and keeps a shadow.
     pub shadow: Option<Recipient>,
 }
@@ -193,17 +197,17 @@ pub struct WritePlan {
 impl WritePlan {
     /// Whether the write reaches another node (and so must be serialized per bucket).
     pub fn has_copies(&self) -> bool {
-        self.replica.is_some() || self.shadow.is_some()
+        self.replica.is_some() || self.next_replica.is_some() || self.shadow.is_some()
     }
 }
 
 /// May node `me` write `bucket` now, and who must get a copy of the write?
 ///
 /// Yes only if the node may acknowledge writes at all ([`write_refusal`]) and the bucket is
-/// [`Phase::Serving`] here; the copies are the bucket's replica holder (the member after the
-/// owner in join order, when that is another node) and, during a transfer, the shadow the
-/// previous owner keeps. A bucket this node does not serve is refused with why; the caller
-/// routes it.
+/// [`Phase::Serving`] here; the copies are the holder of the node's complete replica (or,
+/// without one, the member after it in join order), the member join order names while it is
+/// not the complete one yet, and, during a transfer, the shadow the previous owner keeps. A
+/// bucket this node does not serve is refused with why; the caller routes it.
 pub fn write_plan(
     state: &ClusterState,
     me: NodeId,
@@ -223,9 +227,18 @@ pub fn write_plan(
         }
     }
     let copy_of = |node: NodeId| state.member_of(node).map(|m| Recipient { node, peer_addr: m.peer_addr.clone() });
-    let replica = state.replica_holder_of(bucket).filter(|&h| h != me).and_then(copy_of);
+    let desired = state.replica_of(me).filter(|&h| h != me);
+    let required = state.committed_holder_of(me).or(desired);
+    let next = desired.filter(|&d| Some(d) != required);
     let shadow = state.shadow_of(bucket).filter(|&s| s != me).and_then(copy_of);
-    Ok(WritePlan { bucket, map_version: state.map.version, epoch: state.epoch_of(bucket), replica, shadow })
+    Ok(WritePlan {
+        bucket,
+        map_version: state.map.version,
+        epoch: state.epoch_of(bucket),
+        replica: required.and_then(copy_of),
+        next_replica: next.and_then(copy_of),
+        shadow,
+    })
 }
 
 /// Why this node will not stream `bucket` to its new owner `to` for the move at `epoch`

@@ -84,7 +84,13 @@ pub fn apply(s: &mut ClusterState, step: &Step) {
             }
         }
         Step::Move(share) => {
-            for id in members {
+            // Receivers the running target names, a member that failed since included: it
+            // may not know yet and still pull.
+            let mut receivers: Vec<NodeId> =
+                s.target.as_ref().map(|t| t.owners.clone()).unwrap_or_default().into_iter().collect();
+            receivers.sort_unstable();
+            receivers.dedup();
+            for id in receivers {
                 for (k, (bucket, from, epoch)) in s.incoming_of(id).into_iter().enumerate() {
                     if k % 8 < usize::from(*share) {
                         s.apply(&ClusterCommand::BucketMoved { bucket: bucket.0, from, to: id, epoch });

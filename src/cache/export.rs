@@ -201,7 +201,7 @@ impl CacheStore {
         Ok(())
     }
 
-    /// Takes back a write of `key` that its replica did not apply (R16): if the key still
+    /// Takes back a write of `key` that its replica did not apply: if the key still
     /// holds version `written` (`None`: is still absent, after a delete), `previous` (the item
     /// before the write, or nothing) comes back, under a new version so that every copy orders
     /// it after the write. Returns whether anything changed.

@@ -148,6 +148,7 @@ impl NodeApi {
         let restoring =
             state.map.buckets_of(self.node_id).into_iter().filter(|&b| self.core.facts().is_restoring(b)).count();
         let (attached, owned) = self.replicator.attached_count(&state);
+        let in_place = self.replicator.in_place(&state);
         let alone = state.members.len() <= 1;
         vec![
             check("member", state.is_member(self.node_id), "this node is not a member of a cluster (yet)".into()),
@@ -161,8 +162,11 @@ impl NodeApi {
             ),
             check(
                 "replicas",
-                alone || attached == owned,
-                format!("{attached} of {owned} owned buckets attached to their replica"),
+                alone || in_place,
+                format!(
+                    "{attached} of {owned} owned buckets attached to their replica{}",
+                    if attached == owned { ", which moves to the holder join order names" } else { "" }
+                ),
             ),
         ]
     }

@@ -197,6 +197,9 @@ impl NodeApi {
     }
 
     fn local_get(&self, key: &str, bucket: BucketId) -> Option<GetOk> {
+        if let Some(probe) = self.core.probe() {
+            probe.served(self.node_id, bucket, self.control.state().epoch_of(bucket));
+        }
         match self.cache.get(bucket, key.as_bytes()) {
             Some(item) => {
                 self.metrics.hits.increment(1);

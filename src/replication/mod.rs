@@ -1,31 +1,41 @@
-//! Replicas and replication (R10–R17, R44).
+//! Replicas and replication.
 //!
-//! Every member holds the replica of the member before it in join order (the Raft state's
-//! `replica_of`). The replica lives in a store of its own ([`Replicator::replica`]), limited
-//! to `--cache-size` like the active store.
+//! Every member's writes reach the replica of its buckets on another member. The replica
+//! lives in a store of its own ([`Replicator::replica`]), limited to `--cache-size` like the
+//! active store.
 //!
 //! ```text
-//!  owner A (active)                                  holder B = replica_of(A)
-//!  PUT k ─ lock bucket ─ apply ─┬─ sync:  POST /internal/replicate/b ──▶ fence, apply ─┐
-//!                               │         ◀──────────────── 204 ──────────────────────┘
-//!                               │  2xx to the client only now; on failure the item is removed
-//!                               │  again and the client gets 503 replication_failed
-//!                               └─ async: queue ─▶ drainer, batches in order ─▶ the same endpoint
+//!  owner A (active)                                  holder H (the write plan names it)
+//!  PUT k ─ permit ─ apply ─┬─ sync:  POST /internal/replicate/b ──▶ fence, apply ─┐
+//!                          │         ◀──────────────── 204 ──────────────────────┘
+//!                          │  2xx to the client only now; on failure the write is taken back
+//!                          │  and the client gets 503 replication_failed
+//!                          └─ async: queue ─▶ batches in order ─▶ the same endpoint
 //! ```
 //!
+//! # Which holder
+//! The holder of a member's *complete* replica is recorded in Raft (`replica_holders`): it has
+//! every write the member acknowledged, and inherits the member's buckets if it fails. When a
+//! membership change makes join order name another holder, the member keeps writing to the
+//! complete one (a write fails unless it got there) and also to the new one for every bucket
+//! already sent to it whole; once the new one has every bucket, the member pauses its writes
+//! for a moment and commits `ReplicaMoved`, and the new one is the complete one from then on
+//! (the reconciler does this, `crate::reconcile`). Without a complete holder (right after the
+//! first join, or after the holder left or failed), writes go to the holder join order names.
+//!
 //! # Attachment
-//! A replica bucket is fed by changes only once it holds a snapshot of the active bucket.
-//! The owner records per bucket the holder that acknowledged a snapshot (`attached`); the
-//! holder records per bucket the owner whose snapshot it holds (`sources`). The owner sends a
-//! snapshot (under the bucket lock, so no write slips between the snapshot and the next change)
-//! when the holder changed, when the holder answers `412` (it has no snapshot), and eagerly from
-//! a background task for every bucket it owns ([`Replicator::attach_all`]).
+//! A replica bucket is fed by changes only once it holds a snapshot of the active bucket. The
+//! owner records per bucket the holders that acknowledged a snapshot in the bucket's current
+//! ownership period (`attached`); the holder records per bucket the owner whose snapshot it
+//! holds (`sources`). The owner sends a snapshot (under the bucket lock, so no write slips
+//! between the snapshot and the next change) when the holder has none, when it answers `412`,
+//! and from the reconciler for every bucket it serves.
 //!
 //! # Fencing
 //! The holder applies a request only if, in its map at least as new as the sender's, the
-//! sender owns the bucket and the holder is the sender's replica; otherwise `409`. So a node
-//! that lost a bucket (it was paused, partitioned, failed) cannot get a write acknowledged in
-//! sync mode: its replica refuses, and the write is undone.
+//! sender owns the bucket and the holder is the sender's holder (complete, or named by join
+//! order); otherwise `409`. So a node that lost a bucket (it was paused, partitioned, failed)
+//! cannot get a write acknowledged in sync mode: its replica refuses, and the write is undone.
 //!
 //! # What travels
 //! Deletes travel like writes; evictions go through the queue in both modes (the replica
@@ -33,23 +43,15 @@
 //! absolute expiry and both stores sweep them. Requests carry an increasing sequence number:
 //! the holder refuses one older than the last it applied from the same sender.
 //!
-//! # Invariants
-//! - In sync mode, every acknowledged write of an attached bucket is in the replica before the
-//!   client sees the 2xx.
-//! - A replica bucket is promoted (`NodeFailed`, `HandOver`) only from a snapshot of the node
-//!   the Raft state names; otherwise the bucket is reported lost, never served empty.
-//!
 //! # Layout
-//! - `mod.rs`: the [`Replicator`], sending and the background tasks.
+//! - `mod.rs`: the [`Replicator`]: sending, attaching, the queue, promotion, counts.
 //! - `receive.rs`: the holder's endpoint.
-//! - `follow.rs`: what the holder does when the map changes: promotion, cleanup.
-//! - `handover.rs`: a leaving member hands its buckets to its replica holder (R18).
+//! - `copy_back.rs`: the copy a restarted owner gets its buckets back from.
 
-pub mod follow;
-pub mod handover;
+mod copy_back;
 mod receive;
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -60,23 +62,21 @@ use shoal_raft::{BucketId, ClusterState, ControlPlane, NodeId, ReplicationMode, 
 use tokio::sync::{MutexGuard, Notify};
 use tokio::time::Instant;
 
-use crate::bucket::{change_body, phase_of, LocalFacts, Phase, WritePlan};
+use crate::bucket::{change_body, LocalFacts, Recipient, WritePlan};
 use crate::cache::{CacheStore, Change, ExportedItem};
-use crate::error::DataError;
+use crate::error::{DataError, ReplicaError};
 use crate::peer::Peers;
-use crate::transfer::frame::{end_frame, item_frames, HEADER};
+use crate::transport::frame::{end_frame, item_frames, HEADER};
 use crate::transport::{CallError, ReplicaAnswer, Replicate};
 
 /// How long a holder's newer map may take to reach this node before a refused write fails.
 const CATCH_UP: Duration = Duration::from_secs(2);
-/// How many queued changes the async drainer sends per round.
+/// How many queued changes one batch sends.
 const BATCH: usize = 512;
 /// The async queue's bound; past it the queue is dropped and the buckets re-attached.
 const QUEUE_LIMIT: usize = 200_000;
-/// How often the background attacher looks for buckets without a replica.
-const ATTACH_EVERY: Duration = Duration::from_millis(500);
 
-/// The member holding a bucket's replica, as the writer sees it.
+/// A member holding a bucket's replica, as the writer sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Holder {
     /// Its id.
@@ -88,6 +88,17 @@ pub struct Holder {
     /// The bucket's move epoch in that map: an attachment counts only for the ownership
     /// period it was made in (a bucket that left and came back is sent whole again).
     pub epoch: u64,
+}
+
+impl Holder {
+    fn of(recipient: &Recipient, plan: &WritePlan) -> Self {
+        Holder {
+            id: recipient.node,
+            peer_addr: recipient.peer_addr.clone(),
+            map_version: plan.map_version,
+            epoch: plan.epoch,
+        }
+    }
 }
 
 /// A change waiting in the async queue.
@@ -111,6 +122,12 @@ pub struct ReplicationStats {
     pub undone: AtomicU64,
 }
 
+/// Up to two holders that acknowledged a snapshot of a bucket: (holder, move epoch).
+type Attachments = [(NodeId, u64); 2];
+
+/// How many bucket snapshots an attach job has in flight at once.
+const ATTACH_IN_FLIGHT: usize = 8;
+
 /// This node's side of replication: as an active (sending) and as a holder (receiving).
 pub struct Replicator {
     me: NodeId,
@@ -119,10 +136,9 @@ pub struct Replicator {
     replica: Arc<CacheStore>,
     facts: Arc<LocalFacts>,
     peers: Peers,
-    /// Owner side: the holder that acknowledged a snapshot of each bucket (0: none).
-    attached: Vec<AtomicU64>,
-    /// The move epoch each attachment was made in (see [`Holder::epoch`]).
-    attached_epoch: Vec<AtomicU64>,
+    /// Owner side: per bucket, the holders that acknowledged a snapshot, and in which
+    /// ownership period (0: none).
+    attached: Vec<Mutex<Attachments>>,
     /// Holder side: the owner whose snapshot each replica bucket holds (0: none).
     sources: Vec<AtomicU64>,
     /// Holder side, per bucket: the sender and sequence number of the last request applied;
@@ -132,9 +148,12 @@ pub struct Replicator {
     /// Sender side: numbers every request, increasing across restarts (starts at the clock).
     seq: AtomicU64,
     queue: Mutex<VecDeque<Queued>>,
-    /// Changes taken off the queue by the drainer and not acknowledged yet.
+    /// Changes taken off the queue and not acknowledged yet.
     sending: AtomicU64,
-    wake: Notify,
+    queued: Notify,
+    /// The holder a `ReplicaMoved` of this node was proposed for, while it may still commit
+    /// (0: none): a write that misses that holder fails instead of only detaching there.
+    moving_to: AtomicU64,
     /// Counters.
     pub stats: ReplicationStats,
 }
@@ -159,14 +178,14 @@ impl Replicator {
             replica,
             facts,
             peers,
-            attached: (0..BUCKET_COUNT).map(|_| AtomicU64::new(0)).collect(),
-            attached_epoch: (0..BUCKET_COUNT).map(|_| AtomicU64::new(0)).collect(),
+            attached: (0..BUCKET_COUNT).map(|_| Mutex::new([(0, 0); 2])).collect(),
             sources: (0..BUCKET_COUNT).map(|_| AtomicU64::new(0)).collect(),
             applied: (0..BUCKET_COUNT).map(|_| Mutex::new((0, 0))).collect(),
             seq: AtomicU64::new(first_seq.max(1)),
             queue: Mutex::new(VecDeque::new()),
             sending: AtomicU64::new(0),
-            wake: Notify::new(),
+            queued: Notify::new(),
+            moving_to: AtomicU64::new(0),
             stats: ReplicationStats::default(),
         })
     }
@@ -181,51 +200,69 @@ impl Replicator {
         self.facts.lock(bucket).await
     }
 
-    /// The holder a write of `plan` goes to, as this replicator tracks it.
+    /// The holder every write of `plan` must reach.
     pub fn holder_for(&self, plan: &WritePlan) -> Option<Holder> {
-        let replica = plan.replica.as_ref()?;
-        Some(Holder {
-            id: replica.node,
-            peer_addr: replica.peer_addr.clone(),
-            map_version: plan.map_version,
-            epoch: plan.epoch,
-        })
+        plan.replica.as_ref().map(|r| Holder::of(r, plan))
     }
 
-    /// The holder of `bucket`'s replica if this node owns the bucket and one exists.
-    pub fn holder_of(&self, state: &ClusterState, bucket: BucketId) -> Option<Holder> {
-        if state.map.owner_of(bucket) != Some(self.me) {
-            return None;
-        }
-        let id = state.replica_holder_of(bucket).filter(|&h| h != self.me)?;
-        let peer_addr = state.member_of(id)?.peer_addr.clone();
-        Some(Holder { id, peer_addr, map_version: state.map.version, epoch: state.epoch_of(bucket) })
+    /// The holder join order names, when it is not yet the complete one: writes of buckets
+    /// already sent to it whole reach it too.
+    pub fn next_holder_for(&self, plan: &WritePlan) -> Option<Holder> {
+        plan.next_replica.as_ref().map(|r| Holder::of(r, plan))
     }
 
-    /// Whether this node owns `bucket` but does not hold its data yet (restoring after a
-    /// restart, or promoted and not installed): it must not be exported or sent to a replica,
-    /// which would spread an empty bucket.
-    pub fn not_held(&self, state: &ClusterState, bucket: BucketId) -> bool {
-        matches!(phase_of(state, self.me, bucket, self.facts.of(bucket)), Phase::Restoring | Phase::AwaitingPromotion)
-    }
-
-    /// Sends `changes` of `bucket` (applied locally, bucket lock held) to its replica: at once
-    /// in sync mode, through the queue in async mode.
-    pub async fn replicate(&self, bucket: BucketId, holder: &Holder, changes: &[Change]) -> Result<(), DataError> {
+    /// Sends `changes` of `bucket` (applied locally, bucket lock held) to its replica: to
+    /// `holder` (at once in sync mode, failing if it did not apply them; through the queue in
+    /// async mode), and to `next` when that one has the bucket already (a failure there only
+    /// detaches it).
+    pub async fn replicate(
+        &self,
+        bucket: BucketId,
+        holder: &Holder,
+        next: Option<&Holder>,
+        changes: &[Change],
+    ) -> Result<(), DataError> {
         if changes.is_empty() {
             return Ok(());
         }
+        let next = next.filter(|n| n.id != holder.id && self.is_attached(bucket, n));
         match self.control.state().settings.replication {
             ReplicationMode::Async => {
                 self.enqueue(bucket, holder, changes);
+                if let Some(next) = next {
+                    self.enqueue(bucket, next, changes);
+                }
                 Ok(())
             }
-            ReplicationMode::Sync => self.send_sync(bucket, holder, changes).await.map_err(|e| {
-                self.stats.failures.fetch_add(1, Ordering::Relaxed);
-                tracing::debug!(bucket = bucket.0, holder = holder.id, error = %e, "replication failed");
-                DataError::ReplicationFailed { holder: holder.id, detail: e }
-            }),
+            ReplicationMode::Sync => {
+                let also = async {
+                    let next = next?;
+                    let e = self.send_changes(bucket, next, changes).await.err()?;
+                    tracing::debug!(bucket = bucket.0, holder = next.id, error = %e, "the next holder missed a write; it gets the bucket whole again");
+                    self.detach_at(bucket, next.id);
+                    // It may become the complete holder any moment: the write must not count.
+                    (self.moving_to.load(Ordering::Acquire) == next.id).then_some((next.id, e))
+                };
+                let (sent, missed) = tokio::join!(self.send_sync(bucket, holder, changes), also);
+                let failed = match (sent, missed) {
+                    (Err(cause), _) => Some((holder.id, cause)),
+                    (Ok(()), missed) => missed,
+                };
+                match failed {
+                    None => Ok(()),
+                    Some((holder, cause)) => {
+                        self.stats.failures.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!(bucket = bucket.0, holder, error = %cause, "replication failed");
+                        Err(DataError::ReplicationFailed { holder, cause })
+                    }
+                }
+            }
         }
+    }
+
+    /// Records that `ReplicaMoved { holder }` is proposed (0: no proposal may commit any more).
+    pub fn set_moving_to(&self, holder: NodeId) {
+        self.moving_to.store(holder, Ordering::Release);
     }
 
     /// Counts a write undone after a failed replication.
@@ -233,42 +270,54 @@ impl Replicator {
         self.stats.undone.fetch_add(n, Ordering::Relaxed);
     }
 
-    async fn send_sync(&self, bucket: BucketId, holder: &Holder, changes: &[Change]) -> Result<(), String> {
+    /// Sends `changes` to a holder that has the bucket; any answer but "applied" is a failure.
+    async fn send_changes(&self, bucket: BucketId, holder: &Holder, changes: &[Change]) -> Result<(), ReplicaError> {
+        match self.send(bucket, holder, change_body(changes), false).await? {
+            ReplicaAnswer::Applied => {
+                self.stats.sent.fetch_add(changes.len() as u64, Ordering::Relaxed);
+                Ok(())
+            }
+            other => Err(refusal(other)),
+        }
+    }
+
+    async fn send_sync(&self, bucket: BucketId, holder: &Holder, changes: &[Change]) -> Result<(), ReplicaError> {
         if self.is_attached(bucket, holder) {
-            match self.send(bucket, holder, change_body(changes), false).await.map_err(|e| e.to_string())? {
+            match self.send(bucket, holder, change_body(changes), false).await? {
                 ReplicaAnswer::Applied => {
                     self.stats.sent.fetch_add(changes.len() as u64, Ordering::Relaxed);
                     return Ok(());
                 }
                 ReplicaAnswer::NeedSnapshot(_) => {}
                 ReplicaAnswer::Fenced { map_version, .. } => return self.refenced(bucket, holder, map_version).await,
-                ReplicaAnswer::Refused(reason) => return Err(format!("the replica refused: {reason}")),
+                ReplicaAnswer::Refused(reason) => return Err(ReplicaError::Refused(reason)),
             }
         }
         // The snapshot includes the changes: they are applied locally already.
         match self.send_snapshot(bucket, holder).await {
-            Err(Fenced(their_version)) => self.refenced(bucket, holder, their_version).await,
-            other => other.map_err(String::from),
+            Err(ReplicaError::Fenced(their_version)) => self.refenced(bucket, holder, their_version).await,
+            other => other,
         }
     }
 
     /// The holder refused because its map is newer: catch up and, if this node still owns the
     /// bucket, send it whole to the holder the new map names (the write is in it).
-    async fn refenced(&self, bucket: BucketId, holder: &Holder, their_version: u64) -> Result<(), String> {
+    async fn refenced(&self, bucket: BucketId, holder: &Holder, their_version: u64) -> Result<(), ReplicaError> {
         let version = their_version.max(holder.map_version + 1);
         self.control.wait_for_state(CATCH_UP, |s| s.map.version >= version).await;
         let state = self.control.state();
-        match self.holder_of(&state, bucket) {
+        let (required, _) = self.holders_of(&state, bucket);
+        match required {
             Some(next) if next.id != holder.id || next.map_version > holder.map_version => {
-                self.send_snapshot(bucket, &next).await.map_err(String::from)
+                self.send_snapshot(bucket, &next).await
             }
             None if state.map.owner_of(bucket) == Some(self.me) => Ok(()),
-            _ => Err(format!("node {} refused the write: this node no longer owns bucket {bucket}", holder.id)),
+            _ => Err(ReplicaError::NoLongerOwner { holder: holder.id, bucket }),
         }
     }
 
-    /// Sends the whole of `bucket` (its lock held by the caller) and records the attachment.
-    async fn send_snapshot(&self, bucket: BucketId, holder: &Holder) -> Result<(), SnapshotError> {
+    /// Sends `bucket` whole to `holder`, under the bucket lock (the caller holds it).
+    async fn send_snapshot(&self, bucket: BucketId, holder: &Holder) -> Result<(), ReplicaError> {
         let (items, counter) = self.active.snapshot(bucket);
         let mut body = BytesMut::from(&HEADER[..]);
         for item in &items {
@@ -277,18 +326,13 @@ impl Replicator {
             }
         }
         body.extend_from_slice(&end_frame(counter, items.len() as u64));
-        match self.send(bucket, holder, body.freeze(), true).await.map_err(|e| SnapshotError::Failed(e.to_string()))? {
+        match self.send(bucket, holder, body.freeze(), true).await? {
             ReplicaAnswer::Applied => {
-                // The epoch first: whoever sees the id sees its epoch.
-                self.attached_epoch[bucket.index()].store(holder.epoch, Ordering::Release);
-                self.attached[bucket.index()].store(holder.id, Ordering::Release);
+                self.attach_at(bucket, holder);
                 self.stats.snapshots.fetch_add(1, Ordering::Relaxed);
                 Ok(())
             }
-            ReplicaAnswer::Fenced { map_version, .. } => Err(Fenced(map_version)),
-            ReplicaAnswer::NeedSnapshot(reason) | ReplicaAnswer::Refused(reason) => {
-                Err(SnapshotError::Failed(format!("the replica refused the bucket snapshot: {reason}")))
-            }
+            other => Err(refusal(other)),
         }
     }
 
@@ -311,9 +355,10 @@ impl Replicator {
         self.peers.replicate(&holder.peer_addr, request).await
     }
 
-    /// Queues `changes` of `bucket` for its holder (async replication and evictions).
+    /// Queues `changes` of `bucket` for `holder` (async replication and evictions).
     pub fn enqueue(&self, bucket: BucketId, holder: &Holder, changes: &[Change]) {
-        // Not attached yet: the attacher's snapshot (taken under the bucket lock) will carry it.
+        // Not attached yet: the snapshot that attaches it (taken under the bucket lock) will
+        // carry the changes.
         if !self.is_attached(bucket, holder) {
             return;
         }
@@ -330,37 +375,133 @@ impl Replicator {
             queue.push_back(Queued { bucket, holder: holder.clone(), change: c.clone(), at });
         }
         drop(queue);
-        self.wake.notify_one();
+        self.queued.notify_one();
+    }
+
+    /// Woken when changes are queued.
+    pub fn queued(&self) -> &Notify {
+        &self.queued
+    }
+
+    /// Whether the queue has changes to send.
+    pub fn queue_waiting(&self) -> bool {
+        !self.queue.lock().is_empty()
+    }
+
+    /// Sends one batch of the async queue: in order, one request per run of one bucket and
+    /// holder. A failed request detaches its bucket at that holder (it is re-sent whole).
+    pub async fn send_queued(&self) {
+        let batch: Vec<Queued> = {
+            let mut queue = self.queue.lock();
+            let n = queue.len().min(BATCH);
+            self.sending.store(n as u64, Ordering::Release);
+            queue.drain(..n).collect()
+        };
+        let mut i = 0;
+        while i < batch.len() {
+            let (bucket, holder) = (batch[i].bucket, &batch[i].holder);
+            let mut j = i;
+            while j < batch.len() && batch[j].bucket == bucket && batch[j].holder == *holder {
+                j += 1;
+            }
+            let changes: Vec<Change> = batch[i..j].iter().map(|q| q.change.clone()).collect();
+            if let Err(e) = self.send_changes(bucket, holder, &changes).await {
+                self.stats.failures.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(bucket = bucket.0, holder = holder.id, error = %e, "async replication failed");
+                self.detach_at(bucket, holder.id);
+            }
+            i = j;
+        }
+        self.sending.store(0, Ordering::Release);
     }
 
     /// The replica of `bucket` if it is a snapshot of `owner`'s (a restarted owner restores
     /// from it).
-    pub fn replica_snapshot(&self, bucket: BucketId, owner: NodeId) -> Option<(Vec<ExportedItem>, u64)> {
+    fn replica_snapshot(&self, bucket: BucketId, owner: NodeId) -> Option<(Vec<ExportedItem>, u64)> {
         let source = self.sources.get(bucket.index())?;
         (source.load(Ordering::Acquire) == owner).then(|| self.replica.snapshot(bucket))
     }
 
-    /// Whether `holder` acknowledged a snapshot of `bucket` in the current ownership period.
-    fn is_attached(&self, bucket: BucketId, holder: &Holder) -> bool {
-        self.attached[bucket.index()].load(Ordering::Acquire) == holder.id
-            && self.attached_epoch[bucket.index()].load(Ordering::Acquire) == holder.epoch
+    /// The replica buckets this node holds, and the owner each copy came from.
+    pub fn replica_sources(&self) -> BTreeMap<BucketId, NodeId> {
+        BucketId::all()
+            .filter_map(|b| {
+                let source = self.sources[b.index()].load(Ordering::Acquire);
+                (source != 0).then_some((b, source))
+            })
+            .collect()
     }
 
-    /// Forgets that `bucket`'s replica holds a snapshot: the next change sends it whole.
+    /// Drops the replica copy of `bucket` if it is still `source`'s (the reconciler decided
+    /// this node no longer holds it for that owner; a snapshot of a new owner that landed
+    /// since is kept).
+    pub fn drop_replica(&self, bucket: BucketId, source: NodeId) {
+        let _applying = self.applied[bucket.index()].lock();
+        let current = &self.sources[bucket.index()];
+        if current.load(Ordering::Acquire) != source {
+            return;
+        }
+        current.store(0, Ordering::Release);
+        self.replica.take_bucket(bucket);
+    }
+
+    /// Turns the replica copy of the promoted `bucket` into active data, if the copy came
+    /// from `from` (the member whose bucket it was); answers whether it did. Under the
+    /// holder's bucket lock: no replication request lands in between.
+    pub fn install_promoted(&self, bucket: BucketId, from: NodeId) -> bool {
+        let _applying = self.applied[bucket.index()].lock();
+        let source = &self.sources[bucket.index()];
+        if source.load(Ordering::Acquire) != from {
+            return false;
+        }
+        source.store(0, Ordering::Release);
+        let items = self.replica.take_bucket(bucket);
+        self.active.install_bucket(bucket, items);
+        self.facts.install(&self.control.state(), bucket);
+        // Its replica (on this node's holder) gets the installed data, whole.
+        self.detach(bucket);
+        true
+    }
+
+    fn is_attached(&self, bucket: BucketId, holder: &Holder) -> bool {
+        self.attached[bucket.index()].lock().iter().any(|&(h, e)| h == holder.id && e == holder.epoch)
+    }
+
+    /// Records that `holder` has a snapshot of `bucket`, in the slot of a holder the bucket's
+    /// writes no longer go to (or an empty one): the other current holder keeps its slot.
+    fn attach_at(&self, bucket: BucketId, holder: &Holder) {
+        let state = self.control.state();
+        let (required, next) = self.holders_of(&state, bucket);
+        let current = |h: NodeId| [&required, &next].into_iter().flatten().any(|x| x.id == h);
+        let mut slots = self.attached[bucket.index()].lock();
+        let entry = (holder.id, holder.epoch);
+        let slot = slots.iter().position(|&(h, _)| h == holder.id).unwrap_or_else(|| {
+            slots.iter().position(|&(h, e)| h == 0 || e != holder.epoch || !current(h)).unwrap_or(1)
+        });
+        slots[slot] = entry;
+    }
+
+    fn detach_at(&self, bucket: BucketId, holder: NodeId) {
+        for slot in self.attached[bucket.index()].lock().iter_mut().filter(|(h, _)| *h == holder) {
+            *slot = (0, 0);
+        }
+    }
+
+    /// Forgets that `bucket`'s replicas hold a snapshot: the next change sends it whole.
     pub fn detach(&self, bucket: BucketId) {
-        self.attached[bucket.index()].store(0, Ordering::Release);
+        *self.attached[bucket.index()].lock() = [(0, 0); 2];
     }
 
     /// Forgets every snapshot `holder` acknowledged (it restarted with an empty store).
     pub fn detach_holder(&self, holder: NodeId) {
-        for a in &self.attached {
-            let _ = a.compare_exchange(holder, 0, Ordering::AcqRel, Ordering::Acquire);
+        for b in BucketId::all() {
+            self.detach_at(b, holder);
         }
     }
 
     fn detach_all(&self) {
-        for a in &self.attached {
-            a.store(0, Ordering::Release);
+        for b in BucketId::all() {
+            self.detach(b);
         }
     }
 
@@ -372,79 +513,80 @@ impl Replicator {
         (depth, queue.front().map(|q| q.at.elapsed()).unwrap_or_default())
     }
 
-    /// Drains the async queue forever: batches of changes, in order, one request per run of
-    /// one bucket. A failed request detaches the buckets (they are re-sent as snapshots).
-    pub async fn drain_queue(self: Arc<Self>) {
-        loop {
-            let batch: Vec<Queued> = {
-                let mut queue = self.queue.lock();
-                let n = queue.len().min(BATCH);
-                self.sending.store(n as u64, Ordering::Release);
-                queue.drain(..n).collect()
-            };
-            if batch.is_empty() {
-                let _ = tokio::time::timeout(Duration::from_millis(200), self.wake.notified()).await;
-                continue;
-            }
-            let mut i = 0;
-            while i < batch.len() {
-                let (bucket, holder) = (batch[i].bucket, &batch[i].holder);
-                let mut j = i;
-                while j < batch.len() && batch[j].bucket == bucket && batch[j].holder == *holder {
-                    j += 1;
-                }
-                let changes: Vec<Change> = batch[i..j].iter().map(|q| q.change.clone()).collect();
-                match self.send(bucket, holder, change_body(&changes), false).await {
-                    Ok(ReplicaAnswer::Applied) => {
-                        self.stats.sent.fetch_add(changes.len() as u64, Ordering::Relaxed);
-                    }
-                    other => {
-                        self.stats.failures.fetch_add(1, Ordering::Relaxed);
-                        tracing::debug!(bucket = bucket.0, holder = holder.id, answer = ?other, "async replication failed");
-                        let _ = self.attached[bucket.index()].compare_exchange(
-                            holder.id,
-                            0,
-                            Ordering::AcqRel,
-                            Ordering::Acquire,
-                        );
-                    }
-                }
-                i = j;
-            }
-            self.sending.store(0, Ordering::Release);
+    /// The holders a write of `bucket` goes to on `state`, if this node owns it: the one it
+    /// must reach, and the one join order names when that is not the same.
+    pub fn holders_of(&self, state: &ClusterState, bucket: BucketId) -> (Option<Holder>, Option<Holder>) {
+        let plan = crate::bucket::write_plan(state, self.me, bucket, self.facts.of(state, bucket), Default::default());
+        match plan {
+            Ok(plan) => (self.holder_for(&plan), self.next_holder_for(&plan)),
+            Err(_) => (None, None),
         }
     }
 
-    /// Attaches, forever, every bucket this node owns whose replica holder has no snapshot.
-    pub async fn attach_all(self: Arc<Self>) {
-        loop {
-            tokio::time::sleep(ATTACH_EVERY).await;
-            let state = self.control.state();
-            for bucket in BucketId::all() {
-                let Some(holder) = self.holder_of(&state, bucket) else { continue };
-                if self.is_attached(bucket, &holder) || self.not_held(&state, bucket) {
-                    continue;
-                }
-                let _lock = self.lock(bucket).await;
-                // Re-check under the lock: the map may have moved on.
-                if self.holder_of(&self.control.state(), bucket).as_ref() != Some(&holder) {
-                    continue;
-                }
-                if let Err(e) = self.send_snapshot(bucket, &holder).await.map_err(String::from) {
-                    self.stats.failures.fetch_add(1, Ordering::Relaxed);
-                    tracing::debug!(bucket = bucket.0, holder = holder.id, error = %e, "cannot attach the replica yet");
-                    break;
-                }
+    /// Sends `buckets` whole to holder `holder` when it has no snapshot of them in their
+    /// current ownership period, a few at a time (a rebuild after a failure is bound by round
+    /// trips, not bytes); stops after the first failure. The reconciler's attach job: answers
+    /// how many it attached.
+    pub async fn attach(&self, holder: NodeId, buckets: &[BucketId]) -> usize {
+        let mut sent = 0;
+        for group in buckets.chunks(ATTACH_IN_FLIGHT) {
+            let results = futures::future::join_all(group.iter().map(|&b| self.attach_one(holder, b))).await;
+            sent += results.iter().filter(|r| matches!(r, Ok(true))).count();
+            if results.iter().any(Result::is_err) {
+                break;
+            }
+        }
+        sent
+    }
+
+    /// Sends `bucket` whole to `holder` unless it has it; answers whether it sent it.
+    async fn attach_one(&self, holder: NodeId, bucket: BucketId) -> Result<bool, ()> {
+        let state = self.control.state();
+        let holder_on = |s: &ClusterState| {
+            let (required, next) = self.holders_of(s, bucket);
+            [required, next].into_iter().flatten().find(|h| h.id == holder)
+        };
+        let Some(target) = holder_on(&state) else { return Ok(false) };
+        if self.is_attached(bucket, &target) || self.facts.not_held(&state, self.me, bucket) {
+            return Ok(false);
+        }
+        let _lock = self.lock(bucket).await;
+        // Re-check under the lock: the map may have moved on.
+        if holder_on(&self.control.state()).as_ref() != Some(&target) {
+            return Ok(false);
+        }
+        match self.send_snapshot(bucket, &target).await {
+            Ok(()) => Ok(true),
+            Err(e) => {
+                self.stats.failures.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(bucket = bucket.0, holder, error = %e, "cannot attach the replica yet");
+                Err(())
             }
         }
     }
 
-    /// How many buckets this node owns whose replica holds a snapshot, of how many it owns.
+    /// Every (bucket, holder) whose snapshot the holder acknowledged in the bucket's current
+    /// ownership period, among the buckets this node owns on `state`.
+    pub fn attachments(&self, state: &ClusterState) -> BTreeSet<(BucketId, NodeId)> {
+        let mut found = BTreeSet::new();
+        for bucket in state.map.buckets_of(self.me) {
+            let epoch = state.epoch_of(bucket);
+            for &(h, e) in self.attached[bucket.index()].lock().iter() {
+                if h != 0 && e == epoch {
+                    found.insert((bucket, h));
+                }
+            }
+        }
+        found
+    }
+
+    /// How many buckets this node owns whose replica holds every write (the holder writes
+    /// must reach has a snapshot), of how many it owns.
     pub fn attached_count(&self, state: &ClusterState) -> (usize, usize) {
         let mut owned = 0;
         let mut attached = 0;
-        for bucket in BucketId::all() {
-            if let Some(holder) = self.holder_of(state, bucket) {
+        for bucket in state.map.buckets_of(self.me) {
+            if let (Some(holder), _) = self.holders_of(state, bucket) {
                 owned += 1;
                 if self.is_attached(bucket, &holder) {
                     attached += 1;
@@ -453,23 +595,22 @@ impl Replicator {
         }
         (attached, owned)
     }
+
+    /// Whether this node's replica is complete where join order wants it: no other holder
+    /// waits to take over, and every owned bucket is attached there.
+    pub fn in_place(&self, state: &ClusterState) -> bool {
+        let (attached, owned) = self.attached_count(state);
+        let moving = state.replica_of(self.me).is_some_and(|d| state.committed_holder_of(self.me) != Some(d));
+        attached == owned && !(moving && owned > 0)
+    }
 }
 
-/// Why a snapshot did not land.
-enum SnapshotError {
-    /// The holder's map (this version) says the sender does not own the bucket or it is not
-    /// the replica.
-    Fenced(u64),
-    /// Anything else.
-    Failed(String),
-}
-use SnapshotError::Fenced;
-
-impl From<SnapshotError> for String {
-    fn from(e: SnapshotError) -> String {
-        match e {
-            Fenced(v) => format!("fenced by the replica's map (version {v})"),
-            SnapshotError::Failed(e) => e,
-        }
+/// The error of an answer other than "applied".
+fn refusal(answer: ReplicaAnswer) -> ReplicaError {
+    match answer {
+        ReplicaAnswer::Applied => ReplicaError::Refused("applied".into()),
+        ReplicaAnswer::NeedSnapshot(reason) => ReplicaError::NeedsSnapshot(reason),
+        ReplicaAnswer::Fenced { map_version, .. } => ReplicaError::Fenced(map_version),
+        ReplicaAnswer::Refused(reason) => ReplicaError::Refused(reason),
     }
 }

@@ -4,7 +4,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use super::Replicator;
-use crate::transfer::frame::{Decoded, Decoder};
+use crate::transport::frame::{Decoded, Decoder};
 use crate::transport::{ReplicaAnswer, Replicate};
 
 /// How long the holder waits to apply the sender's map version.
@@ -32,12 +32,13 @@ impl Replicator {
             self.control.wait_for_state(MAP_CATCH_UP, |s| s.map.version >= r.map_version).await;
         }
         // Everything decoded: nothing is half-applied by a bad request. The fence is checked and
-        // the request applied under the bucket's lock, which promotion and cleanup take too, on
+        // the request applied under the replica bucket's apply lock, which promotion and drops take too, on
         // the newest applied state: a request checked before a failover cannot land after it.
         let from = r.from;
         let mut applied = self.applied[bucket.index()].lock();
         let state = self.control.state();
-        if state.map.owner_of(bucket) != Some(from) || state.replica_of(from) != Some(self.me) {
+        let holds = state.replica_of(from) == Some(self.me) || state.committed_holder_of(from) == Some(self.me);
+        if state.map.owner_of(bucket) != Some(from) || !holds {
             return ReplicaAnswer::Fenced {
                 map_version: state.map.version,
                 reason: format!(

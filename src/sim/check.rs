@@ -4,11 +4,17 @@
 //! may see is well defined: the state left by the last acknowledged write before it, or the
 //! effect of any write that got no definite answer (it may have landed, or may still land). A
 //! read that sees anything else went back in time; a read that finds nothing where the last
-//! acknowledged write stored a value was served by a bucket that lost its data. While a link
-//! is cut, a node cut off from the majority may still serve reads from its old copy (the read
-//! lease is not there yet): such reads are counted apart, not failed.
+//! acknowledged write stored a value was served by a bucket that lost its data. A bucket a node
+//! served again empty because every copy of it died (it says so: [`Emptied`]) starts over from
+//! nothing at that moment. While a link is cut, a node cut off from the majority may still
+//! serve reads from its old copy (the read lease is not there yet), and so may a node that has
+//! not yet learned that a bucket moved away (just after a heal, or between a move's commit and
+//! its apply there): such reads are counted apart, not failed.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use shoal_raft::{bucket_of, BucketId};
 
 use super::workload::{Op, OpKind, Outcome};
 
@@ -23,18 +29,34 @@ fn effect(kind: &OpKind) -> Option<State> {
     }
 }
 
-/// What may be seen of a key after the operations `before`.
-fn allowed(before: &[&Op]) -> BTreeSet<State> {
+/// When each bucket was served again empty (simulated time), sorted.
+pub type Emptied = BTreeMap<BucketId, Vec<Duration>>;
+
+/// What may be seen of a key after the operations `before`, up to time `until`, given when
+/// its bucket was emptied: an emptying resets what acknowledged writes left, and a write that
+/// ran while it happened may or may not have survived it.
+fn allowed(before: &[&Op], emptied: &[Duration], until: Duration) -> BTreeSet<State> {
     let mut acked: State = None;
     let mut maybe = BTreeSet::new();
+    let mut empties = emptied.iter().copied().filter(|&t| t <= until).peekable();
     for op in before {
+        while empties.next_if(|&t| t < op.start).is_some() {
+            acked = None;
+        }
         let Some(state) = effect(&op.kind) else { continue };
+        if empties.peek().is_some_and(|&t| t <= op.end) {
+            maybe.insert(state);
+            continue;
+        }
         match &op.outcome {
             Outcome::Ok { .. } | Outcome::NotFound => acked = state,
             Outcome::Failed(_) | Outcome::Unknown(_) => {
                 maybe.insert(state);
             }
         }
+    }
+    if empties.next().is_some() {
+        acked = None;
     }
     maybe.insert(acked);
     maybe
@@ -59,14 +81,21 @@ pub struct ReadVerdict {
     pub violations: Vec<String>,
     /// Such reads while a link was cut (stale reads of a cut-off node).
     pub stale_during_split: usize,
+    /// Such reads at other times while a node answered a read of that bucket from its own
+    /// copy with an old map (it did not know yet that the bucket had moved away).
+    pub stale_old_map: usize,
     /// Reads checked.
     pub reads: usize,
 }
 
-/// Checks every read of `history`.
-pub fn check_reads(history: &[Op]) -> ReadVerdict {
+/// Checks every read of `history`; `old_map` says when a node answered a read of a bucket from
+/// its own copy while another node knew of a later move of it.
+pub fn check_reads(history: &[Op], emptied: &Emptied, old_map: &Emptied) -> ReadVerdict {
     let mut verdict = ReadVerdict::default();
     for (key, ops) in by_key(history) {
+        let bucket = bucket_of(key.as_bytes());
+        let empties = emptied.get(&bucket).map_or(&[][..], Vec::as_slice);
+        let old = old_map.get(&bucket).map_or(&[][..], Vec::as_slice);
         for (i, op) in ops.iter().enumerate() {
             let seen: State = match (&op.kind, &op.outcome) {
                 (OpKind::Get, Outcome::Ok { value, .. }) => value.clone(),
@@ -74,16 +103,27 @@ pub fn check_reads(history: &[Op]) -> ReadVerdict {
                 _ => continue,
             };
             verdict.reads += 1;
-            let ok = allowed(&ops[..i]);
+            let ok = allowed(&ops[..i], empties, op.start);
             if ok.contains(&seen) {
                 continue;
             }
             if op.during_split {
                 verdict.stale_during_split += 1;
+            } else if old.iter().any(|t| (op.start..=op.end).contains(t)) {
+                verdict.stale_old_map += 1;
             } else {
+                let before: Vec<String> = ops[..i]
+                    .iter()
+                    .rev()
+                    .take(3)
+                    .map(|o| format!("{:?} {:?}..{:?} {:?}", o.kind, o.start, o.end, o.outcome))
+                    .collect();
                 verdict.violations.push(format!(
-                    "read of {key} at {:?} through host {} saw {seen:?}, allowed {ok:?} ({:?})",
-                    op.start, op.host, op.outcome
+                    "read of {key} (bucket {bucket}) at {:?} through host {} saw {seen:?}, allowed {ok:?} ({:?}); before: {}",
+                    op.start,
+                    op.host,
+                    op.outcome,
+                    before.join("; ")
                 ));
             }
         }
@@ -116,7 +156,7 @@ pub struct FinalVerdict {
 }
 
 /// Checks the final state of every key against `history`.
-pub fn check_final(history: &[Op], finals: &BTreeMap<String, Final>) -> FinalVerdict {
+pub fn check_final(history: &[Op], emptied: &Emptied, finals: &BTreeMap<String, Final>) -> FinalVerdict {
     let mut verdict = FinalVerdict {
         acknowledged: history.iter().filter(|op| op.acknowledged_write()).count(),
         ..FinalVerdict::default()
@@ -125,11 +165,13 @@ pub fn check_final(history: &[Op], finals: &BTreeMap<String, Final>) -> FinalVer
     for (key, end) in finals {
         verdict.keys += 1;
         let ops = keys.get(key.as_str()).cloned().unwrap_or_default();
-        let ok = allowed(&ops);
+        let empties = emptied.get(&bucket_of(key.as_bytes())).map_or(&[][..], Vec::as_slice);
+        let ok = allowed(&ops, empties, Duration::MAX);
         match end {
             Final::Read(state) if ok.contains(state) => {}
             Final::Read(state) => {
-                verdict.violations.push(format!("{key} ends as {state:?}, allowed {ok:?}"));
+                let bucket = bucket_of(key.as_bytes());
+                verdict.violations.push(format!("{key} (bucket {bucket}) ends as {state:?}, allowed {ok:?}"));
             }
             Final::Lost => verdict.lost_buckets += 1,
             Final::Unreadable(e) => verdict.violations.push(format!("{key} cannot be read at the end: {e}")),
@@ -175,12 +217,52 @@ mod tests {
         ] {
             history.push(op(history.len(), "k", kind, outcome, split));
         }
-        let verdict = check_reads(&history);
+        let verdict = check_reads(&history, &Emptied::new(), &Emptied::new());
         assert_eq!(verdict.reads, 8);
         assert_eq!(verdict.stale_during_split, 1);
         assert_eq!(verdict.violations.len(), 2, "{:?}", verdict.violations);
         assert!(verdict.violations[0].contains("Some(\"a\")"), "{:?}", verdict.violations);
         assert!(verdict.violations[1].contains("zzz"), "{:?}", verdict.violations);
+    }
+
+    #[test]
+    fn a_bucket_served_again_empty_starts_over_from_nothing() {
+        let key = "k";
+        let history: Vec<Op> = vec![
+            op(0, key, OpKind::Put("a".into()), ok(), false),
+            op(10, key, OpKind::Get, Outcome::NotFound, false),
+            op(20, key, OpKind::Put("b".into()), ok(), false),
+            op(30, key, OpKind::Get, read("b"), false),
+        ];
+        let emptied: Emptied = [(bucket_of(key.as_bytes()), vec![Duration::from_millis(5)])].into();
+        let verdict = check_reads(&history, &emptied, &Emptied::new());
+        assert!(verdict.violations.is_empty(), "{:?}", verdict.violations);
+        assert_eq!(
+            check_reads(&history, &Emptied::new(), &Emptied::new()).violations.len(),
+            1,
+            "without the emptying: a loss"
+        );
+        let finals = [(key.to_string(), Final::Read(None))].into();
+        let late: Emptied = [(bucket_of(key.as_bytes()), vec![Duration::from_millis(40)])].into();
+        assert!(check_final(&history, &late, &finals).violations.is_empty());
+        assert_eq!(check_final(&history, &emptied, &finals).violations.len(), 1, "b was written after");
+    }
+
+    #[test]
+    fn a_stale_read_while_a_node_served_with_an_old_map_is_counted_apart() {
+        let key = "k";
+        let history: Vec<Op> = vec![
+            op(0, key, OpKind::Put("a".into()), ok(), false),
+            op(10, key, OpKind::Put("b".into()), ok(), false),
+            op(20, key, OpKind::Get, read("a"), false),
+        ];
+        let bucket = bucket_of(key.as_bytes());
+        let during: Emptied = [(bucket, vec![Duration::from_millis(20)])].into();
+        let verdict = check_reads(&history, &Emptied::new(), &during);
+        assert!(verdict.violations.is_empty(), "{:?}", verdict.violations);
+        assert_eq!(verdict.stale_old_map, 1);
+        let before: Emptied = [(bucket, vec![Duration::from_millis(15)])].into();
+        assert_eq!(check_reads(&history, &Emptied::new(), &before).violations.len(), 1, "not while the read ran");
     }
 
     #[test]
@@ -205,7 +287,7 @@ mod tests {
         ]
         .into_iter()
         .collect();
-        let verdict = check_final(&history, &finals);
+        let verdict = check_final(&history, &Emptied::new(), &finals);
         assert_eq!(verdict.acknowledged, 5);
         assert_eq!(verdict.lost_buckets, 1);
         assert_eq!(verdict.violations.len(), 2, "{:?}", verdict.violations);

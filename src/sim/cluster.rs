@@ -21,7 +21,7 @@ use shoal_raft::{NodeId, Storage};
 use tokio::sync::{mpsc, watch};
 
 use super::network::{HostId, SimNetwork};
-use crate::bucket::AckProbe;
+use crate::bucket::Probe;
 use crate::config::ServeConfig;
 use crate::identity::Identity;
 use crate::node::{self, Environment, StartError};
@@ -73,7 +73,7 @@ struct Shared {
     started: tokio::time::Instant,
     configure: fn(&mut ServeConfig),
     changed: watch::Sender<u64>,
-    probe: Option<Arc<dyn AckProbe>>,
+    probe: Option<Arc<dyn Probe>>,
 }
 
 /// A simulated cluster (see the module docs).
@@ -101,7 +101,7 @@ impl SimCluster {
         net: Arc<SimNetwork>,
         seed: u64,
         configure: fn(&mut ServeConfig),
-        probe: Option<Arc<dyn AckProbe>>,
+        probe: Option<Arc<dyn Probe>>,
     ) -> Self {
         let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("a temp dir for the simulation: {e}"));
         let root = dir.path().to_path_buf();

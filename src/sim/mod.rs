@@ -10,7 +10,8 @@
 //!
 //! What a run checks (see `check.rs`):
 //! - every read sees what the writes before it left (outside splits, where a cut-off node may
-//!   still answer from its old copy);
+//!   still answer from its old copy, and unless a node answered it with an old map: it did not
+//!   know yet that the bucket had moved away);
 //! - once the schedule heals, every acknowledged write is readable, unless its bucket is
 //!   reported lost (its owner and its replica died together);
 //! - no two nodes acknowledge writes for the same bucket in the same move epoch;
@@ -40,7 +41,7 @@ use shoal_http_api::{ApiError, ShoalApi};
 use shoal_raft::{BucketId, NodeId};
 use tokio::time::Instant;
 
-use crate::bucket::AckProbe;
+use crate::bucket::Probe;
 use check::{check_final, check_reads, Final, FinalVerdict, ReadVerdict};
 use cluster::{HostPhase, SimCluster};
 use network::{HostId, SimNetwork};
@@ -110,6 +111,8 @@ pub struct Report {
     pub digest: u64,
     /// Operations the clients ran.
     pub operations: usize,
+    /// Buckets served again empty because every copy died.
+    pub emptied: usize,
 }
 
 impl Report {
@@ -127,15 +130,17 @@ impl Report {
     /// A few lines for people.
     pub fn summary(&self) -> String {
         format!(
-            "seed {} ({}): {} ops, {} writes acknowledged, {} reads, {} stale reads during splits, {} keys in \
-             lost buckets, converged after {:?}, digest {:016x}",
+            "seed {} ({}): {} ops, {} writes acknowledged, {} reads, {} stale reads during splits, {} by nodes with an \
+             old map, {} keys in lost buckets, {} buckets emptied, converged after {:?}, digest {:016x}",
             self.seed,
             self.scenario,
             self.operations,
             self.finals.acknowledged,
             self.reads.reads,
             self.reads.stale_during_split,
+            self.reads.stale_old_map,
             self.finals.lost_buckets,
+            self.emptied,
             self.converged_after,
             self.digest
         )
@@ -194,8 +199,15 @@ async fn simulate(seed: u64, scenario: Scenario) -> Report {
     STARTED.with(|s| s.set(Some(t0)));
     let at = |t: Instant| t.duration_since(t0);
     let net = SimNetwork::new(seed);
-    let writers = Arc::new(Writers::default());
+    let writers = Arc::new(Writers {
+        t0,
+        by_epoch: parking_lot::Mutex::new(BTreeMap::new()),
+        emptied: parking_lot::Mutex::new(check::Emptied::new()),
+        old_map: parking_lot::Mutex::new(check::Emptied::new()),
+        cluster: std::sync::OnceLock::new(),
+    });
     let cluster = Arc::new(SimCluster::new(net.clone(), seed, |_| {}, Some(writers.clone())));
+    let _ = writers.cluster.set(Arc::downgrade(&cluster));
     let mut rng = StdRng::seed_from_u64(seed.rotate_left(17) ^ 0xdead_beef);
     let mut events = Vec::new();
     for _ in 0..scenario.nodes {
@@ -274,11 +286,15 @@ async fn simulate(seed: u64, scenario: Scenario) -> Report {
             3 if scenario.faults.membership && running.len() > 3 && down == 0 => {
                 let (h, node_id, _) = cluster.running()[rng.random_range(0..running.len())].clone();
                 let via = cluster.running()[rng.random_range(0..running.len())].2.clone();
-                let answer = via.api.leave(node_id, false).await;
-                format!(
-                    "host {h} (node {node_id}) leaves: {}",
-                    answer.map(|_| "ok".to_string()).unwrap_or_else(|e| e.code().to_string())
-                )
+                tracing::info!(host = h, node_id, "simulation: asking node {node_id} to leave");
+                // As a client would: it gives up after a while.
+                let answer = tokio::time::timeout(Duration::from_secs(60), via.api.leave(node_id, false)).await;
+                let outcome = match answer {
+                    Ok(Ok(_)) => "ok".to_string(),
+                    Ok(Err(e)) => e.code().to_string(),
+                    Err(_) => "no answer in 60 s".to_string(),
+                };
+                format!("host {h} (node {node_id}) leaves: {outcome}")
             }
             4 if scenario.faults.drops => {
                 let rate = rng.random_range(0.01..0.2);
@@ -310,10 +326,14 @@ async fn simulate(seed: u64, scenario: Scenario) -> Report {
     let done = wait_until(&cluster, scenario.converge_within, |c| converged(c).is_none()).await;
     let converged_after = done.then(|| healed.elapsed());
     let not_converged = if done { None } else { converged(&cluster) };
+    tracing::info!(?converged_after, ?not_converged, "simulation: the faults stopped; final reads");
     let history = clients.stop().await;
     let finals = final_reads(&cluster, scenario.clients, scenario.keys).await;
-    let reads = check_reads(&history);
-    let finals_verdict = check_final(&history, &finals);
+    tracing::info!("simulation: final reads done");
+    let emptied = writers.emptied.lock().clone();
+    let old_map = writers.old_map.lock().clone();
+    let reads = check_reads(&history, &emptied, &old_map);
+    let finals_verdict = check_final(&history, &emptied, &finals);
     let mut digest = Fnv::default();
     for e in &events {
         digest.add(e);
@@ -338,18 +358,38 @@ async fn simulate(seed: u64, scenario: Scenario) -> Report {
         not_converged,
         digest: digest.0,
         operations: history.len(),
+        emptied: emptied.values().map(Vec::len).sum(),
     }
 }
 
-/// Who acknowledged writes of each bucket in each move epoch.
-#[derive(Default)]
+/// Who acknowledged writes of each bucket in each move epoch, and when buckets were served
+/// again empty.
 struct Writers {
+    t0: Instant,
     by_epoch: parking_lot::Mutex<BTreeMap<(u16, u64), std::collections::BTreeSet<NodeId>>>,
+    emptied: parking_lot::Mutex<check::Emptied>,
+    /// When a node answered a read of a bucket from its own copy while another running node
+    /// already knew of a later move of that bucket.
+    old_map: parking_lot::Mutex<check::Emptied>,
+    cluster: std::sync::OnceLock<std::sync::Weak<SimCluster>>,
 }
 
-impl AckProbe for Writers {
+impl Probe for Writers {
     fn acknowledged(&self, node: NodeId, bucket: BucketId, epoch: u64) {
         self.by_epoch.lock().entry((bucket.0, epoch)).or_default().insert(node);
+    }
+
+    fn emptied(&self, _node: NodeId, bucket: BucketId) {
+        self.emptied.lock().entry(bucket).or_default().push(self.t0.elapsed());
+    }
+
+    fn served(&self, node: NodeId, bucket: BucketId, epoch: u64) {
+        let Some(cluster) = self.cluster.get().and_then(std::sync::Weak::upgrade) else { return };
+        let newest = cluster.running().iter().map(|(_, _, s)| s.control.state().epoch_of(bucket)).max();
+        if newest.is_some_and(|newest| newest > epoch) {
+            tracing::debug!(node, bucket = bucket.0, epoch, ?newest, "read served with an old map");
+            self.old_map.lock().entry(bucket).or_default().push(self.t0.elapsed());
+        }
     }
 }
 
@@ -410,7 +450,17 @@ fn converged(cluster: &SimCluster) -> Option<String> {
             return Some(format!("host {h} sees members {members:?}, running {ids:?}"));
         }
         if let Some(check) = service.api.readiness().into_iter().find(|c| !c.ok) {
-            return Some(format!("host {h} is not ready: {}: {}", check.name, check.detail));
+            let me = service.control.node_id();
+            return Some(format!(
+                "host {h} (node {me}) is not ready: {}: {} (owns {}, promoted to it {}, holder {:?} of {:?}, lost {})",
+                check.name,
+                check.detail,
+                state.map.buckets_of(me).len(),
+                state.promotions_of(me).len(),
+                state.committed_holder_of(me),
+                state.replica_of(me),
+                state.lost.len(),
+            ));
         }
     }
     settled(cluster)

@@ -11,7 +11,7 @@
 //!    ◀── last writes, END ─────────────────────
 //!    install, propose BucketMoved(b, A→B, e) ─▶ Raft
 //!                                              applied: epoch(b) > e →
-//!                                                moved: drop b, thaw (writes now go to B)
+//!                                                moved: thaw (writes now go to B)
 //!                                                aborted: thaw, keep serving
 //!                                              no news for FREEZE_TIMEOUT: propose AbortMove(b, e)
 //! ```
@@ -25,10 +25,11 @@ use shoal_raft::{AdminRequest, BucketId, ClusterState, ControlPlane, NodeId};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use super::frame::{change_frames, end_frame, error_frame, item_frames, HEADER};
 use super::progress::Progress;
 use super::TransferConfig;
+use crate::bucket::LocalFacts;
 use crate::cache::CacheStore;
+use crate::transport::frame::{change_frames, end_frame, error_frame, item_frames, HEADER};
 use crate::transport::FrameStream;
 
 /// How long a frozen bucket waits for its move to be settled before the source aborts it.
@@ -49,27 +50,12 @@ pub struct Exporter {
     pub config: TransferConfig,
     /// Transfer counters.
     pub progress: Arc<Progress>,
-    /// The replica store (restores are served from it).
-    pub replicator: Arc<crate::replication::Replicator>,
+    /// What this node knows of its buckets (whether it holds their data yet).
+    pub facts: Arc<LocalFacts>,
 }
 
 /// Why a stream is refused: an HTTP status and the reason.
 type Refusal = (u16, String);
-
-fn frames_of(frames: Vec<Bytes>) -> FrameStream {
-    Box::pin(futures::stream::iter(frames.into_iter().map(Ok)))
-}
-
-/// Why this node will not send its shadow of `bucket` to `to`.
-fn restore_refusal(state: &ClusterState, me: NodeId, bucket: BucketId, to: NodeId) -> Option<String> {
-    if state.shadow_of(bucket) != Some(me) {
-        return Some(format!("node {me} holds no shadow of bucket {bucket}"));
-    }
-    if state.map.owner_of(bucket) != Some(to) {
-        return Some(format!("node {to} does not serve bucket {bucket}"));
-    }
-    None
-}
 
 /// Why the source will not stream the bucket (yet).
 fn refusal(state: &ClusterState, me: NodeId, bucket: BucketId, to: NodeId, epoch: u64) -> Option<String> {
@@ -86,14 +72,10 @@ fn refusal(state: &ClusterState, me: NodeId, bucket: BucketId, to: NodeId, epoch
 }
 
 impl Exporter {
-    /// `GET /internal/transfer/{bucket}?to=&epoch=[&restore=true]`: streams the bucket to its
-    /// new owner `to` (see the module docs), or with `restore` sends the copy this node holds
-    /// back to the bucket's owner after its restart: a plain snapshot, no freeze.
-    pub async fn open(&self, bucket: BucketId, to: NodeId, epoch: u64, restore: bool) -> Result<FrameStream, Refusal> {
+    /// `GET /internal/transfer/{bucket}?to=&epoch=`: streams the bucket to its new owner `to`
+    /// (see the module docs).
+    pub async fn open(&self, bucket: BucketId, to: NodeId, epoch: u64) -> Result<FrameStream, Refusal> {
         let me = self.control.node_id();
-        if restore {
-            return self.restore_copy(bucket, to).await;
-        }
         // The new owner may have applied the target a moment before us.
         self.control.wait_for_state(Duration::from_secs(2), |s| refusal(s, me, bucket, to, epoch).is_none()).await;
         if let Some(reason) = refusal(&self.control.state(), me, bucket, to, epoch) {
@@ -106,7 +88,7 @@ impl Exporter {
                 format!("bucket {bucket} is frozen by an earlier transfer whose flip is not settled yet; retry");
             return Err((409, reason));
         }
-        if self.replicator.not_held(&self.control.state(), bucket) {
+        if self.facts.not_held(&self.control.state(), me, bucket) {
             let reason = format!("node {me} is still getting bucket {bucket} back (restore or failover); retry");
             return Err((409, reason));
         }
@@ -114,34 +96,6 @@ impl Exporter {
         let (tx, rx) = mpsc::channel::<Bytes>(16);
         tokio::spawn(produce(self.clone(), bucket, epoch, tx));
         Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx).map(Ok)))
-    }
-
-    /// The copy of `bucket` this node holds for its owner `to`: the replica first (in sync
-    /// mode every acknowledged write reached it; a shadow's write-through failures are only
-    /// logged), else the shadow of a transfer's handover.
-    async fn restore_copy(&self, bucket: BucketId, to: NodeId) -> Result<FrameStream, Refusal> {
-        let me = self.control.node_id();
-        let shadow_here = self.control.state().handoffs.get(&bucket.0) == Some(&me);
-        if shadow_here && self.replicator.replica_snapshot(bucket, to).is_none() {
-            // This node holds a shadow, and the owner may have applied the change that gave it
-            // the bucket (a failover) a moment before us.
-            let ready = |s: &ClusterState| restore_refusal(s, me, bucket, to).is_none();
-            self.control.wait_for_state(Duration::from_secs(2), ready).await;
-        }
-        let snapshot = self.replicator.replica_snapshot(bucket, to).or_else(|| {
-            restore_refusal(&self.control.state(), me, bucket, to).is_none().then(|| self.cache.snapshot(bucket))
-        });
-        let Some((items, counter)) = snapshot else {
-            return Err((
-                404,
-                format!("node {me} holds neither a shadow nor a replica of bucket {bucket} for node {to}"),
-            ));
-        };
-        let mut frames = vec![Bytes::from_static(HEADER)];
-        frames.extend(items.iter().flat_map(item_frames));
-        frames.push(end_frame(counter, items.len() as u64));
-        self.progress.sent(frames.iter().map(|f| f.len() as u64).sum());
-        Ok(frames_of(frames))
     }
 }
 
@@ -211,8 +165,8 @@ async fn produce(exporter: Exporter, bucket: BucketId, epoch: u64, tx: mpsc::Sen
     settle_freeze(&exporter, bucket, epoch, token, !ok).await;
 }
 
-/// Keeps `bucket` frozen until Raft has either moved it (its data is dropped here) or the
-/// move was aborted (it thaws and this node serves it on). Aborts the move itself when the
+/// Keeps `bucket` frozen until Raft has either moved it (its data stays as the shadow until
+/// the reconciler drops it) or the move was aborted (it thaws and this node serves it on). Aborts the move itself when the
 /// new owner does not settle it in time, or at once when the stream broke before its END
 /// (`doomed`: the new owner flips only a bucket it received whole).
 async fn settle_freeze(exporter: &Exporter, bucket: BucketId, epoch: u64, token: u64, doomed: bool) {
@@ -234,11 +188,10 @@ async fn settle_freeze(exporter: &Exporter, bucket: BucketId, epoch: u64, token:
     let me = control.node_id();
     if state.map.owner_of(bucket) == Some(me) {
         tracing::info!(bucket = bucket.0, "move aborted; serving the bucket again");
-    } else if state.shadow_of(bucket) == Some(me) {
-        tracing::debug!(bucket = bucket.0, to = ?state.map.owner_of(bucket), "bucket handed over; keeping a shadow");
     } else {
+        // Its data stays until the reconciler drops it (at once, unless this node keeps a
+        // shadow); writes waiting on the freeze route to the new owner now.
         tracing::debug!(bucket = bucket.0, to = ?state.map.owner_of(bucket), "bucket handed over");
-        exporter.cache.take_bucket(bucket);
     }
     exporter.cache.end_export(bucket, token);
 }

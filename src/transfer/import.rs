@@ -6,11 +6,11 @@ use std::time::Duration;
 use futures::StreamExt;
 use shoal_raft::{AdminRequest, AdminResponse, BucketId, ControlError, ControlPlane, NodeId};
 
-use super::frame::{Decoded, Decoder, FrameError};
 use super::progress::Progress;
 use super::TransferConfig;
 use crate::cache::CacheStore;
 use crate::peer::Peers;
+use crate::transport::frame::{Decoded, Decoder, FrameError};
 use crate::transport::{CallError, FrameStream, StreamRequest};
 
 /// How long a puller waits to apply the flip it asked for.
@@ -19,7 +19,7 @@ const FLIP_WAIT: Duration = Duration::from_secs(10);
 /// Why pulling a bucket failed (it is retried).
 #[derive(Debug, thiserror::Error)]
 pub enum PullError {
-    /// The source could not be reached (after the reconnect attempts of R35).
+    /// The source could not be reached (after the configured reconnect attempts).
     #[error("cannot reach node {node} at {addr}: {detail}")]
     Unreachable {
         /// The source.
@@ -88,8 +88,8 @@ impl Puller {
         }
     }
 
-    /// Pulls `bucket` from `from` into `cache`, then has the leader flip it to `to`. On any
-    /// failure the partial copy is dropped, so a retry starts clean.
+    /// Pulls `bucket` from `from` into `cache` (replacing whatever partial copy an earlier
+    /// attempt left), then has the leader flip it to `to`.
     pub async fn pull(
         &self,
         control: &ControlPlane,
@@ -147,11 +147,8 @@ impl Puller {
             },
             Err(e) => Err(e),
         };
-        // A failed pull leaves nothing behind, unless the bucket is ours after all: never
-        // drop a bucket this node serves.
-        if flipped.is_err() && control.state().map.owner_of(bucket) != Some(to) {
-            cache.take_bucket(bucket);
-        }
+        // A failed pull leaves its partial copy: the bucket is still incoming (the next pull
+        // starts it over), or the reconciler drops it once nothing here keeps it.
         flipped
     }
 

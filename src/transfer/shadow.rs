@@ -1,7 +1,8 @@
 //! Shadows: the node that handed a bucket over keeps a copy until the transfer is complete,
 //! and the new owner writes through to it before acknowledging a write (the write plan names
 //! it, `crate::bucket`). If the new owner crashes before the transfer ends, it gets its buckets
-//! back from the shadows when it restarts (`restore.rs`): nothing it acknowledged is lost.
+//! back from the shadows when it restarts (the reconciler's restore, served by replication's
+//! `copy_back`): nothing it acknowledged is lost.
 //!
 //! ```text
 //!  client ── PUT k ──▶ new owner B: permit, write locally ── POST /internal/shadow/b ──▶ A
@@ -13,7 +14,7 @@ use std::time::Duration;
 use shoal_raft::BucketId;
 
 use super::export::Exporter;
-use super::frame::{Decoded, Decoder};
+use crate::transport::frame::{Decoded, Decoder};
 
 /// How long a shadow waits for the move that makes it one, before refusing a write-through.
 const SHADOW_WAIT: Duration = Duration::from_secs(2);

@@ -1,6 +1,7 @@
-//! The leader's stuck-transfer detector (R25).
+//! The leader's stuck-transfer detector.
 //!
-//! Every `--transfer-check-interval` the leader asks every member that still has buckets to
+//! Every `--transfer-check-interval` (the reconciler plans the check) the leader asks every
+//! member that still has buckets to
 //! receive for the time since its last transfer activity (`/internal/transfer/status`). If one
 //! has been idle longer than `--transfer-stuck-after` — or a transition has waited that long
 //! for acknowledgements — the transfer is stuck: the leader logs it, counts it
@@ -8,7 +9,6 @@
 //! again. The buckets still to move stay in the target; a member that comes back resumes.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -19,28 +19,37 @@ use super::TransferConfig;
 use crate::metrics::NodeMetrics;
 use crate::peer::Peers;
 
-/// Runs the detector (it acts only while this node leads).
-pub async fn detect_stuck(control: ControlPlane, peers: Peers, config: TransferConfig, metrics: Arc<NodeMetrics>) {
-    let mut tick = tokio::time::interval(config.check_interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // Leader-local memory: when each pending map was first seen, and when each member last
-    // answered or moved data.
-    let mut transition_seen: Option<(u64, Instant)> = None;
-    let mut last_heard: BTreeMap<NodeId, Instant> = BTreeMap::new();
-    loop {
-        tick.tick().await;
+/// The leader's memory between checks: when each pending map was first seen, and when each
+/// member last answered or moved data.
+#[derive(Debug, Default)]
+pub struct StuckDetector {
+    transition_seen: Option<(u64, Instant)>,
+    last_heard: BTreeMap<NodeId, Instant>,
+}
+
+impl StuckDetector {
+    /// Forgets everything (this node does not lead, or no transfer runs).
+    pub fn reset(&mut self) {
+        self.transition_seen = None;
+        self.last_heard.clear();
+    }
+
+    /// One check, as leader of a running transfer: clears the state-transfer flag when it is
+    /// stuck.
+    pub async fn check(
+        &mut self,
+        control: &ControlPlane,
+        peers: &Peers,
+        config: TransferConfig,
+        metrics: &NodeMetrics,
+    ) {
         let state = control.state();
-        if !control.is_leader() || !state.transfer_flag {
-            transition_seen = None;
-            last_heard.clear();
-            continue;
-        }
         let mut stuck: Option<String> = None;
         if let Some(t) = &state.transition {
-            let since = match transition_seen {
+            let since = match self.transition_seen {
                 Some((v, since)) if v == t.to.version => since,
                 _ => {
-                    transition_seen = Some((t.to.version, Instant::now()));
+                    self.transition_seen = Some((t.to.version, Instant::now()));
                     Instant::now()
                 }
             };
@@ -56,12 +65,12 @@ pub async fn detect_stuck(control: ControlPlane, peers: Peers, config: TransferC
         for member in state.members.iter().filter(|m| !state.incoming_of(m.id).is_empty()) {
             let idle = match peers.transfer_status(&member.peer_addr).await {
                 Ok(status) => {
-                    let active_at = Instant::now() - Duration::from_secs_f64(status.idle_seconds.max(0.0));
-                    last_heard.insert(member.id, active_at);
-                    Duration::from_secs_f64(status.idle_seconds.max(0.0))
+                    let idle = Duration::from_secs_f64(status.idle_seconds.max(0.0));
+                    self.last_heard.insert(member.id, Instant::now() - idle);
+                    idle
                 }
                 // Unreachable: idle since it last answered (or since we started looking).
-                Err(_) => last_heard.entry(member.id).or_insert_with(Instant::now).elapsed(),
+                Err(_) => self.last_heard.entry(member.id).or_insert_with(Instant::now).elapsed(),
             };
             if idle > config.stuck_after && stuck.is_none() {
                 stuck = Some(format!("node {} has moved no transfer data for {idle:?}", member.id));

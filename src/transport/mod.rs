@@ -21,7 +21,10 @@
 //!   keeps connections per peer, the cluster secret, the source address.
 //! - `service.rs`: [`PeerService`], the receiving side (one dispatch for every request), and the
 //!   peer listener's routes that feed it.
+//! - `frame.rs`: the wire format of bucket data (bucket streams, replica writes and snapshots,
+//!   shadow writes).
 
+pub mod frame;
 pub mod http;
 pub mod service;
 
@@ -47,7 +50,7 @@ pub enum PeerRequest {
     Shadow {
         /// The bucket.
         bucket: BucketId,
-        /// Framed changes (`transfer::frame`).
+        /// Framed changes (`transport::frame`).
         body: Bytes,
     },
     /// A failure-detection ping.
@@ -173,7 +176,7 @@ pub enum StreamRequest {
     },
 }
 
-/// A stream of frames (`transfer::frame`).
+/// A stream of frames (`transport::frame`).
 pub type FrameStream = Pin<Box<dyn Stream<Item = Result<Bytes, CallError>> + Send>>;
 
 /// Changes (or a snapshot) of one bucket for its replica.
@@ -189,7 +192,7 @@ pub struct Replicate {
     pub snapshot: bool,
     /// Increases with every request of the sender: one held up in the network is refused.
     pub seq: u64,
-    /// Framed changes or items, then END (`transfer::frame`).
+    /// Framed changes or items, then END (`transport::frame`).
     pub body: Bytes,
 }
 

@@ -96,10 +96,14 @@ impl PeerService {
     /// Opens a stream.
     pub async fn open_stream(&self, request: StreamRequest) -> Result<FrameStream, CallError> {
         let StreamRequest::Bucket { bucket, to, epoch, restore } = request;
-        self.exporter
-            .open(bucket, to, epoch, restore)
-            .await
-            .map_err(|(status, reason)| CallError::Refused { status, reason })
+        let refused = |(status, reason)| CallError::Refused { status, reason };
+        if restore {
+            // A restarted owner gets the copy this node holds back: a plain snapshot.
+            let frames = self.replicator.copy_back(bucket, to).await.map_err(refused)?;
+            self.exporter.progress.sent(frames.iter().map(|f| f.len() as u64).sum());
+            return Ok(Box::pin(futures::stream::iter(frames.into_iter().map(Ok))));
+        }
+        self.exporter.open(bucket, to, epoch).await.map_err(refused)
     }
 
     /// A control-plane message.

@@ -102,13 +102,6 @@ pub enum AdminRequest {
         /// Its new replica holder.
         holder: NodeId,
     },
-    /// A member that restarted found no copy left of these buckets it owns.
-    BucketsLost {
-        /// The member.
-        node_id: NodeId,
-        /// The buckets.
-        buckets: Vec<u16>,
-    },
     /// An operator acknowledges lost buckets (all when empty).
     ClearLost {
         /// The buckets.

@@ -1,5 +1,5 @@
 //! Failover and hand-over: the buckets of a failed member, or of a leaver whose replica is in
-//! sync, go at once to the member holding their replica (R18, R44); that member reports
+//! sync, go at once to the member holding their replica; that member reports
 //! whether it held a copy of each (`Promoted`), and buckets of which no copy is left are
 //! marked lost.
 
@@ -61,6 +61,7 @@ impl ClusterState {
         CommandResponse::Done
     }
 
+    /// Applies an entry of earlier versions: the buckets `node` owns go to `lost`.
     pub(super) fn buckets_lost(&mut self, node: NodeId, buckets: &[u16]) -> CommandResponse {
         if !self.is_member(node) {
             return rejected(&format!("node {node} is not a member"));

@@ -59,7 +59,7 @@ pub struct Registration {
     pub name: Option<String>,
 }
 
-/// How an active node's writes reach the replica of their bucket (R15, R16).
+/// How an active node's writes reach the replica of their bucket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum ReplicationMode {
@@ -101,7 +101,7 @@ pub struct ClusterSettings {
     pub replication: ReplicationMode,
 }
 
-/// A membership change waiting for every member to apply its pending map (R34).
+/// A membership change waiting for every member to apply its pending map.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Transition {
     /// The serving map's version when the transition started.
@@ -259,16 +259,16 @@ impl ClusterState {
     }
 
     /// The member that holds `id`'s replica: the next member in join order, the first for
-    /// the last one (R13). `None` in a one-node cluster or for a non-member. A leaving member
+    /// the last one. `None` in a one-node cluster or for a non-member. A leaving member
     /// keeps its place in the ring until it is retired, so replicas stay where they are
     /// while it drains.
     pub fn replica_of(&self, id: NodeId) -> Option<NodeId> {
-        let ids = self.member_ids();
-        if ids.len() < 2 {
+        let n = self.members.len();
+        if n < 2 {
             return None;
         }
-        let pos = ids.iter().position(|&m| m == id)?;
-        Some(ids[(pos + 1) % ids.len()])
+        let pos = self.members.iter().position(|m| m.id == id)?;
+        Some(self.members[(pos + 1) % n].id)
     }
 
     /// The member that holds `id`'s complete replica now (see `replica_holders`), if any.
@@ -287,21 +287,6 @@ impl ClusterState {
     pub(crate) fn forget_holdings_of(&mut self, id: NodeId) {
         self.replica_holders.remove(&id);
         self.replica_holders.retain(|_, h| *h != id);
-    }
-
-    /// The member whose replica `id` holds (the one before it in the ring).
-    pub fn replica_source_of(&self, id: NodeId) -> Option<NodeId> {
-        let ids = self.member_ids();
-        if ids.len() < 2 {
-            return None;
-        }
-        let pos = ids.iter().position(|&m| m == id)?;
-        Some(ids[(pos + ids.len() - 1) % ids.len()])
-    }
-
-    /// The member that holds the replica of `bucket`: the replica holder of its owner.
-    pub fn replica_holder_of(&self, bucket: BucketId) -> Option<NodeId> {
-        self.map.owner_of(bucket).and_then(|o| self.replica_of(o))
     }
 
     /// The members that should vote in Raft: the first `settings.voters` active members in

@@ -316,6 +316,18 @@ fn a_stale_move_of_a_promoted_bucket_is_rejected() {
 }
 
 #[test]
+fn a_move_to_a_receiver_that_failed_meanwhile_is_rejected() {
+    let mut s = bootstrapped(3);
+    join(&mut s, 2);
+    let node_id = admit(&mut s, 3);
+    let (bucket, from, epoch) = s.incoming_of(node_id)[0];
+    s.apply(&ClusterCommand::NodeFailed { node_id });
+    let r = s.apply(&ClusterCommand::BucketMoved { bucket: bucket.0, from, to: node_id, epoch });
+    assert!(matches!(r, CommandResponse::Rejected { .. }), "{r:?}");
+    assert_eq!(s.map.owner_of(bucket), Some(from), "the sender keeps serving it");
+}
+
+#[test]
 fn the_heir_reports_what_it_held_and_the_rest_is_lost_until_cleared() {
     let mut s = three_nodes();
     let of_1 = s.map.buckets_of(1);
@@ -451,7 +463,7 @@ fn a_failed_member_s_buckets_go_to_the_holder_of_its_complete_replica() {
 }
 
 #[test]
-fn a_restarted_owner_reports_buckets_with_no_copy_left_as_lost() {
+fn an_entry_of_earlier_versions_marking_lost_buckets_replays_as_before() {
     let mut s = three_nodes();
     let of_2: Vec<u16> = s.map.buckets_of(2).iter().map(|b| b.0).collect();
     let of_1 = s.map.buckets_of(1)[0].0;

@@ -41,6 +41,11 @@ impl ClusterState {
             return rejected(&format!("no bucket {bucket}"));
         }
         let Some(target) = &self.target else { return rejected("no state transfer is running") };
+        // The running target may still name a member that failed since (the next transition
+        // takes it out): a move to it would give the bucket to a node that no longer serves.
+        if !self.is_member(to) {
+            return rejected(&format!("node {to} is not a member"));
+        }
         if target.owner_of(b) != Some(to) {
             return rejected(&format!("the target does not give bucket {bucket} to node {to}"));
         }

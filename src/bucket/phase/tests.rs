@@ -110,11 +110,23 @@ fn forwarded_requests_are_never_forwarded_again_and_a_suspected_owner_answers_at
     );
 }
 
+/// The case the property below once shrank to: the joiner fails while its buckets move to it.
+#[test]
+fn a_move_to_a_joiner_that_failed_meanwhile_leaves_every_bucket_with_a_member() {
+    use testing::Step::{EndTransition, Fail, Join, Move};
+    for s in testing::states(&[Join, EndTransition, Fail(0), Move(1)]) {
+        for b in BucketId::all() {
+            let owner = s.map.owner_of(b).expect("every bucket has an owner");
+            assert!(s.is_member(owner), "bucket {b} is owned by {owner}, not a member");
+        }
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
 
-    /// One writer per bucket in every state (so per move epoch), never a lost bucket; the
-    /// copies are other members; whoever must keep data keeps it.
+    /// One writer per bucket in every state (so per move epoch), never a lost bucket; every
+    /// owner is a member; the copies are other members; whoever must keep data keeps it.
     #[test]
     fn every_state_has_at_most_one_writer_per_bucket(steps in prop::collection::vec(testing::step(), 0..40)) {
         for s in testing::states(&steps) {
@@ -125,6 +137,8 @@ proptest! {
                     .filter(|&id| write_plan(&s, id, b, installed, NodeFacts::default()).is_ok())
                     .collect();
                 prop_assert!(writers.len() <= 1, "bucket {b} has writers {writers:?}");
+                let owner = s.map.owner_of(b).expect("every bucket has an owner");
+                prop_assert!(s.is_member(owner), "bucket {b} is owned by {owner}, not a member");
                 if s.is_lost(b) {
                     prop_assert!(writers.is_empty(), "lost bucket {b} is written by {writers:?}");
                 }

@@ -1,4 +1,5 @@
-//! The transfer stream: a framed binary format, one bucket per stream.
+//! The wire format of bucket data: framed and checksummed, one bucket per stream or request
+//! (state transfer's streams, replica writes and snapshots, shadow writes).
 //!
 //! ```text
 //!  stream  = header frame*
@@ -15,7 +16,8 @@
 //! Values longer than [`CHUNK_BYTES`] continue in CHUNK frames, so a 16 MiB value goes out as
 //! 256 frames with the sender yielding between them: no single write holds the connection
 //! or the event loop for long. Every frame carries a CRC-32; a corrupt or truncated stream is
-//! an error, never a half-imported bucket.
+//! an error, and a bucket whose stream failed is never flipped (the partial copy is pulled
+//! again or dropped).
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
@@ -27,6 +29,10 @@ pub const HEADER: &[u8; 8] = b"SHOALXF\x01";
 pub const CHUNK_BYTES: usize = 64 * 1024;
 /// Largest frame payload accepted (a key, its tags and a value head, with room to spare).
 const MAX_PAYLOAD: usize = 1024 * 1024;
+/// The largest value any node accepts (`--max-value-bytes` is bounded by it).
+const MAX_VALUE_LEN: usize = 512 * 1024 * 1024;
+/// At most this much of an announced value is allocated before it arrives.
+const PREALLOCATE: usize = 16 * 1024 * 1024;
 
 const ITEM: u8 = 1;
 const CHUNK: u8 = 2;
@@ -215,11 +221,15 @@ impl Decoder {
                     let tag = std::str::from_utf8(take(p, n)?).map_err(|_| FrameError::Malformed("tag"))?;
                     tags.push(tag.to_string());
                 }
-                let value_len = u64_of(p)? as usize;
+                let value_len = usize::try_from(u64_of(p)?).unwrap_or(usize::MAX);
+                if value_len > MAX_VALUE_LEN {
+                    return Err(FrameError::Malformed("value larger than any node accepts"));
+                }
                 if p.len() > value_len {
                     return Err(FrameError::Malformed("value longer than announced"));
                 }
-                let mut value = BytesMut::with_capacity(value_len);
+                // The announced length is the peer's word: memory grows with what arrives.
+                let mut value = BytesMut::with_capacity(value_len.min(PREALLOCATE));
                 value.put_slice(p);
                 let missing = value_len - p.len();
                 let item = ExportedItem { key, value: Bytes::new(), version, expires_at_ms, sliding_ms, tags };
@@ -323,6 +333,19 @@ mod tests {
         let frames = item_frames(&item("huge", 16 * 1024 * 1024));
         assert_eq!(frames.len(), 256);
         assert!(frames.iter().all(|f| f.len() <= CHUNK_BYTES + 200));
+    }
+
+    #[test]
+    fn an_announced_value_larger_than_any_node_accepts_is_refused_before_allocating() {
+        let mut head = BytesMut::new();
+        head.put_u16(1);
+        head.put_slice(b"k");
+        head.put_slice(&[0; 24]); // version, expiry, sliding
+        head.put_u16(0);
+        head.put_u64(u64::MAX);
+        let mut bytes = HEADER.to_vec();
+        bytes.extend_from_slice(&frame(ITEM, &head));
+        assert_eq!(decode_all(&bytes, 64), Err(FrameError::Malformed("value larger than any node accepts")));
     }
 
     #[test]

@@ -1,0 +1,248 @@
+//! What the reconciler's long actions do. Each job ends with a [`Done`] the loop learns from;
+//! none decides what to do next (the planner does).
+
+use std::time::Duration;
+
+use shoal_raft::{AdminRequest, BucketId, NodeId};
+
+use super::{Done, Fetched, Reconciler, RETRY};
+use crate::transfer::import::PullError;
+
+/// How long acknowledging a pending map waits before the loop tries again.
+const ACK_RETRY: Duration = Duration::from_millis(500);
+/// How long a leaver waits for its replica to hold every write before it gives up handing
+/// over (it then drains its buckets itself).
+const HANDOVER_SYNC_WAIT: Duration = Duration::from_secs(10);
+/// How long a member waits to see its committed replica holder in its own state.
+const APPLY_WAIT: Duration = Duration::from_secs(5);
+
+impl Reconciler {
+    /// Acknowledges the pending map `to_version`.
+    pub(super) async fn ack(&self, to_version: u64) -> Done {
+        let request = AdminRequest::Ack { node_id: self.me, to_version };
+        match self.control.admin(request).await {
+            Ok(_) => tracing::debug!(node_id = self.me, to_version, "acknowledged the pending map"),
+            Err(e) => {
+                tracing::debug!(node_id = self.me, to_version, error = %e, "acknowledging the pending map");
+                tokio::time::sleep(ACK_RETRY).await;
+            }
+        }
+        Done::Acked
+    }
+
+    /// A member that gave up its Raft vote when it stopped asks for it back once it runs
+    /// again; the leader's reconciler then adds it to the Raft config again and makes it a
+    /// voter. Asked on every start, through another member (out of the Raft config, this node
+    /// knows no leader, and its own state may not show that it was stopping): harmless when the
+    /// node was not stopping. Retried with backoff until a member answers.
+    pub(super) async fn reclaim_vote(&self) -> Done {
+        let request = AdminRequest::SetDraining { node_id: self.me, draining: false };
+        let mut pause = Duration::from_millis(500);
+        loop {
+            let state = self.control.state();
+            if !state.is_member(self.me) || state.members.len() <= 1 {
+                return Done::VoteReclaimed;
+            }
+            for member in state.members.iter().filter(|m| m.id != self.me) {
+                match self.control.admin_client().call(&member.peer_addr, &request).await {
+                    Ok(_) => {
+                        tracing::debug!(node_id = self.me, "asked for the Raft vote (back)");
+                        return Done::VoteReclaimed;
+                    }
+                    Err(e) => {
+                        tracing::debug!(node_id = self.me, via = member.id, error = %e, "asking for the Raft vote")
+                    }
+                }
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_secs(5));
+        }
+    }
+
+    /// Gets `bucket` back from `from` (its replica holder or its shadow) after a restart.
+    pub(super) async fn restore(&self, bucket: BucketId, from: NodeId) -> Done {
+        let outcome = match self.puller.restore(&self.control, &self.store, &self.progress, bucket, from).await {
+            Ok(bytes) => {
+                tracing::debug!(node_id = self.me, bucket = bucket.0, from, bytes, "bucket restored");
+                self.facts.restored(bucket);
+                Fetched::Installed
+            }
+            Err(PullError::Refused { status: 404, .. }) => Fetched::NoCopy,
+            Err(e) => {
+                tracing::warn!(node_id = self.me, bucket = bucket.0, from, error = %e, "restore failed; will retry");
+                tokio::time::sleep(RETRY).await;
+                Fetched::Failed
+            }
+        };
+        Done::Restored { bucket, from, outcome }
+    }
+
+    /// Fetches the promoted `bucket` from the shadow `from` keeps (the failed owner got it in
+    /// the running transfer and its replica had no copy yet).
+    pub(super) async fn restore_shadow(&self, bucket: BucketId, from: NodeId) -> Done {
+        let outcome = match self.puller.restore(&self.control, &self.store, &self.progress, bucket, from).await {
+            Ok(bytes) => {
+                tracing::info!(bucket = bucket.0, from, bytes, "promoted bucket restored from its shadow");
+                self.facts.install(&self.control.state(), bucket);
+                self.replicator.detach(bucket);
+                Fetched::Installed
+            }
+            Err(PullError::Refused { status: 404, .. }) => Fetched::NoCopy,
+            Err(e) => {
+                tracing::warn!(bucket = bucket.0, from, error = %e, "restoring a promoted bucket from its shadow");
+                tokio::time::sleep(RETRY).await;
+                Fetched::Failed
+            }
+        };
+        Done::Promoted { bucket, from, outcome }
+    }
+
+    /// Tells the cluster which promoted buckets this node serves and which are lost.
+    pub(super) async fn report_promoted(&self, installed: Vec<BucketId>, lost: Vec<BucketId>) -> Done {
+        tracing::info!(
+            node_id = self.me,
+            promoted = installed.len(),
+            lost = lost.len(),
+            "serving replica buckets of a member that failed or left"
+        );
+        if !lost.is_empty() {
+            tracing::error!(buckets = lost.len(), first = ?lost.first(), "no copy of these buckets is left: they are lost");
+        }
+        let report = AdminRequest::Promoted {
+            node_id: self.me,
+            buckets: installed.iter().map(|b| b.0).collect(),
+            lost: lost.iter().map(|b| b.0).collect(),
+        };
+        if let Err(e) = self.control.admin(report).await {
+            tracing::warn!(error = %e, "could not report promoted buckets; retrying");
+            tokio::time::sleep(RETRY).await;
+        }
+        Done::Reported
+    }
+
+    /// Pulls `bucket` from `from` for the move at `epoch`.
+    pub(super) async fn pull(&self, bucket: BucketId, from: NodeId, epoch: u64) -> Done {
+        let started = std::time::Instant::now();
+        let result = self.puller.pull(&self.control, &self.store, &self.progress, bucket, from, epoch).await;
+        match &result {
+            Ok(_) => {
+                self.progress.bucket_done();
+                self.metrics.transfer_bucket_duration.record(started.elapsed().as_secs_f64());
+            }
+            Err(e) => tracing::warn!(node_id = self.me, bucket = bucket.0, from, error = %e, "bucket transfer failed"),
+        }
+        Done::Pulled { bucket, ok: result.is_ok() }
+    }
+
+    /// Makes `holder` (named by join order, every owned bucket attached there) the holder of
+    /// this node's complete replica: writes pause (every bucket lock held) while it checks that
+    /// nothing was detached meanwhile and commits `ReplicaMoved`.
+    pub(super) async fn move_replica(&self, holder: NodeId) -> Done {
+        let owned = self.control.state().map.buckets_of(self.me);
+        let mut locks = Vec::with_capacity(owned.len());
+        for &b in &owned {
+            locks.push(self.facts.lock(b).await);
+        }
+        let state = self.control.state();
+        let attached = self.replicator.attachments(&state);
+        let complete = state.map.buckets_of(self.me) == owned
+            && owned.iter().all(|&b| state.is_lost(b) || attached.contains(&(b, holder)));
+        let mut moved = false;
+        if complete && state.replica_of(self.me) == Some(holder) {
+            // If the outcome stays unknown (no answer in time), the change may still commit
+            // after the writes resume: until then a write that misses this holder fails.
+            self.replicator.set_moving_to(holder);
+            // Writes wait meanwhile: bounded, whatever Raft does.
+            let proposal = self.control.admin(AdminRequest::ReplicaMoved { owner: self.me, holder });
+            match tokio::time::timeout(APPLY_WAIT, proposal)
+                .await
+                .unwrap_or_else(|_| Err(shoal_raft::ControlError::Timeout { what: "the replica holder change".into() }))
+            {
+                Ok(_) => {
+                    moved = self
+                        .control
+                        .wait_for_state(APPLY_WAIT, |s| s.committed_holder_of(self.me) == Some(holder))
+                        .await;
+                    if moved {
+                        // Every write must reach it now anyway: it is the complete holder.
+                        self.replicator.set_moving_to(0);
+                    }
+                    tracing::info!(
+                        node_id = self.me,
+                        holder,
+                        buckets = owned.len(),
+                        "replica complete at its new holder"
+                    );
+                }
+                Err(e) => tracing::debug!(node_id = self.me, holder, error = %e, "moving the replica"),
+            }
+        }
+        drop(locks);
+        if !moved {
+            tokio::time::sleep(RETRY).await;
+        }
+        Done::MovedReplica
+    }
+
+    /// A leaving member hands its buckets to `heir`, the holder of its complete replica, which
+    /// serves them at once (no copy) while state transfer moves them on.
+    ///
+    /// ```text
+    ///  leaver L (leaving, target set)                 heir H (complete replica of L)       Raft
+    ///  refuse writes (503 node_leaving) ─▶ wait: every owned bucket attached at H,
+    ///                                       async queue empty (in-flight writes done)
+    ///  admin HandOver(L) ────────────────────────────────────────────────────────────▶ owners
+    ///                                                                                  L→H
+    ///  accept writes again (they route to H)          installs the copies, reports ───▶
+    /// ```
+    ///
+    /// The pause is what makes the replica complete: a write that reached L before it is
+    /// either in H's replica (acknowledged) or refused by H's fence after the flip (undone,
+    /// never acknowledged). If the replica cannot be confirmed complete in time, L does not
+    /// hand over and drains its buckets itself.
+    pub(super) async fn hand_over(&self, heir: NodeId) -> Done {
+        self.health.set_handing_over(true);
+        // A write that passed the refusal check before the flag holds its bucket lock until
+        // it reached the replica or its queue: taking every lock once waits for those, so
+        // the queue count below includes them.
+        for b in self.control.state().map.buckets_of(self.me) {
+            drop(self.facts.lock(b).await);
+        }
+        let deadline = tokio::time::Instant::now() + HANDOVER_SYNC_WAIT;
+        let in_sync = loop {
+            let state = self.control.state();
+            let (attached, owned) = self.replicator.attached_count(&state);
+            let (queued, _) = self.replicator.queue_lag();
+            if attached == owned && queued == 0 && state.heir_of(self.me) == Some(heir) {
+                break true;
+            }
+            let leaving = state.member_of(self.me).is_some_and(|m| m.leaving);
+            if tokio::time::Instant::now() >= deadline || !leaving {
+                tracing::warn!(
+                    node_id = self.me,
+                    attached,
+                    owned,
+                    queued,
+                    "replicas not in sync: draining the buckets instead"
+                );
+                break false;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        if in_sync {
+            let buckets = self.control.state().map.buckets_of(self.me).len();
+            match self.control.admin(AdminRequest::HandOver { node_id: self.me }).await {
+                Ok(_) => {
+                    let me = self.me;
+                    self.control.wait_for_state(Duration::from_secs(10), |s| s.map.buckets_of(me).is_empty()).await;
+                    tracing::info!(node_id = me, heir, buckets, "handed the buckets over to their replica holder");
+                }
+                Err(e) => {
+                    tracing::warn!(node_id = self.me, error = %e, "hand-over refused: draining the buckets instead")
+                }
+            }
+        }
+        self.health.set_handing_over(false);
+        Done::HandedOver
+    }
+}

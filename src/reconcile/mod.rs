@@ -1,0 +1,596 @@
+//! One reconciler per node: the one loop that acts on the replicated state.
+//!
+//! ```text
+//!   applied state ─┐                                  ┌─▶ quick actions, done inline
+//!   job results  ──┼─▶ facts ─▶ plan(prev, state, facts) ─┤   (drop, install, limit, stop)
+//!   queue, tick  ──┘     ▲                            └─▶ jobs, one per kind or bucket
+//!                        └──────────── their results ─────┘   (pull, restore, attach, ...)
+//! ```
+//!
+//! The planner (`plan.rs`) is a pure function, property-tested over random histories of the
+//! state; this module gathers the facts it needs, carries its actions out, and feeds the jobs'
+//! results back as facts. It wakes up when the applied state changes, when a job ends, when
+//! changes are queued for a replica, and at least twice a second.
+//!
+//! # Layout
+//! - `plan.rs`: [`plan::plan`], the facts and the actions.
+//! - `jobs.rs`: what each long action does.
+//! - `mod.rs`: [`Reconciler`], the loop.
+
+mod jobs;
+pub mod plan;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use shoal_raft::{BucketId, ClusterState, ControlPlane, NodeId};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use crate::bucket::{BucketCore, LocalFacts, Probe};
+use crate::cache::CacheStore;
+use crate::health::Health;
+use crate::identity::Identity;
+use crate::metrics::NodeMetrics;
+use crate::peer::Peers;
+use crate::replication::Replicator;
+use crate::transfer::import::{backoff, Puller};
+use crate::transfer::progress::Progress;
+use crate::transfer::stuck::StuckDetector;
+use crate::transfer::TransferConfig;
+use plan::{plan, Action, Facts, Running};
+
+/// How often the loop plans even when nothing woke it.
+const TICK: Duration = Duration::from_millis(500);
+/// How long a job that could not finish its work waits before the loop plans it again.
+pub(crate) const RETRY: Duration = Duration::from_millis(500);
+
+/// What a node's reconciler works with.
+pub struct Reconciler {
+    me: NodeId,
+    control: ControlPlane,
+    store: Arc<CacheStore>,
+    facts: Arc<LocalFacts>,
+    replicator: Arc<Replicator>,
+    health: Arc<Health>,
+    peers: Peers,
+    puller: Puller,
+    progress: Arc<Progress>,
+    metrics: Arc<NodeMetrics>,
+    transfer: TransferConfig,
+    /// The store's size limit alone and with other members.
+    limits: (u64, u64),
+    identity: Identity,
+    data_dir: PathBuf,
+    shutdown: watch::Sender<bool>,
+    rejoin: Arc<Mutex<Option<Vec<String>>>>,
+    probe: Option<Arc<dyn Probe>>,
+}
+
+/// The parts a reconciler is built from.
+pub struct Parts {
+    /// The bucket core (its facts and the store it writes).
+    pub core: Arc<BucketCore>,
+    /// The active store.
+    pub store: Arc<CacheStore>,
+    /// The control plane.
+    pub control: ControlPlane,
+    /// Replication.
+    pub replicator: Arc<Replicator>,
+    /// Failure detection.
+    pub health: Arc<Health>,
+    /// Calls to other nodes.
+    pub peers: Peers,
+    /// Transfer counters.
+    pub progress: Arc<Progress>,
+    /// Metrics.
+    pub metrics: Arc<NodeMetrics>,
+    /// How transfers run.
+    pub transfer: TransferConfig,
+    /// The store's size limit alone and with other members.
+    pub limits: (u64, u64),
+    /// The node's identity and where it is kept (a node that left records it).
+    pub identity: (Identity, PathBuf),
+    /// Turned on to stop the node.
+    pub shutdown: watch::Sender<bool>,
+    /// Where to rejoin, when the cluster failed this node.
+    pub rejoin: Arc<Mutex<Option<Vec<String>>>>,
+}
+
+/// A job's result, fed back as facts.
+enum Done {
+    /// A job that ended without a result (it panicked): its kind may be planned again.
+    Gone(Kind),
+    Acked,
+    Pulled {
+        bucket: BucketId,
+        ok: bool,
+    },
+    Restored {
+        bucket: BucketId,
+        from: NodeId,
+        outcome: Fetched,
+    },
+    Promoted {
+        bucket: BucketId,
+        from: NodeId,
+        outcome: Fetched,
+    },
+    Reported,
+    Attached,
+    MovedReplica,
+    HandedOver,
+    VoteReclaimed,
+    CaughtUp,
+    StuckChecked(Box<StuckDetector>),
+    Sent,
+}
+
+/// Pulls paused after a failed one.
+struct PullsWait {
+    failed_at: Instant,
+    until: Instant,
+    map_version: u64,
+}
+
+/// A newer map ends a pause after a failed pull no sooner than this.
+const PULL_RETRY_FLOOR: Duration = Duration::from_millis(250);
+
+/// The kind of a job whose result never came.
+enum Kind {
+    VoteReclaim,
+    CatchUp,
+    StuckCheck,
+}
+
+/// The running jobs, and what each one's result is taken to be if it never comes.
+#[derive(Default)]
+struct Jobs {
+    set: JoinSet<Done>,
+    if_gone: HashMap<tokio::task::Id, Done>,
+}
+
+impl Jobs {
+    fn spawn(&mut self, job: impl std::future::Future<Output = Done> + Send + 'static, if_gone: Done) {
+        let id = self.set.spawn(job).id();
+        self.if_gone.insert(id, if_gone);
+    }
+
+    /// The next result; a job that panicked gives its `if_gone` result (and an error line).
+    async fn next(&mut self) -> Option<Done> {
+        match self.set.join_next_with_id().await? {
+            Ok((id, done)) => {
+                self.if_gone.remove(&id);
+                Some(done)
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "a reconciler job failed; it is planned again");
+                self.if_gone.remove(&e.id())
+            }
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.set.is_empty()
+    }
+}
+
+/// What asking a node for a copy of a bucket gave.
+enum Fetched {
+    /// The copy is installed.
+    Installed,
+    /// The node holds none.
+    NoCopy,
+    /// It could not be asked (retry later).
+    Failed,
+}
+
+/// The loop's own memory between plans.
+#[derive(Default)]
+struct Memory {
+    running: Running,
+    no_copy: BTreeMap<BucketId, BTreeSet<NodeId>>,
+    caught_up: bool,
+    vote_reclaimed: bool,
+    handover_tried: bool,
+    pull_failures: u32,
+    /// After a failed pull, new pulls wait until this time, or a newer map (but at least
+    /// `PULL_RETRY_FLOOR`: while other buckets move the map changes every few milliseconds).
+    pulls_wait: Option<PullsWait>,
+    stuck: Option<Box<StuckDetector>>,
+    stuck_checked: Option<Instant>,
+    round_open: bool,
+    limit: u64,
+    /// Buckets served again empty since the restart began (reported once it is over).
+    emptied: Vec<BucketId>,
+}
+
+impl Reconciler {
+    /// A reconciler over `parts`.
+    pub fn new(parts: Parts) -> Arc<Self> {
+        let Parts {
+            core,
+            store,
+            control,
+            replicator,
+            health,
+            peers,
+            progress,
+            metrics,
+            transfer,
+            limits,
+            identity: (identity, data_dir),
+            shutdown,
+            rejoin,
+        } = parts;
+        Arc::new(Reconciler {
+            me: control.node_id(),
+            probe: core.probe().cloned(),
+            puller: Puller::new(peers.clone(), transfer),
+            control,
+            store,
+            facts: core.facts().clone(),
+            replicator,
+            health,
+            peers,
+            progress,
+            metrics,
+            transfer,
+            limits,
+            identity,
+            data_dir,
+            shutdown,
+            rejoin,
+        })
+    }
+
+    /// Runs the loop until the node stops.
+    pub async fn run(self: Arc<Self>) {
+        let mut applied = self.control.view().subscribe();
+        let mut jobs = Jobs::default();
+        let mut memory =
+            Memory { stuck: Some(Box::default()), limit: self.store.stats().limit_bytes, ..Memory::default() };
+        let mut previous = self.control.state();
+        loop {
+            let state = self.control.state();
+            let facts = self.facts_now(&state, &mut memory);
+            let actions = plan(&previous, &state, &facts);
+            if !actions.is_empty() {
+                tracing::trace!(node_id = self.me, map_version = state.map.version, ?actions, "plan");
+            }
+            previous = state.clone();
+            for action in actions {
+                if self.act(action, &state, &mut memory, &mut jobs) {
+                    return;
+                }
+            }
+            self.follow_progress(&state, &mut memory);
+            if !memory.emptied.is_empty() && self.facts.restoring().is_empty() {
+                let emptied = std::mem::take(&mut memory.emptied);
+                tracing::warn!(
+                    node_id = self.me,
+                    buckets = emptied.len(),
+                    first = ?emptied.first(),
+                    "restart: no copy was left of some buckets this node owns (every copy died): they serve again, empty"
+                );
+            }
+            tokio::select! {
+                biased;
+                done = jobs.next(), if !jobs.is_empty() => {
+                    if let Some(done) = done {
+                        self.learn(done, &mut memory);
+                    }
+                }
+                changed = applied.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                }
+                () = self.replicator.queued().notified(), if !memory.running.send => {}
+                () = self.health.removed() => {}
+                () = tokio::time::sleep(TICK) => {}
+            }
+        }
+    }
+
+    /// The facts the planner needs, from this node's parts and the loop's memory.
+    fn facts_now(&self, state: &ClusterState, memory: &mut Memory) -> Facts {
+        if let Some(w) = &memory.pulls_wait {
+            let now = Instant::now();
+            if now >= w.until || (state.map.version > w.map_version && now >= w.failed_at + PULL_RETRY_FLOOR) {
+                memory.pulls_wait = None;
+            }
+        }
+        if !state.transfer_flag || !self.control.is_leader() {
+            if let Some(stuck) = memory.stuck.as_mut() {
+                stuck.reset();
+            }
+            memory.stuck_checked = None;
+        }
+        let stuck_check_due =
+            memory.stuck.is_some() && memory.stuck_checked.is_none_or(|t| t.elapsed() >= self.transfer.check_interval);
+        if !state.member_of(self.me).is_some_and(|m| m.leaving) {
+            memory.handover_tried = false;
+        }
+        let node = self.health.node_facts();
+        let restoring: BTreeSet<BucketId> = self.facts.restoring().into_iter().collect();
+        // What a node answered about a copy counts for the restore or promotion it was asked
+        // for, not for a later one.
+        memory.no_copy.retain(|b, _| restoring.contains(b) || state.promoted.contains_key(&b.0));
+        Facts {
+            me: self.me,
+            caught_up: memory.caught_up,
+            voter: self.control.is_voter(),
+            leader: self.control.is_leader(),
+            failed: node.failed,
+            draining: node.draining,
+            active: BucketId::all().filter(|&b| self.store.bucket_stats(b).0 > 0).collect(),
+            replicas: self.replicator.replica_sources(),
+            restoring,
+            installed: state
+                .promoted
+                .keys()
+                .map(|&b| BucketId(b))
+                .filter(|&b| self.facts.is_installed(state, b))
+                .collect(),
+            attached: self.replicator.attachments(state),
+            no_copy: memory.no_copy.clone(),
+            suspected: self.health.pfail_members().into_iter().collect(),
+            running: memory.running.clone(),
+            pulls_paused: memory.pulls_wait.is_some(),
+            parallelism: self.transfer.parallelism,
+            vote_reclaimed: memory.vote_reclaimed,
+            handover_tried: memory.handover_tried,
+            queue_waiting: self.replicator.queue_waiting(),
+            stuck_check_due,
+            limits: (memory.limit, self.limits.0, self.limits.1),
+        }
+    }
+
+    /// Carries out one action; answers whether the node stops.
+    fn act(self: &Arc<Self>, action: Action, state: &Arc<ClusterState>, memory: &mut Memory, jobs: &mut Jobs) -> bool {
+        let r = &mut memory.running;
+        match action {
+            Action::Rejoin => {
+                let join: Vec<String> =
+                    state.members.iter().filter(|m| m.id != self.me).map(|m| m.api_addr.clone()).collect();
+                tracing::error!(
+                    node_id = self.me,
+                    "the cluster failed this node: it stops, discards its data and rejoins"
+                );
+                *self.rejoin.lock() = Some(join);
+                self.shutdown.send_replace(true);
+                return true;
+            }
+            Action::Stop => {
+                let mut retired = self.identity.clone();
+                retired.retired = true;
+                if let Err(e) = retired.store(&self.data_dir) {
+                    tracing::error!(error = %e, "could not record that this node left");
+                }
+                tracing::info!(node_id = self.me, "this node has left the cluster; stopping");
+                self.shutdown.send_replace(true);
+                return true;
+            }
+            Action::SetLimit { bytes } => {
+                self.store.set_limit(bytes);
+                memory.limit = bytes;
+            }
+            Action::Ack { to_version } => {
+                r.ack = Some(to_version);
+                let me = self.clone();
+                jobs.spawn(async move { me.ack(to_version).await }, Done::Acked);
+            }
+            Action::ReclaimVote => {
+                r.vote = true;
+                let me = self.clone();
+                jobs.spawn(async move { me.reclaim_vote().await }, Done::Gone(Kind::VoteReclaim));
+            }
+            Action::CatchUp => {
+                r.catch_up = true;
+                let me = self.clone();
+                jobs.spawn(
+                    async move {
+                        crate::transfer::restore::catch_up(&me.control).await;
+                        Done::CaughtUp
+                    },
+                    Done::Gone(Kind::CatchUp),
+                );
+            }
+            Action::Restore { bucket, from } => {
+                r.restores.insert(bucket);
+                let me = self.clone();
+                jobs.spawn(
+                    async move { me.restore(bucket, from).await },
+                    Done::Restored { bucket, from, outcome: Fetched::Failed },
+                );
+            }
+            Action::Unmark { bucket } => self.facts.restored(bucket),
+            Action::ServeEmpty { buckets } => {
+                tracing::debug!(
+                    node_id = self.me,
+                    ?buckets,
+                    "no copy is left of these buckets: they serve again, empty"
+                );
+                memory.emptied.extend(buckets.iter().copied());
+                for b in buckets {
+                    self.facts.restored(b);
+                    memory.no_copy.remove(&b);
+                    if let Some(probe) = &self.probe {
+                        probe.emptied(self.me, b);
+                    }
+                }
+            }
+            Action::Install { bucket, from } => {
+                if self.replicator.install_promoted(bucket, from) {
+                    tracing::debug!(bucket = bucket.0, from, "promoted bucket installed from the replica");
+                }
+            }
+            Action::AdoptShadow { bucket } => {
+                tracing::info!(bucket = bucket.0, "promoted bucket served from this node's own shadow");
+                self.facts.install(state, bucket);
+                self.replicator.detach(bucket);
+            }
+            Action::RestoreShadow { bucket, from } => {
+                r.promotions.insert(bucket);
+                let me = self.clone();
+                jobs.spawn(
+                    async move { me.restore_shadow(bucket, from).await },
+                    Done::Promoted { bucket, from, outcome: Fetched::Failed },
+                );
+            }
+            Action::ReportPromoted { installed, lost } => {
+                r.report = true;
+                let me = self.clone();
+                jobs.spawn(async move { me.report_promoted(installed, lost).await }, Done::Reported);
+            }
+            Action::Pull { bucket, from, epoch } => {
+                r.pulls.insert(bucket);
+                let me = self.clone();
+                jobs.spawn(async move { me.pull(bucket, from, epoch).await }, Done::Pulled { bucket, ok: false });
+            }
+            Action::Attach { holder, buckets } => {
+                r.attach = true;
+                let me = self.clone();
+                jobs.spawn(
+                    async move {
+                        if me.replicator.attach(holder, &buckets).await < buckets.len() {
+                            // The holder is not ready (or a bucket moved on): try again later.
+                            tokio::time::sleep(RETRY).await;
+                        }
+                        Done::Attached
+                    },
+                    Done::Attached,
+                );
+            }
+            Action::MoveReplica { holder } => {
+                r.move_replica = true;
+                let me = self.clone();
+                jobs.spawn(async move { me.move_replica(holder).await }, Done::MovedReplica);
+            }
+            Action::HandOver { heir } => {
+                r.handover = true;
+                memory.handover_tried = true;
+                let me = self.clone();
+                jobs.spawn(async move { me.hand_over(heir).await }, Done::HandedOver);
+            }
+            Action::DropActive { bucket } => {
+                let dropped = self.store.take_bucket(bucket).len();
+                tracing::debug!(
+                    node_id = self.me,
+                    bucket = bucket.0,
+                    dropped,
+                    "dropped a bucket this node keeps nothing of"
+                );
+            }
+            Action::DropReplica { bucket, source } => self.replicator.drop_replica(bucket, source),
+            Action::CheckStuck => {
+                if let Some(mut detector) = memory.stuck.take() {
+                    r.stuck = true;
+                    memory.stuck_checked = Some(Instant::now());
+                    let me = self.clone();
+                    jobs.spawn(
+                        async move {
+                            detector.check(&me.control, &me.peers, me.transfer, &me.metrics).await;
+                            Done::StuckChecked(detector)
+                        },
+                        Done::Gone(Kind::StuckCheck),
+                    );
+                }
+            }
+            Action::SendQueued => {
+                r.send = true;
+                let me = self.clone();
+                jobs.spawn(
+                    async move {
+                        me.replicator.send_queued().await;
+                        Done::Sent
+                    },
+                    Done::Sent,
+                );
+            }
+        }
+        false
+    }
+
+    /// Feeds a job's result back.
+    fn learn(&self, done: Done, memory: &mut Memory) {
+        let r = &mut memory.running;
+        match done {
+            Done::Gone(Kind::VoteReclaim) => r.vote = false,
+            Done::Gone(Kind::CatchUp) => r.catch_up = false,
+            Done::Gone(Kind::StuckCheck) => {
+                r.stuck = false;
+                memory.stuck = Some(Box::default());
+            }
+            Done::Acked => r.ack = None,
+            Done::Pulled { bucket, ok } => {
+                r.pulls.remove(&bucket);
+                if ok {
+                    memory.pull_failures = 0;
+                } else {
+                    memory.pull_failures += 1;
+                    let wait = backoff(memory.pull_failures);
+                    let now = Instant::now();
+                    let map_version = self.control.state().map.version;
+                    memory.pulls_wait = Some(PullsWait { failed_at: now, until: now + wait, map_version });
+                }
+            }
+            Done::Restored { bucket, from, outcome } => {
+                r.restores.remove(&bucket);
+                self.fetched(bucket, from, outcome, memory);
+            }
+            Done::Promoted { bucket, from, outcome } => {
+                r.promotions.remove(&bucket);
+                self.fetched(bucket, from, outcome, memory);
+            }
+            Done::Reported => r.report = false,
+            Done::Attached => r.attach = false,
+            Done::MovedReplica => r.move_replica = false,
+            Done::HandedOver => r.handover = false,
+            Done::VoteReclaimed => {
+                r.vote = false;
+                memory.vote_reclaimed = true;
+            }
+            Done::CaughtUp => {
+                r.catch_up = false;
+                memory.caught_up = true;
+            }
+            Done::StuckChecked(detector) => {
+                r.stuck = false;
+                memory.stuck = Some(detector);
+            }
+            Done::Sent => r.send = false,
+        }
+    }
+
+    fn fetched(&self, bucket: BucketId, from: NodeId, outcome: Fetched, memory: &mut Memory) {
+        match outcome {
+            Fetched::Installed => {
+                memory.no_copy.remove(&bucket);
+            }
+            Fetched::NoCopy => {
+                memory.no_copy.entry(bucket).or_default().insert(from);
+            }
+            Fetched::Failed => {}
+        }
+    }
+
+    /// Opens and closes rounds of pulls for the transfer's progress figures.
+    fn follow_progress(&self, state: &ClusterState, memory: &mut Memory) {
+        let incoming = state.incoming_of(self.me).len();
+        if incoming > 0 && !memory.round_open {
+            memory.round_open = true;
+            self.progress.start_round(incoming);
+            tracing::info!(node_id = self.me, buckets = incoming, "state transfer: pulling buckets");
+        } else if incoming == 0 && memory.round_open && memory.running.pulls.is_empty() {
+            memory.round_open = false;
+            self.progress.end_round();
+            tracing::info!(node_id = self.me, "state transfer: all buckets received");
+        }
+    }
+}

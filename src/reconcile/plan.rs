@@ -1,0 +1,426 @@
+//! The reconciler's planner: a pure function from the replicated state and what this node
+//! knows of itself ([`Facts`]) to what it should do now ([`Action`]s). It is level-triggered:
+//! given the same state and facts it plans the same actions, and an action whose job is
+//! still running is not planned again, so a lost wake-up or a failed job only delays the
+//! next plan.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use shoal_raft::{BucketId, ClusterState, NodeId};
+
+use crate::bucket::{phase_of, BucketFacts, Phase};
+
+/// How many buckets one attach job sends to a replica holder before the loop plans again.
+pub const ATTACH_BATCH: usize = 64;
+
+/// The jobs running now (each kind is planned again only once its job is done).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Running {
+    /// Acknowledging this pending map.
+    pub ack: Option<u64>,
+    /// Buckets being pulled.
+    pub pulls: BTreeSet<BucketId>,
+    /// Buckets being restored after a restart.
+    pub restores: BTreeSet<BucketId>,
+    /// Promoted buckets being fetched from a shadow.
+    pub promotions: BTreeSet<BucketId>,
+    /// Reporting promotions.
+    pub report: bool,
+    /// Sending snapshots to a replica holder.
+    pub attach: bool,
+    /// Making the holder join order names the holder of the complete replica.
+    pub move_replica: bool,
+    /// Handing the buckets over (leaving).
+    pub handover: bool,
+    /// Asking for the Raft vote back.
+    pub vote: bool,
+    /// Catching up with the leader before restoring.
+    pub catch_up: bool,
+    /// Checking the transfer for progress (leader).
+    pub stuck: bool,
+    /// Sending a batch of the async replication queue.
+    pub send: bool,
+}
+
+/// What this node knows of itself that the replicated state does not say.
+#[derive(Debug, Clone, Default)]
+pub struct Facts {
+    /// This node.
+    pub me: NodeId,
+    /// It knows a leader and has applied what the leader committed: it may trust its map.
+    pub caught_up: bool,
+    /// Raft counts it as a voter.
+    pub voter: bool,
+    /// It leads.
+    pub leader: bool,
+    /// A peer said the cluster failed it.
+    pub failed: bool,
+    /// It is stopping (SIGTERM).
+    pub draining: bool,
+    /// Buckets with items in the active store.
+    pub active: BTreeSet<BucketId>,
+    /// Replica buckets held, and the owner each copy came from.
+    pub replicas: BTreeMap<BucketId, NodeId>,
+    /// Buckets to get back after a restart.
+    pub restoring: BTreeSet<BucketId>,
+    /// Promoted buckets whose copy is installed.
+    pub installed: BTreeSet<BucketId>,
+    /// (bucket, holder): snapshots the holder acknowledged in the bucket's current ownership
+    /// period.
+    pub attached: BTreeSet<(BucketId, NodeId)>,
+    /// Where a copy was asked for and none was there (restores and promotions try the next
+    /// source).
+    pub no_copy: BTreeMap<BucketId, BTreeSet<NodeId>>,
+    /// Peers this node does not hear from.
+    pub suspected: BTreeSet<NodeId>,
+    /// Jobs running.
+    pub running: Running,
+    /// Pulls wait after a failure (backoff), until the state changes.
+    pub pulls_paused: bool,
+    /// Buckets pulled at once.
+    pub parallelism: usize,
+    /// It asked for its Raft vote back since it started.
+    pub vote_reclaimed: bool,
+    /// It tried to hand its buckets over in this leave.
+    pub handover_tried: bool,
+    /// The async replication queue has changes to send.
+    pub queue_waiting: bool,
+    /// The leader's transfer check is due.
+    pub stuck_check_due: bool,
+    /// The store's size limit now; the limit alone and with others.
+    pub limits: (u64, u64, u64),
+}
+
+impl Facts {
+    fn of(&self, bucket: BucketId) -> BucketFacts {
+        BucketFacts { restoring: self.restoring.contains(&bucket), installed: self.installed.contains(&bucket) }
+    }
+
+    fn busy(&self, bucket: BucketId) -> bool {
+        let r = &self.running;
+        r.pulls.contains(&bucket) || r.restores.contains(&bucket) || r.promotions.contains(&bucket)
+    }
+}
+
+/// Something to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// The cluster failed this node: stop, discard the data dir, join again as a new member.
+    Rejoin,
+    /// This node left and is no voter any more: record it and stop.
+    Stop,
+    /// The store's size limit (a one-node cluster may use twice `--cache-size`).
+    SetLimit {
+        /// Bytes.
+        bytes: u64,
+    },
+    /// Acknowledge the pending map.
+    Ack {
+        /// Its version.
+        to_version: u64,
+    },
+    /// Ask for the Raft vote back (a stopping member gave it up).
+    ReclaimVote,
+    /// Wait until the map can be trusted (a leader known, the committed log applied).
+    CatchUp,
+    /// Get a bucket back after a restart from a node holding a copy.
+    Restore {
+        /// The bucket.
+        bucket: BucketId,
+        /// Its replica holder or its shadow.
+        from: NodeId,
+    },
+    /// A bucket marked for restoring that this node does not own (or that a promotion
+    /// covers): nothing to restore.
+    Unmark {
+        /// The bucket.
+        bucket: BucketId,
+    },
+    /// Buckets this node owns of which no copy is left anywhere (every copy died, as in a
+    /// full stop): they serve again, empty.
+    ServeEmpty {
+        /// The buckets.
+        buckets: Vec<BucketId>,
+    },
+    /// Turn the replica copy of a promoted bucket into active data.
+    Install {
+        /// The bucket.
+        bucket: BucketId,
+        /// The member it came from.
+        from: NodeId,
+    },
+    /// A promoted bucket whose shadow is in this node's own active store: serve it.
+    AdoptShadow {
+        /// The bucket.
+        bucket: BucketId,
+    },
+    /// Fetch a promoted bucket this node holds no replica of from its shadow.
+    RestoreShadow {
+        /// The bucket.
+        bucket: BucketId,
+        /// The node holding the shadow.
+        from: NodeId,
+    },
+    /// Tell the cluster which promoted buckets this node serves and which are lost.
+    ReportPromoted {
+        /// Served from a copy.
+        installed: Vec<BucketId>,
+        /// No copy was left.
+        lost: Vec<BucketId>,
+    },
+    /// Pull a bucket the target gives this node.
+    Pull {
+        /// The bucket.
+        bucket: BucketId,
+        /// Who serves it now.
+        from: NodeId,
+        /// Its move epoch.
+        epoch: u64,
+    },
+    /// Send these owned buckets whole to a replica holder.
+    Attach {
+        /// The holder.
+        holder: NodeId,
+        /// The buckets.
+        buckets: Vec<BucketId>,
+    },
+    /// Every owned bucket is attached at the holder join order names: make it the holder of
+    /// the complete replica.
+    MoveReplica {
+        /// The holder.
+        holder: NodeId,
+    },
+    /// Leaving: hand the buckets to the holder of the complete replica.
+    HandOver {
+        /// The heir.
+        heir: NodeId,
+    },
+    /// Drop the active store's copy of a bucket this node keeps no data of.
+    DropActive {
+        /// The bucket.
+        bucket: BucketId,
+    },
+    /// Drop a replica copy this node no longer holds for its owner.
+    DropReplica {
+        /// The bucket.
+        bucket: BucketId,
+        /// The owner the copy came from (a newer owner's copy is not dropped).
+        source: NodeId,
+    },
+    /// As leader: check a running transfer for progress.
+    CheckStuck,
+    /// Send a batch of the async replication queue.
+    SendQueued,
+}
+
+/// What this node should do now (see the module docs). `previous` is the state the last plan
+/// saw: a bucket that left this node's ownership since is dropped only once the new state
+/// says so.
+pub fn plan(previous: &ClusterState, state: &ClusterState, f: &Facts) -> Vec<Action> {
+    let me = f.me;
+    let mut out = Vec::new();
+    if f.failed || state.failed.contains(&me) {
+        return vec![Action::Rejoin];
+    }
+    if state.retired.contains(&me) {
+        // It serves nothing any more; it stops once it is no voter (so that a two-voter
+        // cluster can still commit the change of voters).
+        return if f.voter { Vec::new() } else { vec![Action::Stop] };
+    }
+    if !state.is_member(me) || state.map.is_empty() {
+        return out;
+    }
+    let (limit, alone, shared) = f.limits;
+    let bytes = if state.members.len() == 1 { alone } else { shared };
+    if bytes != limit {
+        out.push(Action::SetLimit { bytes });
+    }
+    if let Some(t) = state.transition.as_ref().filter(|t| !t.acked.contains(&me)) {
+        if f.running.ack != Some(t.to.version) {
+            out.push(Action::Ack { to_version: t.to.version });
+        }
+    }
+    if !f.vote_reclaimed && !f.running.vote && state.members.len() > 1 && !f.draining {
+        out.push(Action::ReclaimVote);
+    }
+    plan_restores(state, f, &mut out);
+    plan_promotions(state, f, &mut out);
+    if !f.pulls_paused {
+        let free = f.parallelism.max(1).saturating_sub(f.running.pulls.len());
+        let incoming = state.incoming_of(me).into_iter().filter(|(b, _, _)| !f.running.pulls.contains(b));
+        out.extend(incoming.take(free).map(|(bucket, from, epoch)| Action::Pull { bucket, from, epoch }));
+    }
+    plan_replicas(state, f, &mut out);
+    plan_handover(state, f, &mut out);
+    plan_drops(previous, state, f, &mut out);
+    if f.leader && state.transfer_flag && f.stuck_check_due && !f.running.stuck {
+        out.push(Action::CheckStuck);
+    }
+    if f.queue_waiting && !f.running.send {
+        out.push(Action::SendQueued);
+    }
+    out
+}
+
+/// After a restart: every bucket this node owns comes back from the holder of its complete
+/// replica, else from a shadow; one of which no source holds a copy serves again, empty (its
+/// every copy died: a full stop, or the holder restarted too). Buckets it does not own, or
+/// that a promotion covers, are unmarked. Nothing is decided before the node has caught up
+/// with the leader: its own disk may be behind.
+fn plan_restores(state: &ClusterState, f: &Facts, out: &mut Vec<Action>) {
+    if f.restoring.is_empty() {
+        return;
+    }
+    if !f.caught_up {
+        if !f.running.catch_up {
+            out.push(Action::CatchUp);
+        }
+        return;
+    }
+    let me = f.me;
+    let mut empty = Vec::new();
+    let mut free = f.parallelism.max(1).saturating_sub(f.running.restores.len());
+    for &bucket in &f.restoring {
+        if f.running.restores.contains(&bucket) {
+            continue;
+        }
+        let owned = state.map.owner_of(bucket) == Some(me);
+        if !owned || state.promoted.contains_key(&bucket.0) || state.is_lost(bucket) {
+            out.push(Action::Unmark { bucket });
+            continue;
+        }
+        let tried = f.no_copy.get(&bucket);
+        let sources = [state.heir_of(me), state.shadow_of(bucket)];
+        let source = sources
+            .into_iter()
+            .flatten()
+            .find(|&s| s != me && state.is_member(s) && !tried.is_some_and(|t| t.contains(&s)));
+        match source {
+            Some(from) if free > 0 => {
+                free -= 1;
+                out.push(Action::Restore { bucket, from });
+            }
+            Some(_) => {}
+            None => empty.push(bucket),
+        }
+    }
+    if !empty.is_empty() {
+        out.push(Action::ServeEmpty { buckets: empty });
+    }
+}
+
+/// Buckets a failover or hand-over gave this node: each is served from the replica copy of
+/// the member it came from, else from the shadow of the running transfer (every write the
+/// failed owner acknowledged was written through to it), else it is lost. Once every one is
+/// decided, they are reported.
+fn plan_promotions(state: &ClusterState, f: &Facts, out: &mut Vec<Action>) {
+    let promotions = state.promotions_of(f.me);
+    if promotions.is_empty() || f.running.report {
+        return;
+    }
+    let (mut installed, mut lost, mut pending) = (Vec::new(), Vec::new(), false);
+    for (bucket, from) in promotions {
+        if f.installed.contains(&bucket) {
+            installed.push(bucket);
+        } else if f.replicas.get(&bucket) == Some(&from) {
+            out.push(Action::Install { bucket, from });
+            pending = true;
+        } else {
+            let shadow = state.handoffs.get(&bucket.0).copied().filter(|&s| s == f.me || state.is_member(s));
+            match shadow {
+                Some(s) if s == f.me => {
+                    out.push(Action::AdoptShadow { bucket });
+                    pending = true;
+                }
+                Some(_) if f.running.promotions.contains(&bucket) => pending = true,
+                Some(s) if !f.no_copy.get(&bucket).is_some_and(|t| t.contains(&s)) => {
+                    out.push(Action::RestoreShadow { bucket, from: s });
+                    pending = true;
+                }
+                _ => lost.push(bucket),
+            }
+        }
+    }
+    if !pending {
+        out.push(Action::ReportPromoted { installed, lost });
+    }
+}
+
+/// Keeps the replica of what this node owns complete: every bucket it serves is sent whole
+/// to the holder of its complete replica (or, without one, the holder join order names) and
+/// to the holder join order names; once that one has them all, it becomes the holder of the
+/// complete replica.
+fn plan_replicas(state: &ClusterState, f: &Facts, out: &mut Vec<Action>) {
+    let me = f.me;
+    let Some(desired) = state.replica_of(me) else { return };
+    let committed = state.committed_holder_of(me);
+    let required = committed.unwrap_or(desired);
+    let owned = state.map.buckets_of(me);
+    let serving: Vec<BucketId> =
+        owned.iter().copied().filter(|&b| phase_of(state, me, b, f.of(b)) == Phase::Serving).collect();
+    if !f.running.attach {
+        for holder in [required, desired] {
+            let missing: Vec<BucketId> =
+                serving.iter().copied().filter(|&b| !f.attached.contains(&(b, holder))).take(ATTACH_BATCH).collect();
+            if !missing.is_empty() {
+                out.push(Action::Attach { holder, buckets: missing });
+                break;
+            }
+        }
+    }
+    let leaving = state.member_of(me).is_some_and(|m| m.leaving);
+    // A lost bucket has no data to replicate; any other bucket not served yet (being
+    // restored or promoted) must be sent first.
+    let pending = owned.iter().filter(|&&b| !state.is_lost(b)).count() != serving.len();
+    let complete = !pending && serving.iter().all(|&b| f.attached.contains(&(b, desired)));
+    if committed != Some(desired) && complete && !leaving && !f.running.move_replica {
+        out.push(Action::MoveReplica { holder: desired });
+    }
+}
+
+/// A leaving member, once its leave's target is set and it still serves buckets, hands them
+/// to the holder of its complete replica, once per leave.
+fn plan_handover(state: &ClusterState, f: &Facts, out: &mut Vec<Action>) {
+    let me = f.me;
+    let leaving = state.member_of(me).is_some_and(|m| m.leaving);
+    if !leaving || f.handover_tried || f.running.handover || f.draining {
+        return;
+    }
+    if state.transition.is_some() || state.target.is_none() || state.map.buckets_of(me).is_empty() {
+        return;
+    }
+    let heir = state.heir_of(me).filter(|&h| h != me && state.is_member(h) && !f.suspected.contains(&h));
+    if let Some(heir) = heir {
+        out.push(Action::HandOver { heir });
+    }
+}
+
+/// The one place bucket data is dropped: an active copy when the bucket's phase here keeps
+/// nothing (another node serves it, and this node neither gets it nor shadows it), once the
+/// state says so twice in a row; a replica copy when its owner no longer owns the bucket, is
+/// gone, or no longer names this node as a holder — except while a promotion still needs it.
+fn plan_drops(previous: &ClusterState, state: &ClusterState, f: &Facts, out: &mut Vec<Action>) {
+    let me = f.me;
+    for &bucket in &f.active {
+        if f.busy(bucket) {
+            continue;
+        }
+        let keeps = |s: &ClusterState| phase_of(s, me, bucket, f.of(bucket)).keeps_active_data();
+        if !keeps(state) && !keeps(previous) {
+            out.push(Action::DropActive { bucket });
+        }
+    }
+    for (&bucket, &source) in &f.replicas {
+        if state.promoted.contains_key(&bucket.0) {
+            continue;
+        }
+        let holds = state.replica_of(source) == Some(me) || state.committed_holder_of(source) == Some(me);
+        let keep = state.map.owner_of(bucket) == Some(source) && state.is_member(source) && holds;
+        if !keep {
+            out.push(Action::DropReplica { bucket, source });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

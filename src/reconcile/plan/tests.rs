@@ -1,0 +1,209 @@
+//! The planner: examples of each decision, and properties over random histories of the
+//! replicated state (`crate::bucket::testing`) and random local facts.
+
+use std::collections::BTreeMap;
+
+use proptest::prelude::*;
+use shoal_raft::{BucketId, ClusterState, NodeId};
+
+use super::*;
+use crate::bucket::testing::{self, Step};
+
+fn facts(me: NodeId) -> Facts {
+    Facts { me, caught_up: true, parallelism: 1, limits: (1, 2, 1), vote_reclaimed: true, ..Facts::default() }
+}
+
+fn history(steps: &[Step]) -> ClusterState {
+    testing::states(steps).pop().unwrap_or_else(testing::bootstrapped)
+}
+
+fn three_nodes() -> ClusterState {
+    history(&[Step::Join, Step::EndTransition, Step::Move(8), Step::Join, Step::EndTransition, Step::Move(8)])
+}
+
+#[test]
+fn a_failed_or_retired_node_does_nothing_but_leave() {
+    let s = three_nodes();
+    let mut f = facts(2);
+    f.failed = true;
+    f.active = BucketId::all().collect();
+    assert_eq!(plan(&s, &s, &f), vec![Action::Rejoin]);
+    let mut left = s.clone();
+    testing::apply(&mut left, &Step::Leave(1));
+    testing::apply(&mut left, &Step::EndTransition);
+    testing::apply(&mut left, &Step::Move(8));
+    assert!(left.retired.contains(&2));
+    let mut f = facts(2);
+    f.voter = true;
+    assert!(plan(&left, &left, &f).is_empty(), "a voter waits for its demotion");
+    f.voter = false;
+    assert_eq!(plan(&left, &left, &f), vec![Action::Stop]);
+}
+
+#[test]
+fn a_restarted_node_catches_up_then_restores_from_the_complete_replica_and_serves_empty_what_has_no_copy() {
+    let s = three_nodes();
+    let b = s.map.buckets_of(2)[0];
+    let foreign = s.map.buckets_of(1)[0];
+    let mut f = facts(2);
+    f.restoring = [b, foreign].into();
+    f.caught_up = false;
+    assert_eq!(plan(&s, &s, &f).into_iter().filter(|a| matches!(a, Action::CatchUp)).count(), 1);
+    assert!(!plan(&s, &s, &f).iter().any(|a| matches!(a, Action::Restore { .. } | Action::Unmark { .. })));
+    f.caught_up = true;
+    let actions = plan(&s, &s, &f);
+    let heir = s.heir_of(2).expect("an heir");
+    assert!(actions.contains(&Action::Restore { bucket: b, from: heir }), "{actions:?}");
+    assert!(actions.contains(&Action::Unmark { bucket: foreign }));
+    f.no_copy = [(b, [heir].into())].into();
+    let actions = plan(&s, &s, &f);
+    assert!(actions.contains(&Action::ServeEmpty { buckets: vec![b] }), "no copy anywhere: every copy died");
+}
+
+#[test]
+fn a_promoted_bucket_comes_from_the_replica_else_the_shadow_else_it_is_lost() {
+    let mut s = three_nodes();
+    let of_2 = s.map.buckets_of(2);
+    testing::apply(&mut s, &Step::Fail(1));
+    let heir = s.map.owner_of(of_2[0]).expect("an heir");
+    let (a, b, c) = (of_2[0], of_2[1], of_2[2]);
+    let mut f = facts(heir);
+    f.replicas = [(a, 2)].into();
+    let actions = plan(&s, &s, &f);
+    assert!(actions.contains(&Action::Install { bucket: a, from: 2 }), "{actions:?}");
+    assert!(!actions.iter().any(|x| matches!(x, Action::ReportPromoted { .. })), "not all decided yet");
+    // Every copy installed except b and c, of which no copy is left: reported.
+    f.replicas.clear();
+    f.installed = of_2.iter().copied().filter(|&x| x != b && x != c).collect();
+    let actions = plan(&s, &s, &f);
+    let report = actions.iter().find_map(|x| match x {
+        Action::ReportPromoted { installed, lost } => Some((installed.len(), lost.clone())),
+        _ => None,
+    });
+    assert_eq!(report, Some((of_2.len() - 2, vec![b, c])));
+}
+
+#[test]
+fn pulls_follow_the_target_up_to_the_parallelism_and_wait_after_a_failure() {
+    let s = history(&[Step::Join, Step::EndTransition]);
+    let mut f = facts(2);
+    f.parallelism = 3;
+    let pulls = |f: &Facts| plan(&s, &s, f).into_iter().filter(|a| matches!(a, Action::Pull { .. })).count();
+    assert_eq!(pulls(&f), 3);
+    f.running.pulls = s.incoming_of(2).into_iter().take(2).map(|(b, _, _)| b).collect();
+    assert_eq!(pulls(&f), 1);
+    f.pulls_paused = true;
+    assert_eq!(pulls(&f), 0);
+}
+
+#[test]
+fn the_replica_moves_to_the_new_holder_only_once_it_has_every_bucket() {
+    let mut s = three_nodes();
+    // Node 3's complete replica is on node 1; a fourth member makes join order name node 4.
+    s.apply(&shoal_raft::ClusterCommand::ReplicaMoved { owner: 3, holder: 1 });
+    testing::apply(&mut s, &Step::Join);
+    testing::apply(&mut s, &Step::EndTransition);
+    testing::apply(&mut s, &Step::Move(8));
+    assert_eq!((s.committed_holder_of(3), s.replica_of(3)), (Some(1), Some(4)));
+    let owned = s.map.buckets_of(3);
+    let mut f = facts(3);
+    f.attached = owned.iter().map(|&b| (b, 1)).collect();
+    let actions = plan(&s, &s, &f);
+    assert!(actions.iter().any(|a| matches!(a, Action::Attach { holder: 4, .. })), "{actions:?}");
+    assert!(!actions.iter().any(|a| matches!(a, Action::MoveReplica { .. })));
+    f.attached.extend(owned.iter().map(|&b| (b, 4)));
+    let actions = plan(&s, &s, &f);
+    assert!(actions.contains(&Action::MoveReplica { holder: 4 }), "{actions:?}");
+    // Node 1 keeps its copies of node 3's buckets until node 4 is the complete holder.
+    let mut holder = facts(1);
+    holder.replicas = owned.iter().map(|&b| (b, 3)).collect();
+    assert!(!plan(&s, &s, &holder).iter().any(|a| matches!(a, Action::DropReplica { .. })));
+    s.apply(&shoal_raft::ClusterCommand::ReplicaMoved { owner: 3, holder: 4 });
+    let drops = plan(&s, &s, &holder).into_iter().filter(|a| matches!(a, Action::DropReplica { .. })).count();
+    assert_eq!(drops, owned.len());
+}
+
+/// Random local facts of node `me` on `state`.
+fn facts_of(state: &ClusterState, me: NodeId, bits: &[u64; 4]) -> Facts {
+    let pick = |k: usize, b: BucketId| bits[k] >> (b.0 % 64) & 1 == 1;
+    let ids: Vec<NodeId> = (1..state.next_node_id.max(2)).collect();
+    let mut f = facts(me);
+    f.active = BucketId::all().filter(|&b| pick(0, b)).collect();
+    f.replicas = BucketId::all().filter(|&b| pick(1, b)).map(|b| (b, ids[b.index() % ids.len()])).collect();
+    f.restoring = BucketId::all().filter(|&b| pick(2, b) && b.0 % 7 == 0).collect();
+    f.installed = BucketId::all().filter(|&b| pick(3, b)).collect();
+    f.caught_up = bits[0] & 1 == 1;
+    f.attached = BucketId::all().filter(|&b| pick(3, b)).flat_map(|b| ids.iter().map(move |&h| (b, h))).collect();
+    f
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// Whatever happened, no plan drops a copy that may be the last one of an acknowledged
+    /// write, gets data for a bucket this node has no business with, or does two things to
+    /// one bucket at once.
+    #[test]
+    fn no_plan_drops_a_copy_that_is_still_needed(
+        steps in prop::collection::vec(testing::step(), 0..30),
+        bits in any::<[u64; 4]>(),
+    ) {
+        let states = testing::states(&steps);
+        for pair in states.windows(2) {
+            let (previous, state) = (&pair[0], &pair[1]);
+            for me in 1..state.next_node_id.max(2) {
+                let f = facts_of(state, me, &bits);
+                let actions = plan(previous, state, &f);
+                let mut touched: BTreeMap<BucketId, &Action> = BTreeMap::new();
+                for action in &actions {
+                    let bucket = match action {
+                        Action::DropActive { bucket } => {
+                            let phase = phase_of(state, me, *bucket, f.of(*bucket));
+                            prop_assert!(matches!(phase, Phase::Foreign { .. }), "node {me} drops {bucket} in {phase:?}");
+                            Some(*bucket)
+                        }
+                        Action::DropReplica { bucket, .. } => {
+                            let source = f.replicas[bucket];
+                            let needed = state.map.owner_of(*bucket) == Some(source)
+                                && (state.heir_of(source) == Some(me) || state.replica_of(source) == Some(me));
+                            prop_assert!(!needed, "node {me} drops the replica of {bucket} it holds for {source}");
+                            prop_assert!(!state.promoted.contains_key(&bucket.0));
+                            None
+                        }
+                        Action::Pull { bucket, from, .. } => {
+                            prop_assert_eq!(state.target.as_ref().and_then(|t| t.owner_of(*bucket)), Some(me));
+                            prop_assert_eq!(state.map.owner_of(*bucket), Some(*from));
+                            Some(*bucket)
+                        }
+                        Action::Restore { bucket, from } => {
+                            prop_assert_eq!(state.map.owner_of(*bucket), Some(me));
+                            prop_assert!(*from != me && state.is_member(*from));
+                            Some(*bucket)
+                        }
+                        Action::Install { bucket, from } => {
+                            prop_assert_eq!(state.promoted.get(&bucket.0), Some(from));
+                            prop_assert_eq!(f.replicas.get(bucket), Some(from));
+                            Some(*bucket)
+                        }
+                        Action::HandOver { heir } => {
+                            prop_assert!(state.member_of(me).is_some_and(|m| m.leaving));
+                            prop_assert_eq!(state.heir_of(me), Some(*heir));
+                            None
+                        }
+                        Action::MoveReplica { holder } => {
+                            prop_assert_eq!(state.replica_of(me), Some(*holder));
+                            None
+                        }
+                        _ => None,
+                    };
+                    if let Some(b) = bucket {
+                        prop_assert!(touched.insert(b, action).is_none(), "two actions on {b}: {actions:?}");
+                    }
+                }
+                if f.failed || state.failed.contains(&me) {
+                    prop_assert_eq!(&actions, &vec![Action::Rejoin]);
+                }
+            }
+        }
+    }
+}
