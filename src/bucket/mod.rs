@@ -68,6 +68,10 @@ pub struct LocalFacts {
     /// Promoted buckets whose copy is installed, with the move epoch of their promotion: a
     /// later promotion of the same bucket (a new epoch) is installed again.
     installed: Mutex<BTreeMap<u16, u64>>,
+    /// Buckets this node handed over since it started and still holds the data of: the
+    /// shadows it really has. The replicated state names the node that handed a bucket over,
+    /// but a node that restarted since holds nothing of it.
+    shadows: RwLock<BTreeSet<u16>>,
     locks: Vec<tokio::sync::Mutex<()>>,
 }
 
@@ -76,12 +80,34 @@ impl Default for LocalFacts {
         LocalFacts {
             restoring: RwLock::new(BTreeSet::new()),
             installed: Mutex::new(BTreeMap::new()),
+            shadows: RwLock::new(BTreeSet::new()),
             locks: (0..BUCKET_COUNT).map(|_| tokio::sync::Mutex::new(())).collect(),
         }
     }
 }
 
 impl LocalFacts {
+    /// This node handed `bucket` over and keeps its data as the shadow.
+    pub fn handed_over(&self, bucket: BucketId) {
+        self.shadows.write().insert(bucket.0);
+    }
+
+    /// This node dropped its active data of `bucket`.
+    pub fn dropped(&self, bucket: BucketId) {
+        self.shadows.write().remove(&bucket.0);
+    }
+
+    /// Whether this node holds a shadow copy of `bucket` (it handed it over since it started
+    /// and has not dropped it).
+    pub fn holds_shadow(&self, bucket: BucketId) -> bool {
+        self.shadows.read().contains(&bucket.0)
+    }
+
+    /// The buckets this node holds a shadow copy of.
+    pub fn shadows(&self) -> BTreeSet<BucketId> {
+        self.shadows.read().iter().map(|&b| BucketId(b)).collect()
+    }
+
     /// What this node knows of `bucket`, on `state`.
     pub fn of(&self, state: &ClusterState, bucket: BucketId) -> BucketFacts {
         BucketFacts { restoring: self.is_restoring(bucket), installed: self.is_installed(state, bucket) }

@@ -331,6 +331,7 @@ impl Reconciler {
             active: BucketId::all().filter(|&b| self.store.bucket_stats(b).0 > 0).collect(),
             replicas: self.replicator.replica_sources(),
             restoring,
+            shadows: self.facts.shadows(),
             installed: state
                 .promoted
                 .keys()
@@ -480,6 +481,7 @@ impl Reconciler {
             }
             Action::DropActive { bucket } => {
                 let dropped = self.store.take_bucket(bucket).len();
+                self.facts.dropped(bucket);
                 tracing::debug!(
                     node_id = self.me,
                     bucket = bucket.0,

@@ -63,6 +63,8 @@ pub struct Facts {
     pub replicas: BTreeMap<BucketId, NodeId>,
     /// Buckets to get back after a restart.
     pub restoring: BTreeSet<BucketId>,
+    /// Buckets this node handed over since it started and still keeps the data of.
+    pub shadows: BTreeSet<BucketId>,
     /// Promoted buckets whose copy is installed.
     pub installed: BTreeSet<BucketId>,
     /// (bucket, holder): snapshots the holder acknowledged in the bucket's current ownership
@@ -328,6 +330,8 @@ fn plan_promotions(state: &ClusterState, f: &Facts, out: &mut Vec<Action>) {
         } else {
             let shadow = state.handoffs.get(&bucket.0).copied().filter(|&s| s == f.me || state.is_member(s));
             match shadow {
+                // Named as the shadow but restarted since: it holds nothing of the bucket.
+                Some(s) if s == f.me && !f.shadows.contains(&bucket) => lost.push(bucket),
                 Some(s) if s == f.me => {
                     out.push(Action::AdoptShadow { bucket });
                     pending = true;

@@ -29,8 +29,12 @@ impl Replicator {
             let ready = |s: &ClusterState| shadow_refusal(s, me, bucket, to).is_none();
             self.control.wait_for_state(SETTLE, ready).await;
         }
+        // A node that restarted since it handed the bucket over is still named as its shadow,
+        // but holds nothing of it.
         let snapshot = self.replica_snapshot(bucket, to).or_else(|| {
-            shadow_refusal(&self.control.state(), me, bucket, to).is_none().then(|| self.active.snapshot(bucket))
+            let shadow =
+                self.facts.holds_shadow(bucket) && shadow_refusal(&self.control.state(), me, bucket, to).is_none();
+            shadow.then(|| self.active.snapshot(bucket))
         });
         let Some((items, counter)) = snapshot else {
             return Err((

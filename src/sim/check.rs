@@ -103,7 +103,9 @@ pub fn check_reads(history: &[Op], emptied: &Emptied, old_map: &Emptied) -> Read
                 _ => continue,
             };
             verdict.reads += 1;
-            let ok = allowed(&ops[..i], empties, op.start);
+            // A read that ran while its bucket was emptied may see it before or after.
+            let mut ok = allowed(&ops[..i], empties, op.start);
+            ok.extend(allowed(&ops[..i], empties, op.end));
             if ok.contains(&seen) {
                 continue;
             }
@@ -223,6 +225,21 @@ mod tests {
         assert_eq!(verdict.violations.len(), 2, "{:?}", verdict.violations);
         assert!(verdict.violations[0].contains("Some(\"a\")"), "{:?}", verdict.violations);
         assert!(verdict.violations[1].contains("zzz"), "{:?}", verdict.violations);
+    }
+
+    #[test]
+    fn a_read_that_runs_while_its_bucket_is_emptied_may_see_either_side() {
+        let key = "k";
+        let mut read_during = op(10, key, OpKind::Get, Outcome::NotFound, false);
+        read_during.end = Duration::from_millis(20);
+        let history = vec![op(0, key, OpKind::Put("a".into()), ok(), false), read_during];
+        let emptied: Emptied = [(bucket_of(key.as_bytes()), vec![Duration::from_millis(15)])].into();
+        assert!(check_reads(&history, &emptied, &Emptied::new()).violations.is_empty());
+        let mut old_value = history.clone();
+        old_value[1].outcome = read("a");
+        assert!(check_reads(&old_value, &emptied, &Emptied::new()).violations.is_empty());
+        let after: Emptied = [(bucket_of(key.as_bytes()), vec![Duration::from_millis(25)])].into();
+        assert_eq!(check_reads(&history, &after, &Emptied::new()).violations.len(), 1, "emptied after the read");
     }
 
     #[test]

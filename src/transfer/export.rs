@@ -166,9 +166,10 @@ async fn produce(exporter: Exporter, bucket: BucketId, epoch: u64, tx: mpsc::Sen
 }
 
 /// Keeps `bucket` frozen until Raft has either moved it (its data stays as the shadow until
-/// the reconciler drops it) or the move was aborted (it thaws and this node serves it on). Aborts the move itself when the
-/// new owner does not settle it in time, or at once when the stream broke before its END
-/// (`doomed`: the new owner flips only a bucket it received whole).
+/// the reconciler drops it) or the move was aborted (it thaws and this node serves it on).
+/// Aborts the move itself when the new owner does not settle it in time, or at once when the
+/// stream broke before its END (`doomed`: the new owner flips only a bucket it received
+/// whole).
 async fn settle_freeze(exporter: &Exporter, bucket: BucketId, epoch: u64, token: u64, doomed: bool) {
     let control = &exporter.control;
     let settled = |s: &ClusterState| s.epoch_of(bucket) > epoch;
@@ -186,12 +187,16 @@ async fn settle_freeze(exporter: &Exporter, bucket: BucketId, epoch: u64, token:
     }
     let state = control.state();
     let me = control.node_id();
-    if state.map.owner_of(bucket) == Some(me) {
-        tracing::info!(bucket = bucket.0, "move aborted; serving the bucket again");
-    } else {
+    // The move committed if the state names this node as the one that handed the bucket
+    // over (a failover or hand-over may have given it back since) or another node owns it.
+    let moved = state.handoffs.get(&bucket.0) == Some(&me) || state.map.owner_of(bucket) != Some(me);
+    if moved {
         // Its data stays until the reconciler drops it (at once, unless this node keeps a
         // shadow); writes waiting on the freeze route to the new owner now.
+        exporter.facts.handed_over(bucket);
         tracing::debug!(bucket = bucket.0, to = ?state.map.owner_of(bucket), "bucket handed over");
+    } else {
+        tracing::info!(bucket = bucket.0, "move aborted; serving the bucket again");
     }
     exporter.cache.end_export(bucket, token);
 }

@@ -316,6 +316,42 @@ def report(redis, shoal, cluster, args):
           f"its own accounting {sm['accounted_per_item']:.1f} B/item; Redis RSS growth {rm['rss_per_item']:.1f} B/item")
 
 
+def single_figures(args, procs, tmp, binary, name):
+    """Unbatched GET and PUT of one pinned node of `binary`."""
+    own = argparse.Namespace(**{**vars(args), "shoal": binary})
+    p, addr = start_shoal(procs, own, os.path.join(tmp, name), pin=0)
+    shoal_bench([addr], [p.pid], own, ratio="0:1", fill=True)
+    out = {
+        "set_p1": measured(lambda: shoal_bench([addr], [p.pid], own, ratio="0:1"), args.runs, f"{name} PUT"),
+        "get_p1": measured(lambda: shoal_bench([addr], [p.pid], own), args.runs, f"{name} GET"),
+    }
+    procs.stop(p)
+    return out
+
+
+def single_report(args, procs, tmp):
+    """Single-node server µs/op of Redis, the baseline binary (if any) and this one, one run."""
+    n1 = int(90_000 * args.duration)
+    port = free_port()
+    p = procs.start(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                     "--appendonly", "no", "--protected-mode", "yes"], pin=0)
+    wait_port(port)
+    redis = {
+        "set_p1": measured(lambda: redis_benchmark(port, p.pid, "set", 1, n1, args), args.runs, "redis SET -P1"),
+        "get_p1": measured(lambda: redis_benchmark(port, p.pid, "get", 1, n1, args), args.runs, "redis GET -P1"),
+    }
+    procs.stop(p)
+    columns = [("redis", redis)]
+    if args.baseline:
+        columns.append(("baseline", single_figures(args, procs, tmp, args.baseline, "baseline")))
+    columns.append(("shoal", single_figures(args, procs, tmp, args.shoal, "shoal")))
+    print(f"single node, pinned, medians of {args.runs} runs of {args.duration}s: server µs/op (ops/s)")
+    print("figure".ljust(8) + "".join(name.rjust(22) for name, _ in columns))
+    for label, key in (("GET", "get_p1"), ("PUT", "set_p1")):
+        cells = [f"{median(c[key], 'server_us'):.2f} ({median(c[key], 'ops'):,.0f})" for _, c in columns]
+        print(label.ljust(8) + "".join(cell.rjust(22) for cell in cells))
+
+
 HEADER = ("figure", "redis / base", "shoal", "ratio", "target", "")
 
 
@@ -329,7 +365,8 @@ def main():
     ap.add_argument("--value-size", type=int, default=100)
     ap.add_argument("--memory-items", type=int, default=1_000_000)
     ap.add_argument("--json", help="also write the raw results here")
-    ap.add_argument("--only", choices=["cluster"], help="measure only part (for quick iterations)")
+    ap.add_argument("--only", choices=["cluster", "single"], help="measure only part (for quick iterations)")
+    ap.add_argument("--baseline", help="with --only single: another shoal binary measured in the same run")
     args = ap.parse_args()
     for tool in ("redis-server", "redis-benchmark", "redis-cli", "taskset", "curl"):
         if not shutil.which(tool):
@@ -341,6 +378,9 @@ def main():
             cluster = cluster_figures(args, procs, tmp)
             for k in ("one", "direct", "any"):
                 print(k, {f: round(median(cluster[k], f), 2) for f in ("ops", "server_us", "p99", "foreign")})
+            return
+        if args.only == "single":
+            single_report(args, procs, tmp)
             return
         redis = redis_figures(args, procs)
         shoal = shoal_figures(args, procs, tmp)

@@ -92,8 +92,10 @@ fn fixed_seeds_find_no_violation() {
 
 /// Seeds that once found a bug, kept so that it stays fixed: 106 (a bucket moved to a node
 /// failed meanwhile), 124 (a leave asked of a leader cut off from its majority never
-/// answered), 197 (a rebuilt replica left buckets served empty after a restart).
-const REGRESSIONS: &[u64] = &[106, 124, 197];
+/// answered), 197 (a rebuilt replica left buckets served empty after a restart), 1541 (a
+/// node that restarted after handing a bucket over adopted its "shadow", empty, on a
+/// failover), 1275 (the checker did not let a read see its bucket emptied while it ran).
+const REGRESSIONS: &[u64] = &[106, 124, 197, 1275, 1541];
 
 #[test]
 fn a_seed_replays_exactly() {

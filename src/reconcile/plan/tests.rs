@@ -84,6 +84,36 @@ fn a_promoted_bucket_comes_from_the_replica_else_the_shadow_else_it_is_lost() {
 }
 
 #[test]
+fn a_promoted_bucket_is_taken_from_this_node_s_shadow_only_if_it_still_holds_it() {
+    let mut s = three_nodes();
+    for step in [Step::Join, Step::EndTransition, Step::Move(4)] {
+        testing::apply(&mut s, &step);
+    }
+    let joiner = *s.member_ids().last().expect("members");
+    let moved: Vec<BucketId> = s.map.buckets_of(joiner);
+    assert!(!moved.is_empty() && s.transfer_flag, "the transfer still runs");
+    let last = s.member_ids().len() - 1;
+    testing::apply(&mut s, &Step::Fail(last));
+    let heir = s.map.owner_of(moved[0]).expect("an heir");
+    let own = moved.iter().copied().find(|b| s.handoffs.get(&b.0) == Some(&heir));
+    let Some(b) = own else { panic!("the heir handed none of {moved:?} over") };
+    let mut f = facts(heir);
+    f.shadows = [b].into();
+    assert!(plan(&s, &s, &f).contains(&Action::AdoptShadow { bucket: b }));
+    // Restarted since it handed the bucket over: the state still names it, but it holds
+    // nothing, so the bucket is lost rather than served empty.
+    f.shadows.clear();
+    let actions = plan(&s, &s, &f);
+    assert!(!actions.contains(&Action::AdoptShadow { bucket: b }), "{actions:?}");
+    f.installed = s.promotions_of(heir).into_iter().map(|(x, _)| x).filter(|&x| x != b).collect();
+    let lost = plan(&s, &s, &f).into_iter().find_map(|x| match x {
+        Action::ReportPromoted { lost, .. } => Some(lost),
+        _ => None,
+    });
+    assert_eq!(lost, Some(vec![b]));
+}
+
+#[test]
 fn pulls_follow_the_target_up_to_the_parallelism_and_wait_after_a_failure() {
     let s = history(&[Step::Join, Step::EndTransition]);
     let mut f = facts(2);
