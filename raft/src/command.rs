@@ -50,6 +50,11 @@ pub enum ClusterCommand {
     HandOver {
         /// The leaving member.
         node_id: NodeId,
+        /// The heir the member checked its replica at, and that heir's holding period then:
+        /// refused if the heir or its period changed since (the heir may have dropped the
+        /// copies). Entries of earlier versions have none and are not checked.
+        #[serde(default)]
+        heir: Option<(NodeId, u64)>,
     },
     /// The heir of promoted buckets has turned its replica copies into active data, or found
     /// it holds no copy of some (they are lost: both copies are gone).

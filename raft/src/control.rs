@@ -384,10 +384,12 @@ impl ControlPlane {
                 self.write(ClusterCommand::SetReplication { mode }).await?;
                 Ok(AdminResponse::Done)
             }
-            AdminRequest::HandOver { node_id } => match self.write(ClusterCommand::HandOver { node_id }).await? {
-                CommandResponse::MapChanged { map_version } => Ok(AdminResponse::Moved { map_version }),
-                other => Err(unexpected(other)),
-            },
+            AdminRequest::HandOver { node_id, heir } => {
+                match self.write(ClusterCommand::HandOver { node_id, heir }).await? {
+                    CommandResponse::MapChanged { map_version } => Ok(AdminResponse::Moved { map_version }),
+                    other => Err(unexpected(other)),
+                }
+            }
             AdminRequest::Promoted { node_id, buckets, lost } => {
                 self.write(ClusterCommand::Promoted { node_id, buckets, lost }).await?;
                 Ok(AdminResponse::Done)

@@ -35,8 +35,8 @@ use tokio::sync::MutexGuard;
 
 pub use permit::{change_body, WritePermit};
 pub use phase::{
-    export_refusal, phase_of, route_of, write_plan, write_refusal, BucketFacts, NodeFacts, Phase, Recipient, Route,
-    Routing, WritePlan,
+    export_refusal, holds_replica, keeps_replica, phase_of, route_of, write_plan, write_refusal, BucketFacts,
+    NodeFacts, Phase, Recipient, Route, Routing, WritePlan,
 };
 
 use crate::cache::CacheStore;

@@ -97,6 +97,22 @@ impl Phase {
     }
 }
 
+/// Whether node `me` may hold `source`'s replica copy of `bucket` on `state`: `source` is a
+/// member that owns the bucket, and `me` holds its replica (the complete holder, or the one
+/// join order names). The holder applies replication requests only then.
+pub fn holds_replica(state: &ClusterState, me: NodeId, bucket: BucketId, source: NodeId) -> bool {
+    let holder = state.replica_of(source) == Some(me) || state.committed_holder_of(source) == Some(me);
+    holder && state.map.owner_of(bucket) == Some(source) && state.is_member(source)
+}
+
+/// Whether node `me` keeps `source`'s replica copy of `bucket` on `state`: it holds it for
+/// `source` (see [`holds_replica`]), or a promotion of the bucket still needs it. A copy is
+/// dropped only when this is false on the newest state, checked where the drop happens: the
+/// copy may have arrived after the state the reconciler planned on.
+pub fn keeps_replica(state: &ClusterState, me: NodeId, bucket: BucketId, source: NodeId) -> bool {
+    state.promoted.contains_key(&bucket.0) || holds_replica(state, me, bucket, source)
+}
+
 /// How a key request that reached this node is routed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Routing {
@@ -173,6 +189,10 @@ pub struct Recipient {
     pub node: NodeId,
     /// Its peer address.
     pub peer_addr: String,
+    /// For a replica holder, the holding period it is in (`ClusterState::replica_periods`):
+    /// a bucket it was sent in an earlier period is gone there (it stopped holding and
+    /// dropped it). 0 for a shadow.
+    pub period: u64,
 }
 
 /// Who gets a write to a bucket, as decided on one map.
@@ -226,7 +246,10 @@ pub fn write_plan(
             return Err(DataError::NotOwner { bucket, map_version: state.map.version })
         }
     }
-    let copy_of = |node: NodeId| state.member_of(node).map(|m| Recipient { node, peer_addr: m.peer_addr.clone() });
+    let copy_of = |node: NodeId| {
+        let period = state.replica_period(me, node).unwrap_or(0);
+        state.member_of(node).map(|m| Recipient { node, peer_addr: m.peer_addr.clone(), period })
+    };
     let desired = state.replica_of(me).filter(|&h| h != me);
     let required = state.committed_holder_of(me).or(desired);
     let next = desired.filter(|&d| Some(d) != required);

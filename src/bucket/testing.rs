@@ -1,7 +1,7 @@
 //! Random histories of the replicated state, for the property tests of the bucket core and
 //! the reconciler: every state is reached by `ClusterState::apply` from a bootstrap, through
-//! joins, leaves, transitions, bucket moves and aborts, failures, hand-overs and promotion
-//! reports, as the control plane would commit them (commands the state refuses change
+//! joins, leaves, transitions, bucket moves and aborts, failures, hand-overs, promotion
+//! reports and replica moves, as the control plane would commit them (commands the state refuses change
 //! nothing, as in Raft).
 
 use proptest::prelude::*;
@@ -26,6 +26,8 @@ pub enum Step {
     HandOver(usize),
     /// Every heir reports: each promoted bucket installed, or lost when the bit is set.
     Report(u64),
+    /// The member at this index says the holder join order names has its complete replica.
+    ReplicaMoved(usize),
 }
 
 /// A strategy for steps.
@@ -39,6 +41,7 @@ pub fn step() -> impl Strategy<Value = Step> {
         1 => any::<usize>().prop_map(Step::Fail),
         1 => any::<usize>().prop_map(Step::HandOver),
         2 => any::<u64>().prop_map(Step::Report),
+        2 => any::<usize>().prop_map(Step::ReplicaMoved),
     ]
 }
 
@@ -110,7 +113,7 @@ pub fn apply(s: &mut ClusterState, step: &Step) {
         Step::HandOver(i) => {
             let leaving: Vec<NodeId> = s.members.iter().filter(|m| m.leaving).map(|m| m.id).collect();
             if let Some(&id) = leaving.get(i % leaving.len().max(1)) {
-                s.apply(&ClusterCommand::HandOver { node_id: id });
+                s.apply(&ClusterCommand::HandOver { node_id: id, heir: None });
             }
         }
         Step::Report(bits) => {
@@ -119,6 +122,13 @@ pub fn apply(s: &mut ClusterState, step: &Step) {
                 let (lost, held): (Vec<_>, Vec<_>) =
                     promoted.into_iter().map(|(b, _)| b.0).partition(|b| bits >> (b % 64) & 1 == 1);
                 s.apply(&ClusterCommand::Promoted { node_id: id, buckets: held, lost });
+            }
+        }
+        Step::ReplicaMoved(i) => {
+            if let Some(owner) = pick(*i) {
+                if let Some(holder) = s.replica_of(owner) {
+                    s.apply(&ClusterCommand::ReplicaMoved { owner, holder });
+                }
             }
         }
     }

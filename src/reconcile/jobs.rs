@@ -214,7 +214,9 @@ impl Reconciler {
             let (attached, owned) = self.replicator.attached_count(&state);
             let (queued, _) = self.replicator.queue_lag();
             if attached == owned && queued == 0 && state.heir_of(self.me) == Some(heir) {
-                break true;
+                // Raft refuses the hand-over if the heir stopped holding since (it dropped
+                // the copies counted here).
+                break state.replica_period(self.me, heir).map(|p| (heir, p));
             }
             let leaving = state.member_of(self.me).is_some_and(|m| m.leaving);
             if tokio::time::Instant::now() >= deadline || !leaving {
@@ -225,13 +227,13 @@ impl Reconciler {
                     queued,
                     "replicas not in sync: draining the buckets instead"
                 );
-                break false;
+                break None;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         };
-        if in_sync {
+        if let Some(checked) = in_sync {
             let buckets = self.control.state().map.buckets_of(self.me).len();
-            match self.control.admin(AdminRequest::HandOver { node_id: self.me }).await {
+            match self.control.admin(AdminRequest::HandOver { node_id: self.me, heir: Some(checked) }).await {
                 Ok(_) => {
                     let me = self.me;
                     self.control.wait_for_state(Duration::from_secs(10), |s| s.map.buckets_of(me).is_empty()).await;

@@ -31,7 +31,7 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use crate::bucket::{BucketCore, LocalFacts, Probe};
+use crate::bucket::{phase_of, BucketCore, LocalFacts, Probe};
 use crate::cache::CacheStore;
 use crate::health::Health;
 use crate::identity::Identity;
@@ -480,6 +480,11 @@ impl Reconciler {
                 jobs.spawn(async move { me.hand_over(heir).await }, Done::HandedOver);
             }
             Action::DropActive { bucket } => {
+                // Planned on the loop's state; checked again on the newest one.
+                let now = self.control.state();
+                if phase_of(&now, self.me, bucket, self.facts.of(&now, bucket)).keeps_active_data() {
+                    return false;
+                }
                 let dropped = self.store.take_bucket(bucket).len();
                 self.facts.dropped(bucket);
                 tracing::debug!(
@@ -489,7 +494,16 @@ impl Reconciler {
                     "dropped a bucket this node keeps nothing of"
                 );
             }
-            Action::DropReplica { bucket, source } => self.replicator.drop_replica(bucket, source),
+            Action::DropReplica { bucket, source } => {
+                if !self.replicator.drop_replica(bucket, source) {
+                    tracing::debug!(
+                        node_id = self.me,
+                        bucket = bucket.0,
+                        source,
+                        "kept a replica copy the plan would drop: it changed after the plan's state"
+                    );
+                }
+            }
             Action::CheckStuck => {
                 if let Some(mut detector) = memory.stuck.take() {
                     r.stuck = true;

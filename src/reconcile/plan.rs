@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use shoal_raft::{BucketId, ClusterState, NodeId};
 
-use crate::bucket::{phase_of, BucketFacts, Phase};
+use crate::bucket::{keeps_replica, phase_of, BucketFacts, Phase};
 
 /// How many buckets one attach job sends to a replica holder before the loop plans again.
 pub const ATTACH_BATCH: usize = 64;
@@ -415,12 +415,7 @@ fn plan_drops(previous: &ClusterState, state: &ClusterState, f: &Facts, out: &mu
         }
     }
     for (&bucket, &source) in &f.replicas {
-        if state.promoted.contains_key(&bucket.0) {
-            continue;
-        }
-        let holds = state.replica_of(source) == Some(me) || state.committed_holder_of(source) == Some(me);
-        let keep = state.map.owner_of(bucket) == Some(source) && state.is_member(source) && holds;
-        if !keep {
+        if !keeps_replica(state, me, bucket, source) {
             out.push(Action::DropReplica { bucket, source });
         }
     }

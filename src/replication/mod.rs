@@ -25,9 +25,10 @@
 //!
 //! # Attachment
 //! A replica bucket is fed by changes only once it holds a snapshot of the active bucket. The
-//! owner records per bucket the holders that acknowledged a snapshot in the bucket's current
-//! ownership period (`attached`); the holder records per bucket the owner whose snapshot it
-//! holds (`sources`). The owner sends a snapshot (under the bucket lock, so no write slips
+//! owner records per bucket the holders that acknowledged a snapshot, in the bucket's move
+//! epoch and the holder's holding period (`attached`; a holder that stopped holding this
+//! node's replica dropped its copies, and is in a new period if it holds it again); the holder
+//! records per bucket the owner whose snapshot it holds (`sources`). The owner sends a snapshot (under the bucket lock, so no write slips
 //! between the snapshot and the next change) when the holder has none, when it answers `412`,
 //! and from the reconciler for every bucket it serves.
 //!
@@ -62,7 +63,7 @@ use shoal_raft::{BucketId, ClusterState, ControlPlane, NodeId, ReplicationMode, 
 use tokio::sync::{MutexGuard, Notify};
 use tokio::time::Instant;
 
-use crate::bucket::{change_body, LocalFacts, Recipient, WritePlan};
+use crate::bucket::{change_body, keeps_replica, LocalFacts, Recipient, WritePlan};
 use crate::cache::{CacheStore, Change, ExportedItem};
 use crate::error::{DataError, ReplicaError};
 use crate::peer::Peers;
@@ -88,6 +89,9 @@ pub struct Holder {
     /// The bucket's move epoch in that map: an attachment counts only for the ownership
     /// period it was made in (a bucket that left and came back is sent whole again).
     pub epoch: u64,
+    /// The holding period the holder is in: an attachment counts only within it (a holder
+    /// that stopped holding this node's replica dropped its copies).
+    pub period: u64,
 }
 
 impl Holder {
@@ -97,6 +101,7 @@ impl Holder {
             peer_addr: recipient.peer_addr.clone(),
             map_version: plan.map_version,
             epoch: plan.epoch,
+            period: recipient.period,
         }
     }
 }
@@ -122,8 +127,28 @@ pub struct ReplicationStats {
     pub undone: AtomicU64,
 }
 
-/// Up to two holders that acknowledged a snapshot of a bucket: (holder, move epoch).
-type Attachments = [(NodeId, u64); 2];
+/// A holder that acknowledged a snapshot of a bucket, in which move epoch of the bucket and
+/// in which of its holding periods.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Attachment {
+    holder: NodeId,
+    epoch: u64,
+    period: u64,
+}
+
+impl Attachment {
+    fn of(holder: &Holder) -> Self {
+        Attachment { holder: holder.id, epoch: holder.epoch, period: holder.period }
+    }
+
+    /// Whether it still holds: the bucket's move epoch and the holder's period are the same.
+    fn current(&self, epoch: u64, period: u64) -> bool {
+        self.holder != 0 && self.epoch == epoch && self.period == period
+    }
+}
+
+/// Up to two holders that acknowledged a snapshot of a bucket.
+type Attachments = [Attachment; 2];
 
 /// How many bucket snapshots an attach job has in flight at once.
 const ATTACH_IN_FLIGHT: usize = 8;
@@ -178,7 +203,7 @@ impl Replicator {
             replica,
             facts,
             peers,
-            attached: (0..BUCKET_COUNT).map(|_| Mutex::new([(0, 0); 2])).collect(),
+            attached: (0..BUCKET_COUNT).map(|_| Mutex::new(Attachments::default())).collect(),
             sources: (0..BUCKET_COUNT).map(|_| AtomicU64::new(0)).collect(),
             applied: (0..BUCKET_COUNT).map(|_| Mutex::new((0, 0))).collect(),
             seq: AtomicU64::new(first_seq.max(1)),
@@ -432,17 +457,19 @@ impl Replicator {
             .collect()
     }
 
-    /// Drops the replica copy of `bucket` if it is still `source`'s (the reconciler decided
-    /// this node no longer holds it for that owner; a snapshot of a new owner that landed
-    /// since is kept).
-    pub fn drop_replica(&self, bucket: BucketId, source: NodeId) {
+    /// Drops the replica copy of `bucket` if it is still `source`'s and the newest state keeps
+    /// it no longer (the reconciler planned the drop on a state read before its facts: a
+    /// snapshot that landed in between, accepted on a newer state, must stay); answers whether
+    /// it dropped it. Under the apply lock, like the fence of [`Self::receive`].
+    pub fn drop_replica(&self, bucket: BucketId, source: NodeId) -> bool {
         let _applying = self.applied[bucket.index()].lock();
         let current = &self.sources[bucket.index()];
-        if current.load(Ordering::Acquire) != source {
-            return;
+        if current.load(Ordering::Acquire) != source || keeps_replica(&self.control.state(), self.me, bucket, source) {
+            return false;
         }
         current.store(0, Ordering::Release);
         self.replica.take_bucket(bucket);
+        true
     }
 
     /// Turns the replica copy of the promoted `bucket` into active data, if the copy came
@@ -464,7 +491,7 @@ impl Replicator {
     }
 
     fn is_attached(&self, bucket: BucketId, holder: &Holder) -> bool {
-        self.attached[bucket.index()].lock().iter().any(|&(h, e)| h == holder.id && e == holder.epoch)
+        self.attached[bucket.index()].lock().iter().any(|a| *a == Attachment::of(holder) && holder.id != 0)
     }
 
     /// Records that `holder` has a snapshot of `bucket`, in the slot of a holder the bucket's
@@ -473,23 +500,23 @@ impl Replicator {
         let state = self.control.state();
         let (required, next) = self.holders_of(&state, bucket);
         let current = |h: NodeId| [&required, &next].into_iter().flatten().any(|x| x.id == h);
+        let period_of = |h: NodeId| state.replica_period(self.me, h).unwrap_or(0);
         let mut slots = self.attached[bucket.index()].lock();
-        let entry = (holder.id, holder.epoch);
-        let slot = slots.iter().position(|&(h, _)| h == holder.id).unwrap_or_else(|| {
-            slots.iter().position(|&(h, e)| h == 0 || e != holder.epoch || !current(h)).unwrap_or(1)
+        let slot = slots.iter().position(|a| a.holder == holder.id).unwrap_or_else(|| {
+            slots.iter().position(|a| !a.current(holder.epoch, period_of(a.holder)) || !current(a.holder)).unwrap_or(1)
         });
-        slots[slot] = entry;
+        slots[slot] = Attachment::of(holder);
     }
 
     fn detach_at(&self, bucket: BucketId, holder: NodeId) {
-        for slot in self.attached[bucket.index()].lock().iter_mut().filter(|(h, _)| *h == holder) {
-            *slot = (0, 0);
+        for slot in self.attached[bucket.index()].lock().iter_mut().filter(|a| a.holder == holder) {
+            *slot = Attachment::default();
         }
     }
 
     /// Forgets that `bucket`'s replicas hold a snapshot: the next change sends it whole.
     pub fn detach(&self, bucket: BucketId) {
-        *self.attached[bucket.index()].lock() = [(0, 0); 2];
+        *self.attached[bucket.index()].lock() = Attachments::default();
     }
 
     /// Forgets every snapshot `holder` acknowledged (it restarted with an empty store).
@@ -571,9 +598,9 @@ impl Replicator {
         let mut found = BTreeSet::new();
         for bucket in state.map.buckets_of(self.me) {
             let epoch = state.epoch_of(bucket);
-            for &(h, e) in self.attached[bucket.index()].lock().iter() {
-                if h != 0 && e == epoch {
-                    found.insert((bucket, h));
+            for a in self.attached[bucket.index()].lock().iter() {
+                if a.current(epoch, state.replica_period(self.me, a.holder).unwrap_or(0)) {
+                    found.insert((bucket, a.holder));
                 }
             }
         }

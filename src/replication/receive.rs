@@ -4,6 +4,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use super::Replicator;
+use crate::bucket::holds_replica;
 use crate::transport::frame::{Decoded, Decoder};
 use crate::transport::{ReplicaAnswer, Replicate};
 
@@ -37,8 +38,7 @@ impl Replicator {
         let from = r.from;
         let mut applied = self.applied[bucket.index()].lock();
         let state = self.control.state();
-        let holds = state.replica_of(from) == Some(self.me) || state.committed_holder_of(from) == Some(self.me);
-        if state.map.owner_of(bucket) != Some(from) || !holds {
+        if !holds_replica(&state, self.me, bucket, from) {
             return ReplicaAnswer::Fenced {
                 map_version: state.map.version,
                 reason: format!(

@@ -84,6 +84,9 @@ pub enum AdminRequest {
     HandOver {
         /// The leaving member.
         node_id: NodeId,
+        /// The heir it checked its replica at, and the heir's holding period then.
+        #[serde(default)]
+        heir: Option<(NodeId, u64)>,
     },
     /// The heir of promoted buckets reports which it held a copy of.
     Promoted {

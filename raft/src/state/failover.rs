@@ -39,12 +39,19 @@ impl ClusterState {
         response
     }
 
-    pub(super) fn hand_over(&mut self, node: NodeId) -> CommandResponse {
+    pub(super) fn hand_over(&mut self, node: NodeId, checked: Option<(NodeId, u64)>) -> CommandResponse {
         let Some(member) = self.member_of(node) else { return rejected(&format!("node {node} is not a member")) };
         if !member.leaving {
             return rejected(&format!("node {node} is not leaving"));
         }
         let Some(heir) = self.heir_of(node) else { return rejected("no member holds the replica") };
+        if let Some((checked_heir, period)) = checked {
+            if checked_heir != heir || self.replica_period(node, heir) != Some(period) {
+                return rejected(&format!(
+                    "the holder of node {node}'s replica changed since it was checked (node {checked_heir} in period {period})"
+                ));
+            }
+        }
         self.promote_all(node, heir);
         self.settle();
         CommandResponse::MapChanged { map_version: self.map.version }

@@ -178,12 +178,29 @@ pub struct ClusterState {
     /// failed); its writes go to the holder join order names, which inherits its buckets.
     #[serde(default)]
     pub replica_holders: BTreeMap<NodeId, NodeId>,
+    /// Per member, each member holding its replica now (the complete holder and the one join
+    /// order names) and the holding period it is in: a number that changes whenever the
+    /// holder starts holding again after it stopped (and so dropped its copy). An owner counts
+    /// a bucket sent to a holder only within the period it was sent in. Derived after every
+    /// command from the views above and stored, because a node may skip states between two
+    /// looks and must still see that a holder stopped and started again.
+    #[serde(default)]
+    pub replica_periods: BTreeMap<NodeId, BTreeMap<NodeId, u64>>,
+    /// The number the next holding period gets; only increases.
+    #[serde(default)]
+    pub next_replica_period: u64,
 }
 
 impl ClusterState {
     /// Applies one command. Deterministic; a command that does not fit the state is
     /// answered with [`CommandResponse::Rejected`] (or `Busy`) and changes nothing.
     pub fn apply(&mut self, command: &ClusterCommand) -> CommandResponse {
+        let response = self.apply_command(command);
+        self.track_replica_periods();
+        response
+    }
+
+    fn apply_command(&mut self, command: &ClusterCommand) -> CommandResponse {
         match command {
             ClusterCommand::Bootstrap { cluster_id, node_id, api_addr, peer_addr, name, voters, replication } => {
                 let first = Member {
@@ -204,7 +221,7 @@ impl ClusterState {
                 CommandResponse::Done
             }
             ClusterCommand::NodeFailed { node_id } => self.node_failed(*node_id),
-            ClusterCommand::HandOver { node_id } => self.hand_over(*node_id),
+            ClusterCommand::HandOver { node_id, heir } => self.hand_over(*node_id, *heir),
             ClusterCommand::Promoted { node_id, buckets, lost } => self.promoted(*node_id, buckets, lost),
             ClusterCommand::ClearLost { buckets } => self.clear_lost(buckets),
             ClusterCommand::ReplicaMoved { owner, holder } => self.replica_moved(*owner, *holder),
@@ -280,6 +297,36 @@ impl ClusterState {
     /// its complete replica, else the one join order names.
     pub fn heir_of(&self, id: NodeId) -> Option<NodeId> {
         self.committed_holder_of(id).or_else(|| self.replica_of(id))
+    }
+
+    /// The holding period in which `holder` holds `owner`'s replica now (see
+    /// `replica_periods`); `None` when it holds none.
+    pub fn replica_period(&self, owner: NodeId, holder: NodeId) -> Option<u64> {
+        self.replica_periods.get(&owner)?.get(&holder).copied()
+    }
+
+    /// Brings `replica_periods` up to date with the holders of every member: a holder that
+    /// kept holding keeps its period, a new one gets a new period, and one that stopped is
+    /// forgotten.
+    fn track_replica_periods(&mut self) {
+        let mut periods = BTreeMap::new();
+        for owner in self.member_ids() {
+            let mut held = BTreeMap::new();
+            for holder in [self.committed_holder_of(owner), self.replica_of(owner)].into_iter().flatten() {
+                let period = match self.replica_period(owner, holder) {
+                    Some(p) => p,
+                    None => {
+                        self.next_replica_period += 1;
+                        self.next_replica_period
+                    }
+                };
+                held.insert(holder, period);
+            }
+            if !held.is_empty() {
+                periods.insert(owner, held);
+            }
+        }
+        self.replica_periods = periods;
     }
 
     /// Forgets the replica holdings of a member that is gone (failed or retired): as owner

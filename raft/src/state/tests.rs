@@ -348,12 +348,12 @@ fn the_heir_reports_what_it_held_and_the_rest_is_lost_until_cleared() {
 #[test]
 fn a_leaver_hands_its_buckets_to_its_replica_holder_and_retires() {
     let mut s = three_nodes();
-    assert!(matches!(s.apply(&ClusterCommand::HandOver { node_id: 2 }), CommandResponse::Rejected { .. }));
+    assert!(matches!(s.apply(&ClusterCommand::HandOver { node_id: 2, heir: None }), CommandResponse::Rejected { .. }));
     s.apply(&ClusterCommand::Remove { node_id: 2, force: false });
     settle_transition(&mut s);
     let of_2 = s.map.buckets_of(2);
     assert!(!of_2.is_empty());
-    s.apply(&ClusterCommand::HandOver { node_id: 2 });
+    s.apply(&ClusterCommand::HandOver { node_id: 2, heir: None });
     assert!(of_2.iter().all(|b| s.map.owner_of(*b) == Some(3)));
     assert!(s.retired.contains(&2) && !s.is_member(2), "it serves nothing: retired");
     move_everything(&mut s);
@@ -460,6 +460,55 @@ fn a_failed_member_s_buckets_go_to_the_holder_of_its_complete_replica() {
     assert_eq!(s.replica_of(2), Some(4));
     s.apply(&ClusterCommand::NodeFailed { node_id: 4 });
     assert_eq!(s.committed_holder_of(2), None);
+}
+
+#[test]
+fn a_holder_that_stops_and_starts_again_holding_a_replica_is_in_a_new_period() {
+    // The case a cluster test found: node 1 holds node 3's replica, node 4 joins and takes it
+    // over (node 1 drops its copies), node 4 leaves and join order names node 1 again. The
+    // copies node 3 once sent node 1 are gone: node 1 is in a new period, so node 3 does not
+    // count them any more.
+    let mut s = three_nodes();
+    let first = s.replica_period(3, 1).expect("node 1 holds node 3's replica");
+    s.apply(&ClusterCommand::ReplicaMoved { owner: 3, holder: 1 });
+    assert_eq!(s.replica_period(3, 1), Some(first), "committing the same holder keeps its period");
+    join(&mut s, 4);
+    assert_eq!(s.replica_period(3, 1), Some(first), "still the complete holder while node 4 fills up");
+    let of_4 = s.replica_period(3, 4).expect("join order names node 4");
+    assert_ne!(of_4, first);
+    s.apply(&ClusterCommand::ReplicaMoved { owner: 3, holder: 4 });
+    assert_eq!(s.replica_period(3, 1), None, "node 1 holds node 3's replica no more");
+    leave(&mut s, 4);
+    let again = s.replica_period(3, 1).expect("join order names node 1 again");
+    assert!(again > of_4, "a new period: {again} after {of_4}");
+    // Every current holder of every member, and only those, has a period.
+    for owner in s.member_ids() {
+        let holders: BTreeSet<NodeId> =
+            [s.committed_holder_of(owner), s.replica_of(owner)].into_iter().flatten().collect();
+        let periods: BTreeSet<NodeId> = s.replica_periods.get(&owner).into_iter().flatten().map(|(&h, _)| h).collect();
+        assert_eq!(holders, periods, "owner {owner}");
+    }
+}
+
+#[test]
+fn a_hand_over_checked_at_a_holder_that_changed_since_is_refused() {
+    let mut s = three_nodes();
+    s.apply(&ClusterCommand::ReplicaMoved { owner: 3, holder: 1 });
+    let period = s.replica_period(3, 1).expect("node 1 holds node 3's replica");
+    assert!(matches!(
+        s.apply(&ClusterCommand::Remove { node_id: 3, force: false }),
+        CommandResponse::MapChanged { .. }
+    ));
+    settle_transition(&mut s);
+    let before = s.clone();
+    for checked in [(2, period), (1, period + 100)] {
+        let r = s.apply(&ClusterCommand::HandOver { node_id: 3, heir: Some(checked) });
+        assert!(matches!(r, CommandResponse::Rejected { .. }), "{checked:?}: {r:?}");
+        assert_eq!(s, before, "a refused hand-over changes nothing");
+    }
+    let r = s.apply(&ClusterCommand::HandOver { node_id: 3, heir: Some((1, period)) });
+    assert!(matches!(r, CommandResponse::MapChanged { .. }), "{r:?}");
+    assert!(s.map.buckets_of(3).is_empty());
 }
 
 #[test]

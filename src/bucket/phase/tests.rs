@@ -161,4 +161,31 @@ proptest! {
             }
         }
     }
+
+    /// A holder's period stays while it holds an owner's replica and is new when it holds it
+    /// again after it stopped (it dropped its copies): an owner never counts a copy that is
+    /// gone. Every current holder, and only those, has a period.
+    #[test]
+    fn a_holder_that_stopped_holding_is_in_a_new_period(steps in prop::collection::vec(testing::step(), 0..40)) {
+        let states = testing::states(&steps);
+        for pair in states.windows(2) {
+            let (before, after) = (&pair[0], &pair[1]);
+            for owner in after.member_ids() {
+                let holders: Vec<NodeId> =
+                    [after.committed_holder_of(owner), after.replica_of(owner)].into_iter().flatten().collect();
+                for &h in &holders {
+                    let now = after.replica_period(owner, h);
+                    prop_assert!(now.is_some(), "holder {h} of {owner} has no period");
+                    match before.replica_period(owner, h) {
+                        Some(p) => prop_assert_eq!(now, Some(p), "holder {} of {} kept holding", h, owner),
+                        None => prop_assert!(now > Some(before.next_replica_period), "a new period for {h} of {owner}"),
+                    }
+                }
+                let with_period = after.replica_periods.get(&owner).map_or(0, |p| p.len());
+                let mut distinct = holders.clone();
+                distinct.dedup();
+                prop_assert_eq!(with_period, distinct.len(), "only current holders of {} have a period", owner);
+            }
+        }
+    }
 }
