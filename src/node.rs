@@ -43,6 +43,9 @@ use crate::transfer::export::Exporter;
 use crate::transfer::progress::Progress;
 use crate::transport::{HttpTransport, PeerService, Transport};
 
+/// How long a stopping leader waits for its successor to take the lead.
+pub const LEAD_HANDOFF_WAIT: Duration = Duration::from_secs(10);
+
 /// Why a node could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -148,41 +151,41 @@ impl NodeHandle {
     }
 
     /// Gets ready to stop (SIGTERM; a stop is not a leave): `/readyz` fails at once, writes
-    /// are refused (503 `node_draining`), the node gives up its Raft vote (`SetDraining`: the
-    /// leader replaces it by the next member in join order; a leader that is replaced steps
-    /// down, so leadership moves while this node still runs), and it waits — at most
-    /// `timeout` — until every bucket it owns is attached to its replica and the async queue is
-    /// empty, so that the node restarting as the same member gets every acknowledged write back
-    /// from its replica. Returns whether the replicas were confirmed in sync in time.
+    /// are refused (503 `node_draining`), the cluster records that this node is stopping
+    /// (`SetDraining`; it keeps its Raft vote, so the voters never shrink), and it waits — at
+    /// most `timeout` — until every bucket it owns is attached to its replica and the async
+    /// queue is empty, so that the node restarting as the same member gets every acknowledged
+    /// write back from its replica. A leader also waits (at most [`LEAD_HANDOFF_WAIT`]) until its
+    /// successor took the lead, so that the cluster has a leader while it stops. Returns whether
+    /// the replicas were confirmed in sync in time.
     pub async fn drain(&self, timeout: Duration) -> bool {
         self.health.start_draining();
         let deadline = tokio::time::Instant::now() + timeout;
         let leader = self.control.leader() == Some(self.node_id);
         tracing::info!(node_id = self.node_id, leader, timeout = ?timeout, "draining: replicas first, then stop");
-        let alone = self.control.state().members.len() <= 1;
-        let mut vote_given = alone || !self.control.is_voter();
-        if !vote_given {
+        if self.control.state().members.len() > 1 {
             let request = shoal_raft::AdminRequest::SetDraining { node_id: self.node_id, draining: true };
-            if let Err(e) = self.control.admin(request).await {
-                tracing::warn!(node_id = self.node_id, error = %e, "could not give up the Raft vote; stopping as a voter");
-                vote_given = true;
+            match tokio::time::timeout_at(deadline, self.control.admin(request)).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => {
+                    tracing::warn!(node_id = self.node_id, error = %e, "could not record that this node stops")
+                }
+                Err(_) => tracing::warn!(node_id = self.node_id, "could not record that this node stops in time"),
             }
         }
+        let handoff_deadline = tokio::time::Instant::now() + LEAD_HANDOFF_WAIT;
         loop {
             let state = self.control.state();
             let (attached, owned) = self.replicator.attached_count(&state);
             let (queued, _) = self.replicator.queue_lag();
             let alone = state.members.len() <= 1;
-            if !vote_given && !self.control.is_voter() {
-                tracing::info!(node_id = self.node_id, leader = ?self.control.leader(), "gave up the Raft vote");
-                vote_given = true;
-            }
-            if !vote_given && state.draining.contains(&self.node_id) && state.desired_voters().contains(&self.node_id) {
-                // Too few members would stay voters: this one keeps its vote.
-                vote_given = true;
-            }
-            if alone || (attached == owned && queued == 0 && vote_given) {
-                tracing::info!(node_id = self.node_id, owned, "drained: every owned bucket's replica is in sync");
+            // Leadership moves once a successor stands for election (see the reconciler); with
+            // none (every other voter stops too) or after a while, this node stops as it is.
+            let leads = self.control.is_leader()
+                && state.successor_of(self.node_id).is_some()
+                && tokio::time::Instant::now() < handoff_deadline;
+            if alone || (attached == owned && queued == 0 && !leads) {
+                tracing::info!(node_id = self.node_id, owned, leader = ?self.control.leader(), "drained: every owned bucket's replica is in sync");
                 return true;
             }
             if tokio::time::Instant::now() >= deadline {
@@ -191,8 +194,8 @@ impl NodeHandle {
                     attached,
                     owned,
                     queued,
-                    vote_given,
-                    "drain timeout: stopping with replicas not confirmed in sync or the vote not handed on"
+                    leads,
+                    "drain timeout: stopping with replicas not confirmed in sync or the lead not handed on"
                 );
                 return attached == owned && queued == 0;
             }

@@ -202,6 +202,12 @@ impl ControlPlane {
         self.inner.raft.metrics().borrow().current_leader
     }
 
+    /// Starts a Raft election on this node at once (a stopping leader's successor takes the
+    /// lead); answers without waiting for its outcome.
+    pub async fn elect(&self) -> Result<(), ControlError> {
+        self.inner.raft.trigger().elect().await.map_err(|e| ControlError::Fatal { detail: e.to_string() })
+    }
+
     /// Whether this node is the leader as far as its own metrics say.
     pub fn is_leader(&self) -> bool {
         let m = self.inner.raft.metrics().borrow().clone();
@@ -555,9 +561,7 @@ impl ControlPlane {
         let metrics = self.raft_metrics();
         let membership = metrics.membership_config.membership().clone();
         let desired = state.desired_voters();
-        // A stopping member is not added back (see below) until it asks for its vote again,
-        // unless it must vote after all.
-        for member in state.members.iter().filter(|m| !state.draining.contains(&m.id) || desired.contains(&m.id)) {
+        for member in &state.members {
             if membership.get_node(&member.id).is_none() {
                 let node = MemberNode { api_addr: member.api_addr.clone(), peer_addr: member.peer_addr.clone() };
                 self.bounded("adding a member to Raft", self.inner.raft.add_learner(member.id, node, false)).await?;
@@ -569,23 +573,6 @@ impl ControlPlane {
             self.bounded(
                 "changing the Raft voters",
                 self.inner.raft.change_membership(ChangeMembers::ReplaceAllVoters(desired.clone()), true),
-            )
-            .await?;
-        }
-        // A stopping member leaves the Raft config altogether: in openraft a leader that is
-        // only a learner keeps leading, one that is not in the config steps down. It is
-        // added back as a learner once it runs again and asks for its vote (SetDraining).
-        let now = self.raft_metrics().membership_config.membership().clone();
-        let stopping: BTreeSet<NodeId> = now
-            .nodes()
-            .map(|(id, _)| *id)
-            .filter(|id| state.draining.contains(id) && !now.voter_ids().any(|v| v == *id))
-            .collect();
-        if !stopping.is_empty() {
-            tracing::info!(?stopping, "taking stopping members out of the Raft config");
-            self.bounded(
-                "taking stopping members out of Raft",
-                self.inner.raft.change_membership(ChangeMembers::RemoveNodes(stopping), false),
             )
             .await?;
         }

@@ -15,6 +15,8 @@ const ACK_RETRY: Duration = Duration::from_millis(500);
 const HANDOVER_SYNC_WAIT: Duration = Duration::from_secs(10);
 /// How long a member waits to see its committed replica holder in its own state.
 const APPLY_WAIT: Duration = Duration::from_secs(5);
+/// How long a successor waits between two attempts to take the lead from a stopping leader.
+const ELECT_RETRY: Duration = Duration::from_millis(500);
 
 impl Reconciler {
     /// Acknowledges the pending map `to_version`.
@@ -30,27 +32,38 @@ impl Reconciler {
         Done::Acked
     }
 
-    /// A member that gave up its Raft vote when it stopped asks for it back once it runs
-    /// again; the leader's reconciler then adds it to the Raft config again and makes it a
-    /// voter. Asked on every start, through another member (out of the Raft config, this node
-    /// knows no leader, and its own state may not show that it was stopping): harmless when the
-    /// node was not stopping. Retried with backoff until a member answers.
-    pub(super) async fn reclaim_vote(&self) -> Done {
+    /// A member that was stopping (SIGTERM) tells the cluster it runs again once it does, so
+    /// that it counts as its leader's successor again. Asked on every start, through another
+    /// member (its own state may not show that it was stopping): harmless when it was not.
+    /// Retried with backoff until a member answers.
+    /// Stands for election once, then waits a moment before the loop may plan it again. The
+    /// other voters refuse while they still hear the stopping leader (its lease); the leader
+    /// itself grants the vote and steps down, or, once it stopped, the lease runs out.
+    pub(super) async fn elect(&self) -> Done {
+        tracing::info!(node_id = self.me, leader = ?self.control.leader(), "the leader is stopping: standing for election");
+        if let Err(e) = self.control.elect().await {
+            tracing::warn!(node_id = self.me, error = %e, "could not stand for election");
+        }
+        tokio::time::sleep(ELECT_RETRY).await;
+        Done::Elected
+    }
+
+    pub(super) async fn mark_running(&self) -> Done {
         let request = AdminRequest::SetDraining { node_id: self.me, draining: false };
         let mut pause = Duration::from_millis(500);
         loop {
             let state = self.control.state();
             if !state.is_member(self.me) || state.members.len() <= 1 {
-                return Done::VoteReclaimed;
+                return Done::MarkedRunning;
             }
             for member in state.members.iter().filter(|m| m.id != self.me) {
                 match self.control.admin_client().call(&member.peer_addr, &request).await {
                     Ok(_) => {
-                        tracing::debug!(node_id = self.me, "asked for the Raft vote (back)");
-                        return Done::VoteReclaimed;
+                        tracing::debug!(node_id = self.me, "told the cluster this node runs");
+                        return Done::MarkedRunning;
                     }
                     Err(e) => {
-                        tracing::debug!(node_id = self.me, via = member.id, error = %e, "asking for the Raft vote")
+                        tracing::debug!(node_id = self.me, via = member.id, error = %e, "telling the cluster this node runs")
                     }
                 }
             }

@@ -124,7 +124,8 @@ enum Done {
     Attached,
     MovedReplica,
     HandedOver,
-    VoteReclaimed,
+    MarkedRunning,
+    Elected,
     CaughtUp,
     StuckChecked(Box<StuckDetector>),
     Sent,
@@ -142,7 +143,7 @@ const PULL_RETRY_FLOOR: Duration = Duration::from_millis(250);
 
 /// The kind of a job whose result never came.
 enum Kind {
-    VoteReclaim,
+    MarkRunning,
     CatchUp,
     StuckCheck,
 }
@@ -195,7 +196,7 @@ struct Memory {
     running: Running,
     no_copy: BTreeMap<BucketId, BTreeSet<NodeId>>,
     caught_up: bool,
-    vote_reclaimed: bool,
+    marked_running: bool,
     handover_tried: bool,
     pull_failures: u32,
     /// After a failed pull, new pulls wait until this time, or a newer map (but at least
@@ -344,7 +345,8 @@ impl Reconciler {
             running: memory.running.clone(),
             pulls_paused: memory.pulls_wait.is_some(),
             parallelism: self.transfer.parallelism,
-            vote_reclaimed: memory.vote_reclaimed,
+            marked_running: memory.marked_running,
+            leader_id: self.control.leader(),
             handover_tried: memory.handover_tried,
             queue_waiting: self.replicator.queue_waiting(),
             stuck_check_due,
@@ -386,10 +388,15 @@ impl Reconciler {
                 let me = self.clone();
                 jobs.spawn(async move { me.ack(to_version).await }, Done::Acked);
             }
-            Action::ReclaimVote => {
-                r.vote = true;
+            Action::Elect => {
+                r.elect = true;
                 let me = self.clone();
-                jobs.spawn(async move { me.reclaim_vote().await }, Done::Gone(Kind::VoteReclaim));
+                jobs.spawn(async move { me.elect().await }, Done::Elected);
+            }
+            Action::MarkRunning => {
+                r.mark_running = true;
+                let me = self.clone();
+                jobs.spawn(async move { me.mark_running().await }, Done::Gone(Kind::MarkRunning));
             }
             Action::CatchUp => {
                 r.catch_up = true;
@@ -537,7 +544,7 @@ impl Reconciler {
     fn learn(&self, done: Done, memory: &mut Memory) {
         let r = &mut memory.running;
         match done {
-            Done::Gone(Kind::VoteReclaim) => r.vote = false,
+            Done::Gone(Kind::MarkRunning) => r.mark_running = false,
             Done::Gone(Kind::CatchUp) => r.catch_up = false,
             Done::Gone(Kind::StuckCheck) => {
                 r.stuck = false;
@@ -568,9 +575,10 @@ impl Reconciler {
             Done::Attached => r.attach = false,
             Done::MovedReplica => r.move_replica = false,
             Done::HandedOver => r.handover = false,
-            Done::VoteReclaimed => {
-                r.vote = false;
-                memory.vote_reclaimed = true;
+            Done::Elected => r.elect = false,
+            Done::MarkedRunning => {
+                r.mark_running = false;
+                memory.marked_running = true;
             }
             Done::CaughtUp => {
                 r.catch_up = false;

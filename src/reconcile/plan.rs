@@ -32,8 +32,10 @@ pub struct Running {
     pub move_replica: bool,
     /// Handing the buckets over (leaving).
     pub handover: bool,
-    /// Asking for the Raft vote back.
-    pub vote: bool,
+    /// Telling the cluster this node runs again.
+    pub mark_running: bool,
+    /// Standing for election (the leader is stopping and this node is its successor).
+    pub elect: bool,
     /// Catching up with the leader before restoring.
     pub catch_up: bool,
     /// Checking the transfer for progress (leader).
@@ -81,8 +83,10 @@ pub struct Facts {
     pub pulls_paused: bool,
     /// Buckets pulled at once.
     pub parallelism: usize,
-    /// It asked for its Raft vote back since it started.
-    pub vote_reclaimed: bool,
+    /// It told the cluster it runs again since it started.
+    pub marked_running: bool,
+    /// The Raft leader it knows.
+    pub leader_id: Option<NodeId>,
     /// It tried to hand its buckets over in this leave.
     pub handover_tried: bool,
     /// The async replication queue has changes to send.
@@ -121,8 +125,11 @@ pub enum Action {
         /// Its version.
         to_version: u64,
     },
-    /// Ask for the Raft vote back (a stopping member gave it up).
-    ReclaimVote,
+    /// Tell the cluster this node runs again (it may have been stopping before a restart).
+    MarkRunning,
+    /// The leader is stopping and this node is its successor: stand for election, so that
+    /// leadership moves while the leader still runs.
+    Elect,
     /// Wait until the map can be trusted (a leader known, the committed log applied).
     CatchUp,
     /// Get a bucket back after a restart from a node holding a copy.
@@ -242,8 +249,14 @@ pub fn plan(previous: &ClusterState, state: &ClusterState, f: &Facts) -> Vec<Act
             out.push(Action::Ack { to_version: t.to.version });
         }
     }
-    if !f.vote_reclaimed && !f.running.vote && state.members.len() > 1 && !f.draining {
-        out.push(Action::ReclaimVote);
+    if !f.marked_running && !f.running.mark_running && state.members.len() > 1 && !f.draining {
+        out.push(Action::MarkRunning);
+    }
+    let leader_stopping = f.leader_id.filter(|&l| l != me && state.draining.contains(&l));
+    if let Some(leader) = leader_stopping {
+        if f.voter && !f.draining && !f.running.elect && state.successor_of(leader) == Some(me) {
+            out.push(Action::Elect);
+        }
     }
     plan_restores(state, f, &mut out);
     plan_promotions(state, f, &mut out);

@@ -224,7 +224,7 @@ async fn a_draining_node_is_unready_and_acknowledges_no_write() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stopping_leader_hands_leadership_over_and_gets_its_vote_back_after_the_restart() {
+async fn a_stopping_leader_hands_the_lead_to_its_successor_and_keeps_its_vote() {
     let mut c = TestCluster::start(3).await;
     c.wait_for_counts(&[333, 333, 334]).await;
     let leader = wait_for("a leader", || async { c.json(0, "/v1/cluster").await["leader"].as_u64() }).await;
@@ -237,18 +237,46 @@ async fn a_stopping_leader_hands_leadership_over_and_gets_its_vote_back_after_th
             .map(|m| m["role"].as_str().unwrap_or_default().to_string())
     };
     assert!(c.node(slot).drain(Duration::from_secs(20)).await, "drained in time");
-    // Before it stops, another member leads and the stopping one no longer votes.
-    let view = wait_for("leadership handed over", || async {
+    // Before it stops, its successor leads; the voters stay as they were.
+    let view = wait_for("the lead handed over", || async {
         let view: Value = c.json(other, "/v1/cluster").await;
         let new_leader = view["leader"].as_u64()?;
-        (new_leader != leader && role_of(&view, leader).as_deref() == Some("learner")).then_some(view)
+        (new_leader != leader).then_some(view)
     })
     .await;
-    assert_ne!(view["leader"].as_u64(), Some(leader));
+    assert_eq!(view["leader"].as_u64(), Some(c.id(other)), "the next voter in join order leads: {view}");
+    assert_eq!(role_of(&view, leader).as_deref(), Some("voter"), "the stopping member keeps its vote: {view}");
     c.restart(slot).await.expect("restart as the same member");
-    wait_for("the vote back after the restart", || async {
+    wait_for("every member ready after the restart", || async {
         let view: Value = c.json(other, "/v1/cluster").await;
-        (role_of(&view, leader).as_deref() == Some("voter")).then_some(())
+        (role_of(&view, leader).as_deref() == Some("voter") && view["leader"].as_u64().is_some()).then_some(())
+    })
+    .await;
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_full_stop_any_two_of_three_members_have_a_raft_majority_again() {
+    let mut c = TestCluster::start_with(3, fast_detection).await;
+    c.wait_for_counts(&[333, 333, 334]).await;
+    let third = c.id(2);
+    // Every member stops at once, as on a shutdown of the whole cluster.
+    let drains = (0..3).map(|slot| c.node(slot).drain(Duration::from_secs(10)));
+    futures::future::join_all(drains).await;
+    let view: Value = c.json(0, "/v1/cluster").await;
+    let voters =
+        |view: &Value| view["members"].as_array().map_or(0, |m| m.iter().filter(|m| m["role"] == "voter").count());
+    assert_eq!(voters(&view), 3, "stopping members keep their votes: {view}");
+    for slot in 0..3 {
+        c.stop(slot).await;
+    }
+    // Two come back: they elect a leader and commit (they fail the third one).
+    c.restart(0).await.expect("restart 1");
+    c.restart(1).await.expect("restart 2");
+    wait_for("the two restarted members fail the third through Raft", || async {
+        let view: Value = c.json(0, "/v1/cluster").await;
+        let failed = view["failed"].as_array().is_some_and(|f| f.iter().any(|id| id.as_u64() == Some(third)));
+        (view["leader"].as_u64().is_some() && failed).then_some(())
     })
     .await;
     c.shutdown().await;

@@ -166,8 +166,8 @@ pub struct ClusterState {
     /// `bucket_lost` until an operator clears them.
     #[serde(default)]
     pub lost: BTreeSet<u16>,
-    /// Members that are stopping (SIGTERM) and have given up their Raft vote until they are
-    /// back.
+    /// Members that are stopping (SIGTERM), until they run again. They keep their Raft vote; a
+    /// stopping leader's successor (`successor_of`) takes the lead.
     #[serde(default)]
     pub draining: BTreeSet<NodeId>,
     /// Per member, the member that holds its replica: it has every write the member
@@ -337,19 +337,20 @@ impl ClusterState {
     }
 
     /// The members that should vote in Raft: the first `settings.voters` active members in
-    /// join order that are not stopping.
+    /// join order. A stopping member keeps its vote: taking it away would shrink the voters as
+    /// members stop, and after a full stop the ones that come back could not form a majority.
     pub fn desired_voters(&self) -> BTreeSet<NodeId> {
         let n = usize::from(self.settings.voters.max(1));
-        let active = self.active_ids();
-        // Members that are stopping give their vote to the next ones in join order, as long
-        // as at least two voters stay (one alone would make the cluster hang on it; when all
-        // stop at once, the voters stay as they were so that any majority can come back).
-        let staying: BTreeSet<NodeId> =
-            active.iter().copied().filter(|id| !self.draining.contains(id)).take(n).collect();
-        if staying.len() < 2 {
-            return active.into_iter().take(n).collect();
-        }
-        staying
+        self.active_ids().into_iter().take(n).collect()
+    }
+
+    /// The voter that takes the lead from `leader` when it stops: the next voter after it in
+    /// join order (wrapping) that is not stopping itself; `None` if every other one is.
+    pub fn successor_of(&self, leader: NodeId) -> Option<NodeId> {
+        let voters = self.desired_voters();
+        let ring: Vec<NodeId> = self.member_ids().into_iter().filter(|id| voters.contains(id)).collect();
+        let pos = ring.iter().position(|&id| id == leader).unwrap_or(ring.len());
+        (1..=ring.len()).map(|k| ring[(pos + k) % ring.len()]).find(|&id| id != leader && !self.draining.contains(&id))
     }
 
     /// Whether a membership change must wait: the state-transfer flag is set (a transition

@@ -403,20 +403,26 @@ fn a_new_owner_that_fails_leaves_the_shadow_of_its_pulled_buckets_to_its_heir() 
 }
 
 #[test]
-fn a_stopping_member_gives_its_vote_to_the_next_one_and_gets_it_back() {
+fn a_stopping_member_keeps_its_vote_and_the_next_voter_succeeds_it() {
     let mut s = bootstrapped(3);
     for n in 2..=4 {
         join(&mut s, n);
     }
     assert_eq!(s.desired_voters(), BTreeSet::from([1, 2, 3]));
+    assert_eq!(s.successor_of(1), Some(2));
+    assert_eq!(s.successor_of(3), Some(1), "the ring of voters wraps");
     assert_eq!(s.apply(&ClusterCommand::SetDraining { node_id: 1, draining: true }), CommandResponse::Done);
-    assert_eq!(s.desired_voters(), BTreeSet::from([2, 3, 4]), "the oldest learner votes instead");
-    s.apply(&ClusterCommand::SetDraining { node_id: 1, draining: false });
-    assert_eq!(s.desired_voters(), BTreeSet::from([1, 2, 3]));
+    assert_eq!(s.desired_voters(), BTreeSet::from([1, 2, 3]), "a stopping member keeps its vote");
+    assert_eq!(s.successor_of(3), Some(2), "a stopping voter succeeds nobody");
+    // Every voter stops (a full stop): the voters stay, so any two of them form a majority
+    // when they come back; nobody is left to succeed a leader.
     for id in 1..=3 {
         s.apply(&ClusterCommand::SetDraining { node_id: id, draining: true });
     }
-    assert_eq!(s.desired_voters(), BTreeSet::from([1, 2, 3]), "never fewer than two voters");
+    assert_eq!(s.desired_voters(), BTreeSet::from([1, 2, 3]));
+    assert_eq!(s.successor_of(1), None);
+    s.apply(&ClusterCommand::SetDraining { node_id: 2, draining: false });
+    assert_eq!(s.successor_of(1), Some(2), "a member that runs again succeeds");
     assert!(matches!(
         s.apply(&ClusterCommand::SetDraining { node_id: 9, draining: true }),
         CommandResponse::Rejected { .. }

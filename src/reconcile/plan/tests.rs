@@ -10,7 +10,7 @@ use super::*;
 use crate::bucket::testing::{self, Step};
 
 fn facts(me: NodeId) -> Facts {
-    Facts { me, caught_up: true, parallelism: 1, limits: (1, 2, 1), vote_reclaimed: true, ..Facts::default() }
+    Facts { me, caught_up: true, parallelism: 1, limits: (1, 2, 1), marked_running: true, ..Facts::default() }
 }
 
 fn history(steps: &[Step]) -> ClusterState {
@@ -38,6 +38,25 @@ fn a_failed_or_retired_node_does_nothing_but_leave() {
     assert!(plan(&left, &left, &f).is_empty(), "a voter waits for its demotion");
     f.voter = false;
     assert_eq!(plan(&left, &left, &f), vec![Action::Stop]);
+}
+
+#[test]
+fn the_successor_of_a_stopping_leader_stands_for_election_and_nobody_else() {
+    let mut s = three_nodes();
+    let elects = |s: &ClusterState, me: NodeId, draining: bool| {
+        let mut f = facts(me);
+        f.voter = true;
+        f.leader_id = Some(1);
+        f.draining = draining;
+        plan(s, s, &f).contains(&Action::Elect)
+    };
+    assert!(!elects(&s, 2, false), "the leader runs: nobody stands");
+    s.apply(&shoal_raft::ClusterCommand::SetDraining { node_id: 1, draining: true });
+    assert!(elects(&s, 2, false), "node 2 succeeds node 1");
+    assert!(!elects(&s, 3, false), "node 3 is not the successor");
+    assert!(!elects(&s, 2, true), "a successor that stops too does not stand");
+    s.apply(&shoal_raft::ClusterCommand::SetDraining { node_id: 2, draining: true });
+    assert!(elects(&s, 3, false), "with node 2 stopping too, node 3 succeeds");
 }
 
 #[test]
