@@ -13,6 +13,10 @@
 //! majority of the members within `--node-timeout` acknowledges no write (`503 no_quorum`), so
 //! a node paused or cut off long enough to be failed cannot acknowledge a write for buckets
 //! that were given to another node meanwhile.
+//!
+//! Pings carry the sender's incarnation (random at every start). A ping from a new incarnation
+//! of a member means it restarted: it counts as contact, and the pfail reports about it made
+//! before are forgotten, so a member that comes back is never failed for its absence before.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -45,7 +49,7 @@ pub struct Health {
     control: ControlPlane,
     config: HealthConfig,
     contacts: Mutex<BTreeMap<NodeId, Instant>>,
-    reports: Mutex<BTreeMap<NodeId, (Instant, Vec<NodeId>)>>,
+    reports: Mutex<Reports>,
     peers: Peers,
     /// How long one ping may wait for its pong.
     ping_timeout: Duration,
@@ -81,7 +85,7 @@ impl Health {
             control,
             config,
             contacts: Mutex::new(BTreeMap::new()),
-            reports: Mutex::new(BTreeMap::new()),
+            reports: Mutex::new(Reports::default()),
             peers,
             ping_timeout,
             removed: watch::channel(false).0,
@@ -199,7 +203,7 @@ impl Health {
             // A node that cannot hear a majority (paused, cut off) reports nobody: its view is
             // stale, and its reports must not help fail healthy members.
             let pfail = if write_refusal(self.node_facts()).is_some() { Vec::new() } else { self.pfail_members() };
-            let ping = Ping { from: self.me, pfail };
+            let ping = Ping { from: self.me, pfail, incarnation: self.incarnation };
             // Every peer on its own: a peer that does not answer must not hold up (and age)
             // the contacts of the others. One ping in flight per peer.
             for m in state.members.iter().filter(|m| m.id != self.me) {
@@ -244,10 +248,20 @@ impl Health {
             let last = contacts.entry(id).or_insert(sent);
             *last = (*last).max(sent);
         }
-        let before = self.incarnations.lock().insert(id, pong.incarnation);
-        if before.is_some_and(|b| b != pong.incarnation) {
-            // Its replica store came back empty: send it every bucket again.
+        self.seen_incarnation(id, pong.incarnation);
+    }
+
+    /// Records `id`'s incarnation; a new one means it restarted: its replica store came back
+    /// empty (every bucket is sent again), and the pfail reports about it made before it
+    /// restarted no longer count.
+    fn seen_incarnation(&self, id: NodeId, incarnation: u64) {
+        if incarnation == 0 {
+            return;
+        }
+        let before = self.incarnations.lock().insert(id, incarnation);
+        if before.is_some_and(|b| b != incarnation) {
             tracing::info!(node_id = id, "peer restarted; re-sending the replica it holds");
+            self.reports.lock().forget(id);
             self.replicator.detach_holder(id);
         }
     }
@@ -258,14 +272,13 @@ impl Health {
         let state = self.control.state();
         let n = state.members.len();
         let fresh = self.config.node_timeout * 2 + self.config.ping_interval;
-        let reports: Vec<(NodeId, Vec<NodeId>)> = {
+        let reports = {
             let mut reports = self.reports.lock();
-            reports.retain(|_, (at, _)| at.elapsed() <= fresh);
-            reports.iter().map(|(&r, (_, l))| (r, l.clone())).collect()
+            reports.expire(fresh);
+            reports.clone()
         };
         for m in state.members.iter().filter(|m| m.id != self.me) {
-            let mut votes = usize::from(self.is_pfail(m.id));
-            votes += reports.iter().filter(|(r, l)| *r != m.id && state.is_member(*r) && l.contains(&m.id)).count();
+            let votes = usize::from(self.is_pfail(m.id)) + reports.votes_against(m.id, |r| state.is_member(r));
             if votes * 2 <= n {
                 continue;
             }
@@ -286,8 +299,69 @@ impl Health {
     pub fn pong(&self, ping: Ping) -> Pong {
         let status = self.control.member_status(ping.from);
         if status == MemberStatus::Member {
-            self.reports.lock().insert(ping.from, (Instant::now(), ping.pfail));
+            // A new incarnation restarted since it was last seen: it was alive when it sent
+            // this (a paused process does not restart), so it counts as contact.
+            let restarted = self
+                .incarnations
+                .lock()
+                .get(&ping.from)
+                .is_some_and(|&i| ping.incarnation != 0 && i != ping.incarnation);
+            if restarted {
+                let mut contacts = self.contacts.lock();
+                contacts.insert(ping.from, Instant::now());
+            }
+            self.seen_incarnation(ping.from, ping.incarnation);
+            self.reports.lock().record(ping.from, Instant::now(), ping.pfail);
         }
         Pong { node_id: self.me, incarnation: self.incarnation, status }
+    }
+}
+
+/// The pfail reports the leader received: per reporter, when and whom it reported.
+#[derive(Debug, Clone, Default)]
+struct Reports(BTreeMap<NodeId, (Instant, Vec<NodeId>)>);
+
+impl Reports {
+    /// `reporter` reported `pfail` at `at` (its newest report replaces the one before).
+    fn record(&mut self, reporter: NodeId, at: Instant, pfail: Vec<NodeId>) {
+        self.0.insert(reporter, (at, pfail));
+    }
+
+    /// Forgets the reports older than `fresh`.
+    fn expire(&mut self, fresh: Duration) {
+        self.0.retain(|_, (at, _)| at.elapsed() <= fresh);
+    }
+
+    /// `id` restarted: what was reported about it before no longer counts.
+    fn forget(&mut self, id: NodeId) {
+        for (_, pfail) in self.0.values_mut() {
+            pfail.retain(|&p| p != id);
+        }
+    }
+
+    /// How many reporters that `counts` accepts (members) report `id` pfail; `id` itself not.
+    fn votes_against(&self, id: NodeId, counts: impl Fn(NodeId) -> bool) -> usize {
+        self.0.iter().filter(|(&r, (_, pfail))| r != id && counts(r) && pfail.contains(&id)).count()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reports_about_a_member_made_before_it_restarted_do_not_count() {
+        let now = Instant::now();
+        let mut reports = Reports::default();
+        reports.record(2, now, vec![3]);
+        reports.record(4, now, vec![3, 5]);
+        reports.record(3, now, vec![3]);
+        assert_eq!(reports.votes_against(3, |_| true), 2, "a member's report about itself does not count");
+        assert_eq!(reports.votes_against(3, |r| r != 4), 1, "only members' reports count");
+        reports.forget(3);
+        assert_eq!(reports.votes_against(3, |_| true), 0, "node 3 restarted");
+        assert_eq!(reports.votes_against(5, |_| true), 1, "reports about others stay");
+        reports.record(2, now, vec![3]);
+        assert_eq!(reports.votes_against(3, |_| true), 1, "a report made after the restart counts");
     }
 }

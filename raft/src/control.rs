@@ -208,6 +208,23 @@ impl ControlPlane {
         self.inner.raft.trigger().elect().await.map_err(|e| ControlError::Fatal { detail: e.to_string() })
     }
 
+    /// Why this node may not be able to commit through Raft now, if so: no leader is known,
+    /// or it leads but no majority of the voters acknowledged it within the longest election
+    /// timeout (it is cut off, or the others are down).
+    pub fn commit_refusal(&self) -> Option<String> {
+        let m = self.inner.raft.metrics().borrow().clone();
+        let Some(leader) = m.current_leader else { return Some("no Raft leader is known".into()) };
+        if leader != self.node_id() {
+            return None;
+        }
+        let limit = (self.inner.config.election_timeout * 2).as_millis() as u64;
+        match m.millis_since_quorum_ack {
+            Some(ms) if ms <= limit => None,
+            Some(ms) => Some(format!("this node leads but no majority of the voters answered for {ms} ms")),
+            None => Some("this node leads but no majority of the voters answered yet".into()),
+        }
+    }
+
     /// Whether this node is the leader as far as its own metrics say.
     pub fn is_leader(&self) -> bool {
         let m = self.inner.raft.metrics().borrow().clone();

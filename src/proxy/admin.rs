@@ -137,7 +137,8 @@ impl NodeApi {
         }
     }
 
-    /// Readiness: a member with a map and a leader, not stopping, holding every bucket it
+    /// Readiness: a member with a map and a leader it can commit through (a leader that no
+    /// majority answers is not ready), not stopping, holding every bucket it
     /// owns (none incoming or being restored), and every owned bucket attached to its
     /// replica. The last two make a rolling restart wait until the data of the pod just
     /// restarted is safe again before the next pod goes.
@@ -152,7 +153,10 @@ impl NodeApi {
         let alone = state.members.len() <= 1;
         vec![
             check("member", state.is_member(self.node_id), "this node is not a member of a cluster (yet)".into()),
-            check("leader", self.control.leader().is_some(), "no Raft leader is known".into()),
+            {
+                let refusal = self.control.commit_refusal();
+                check("leader", refusal.is_none(), refusal.unwrap_or_default())
+            },
             check("map", !state.map.is_empty(), "no distribution map applied".into()),
             check("draining", !self.health.is_draining(), "this node is stopping (SIGTERM)".into()),
             check(

@@ -223,6 +223,10 @@ pub struct Ping {
     pub from: NodeId,
     /// The members the sender has not heard from within the node timeout.
     pub pfail: Vec<NodeId>,
+    /// The sender's incarnation (random at every start; 0 from versions that did not send it):
+    /// a new one tells the receiver that the sender restarted.
+    #[serde(default)]
+    pub incarnation: u64,
 }
 
 /// The answer to a ping.

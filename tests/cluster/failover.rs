@@ -281,3 +281,22 @@ async fn after_a_full_stop_any_two_of_three_members_have_a_raft_majority_again()
     .await;
     c.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_that_cannot_commit_through_raft_is_not_ready() {
+    let mut c = TestCluster::start(3).await;
+    c.wait_for_counts(&[333, 333, 334]).await;
+    async fn ready(c: &TestCluster, slot: usize) -> Option<(bool, String)> {
+        let r = c.http.get(c.url(slot, "/readyz?verbose")).send().await.ok()?;
+        Some((r.status() == 200, r.text().await.ok()?))
+    }
+    for slot in 0..3 {
+        wait_for("every member ready", || async { ready(&c, slot).await.filter(|(ok, _)| *ok) }).await;
+    }
+    // Two of the three stop: the last one, leader or not, cannot commit any more.
+    c.stop(1).await;
+    c.stop(2).await;
+    let (_, text) = wait_for("the last member unready", || async { ready(&c, 0).await.filter(|(ok, _)| !*ok) }).await;
+    assert!(text.contains("[-] leader"), "{text}");
+    c.shutdown().await;
+}
