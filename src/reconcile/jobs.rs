@@ -118,17 +118,39 @@ impl Reconciler {
             lost = lost.len(),
             "serving replica buckets of a member that failed or left"
         );
-        if !lost.is_empty() {
-            tracing::error!(buckets = lost.len(), first = ?lost.first(), "no copy of these buckets is left: they are lost");
+        let state = self.control.state();
+        let stopped = |b: &BucketId| state.promoted.get(&b.0).is_some_and(|f| state.failed_stopped.contains(f));
+        let (emptied, lost_now): (Vec<BucketId>, Vec<BucketId>) = lost.iter().copied().partition(stopped);
+        if !lost_now.is_empty() {
+            tracing::error!(buckets = lost_now.len(), first = ?lost_now.first(), "no copy of these buckets is left: they are lost");
+        }
+        if !emptied.is_empty() {
+            tracing::warn!(
+                buckets = emptied.len(),
+                first = ?emptied.first(),
+                "buckets of a member that stopped and was failed: every copy died in the stop (this node restarted too); they serve again, empty"
+            );
+            if let Some(probe) = &self.probe {
+                for &b in &emptied {
+                    probe.emptied(self.me, b);
+                }
+            }
         }
         let report = AdminRequest::Promoted {
             node_id: self.me,
             buckets: installed.iter().map(|b| b.0).collect(),
             lost: lost.iter().map(|b| b.0).collect(),
         };
-        if let Err(e) = self.control.admin(report).await {
-            tracing::warn!(error = %e, "could not report promoted buckets; retrying");
-            tokio::time::sleep(RETRY).await;
+        match self.control.admin(report).await {
+            Ok(_) => {
+                // Applied here before the loop plans again: it would report them twice.
+                let reported: Vec<u16> = installed.iter().chain(&lost).map(|b| b.0).collect();
+                self.control.wait_for_state(APPLY_WAIT, |s| reported.iter().all(|b| !s.promoted.contains_key(b))).await;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "could not report promoted buckets; retrying");
+                tokio::time::sleep(RETRY).await;
+            }
         }
         Done::Reported
     }

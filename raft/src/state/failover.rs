@@ -22,7 +22,9 @@ impl ClusterState {
         self.promote_all(node, heir);
         self.members.retain(|m| m.id != node);
         self.forget_holdings_of(node);
-        self.draining.remove(&node);
+        if self.draining.remove(&node) {
+            self.failed_stopped.insert(node);
+        }
         self.failed.insert(node);
         self.handoffs.retain(|_, n| *n != node);
         if let Some(t) = self.transition.as_mut() {
@@ -114,7 +116,10 @@ impl ClusterState {
             }
         }
         for &b in lost {
-            if self.promoted.remove(&b).is_some() && self.map.owner_of(BucketId(b)) == Some(heir) {
+            let from = self.promoted.remove(&b);
+            // A stopped member's copy died with its process: every copy is gone, and the
+            // bucket serves again, empty (see `failed_stopped`).
+            if from.is_some_and(|f| !self.failed_stopped.contains(&f)) && self.map.owner_of(BucketId(b)) == Some(heir) {
                 self.lost.insert(b);
             }
         }

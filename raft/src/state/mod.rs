@@ -170,6 +170,12 @@ pub struct ClusterState {
     /// stopping leader's successor (`successor_of`) takes the lead.
     #[serde(default)]
     pub draining: BTreeSet<NodeId>,
+    /// Failed members that were stopping (SIGTERM) when they were failed: their process ended,
+    /// so their data died with it. A promoted bucket of theirs of which the heir holds no copy
+    /// had every copy die (the heir restarted too: a full stop) and serves again, empty,
+    /// instead of being lost until an operator clears it.
+    #[serde(default)]
+    pub failed_stopped: BTreeSet<NodeId>,
     /// Per member, the member that holds its replica: it has every write the member
     /// acknowledged, and inherits the member's buckets if it fails. It changes only when the
     /// member has attached all its buckets at the holder join order names (`ReplicaMoved`), so

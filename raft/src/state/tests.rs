@@ -430,6 +430,29 @@ fn a_stopping_member_keeps_its_vote_and_the_next_voter_succeeds_it() {
 }
 
 #[test]
+fn a_member_failed_while_stopping_leaves_buckets_without_a_copy_empty_not_lost() {
+    let mut s = three_nodes();
+    let of_3: Vec<u16> = s.map.buckets_of(3).iter().map(|b| b.0).collect();
+    s.apply(&ClusterCommand::SetDraining { node_id: 3, draining: true });
+    s.apply(&ClusterCommand::NodeFailed { node_id: 3 });
+    assert!(s.failed_stopped.contains(&3) && !s.draining.contains(&3));
+    let heir = s.map.owner_of(BucketId(of_3[0])).expect("an owner");
+    s.apply(&ClusterCommand::Promoted { node_id: heir, buckets: vec![], lost: of_3.clone() });
+    assert!(s.lost.is_empty(), "its process ended: every copy died, the buckets serve again, empty");
+    assert!(of_3.iter().all(|b| !s.promoted.contains_key(b)));
+    // A member failed while it ran may still hold its copy: what its heir lacks is lost.
+    settle_transition(&mut s);
+    move_everything(&mut s);
+    let victim = s.member_ids()[0];
+    let of_victim: Vec<u16> = s.map.buckets_of(victim).iter().map(|b| b.0).collect();
+    assert!(!of_victim.is_empty());
+    s.apply(&ClusterCommand::NodeFailed { node_id: victim });
+    let heir = s.map.owner_of(BucketId(of_victim[0])).expect("an owner");
+    s.apply(&ClusterCommand::Promoted { node_id: heir, buckets: vec![], lost: of_victim.clone() });
+    assert!(of_victim.iter().all(|b| s.lost.contains(b)), "lost until cleared");
+}
+
+#[test]
 fn a_replica_holder_changes_only_when_the_owner_says_the_new_one_is_complete() {
     let mut s = three_nodes();
     for (owner, holder) in [(1, 2), (2, 3), (3, 1)] {
