@@ -92,6 +92,9 @@ pub async fn run(command: Command) -> Result<(), String> {
             match a.client.output {
                 Output::Table => {
                     println!("node {} left; map version {}", body["node_id"], body["map_version"]);
+                    if let Some(warning) = body["warning"].as_str() {
+                        eprintln!("warning: {warning}");
+                    }
                     Ok(())
                 }
                 Output::Json => print_json(&body),

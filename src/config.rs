@@ -70,6 +70,11 @@ pub struct ServeConfig {
     #[arg(long, env = "SHOAL_JOIN", value_delimiter = ',')]
     pub join: Vec<String>,
 
+    /// Join even while a state transfer runs, instead of waiting for it to end: the running
+    /// transfer's target is replaced by one that includes this node.
+    #[arg(long, env = "SHOAL_FORCE_JOIN")]
+    pub force_join: bool,
+
     /// This node's name for people and tools (`shoal node leave NAME`, `shoal status`); in a
     /// StatefulSet the pod name, whose ordinal suffix orders joins under --discover
     /// [default with --discover: the hostname].

@@ -27,12 +27,19 @@ pub struct Joiner {
     peers: Peers,
     admin: AdminClient,
     deadline: Instant,
+    force: bool,
 }
 
 impl Joiner {
     /// A joiner that gives up at `now + timeout`.
     pub fn new(seeds: Vec<String>, timeout: Duration, peers: Peers, admin: AdminClient) -> Self {
-        Joiner { seeds, peers, admin, deadline: Instant::now() + timeout }
+        Joiner { seeds, peers, admin, deadline: Instant::now() + timeout, force: false }
+    }
+
+    /// Joins even while a transition or a state transfer runs (`--force-join`).
+    pub fn forced(mut self, force: bool) -> Self {
+        self.force = force;
+        self
     }
 
     /// The peer address of the member answering at API address `seed`.
@@ -96,7 +103,7 @@ impl Joiner {
     /// Step 2: become a member (this node's Raft must be serving by now). Returns the map
     /// version that includes it.
     pub async fn admit(&self, node_id: NodeId) -> Result<u64, String> {
-        match self.send(&AdminRequest::Admit { node_id, force: false }).await? {
+        match self.send(&AdminRequest::Admit { node_id, force: self.force }).await? {
             AdminResponse::Admitted { map_version } => Ok(map_version),
             other => Err(format!("unexpected answer to admit: {other:?}")),
         }

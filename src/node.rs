@@ -348,7 +348,7 @@ pub async fn start_in(
 ) -> Result<NodeHandle, StartError> {
     let peers = Peers::new(env.transport.clone());
     let admin = shoal_raft::AdminClient::new(env.control_transport.clone(), Duration::from_secs(40));
-    let joiner = Joiner::new(config.join.clone(), config.join_timeout, peers.clone(), admin);
+    let joiner = Joiner::new(config.join.clone(), config.join_timeout, peers.clone(), admin).forced(config.force_join);
     let (api_addr, peer_addr) = (env.api_addr.clone(), env.peer_addr.clone());
     // A new node that joins gets its id first; a new cluster's first node is node 1.
     let restarted = identity.is_some();

@@ -416,6 +416,9 @@ pub struct LeaveOk {
     pub node_id: NodeId,
     /// The map version without it.
     pub map_version: u64,
+    /// Set when the leave was forced while another change ran: what may be lost.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warning: Option<String>,
 }
 
 /// One readiness check.

@@ -131,8 +131,13 @@ impl NodeApi {
             let why = if state.retired.contains(&node_id) { "has already left" } else { "is not a member" };
             return Err(ApiError::UnknownResource(format!("node {node_id} {why}")));
         }
+        // Forced through a running change: buckets still on their way (or whose replica is
+        // being rebuilt) may have a single copy until the transfer ends.
+        let warning = state.membership_busy().filter(|_| force).map(|busy| {
+            format!("forced while another membership change runs ({busy}): until the transfer ends, a failure of a node holding buckets in flight can lose their data")
+        });
         match self.control.admin(AdminRequest::Leave { node_id, force }).await.map_err(control_error)? {
-            AdminResponse::Left { map_version } => Ok(LeaveOk { node_id, map_version }),
+            AdminResponse::Left { map_version } => Ok(LeaveOk { node_id, map_version, warning }),
             other => Err(ApiError::Internal(format!("unexpected answer to leave: {other:?}"))),
         }
     }

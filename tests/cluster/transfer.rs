@@ -118,7 +118,11 @@ async fn a_16_mib_value_moves_while_other_keys_keep_answering() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_transition_and_transfer_are_visible_and_guard_membership_changes() {
     // Slow transfers (1 MiB/s) with data in every bucket, so the transfer is observable.
-    let mut c = TestCluster::start_with(1, |config| config.transfer_rate = 64 * 1024).await;
+    let mut c = TestCluster::start_with(1, |config| {
+        config.transfer_rate = 64 * 1024;
+        config.force_join = true;
+    })
+    .await;
     for i in 0..2000 {
         let r = c.http.put(c.url(0, &format!("/v1/kv/k{i}"))).body(vec![b'x'; 512]).send().await.expect("put");
         assert_eq!(r.status(), 200);
@@ -148,11 +152,19 @@ async fn the_transition_and_transfer_are_visible_and_guard_membership_changes() 
     assert_eq!(c.json(0, "/v1/cluster").await["members"].as_array().map(Vec::len), Some(2), "nothing changed");
     // Forced, the leave starts at once: the new pending map leaves node 1 out.
     let r = leave(true).await.expect("leave");
-    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
+    assert_eq!(r.status(), 200);
+    let left: serde_json::Value = r.json().await.expect("json");
+    assert!(left["warning"].as_str().is_some_and(|w| w.contains("can lose")), "the answer warns: {left}");
     let view = c.json(0, "/v1/cluster").await;
     let leaving: Vec<bool> =
         view["members"].as_array().expect("members").iter().map(|m| m["leaving"] == true).collect();
     assert_eq!(leaving, vec![true, false]);
+    // A node started with --force-join becomes a member while the transfer still runs.
+    let slot = c.add_node_no_wait().await;
+    let view = c.json(0, "/v1/cluster").await;
+    let ids: Vec<u64> = view["members"].as_array().expect("members").iter().filter_map(|m| m["id"].as_u64()).collect();
+    assert!(ids.contains(&c.id(slot)), "{view}");
+    assert!(!view["transfer"].is_null(), "the transfer still runs: {view}");
     c.shutdown().await;
 }
 
