@@ -67,6 +67,8 @@ pub struct Health {
     draining: AtomicBool,
     /// Set while a leaving node waits for its replicas before handing over.
     handing_over: AtomicBool,
+    /// The members this node holds pfail, as of the last ping round.
+    pfail_now: watch::Sender<BTreeSet<NodeId>>,
 }
 
 impl Health {
@@ -97,6 +99,7 @@ impl Health {
             in_flight: Mutex::new(BTreeSet::new()),
             draining: AtomicBool::new(false),
             handing_over: AtomicBool::new(false),
+            pfail_now: watch::channel(BTreeSet::new()).0,
         })
     }
 
@@ -133,6 +136,16 @@ impl Health {
     /// Whether this node has not heard from `id` within the node timeout.
     pub fn is_pfail(&self, id: NodeId) -> bool {
         self.enabled() && id != self.me && self.last_contact(id).elapsed() > self.config.node_timeout
+    }
+
+    /// Resolves once `id` turns pfail in this node's view (checked every ping round); never
+    /// when failure detection is off. A forward to a member that falls silent is answered
+    /// then, not when its request timeout runs out.
+    pub async fn silent(&self, id: NodeId) {
+        let mut rx = self.pfail_now.subscribe();
+        if rx.wait_for(|now| now.contains(&id)).await.is_err() {
+            std::future::pending::<()>().await;
+        }
     }
 
     /// The members this node has not heard from.
@@ -202,7 +215,15 @@ impl Health {
             }
             // A node that cannot hear a majority (paused, cut off) reports nobody: its view is
             // stale, and its reports must not help fail healthy members.
-            let pfail = if write_refusal(self.node_facts()).is_some() { Vec::new() } else { self.pfail_members() };
+            let silent = self.pfail_members();
+            self.pfail_now.send_if_modified(|now| {
+                let changed = now.len() != silent.len() || !silent.iter().all(|id| now.contains(id));
+                if changed {
+                    *now = silent.iter().copied().collect();
+                }
+                changed
+            });
+            let pfail = if write_refusal(self.node_facts()).is_some() { Vec::new() } else { silent };
             let ping = Ping { from: self.me, pfail, incarnation: self.incarnation };
             // Every peer on its own: a peer that does not answer must not hold up (and age)
             // the contacts of the others. One ping in flight per peer.

@@ -184,7 +184,11 @@ impl NodeApi {
                     let version = state.map.version;
                     let api_addr = api_addr_of(&state, owner)?;
                     self.metrics.forwarded.increment(1);
-                    match remote(api_addr, version).await {
+                    let answer = tokio::select! {
+                        answer = remote(api_addr, version) => answer,
+                        () = self.health.silent(owner) => Err(DataError::OwnerUnreachable { owner, bucket }.into()),
+                    };
+                    match answer {
                         Err(ApiError::NotOwner { map_version, .. }) => {
                             self.state_at_least(map_version.max(version + 1)).await;
                         }

@@ -315,13 +315,38 @@ async fn a_paused_owner_acknowledges_nothing_for_buckets_it_lost() {
         fully_replicated(&http, &nodes.iter().map(FaultNode::api).collect::<Vec<_>>()).await;
         let before = view(&http, &nodes[0].api()).await.expect("view");
         let victim_id = member_of(&before, &nodes[2].api()).expect("member")["id"].as_u64().expect("id");
+        // A key of the node about to be paused, read through another node.
+        let map: Value = http
+            .get(format!("http://{}/v1/cluster/map", nodes[0].api()))
+            .send()
+            .await
+            .expect("map")
+            .json()
+            .await
+            .expect("json");
+        let key = (0..)
+            .map(|i| format!("paused-{i}"))
+            .find(|k| map["owners"][shoal_raft::bucket_of(k.as_bytes()).0 as usize].as_u64() == Some(victim_id))
+            .expect("a key of the victim");
         nodes[2].signal("-STOP");
         let stopped = Instant::now();
+        // A forward already on its way to the paused owner is answered once the forwarder
+        // holds it pfail (1 s node timeout), not when the request times out.
+        let forwarded = {
+            let (http, url) = (reqwest::Client::new(), format!("http://{}/v1/kv/{key}", nodes[0].api()));
+            tokio::spawn(async move {
+                let sent = Instant::now();
+                let status = http.get(url).send().await.map(|r| r.status());
+                (sent.elapsed(), status)
+            })
+        };
         wait_for("the paused node to be failed", || async {
             let v = view(&http, &nodes[0].api()).await?;
             v["failed"].as_array()?.iter().any(|id| id.as_u64() == Some(victim_id)).then_some(())
         })
         .await;
+        let (took, status) = forwarded.await.expect("forward task");
+        assert!(took < Duration::from_secs(4), "{mode}: the forward was answered after {took:?} ({status:?})");
         // 3× the node timeout in all.
         if let Some(rest) = Duration::from_secs(3).checked_sub(stopped.elapsed()) {
             tokio::time::sleep(rest).await;
