@@ -215,15 +215,20 @@ impl Health {
             }
             // A node that cannot hear a majority (paused, cut off) reports nobody: its view is
             // stale, and its reports must not help fail healthy members.
-            let silent = self.pfail_members();
+            // Every node it ever heard from, members or not: a member failed meanwhile (the
+            // leader may fail it before this round) stays silent for the forwards to it.
+            let silent: BTreeSet<NodeId> = {
+                let contacts = self.contacts.lock();
+                contacts.iter().filter(|(_, at)| at.elapsed() > self.config.node_timeout).map(|(&id, _)| id).collect()
+            };
             self.pfail_now.send_if_modified(|now| {
-                let changed = now.len() != silent.len() || !silent.iter().all(|id| now.contains(id));
+                let changed = *now != silent;
                 if changed {
-                    *now = silent.iter().copied().collect();
+                    *now = silent;
                 }
                 changed
             });
-            let pfail = if write_refusal(self.node_facts()).is_some() { Vec::new() } else { silent };
+            let pfail = if write_refusal(self.node_facts()).is_some() { Vec::new() } else { self.pfail_members() };
             let ping = Ping { from: self.me, pfail, incarnation: self.incarnation };
             // Every peer on its own: a peer that does not answer must not hold up (and age)
             // the contacts of the others. One ping in flight per peer.

@@ -118,9 +118,8 @@ impl TestCluster {
         config.raft_election_timeout = Duration::from_millis(1000);
         config.max_value_bytes = 1024 * 1024;
         (self.tweak)(&mut config);
-        if let Some(seed) = self.running().next() {
-            config.join = vec![self.api(seed)];
-        }
+        // Every running node is a seed: the first may be on its way out (it left).
+        config.join = self.running().map(|seed| self.api(seed)).collect();
         let node = node::start_with(config.clone(), Listeners { api, peer }).await.expect("node starts");
         self.slots.push(Slot { config, node: Some(node) });
         slot
