@@ -280,16 +280,19 @@ impl Health {
     /// Records `id`'s incarnation; a new one means it restarted: its replica store came back
     /// empty (every bucket is sent again), and the pfail reports about it made before it
     /// restarted no longer count.
-    fn seen_incarnation(&self, id: NodeId, incarnation: u64) {
+    /// Answers whether it restarted.
+    fn seen_incarnation(&self, id: NodeId, incarnation: u64) -> bool {
         if incarnation == 0 {
-            return;
+            return false;
         }
         let before = self.incarnations.lock().insert(id, incarnation);
-        if before.is_some_and(|b| b != incarnation) {
+        let restarted = before.is_some_and(|b| b != incarnation);
+        if restarted {
             tracing::info!(node_id = id, "peer restarted; re-sending the replica it holds");
             self.reports.lock().forget(id);
             self.replicator.detach_holder(id);
         }
+        restarted
     }
 
     /// As leader: proposes `NodeFailed` for each member that a majority of the members (this
@@ -321,22 +324,15 @@ impl Health {
 impl Health {
     /// Answers a ping (`POST /internal/ping`): the sender's pfail list is a report. (It does
     /// not count as contact: a ping may have waited in a socket buffer; only this node's own
-    /// pings, timed from their sending, do.)
+    /// pings, timed from their sending, do — and a ping from a new incarnation.)
     pub fn pong(&self, ping: Ping) -> Pong {
         let status = self.control.member_status(ping.from);
         if status == MemberStatus::Member {
             // A new incarnation restarted since it was last seen: it was alive when it sent
             // this (a paused process does not restart), so it counts as contact.
-            let restarted = self
-                .incarnations
-                .lock()
-                .get(&ping.from)
-                .is_some_and(|&i| ping.incarnation != 0 && i != ping.incarnation);
-            if restarted {
-                let mut contacts = self.contacts.lock();
-                contacts.insert(ping.from, Instant::now());
+            if self.seen_incarnation(ping.from, ping.incarnation) {
+                self.contacts.lock().insert(ping.from, Instant::now());
             }
-            self.seen_incarnation(ping.from, ping.incarnation);
             self.reports.lock().record(ping.from, Instant::now(), ping.pfail);
         }
         Pong { node_id: self.me, incarnation: self.incarnation, status }
