@@ -68,6 +68,14 @@ pub enum DataError {
     /// The bucket changed owner more often than a request routes again.
     #[error("bucket {0} is changing owner; retry")]
     MapChanging(BucketId),
+    /// A client named a map version this node has not applied (it may not exist at all).
+    #[error("this node's map is at version {have}, older than version {want} the request names; retry, or send it to another node")]
+    MapBehind {
+        /// This node's map version.
+        have: u64,
+        /// The version the request named.
+        want: u64,
+    },
     /// The owner does not answer pings.
     #[error("node {owner}, which owns bucket {bucket}, does not answer pings; retry")]
     OwnerUnreachable {
@@ -116,7 +124,7 @@ impl From<DataError> for ApiError {
             DataError::Lost(_) => unavailable("bucket_lost", &e),
             DataError::Restoring(_) => unavailable("bucket_restoring", &e),
             DataError::Moving(_) => unavailable("bucket_moving", &e),
-            DataError::MapChanging(_) => unavailable("map_changing", &e),
+            DataError::MapChanging(_) | DataError::MapBehind { .. } => unavailable("map_changing", &e),
             DataError::OwnerUnreachable { .. } => unavailable("owner_unreachable", &e),
             DataError::NodeFailed => unavailable("node_failed", &e),
             DataError::NodeLeaving => unavailable("node_leaving", &e),

@@ -10,9 +10,16 @@
 //!
 //! A pong that says "you were failed" makes this node stop, discard its data and rejoin as
 //! a new member. The same contacts give a *lease*: a node that has not heard from a
-//! majority of the members within `--node-timeout` acknowledges no write (`503 no_quorum`), so
-//! a node paused or cut off long enough to be failed cannot acknowledge a write for buckets
-//! that were given to another node meanwhile.
+//! majority of the members within `--node-timeout` serves no read and acknowledges no write
+//! (`503 no_quorum`), so a node paused or cut off long enough to be failed cannot answer for
+//! buckets that were given to another node meanwhile.
+//!
+//! The lease runs out before the node can be failed. A node that answers B's ping promises not
+//! to report B pfail within the node timeout of that answer; B counts the answer toward its lease
+//! for the node timeout from when it sent the ping, which was earlier. So every member of a
+//! majority that reports B pfail does so only after B's lease through it ran out, and a
+//! majority of reports needs at least one member B's lease counted. A node that has reported B
+//! pfail lends B no lease (`Pong::lease`) until that report can no longer count anywhere.
 //!
 //! Pings carry the sender's incarnation (random at every start). A ping from a new incarnation
 //! of a member means it restarted: it counts as contact, and the pfail reports about it made
@@ -48,7 +55,7 @@ pub struct Health {
     me: NodeId,
     control: ControlPlane,
     config: HealthConfig,
-    contacts: Mutex<BTreeMap<NodeId, Instant>>,
+    contacts: Mutex<BTreeMap<NodeId, Contact>>,
     reports: Mutex<Reports>,
     peers: Peers,
     /// How long one ping may wait for its pong.
@@ -129,13 +136,26 @@ impl Health {
         let _ = rx.wait_for(|r| *r).await;
     }
 
-    fn last_contact(&self, id: NodeId) -> Instant {
-        self.contacts.lock().get(&id).copied().unwrap_or_else(Instant::now)
+    /// Whether this node has not heard from `id` within the node timeout (no answer to a ping
+    /// it sent since).
+    pub fn is_pfail(&self, id: NodeId) -> bool {
+        self.enabled()
+            && id != self.me
+            && self.contacts.lock().get(&id).is_some_and(|c| c.answered.elapsed() > self.config.node_timeout)
     }
 
-    /// Whether this node has not heard from `id` within the node timeout.
-    pub fn is_pfail(&self, id: NodeId) -> bool {
-        self.enabled() && id != self.me && self.last_contact(id).elapsed() > self.config.node_timeout
+    /// Whether this node reports `id` pfail: it has not heard from it, and it promised it
+    /// nothing (no ping from `id` arrived within the node timeout).
+    fn suspects(&self, id: NodeId) -> bool {
+        self.enabled()
+            && id != self.me
+            && self.contacts.lock().get(&id).is_some_and(|c| c.suspected(Instant::now(), self.config.node_timeout))
+    }
+
+    /// How long a report this node sent may count at another node: the reports' freshness,
+    /// plus the longest a ping carrying it may travel.
+    fn report_life(&self) -> Duration {
+        self.config.node_timeout * 2 + self.config.ping_interval + self.ping_timeout
     }
 
     /// Resolves once `id` turns pfail in this node's view (checked every ping round); never
@@ -153,6 +173,21 @@ impl Health {
         self.control.state().members.iter().map(|m| m.id).filter(|&id| self.is_pfail(id)).collect()
     }
 
+    /// The members this node reports pfail (see [`Contact::suspected`]); each report is
+    /// remembered, so this node lends them no lease while it may count.
+    fn suspected_members(&self) -> Vec<NodeId> {
+        let ids: Vec<NodeId> =
+            self.control.state().members.iter().map(|m| m.id).filter(|&id| self.suspects(id)).collect();
+        let now = Instant::now();
+        let mut contacts = self.contacts.lock();
+        for id in &ids {
+            if let Some(c) = contacts.get_mut(id) {
+                c.reported = Some(now);
+            }
+        }
+        ids
+    }
+
     /// Every other member's state in this node's view.
     pub fn peers(&self) -> Vec<PeerHealth> {
         let state = self.control.state();
@@ -161,7 +196,7 @@ impl Health {
             .iter()
             .filter(|m| m.id != self.me)
             .map(|m| {
-                let since = self.contacts.lock().get(&m.id).map(|t| t.elapsed());
+                let since = self.contacts.lock().get(&m.id).map(|c| c.answered.elapsed());
                 PeerHealth {
                     node_id: m.id,
                     state: if self.is_pfail(m.id) { "pfail" } else { "ok" }.to_string(),
@@ -189,7 +224,13 @@ impl Health {
         if n <= 1 {
             return facts;
         }
-        let heard = state.members.iter().filter(|m| m.id == self.me || !self.is_pfail(m.id)).count();
+        let now = Instant::now();
+        let heard = {
+            let contacts = self.contacts.lock();
+            let timeout = self.config.node_timeout;
+            let leases = |id| contacts.get(&id).is_some_and(|c: &Contact| c.leases(now, timeout));
+            state.members.iter().filter(|m| m.id == self.me || leases(m.id)).count()
+        };
         if heard * 2 <= n {
             facts.no_quorum = Some((heard, n));
         }
@@ -210,7 +251,7 @@ impl Health {
                 // A member's silence counts from when this node first saw it, not from start.
                 let mut contacts = self.contacts.lock();
                 for m in state.members.iter().filter(|m| m.id != self.me) {
-                    contacts.entry(m.id).or_insert_with(Instant::now);
+                    contacts.entry(m.id).or_insert_with(|| Contact::new(Instant::now()));
                 }
             }
             // A node that cannot hear a majority (paused, cut off) reports nobody: its view is
@@ -219,7 +260,8 @@ impl Health {
             // leader may fail it before this round) stays silent for the forwards to it.
             let silent: BTreeSet<NodeId> = {
                 let contacts = self.contacts.lock();
-                contacts.iter().filter(|(_, at)| at.elapsed() > self.config.node_timeout).map(|(&id, _)| id).collect()
+                let timeout = self.config.node_timeout;
+                contacts.iter().filter(|(_, c)| c.answered.elapsed() > timeout).map(|(&id, _)| id).collect()
             };
             self.pfail_now.send_if_modified(|now| {
                 let changed = *now != silent;
@@ -228,7 +270,7 @@ impl Health {
                 }
                 changed
             });
-            let pfail = if write_refusal(self.node_facts()).is_some() { Vec::new() } else { self.pfail_members() };
+            let pfail = if write_refusal(self.node_facts()).is_some() { Vec::new() } else { self.suspected_members() };
             let ping = Ping { from: self.me, pfail, incarnation: self.incarnation };
             // Every peer on its own: a peer that does not answer must not hold up (and age)
             // the contacts of the others. One ping in flight per peer.
@@ -269,11 +311,7 @@ impl Health {
             }
             return;
         }
-        {
-            let mut contacts = self.contacts.lock();
-            let last = contacts.entry(id).or_insert(sent);
-            *last = (*last).max(sent);
-        }
+        self.contacts.lock().entry(id).or_insert_with(|| Contact::new(sent)).answered_at(sent, pong.lease);
         self.seen_incarnation(id, pong.incarnation);
     }
 
@@ -307,7 +345,7 @@ impl Health {
             reports.clone()
         };
         for m in state.members.iter().filter(|m| m.id != self.me) {
-            let votes = usize::from(self.is_pfail(m.id)) + reports.votes_against(m.id, |r| state.is_member(r));
+            let votes = usize::from(self.suspects(m.id)) + reports.votes_against(m.id, |r| state.is_member(r));
             if votes * 2 <= n {
                 continue;
             }
@@ -322,20 +360,81 @@ impl Health {
 }
 
 impl Health {
-    /// Answers a ping (`POST /internal/ping`): the sender's pfail list is a report. (It does
-    /// not count as contact: a ping may have waited in a socket buffer; only this node's own
-    /// pings, timed from their sending, do — and a ping from a new incarnation.)
+    /// Answers a ping (`POST /internal/ping`): the sender's pfail list is a report, and the
+    /// answer promises not to report the sender pfail within the node timeout. (It does not
+    /// count as contact for this node's own lease: a ping may have waited in a socket buffer;
+    /// only this node's own pings, timed from their sending, do — and a ping from a new
+    /// incarnation.)
     pub fn pong(&self, ping: Ping) -> Pong {
         let status = self.control.member_status(ping.from);
+        let mut lease = false;
         if status == MemberStatus::Member {
+            let now = Instant::now();
             // A new incarnation restarted since it was last seen: it was alive when it sent
-            // this (a paused process does not restart), so it counts as contact.
-            if self.seen_incarnation(ping.from, ping.incarnation) {
-                self.contacts.lock().insert(ping.from, Instant::now());
+            // this (a paused process does not restart), so it counts as contact; and what was
+            // reported about it before is void everywhere (see `Reports::forget`).
+            let restarted = self.seen_incarnation(ping.from, ping.incarnation);
+            {
+                let mut contacts = self.contacts.lock();
+                let contact = contacts.entry(ping.from).or_insert_with(|| Contact::new(now));
+                if restarted {
+                    contact.answered = now;
+                    contact.reported = None;
+                }
+                lease = contact.pinged_at(now, self.report_life());
             }
-            self.reports.lock().record(ping.from, Instant::now(), ping.pfail);
+            self.reports.lock().record(ping.from, now, ping.pfail);
         }
-        Pong { node_id: self.me, incarnation: self.incarnation, status }
+        Pong { node_id: self.me, incarnation: self.incarnation, status, lease }
+    }
+}
+
+/// What this node knows of its contact with one peer.
+#[derive(Debug, Clone, Copy)]
+struct Contact {
+    /// When the newest ping this node sent that the peer answered left (or when this node
+    /// first saw the peer): the peer was alive then.
+    answered: Instant,
+    /// The same, among the answers that lend a lease.
+    leased: Instant,
+    /// When a ping from the peer last arrived here; this node promised not to report it pfail
+    /// within the node timeout of that.
+    pinged: Option<Instant>,
+    /// When this node last reported the peer pfail.
+    reported: Option<Instant>,
+}
+
+impl Contact {
+    fn new(at: Instant) -> Self {
+        Contact { answered: at, leased: at, pinged: None, reported: None }
+    }
+
+    /// The peer answered a ping sent at `sent`; the answer lends a lease or not.
+    fn answered_at(&mut self, sent: Instant, lease: bool) {
+        self.answered = self.answered.max(sent);
+        if lease {
+            self.leased = self.leased.max(sent);
+        }
+    }
+
+    /// The peer's lease through this node is renewed at `now` (its ping arrived): answers
+    /// whether this node lends it, which it does not while its last report of the peer may
+    /// still count somewhere (`report_life`).
+    fn pinged_at(&mut self, now: Instant, report_life: Duration) -> bool {
+        self.pinged = Some(now);
+        self.reported.is_none_or(|r| now.saturating_duration_since(r) > report_life)
+    }
+
+    /// Whether the peer counts toward this node's lease at `now`.
+    fn leases(&self, now: Instant, timeout: Duration) -> bool {
+        now.saturating_duration_since(self.leased) <= timeout
+    }
+
+    /// Whether this node reports the peer pfail at `now`: no answer for the node timeout, and
+    /// no ping from it within the node timeout either (its lease through this node may run).
+    fn suspected(&self, now: Instant, timeout: Duration) -> bool {
+        now.saturating_duration_since(self.answered) > timeout
+            && self.pinged.is_none_or(|p| now.saturating_duration_since(p) > timeout)
     }
 }
 
@@ -370,6 +469,34 @@ impl Reports {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_peer_lease_runs_out_before_this_node_reports_it_and_no_lease_is_lent_while_a_report_counts() {
+        let timeout = Duration::from_secs(5);
+        let life = Duration::from_secs(13);
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        // This node's view of peer B: B answered a ping sent at 0 and pinged this node at 100.
+        let mut b = Contact::new(t0);
+        assert!(b.pinged_at(at(100), life), "nothing reported: the answer lends a lease");
+        // B's lease through this node counts from B's ping, sent before 100: until 5_100 at most.
+        // This node reports B only once both its answers and its promise ran out.
+        assert!(!b.suspected(at(5_050), timeout), "no answer for 5 s, but the promise of 100 runs");
+        assert!(b.suspected(at(5_101), timeout));
+        // Reported at 5_200: the report may count somewhere until 18_200; no lease before then.
+        b.reported = Some(at(5_200));
+        assert!(!b.pinged_at(at(6_000), life), "a peer reported pfail gets no lease");
+        assert!(!b.suspected(at(6_500), timeout), "but its ping is a promise: no new report");
+        assert!(b.pinged_at(at(18_300), life), "the report expired everywhere");
+        // This node's own lease through B: only answers that lend one count.
+        let mut c = Contact::new(t0);
+        c.answered_at(at(4_000), false);
+        assert!(!c.leases(at(6_000), timeout), "an answer without a lease does not renew it");
+        assert!(!c.suspected(at(6_000), timeout), "but it proves the peer alive");
+        c.answered_at(at(5_000), true);
+        assert!(c.leases(at(6_000), timeout));
+        assert!(!c.leases(at(10_001), timeout), "a lease lasts the node timeout from the ping's sending");
+    }
 
     #[test]
     fn reports_about_a_member_made_before_it_restarted_do_not_count() {

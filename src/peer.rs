@@ -21,6 +21,8 @@ use crate::transport::{
 
 /// How long the figures of one member may take in `GET /v1/cluster`.
 const STATS_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long an owner may take to install a lost bucket given back and commit that it serves again.
+const GIVE_BACK_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Typed calls over a node's transport. Cheap to clone.
 #[derive(Clone)]
@@ -184,6 +186,21 @@ impl Peers {
     pub async fn shadow(&self, peer_addr: &str, bucket: BucketId, body: Bytes) -> Result<(), CallError> {
         match self.transport.call(peer_addr, PeerRequest::Shadow { bucket, body }, PEER_CALL_TIMEOUT).await? {
             PeerAnswer::ShadowApplied => Ok(()),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Gives the copy of lost `bucket` this node served last back to its owner.
+    pub async fn give_back(
+        &self,
+        peer_addr: &str,
+        from: NodeId,
+        bucket: BucketId,
+        body: Bytes,
+    ) -> Result<(), CallError> {
+        let request = PeerRequest::GiveBack { from, bucket, body };
+        match self.transport.call(peer_addr, request, GIVE_BACK_TIMEOUT).await? {
+            PeerAnswer::Found => Ok(()),
             other => Err(unexpected(&other)),
         }
     }

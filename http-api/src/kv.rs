@@ -157,7 +157,7 @@ fn route_context(headers: &HeaderMap, redirect: Option<&str>) -> Result<RouteCon
             "the forwarded request arrived after its deadline; nothing was done",
         ));
     }
-    Ok(RouteContext { forwarded_map_version, redirect: flag("redirect", redirect)? })
+    Ok(RouteContext { forwarded_map_version, from_peer: deadline.is_some(), redirect: flag("redirect", redirect)? })
 }
 
 /// Milliseconds since the Unix epoch.

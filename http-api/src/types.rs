@@ -11,6 +11,10 @@ pub struct RouteContext {
     /// Set when another node forwarded the request: the map version it routed by. The
     /// receiver serves only if it owns the bucket in its own map, and never forwards again.
     pub forwarded_map_version: Option<u64>,
+    /// The request is another node's forward (it carries the forward deadline): a map version
+    /// newer than this node's is waited for briefly (the sender applied it a moment earlier).
+    /// A client's version this node has not applied is refused at once.
+    pub from_peer: bool,
     /// `?redirect=true`: answer 307 with the owner's address instead of forwarding.
     pub redirect: bool,
 }

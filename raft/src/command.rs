@@ -94,6 +94,17 @@ pub enum ClusterCommand {
         /// The buckets.
         buckets: Vec<u16>,
     },
+    /// Lost buckets' last server returned after it was failed and gave its copy (the newest
+    /// there is) to their owner, which installed it: they serve again. Only buckets still
+    /// lost, last served by `from` and owned by `owner` change.
+    Found {
+        /// The owner that installed the copies.
+        owner: NodeId,
+        /// The returned last server.
+        from: NodeId,
+        /// The buckets.
+        buckets: Vec<u16>,
+    },
     /// An operator acknowledges lost buckets: they serve again, empty.
     ClearLost {
         /// The buckets (all lost buckets when empty).

@@ -33,7 +33,9 @@ use crate::disk::{Disk, MemoryDisk};
 use crate::distribution::NodeId;
 use crate::error::ControlError;
 use crate::log_store::DiskLogStore;
-use crate::network::{AdminClient, AdminRequest, AdminResponse, ControlTransport, MemberStatus, RaftTransportNetwork};
+use crate::network::{
+    AdminClient, AdminRequest, AdminResponse, ControlTransport, LostBucket, MemberStatus, RaftTransportNetwork,
+};
 use crate::state::ClusterState;
 use crate::state_machine::{DiskStateMachine, StateView};
 use crate::types::{MemberNode, Raft, RaftMetrics};
@@ -415,6 +417,30 @@ impl ControlPlane {
             }
             AdminRequest::Promoted { node_id, buckets, lost } => {
                 self.write(ClusterCommand::Promoted { node_id, buckets, lost }).await?;
+                Ok(AdminResponse::Done)
+            }
+            AdminRequest::LostOf { node_id } => {
+                let state = self.state();
+                // A leader cut off with the asker may still think it leads: only a state that
+                // knows the asker failed can say what it left behind.
+                if !state.failed.contains(&node_id) {
+                    return Err(ControlError::Rejected {
+                        reason: format!("node {} does not know that node {node_id} failed", self.node_id()),
+                    });
+                }
+                let buckets: Vec<LostBucket> = state
+                    .lost_of(node_id)
+                    .into_iter()
+                    .filter_map(|(b, owner)| {
+                        let peer_addr = state.member_of(owner)?.peer_addr.clone();
+                        Some(LostBucket { bucket: b.0, owner, peer_addr })
+                    })
+                    .collect();
+                let pending = state.promoted.keys().filter(|b| state.last_server.get(b) == Some(&node_id)).count();
+                Ok(AdminResponse::LostOf { buckets, pending })
+            }
+            AdminRequest::Found { owner, from, buckets } => {
+                self.write(ClusterCommand::Found { owner, from, buckets }).await?;
                 Ok(AdminResponse::Done)
             }
             AdminRequest::ClearLost { buckets } => {

@@ -43,8 +43,8 @@ pub use control::{ControlConfig, ControlPlane, Storage};
 pub use distribution::{bucket_of, BucketId, DistributionMap, NodeId, BUCKET_COUNT};
 pub use error::ControlError;
 pub use network::{
-    AdminClient, AdminRequest, AdminResponse, BoxFuture, ControlRpc, ControlTransport, MemberStatus, ServeError,
-    TransportError,
+    AdminClient, AdminRequest, AdminResponse, BoxFuture, ControlRpc, ControlTransport, LostBucket, MemberStatus,
+    ServeError, TransportError,
 };
 pub use state::{ClusterState, Member, ReplicationMode};
 pub use state_machine::StateView;

@@ -31,12 +31,12 @@ use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock};
 use shoal_raft::{BucketId, ClusterState, ControlPlane, NodeId, BUCKET_COUNT};
-use tokio::sync::MutexGuard;
+use tokio::sync::{MutexGuard, RwLockReadGuard, RwLockWriteGuard};
 
 pub use permit::{change_body, WritePermit};
 pub use phase::{
-    export_refusal, holds_replica, keeps_replica, phase_of, route_of, write_plan, write_refusal, BucketFacts,
-    NodeFacts, Phase, Recipient, Route, Routing, WritePlan,
+    export_refusal, holds_replica, keeps_replica, phase_of, read_refusal, route_of, write_plan, write_refusal,
+    BucketFacts, NodeFacts, Phase, Recipient, Route, Routing, WritePlan,
 };
 
 use crate::cache::CacheStore;
@@ -73,6 +73,10 @@ pub struct LocalFacts {
     /// but a node that restarted since holds nothing of it.
     shadows: RwLock<BTreeSet<u16>>,
     locks: Vec<tokio::sync::Mutex<()>>,
+    /// Per bucket: held for writing while a write permit's writes are in the store but not
+    /// committed (they may still be taken back); reads of the bucket wait for it, so no read
+    /// sees a write that is then taken back.
+    pending: Vec<tokio::sync::RwLock<()>>,
 }
 
 impl Default for LocalFacts {
@@ -82,6 +86,7 @@ impl Default for LocalFacts {
             installed: Mutex::new(BTreeMap::new()),
             shadows: RwLock::new(BTreeSet::new()),
             locks: (0..BUCKET_COUNT).map(|_| tokio::sync::Mutex::new(())).collect(),
+            pending: (0..BUCKET_COUNT).map(|_| tokio::sync::RwLock::new(())).collect(),
         }
     }
 }
@@ -123,6 +128,21 @@ impl LocalFacts {
     /// Locks `bucket` for a write (or anything that must not interleave with one).
     pub async fn lock(&self, bucket: BucketId) -> MutexGuard<'_, ()> {
         self.locks[bucket.index()].lock().await
+    }
+
+    /// Waits until no write of `bucket` may still be taken back, and keeps it so while the
+    /// guard lives: a read holds it while it reads the store.
+    pub async fn committed(&self, bucket: BucketId) -> RwLockReadGuard<'_, ()> {
+        let pending = &self.pending[bucket.index()];
+        match pending.try_read() {
+            Ok(guard) => guard,
+            Err(_) => pending.read().await,
+        }
+    }
+
+    /// Marks `bucket` as having writes that may be taken back, until the guard is dropped.
+    async fn uncommitted(&self, bucket: BucketId) -> RwLockWriteGuard<'_, ()> {
+        self.pending[bucket.index()].write().await
     }
 
     /// Whether `bucket` waits to be restored.
@@ -223,7 +243,12 @@ impl BucketCore {
             }
             _ => false,
         };
-        route_of(state, bucket, phase, routing, suspected)
+        route_of(state, bucket, phase, routing, self.health.node_facts(), suspected)
+    }
+
+    /// Why this node may serve no read now, if it may not (see [`read_refusal`]).
+    pub fn read_refusal(&self) -> Option<DataError> {
+        read_refusal(self.health.node_facts())
     }
 
     /// Why this node may acknowledge no write now, if it may not.
@@ -245,7 +270,8 @@ impl BucketCore {
         let lock = self.facts.lock(bucket).await;
         // The map may have moved while this write waited for the lock.
         let plan = decide()?;
-        Ok(WritePermit::new(self, plan, Some(lock)))
+        let pending = self.facts.uncommitted(bucket).await;
+        Ok(WritePermit::new(self, plan, Some((lock, pending))))
     }
 
     /// Permits for several buckets, taken in ascending bucket order (so two bulk writes cannot

@@ -11,7 +11,7 @@
 //! to its replica before its next change, in case the replica applied the write after all.
 
 use bytes::{Bytes, BytesMut};
-use tokio::sync::MutexGuard;
+use tokio::sync::{MutexGuard, RwLockWriteGuard};
 
 use super::phase::{write_refusal, WritePlan};
 use super::BucketCore;
@@ -34,12 +34,18 @@ struct Done {
 pub struct WritePermit<'a> {
     core: &'a BucketCore,
     plan: WritePlan,
-    _lock: Option<MutexGuard<'a, ()>>,
+    /// The bucket's write lock, and its mark that reads wait (writes in the store may still
+    /// be taken back), both held until the permit is committed or dropped.
+    _lock: Option<(MutexGuard<'a, ()>, RwLockWriteGuard<'a, ()>)>,
     done: Vec<Done>,
 }
 
 impl<'a> WritePermit<'a> {
-    pub(super) fn new(core: &'a BucketCore, plan: WritePlan, lock: Option<MutexGuard<'a, ()>>) -> Self {
+    pub(super) fn new(
+        core: &'a BucketCore,
+        plan: WritePlan,
+        lock: Option<(MutexGuard<'a, ()>, RwLockWriteGuard<'a, ()>)>,
+    ) -> Self {
         WritePermit { core, plan, _lock: lock, done: Vec::new() }
     }
 

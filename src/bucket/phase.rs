@@ -139,19 +139,24 @@ pub enum Route {
     },
 }
 
-/// Where a key operation on `bucket` in `phase` runs, given how it reached this node and
+/// Where a key operation on `bucket` in `phase` runs, given how it reached this node, what
+/// the node knows of itself (a bucket is served here only while the node holds its lease) and
 /// whether this node suspects the owner (a fast 503 instead of a forward that would wait).
 pub fn route_of(
     state: &ClusterState,
     bucket: BucketId,
     phase: Phase,
     routing: Routing,
+    node: NodeFacts,
     owner_suspected: bool,
 ) -> Result<Route, DataError> {
     match phase {
         Phase::NoMap => Err(DataError::NotReady),
         Phase::Lost => Err(DataError::Lost(bucket)),
-        Phase::Serving => Ok(Route::Local),
+        Phase::Serving => match read_refusal(node) {
+            Some(refusal) => Err(refusal),
+            None => Ok(Route::Local),
+        },
         Phase::Restoring | Phase::AwaitingPromotion => Err(DataError::Restoring(bucket)),
         Phase::Incoming { from: owner } | Phase::Shadow { owner } | Phase::Foreign { owner } => {
             if routing.forwarded {
@@ -166,6 +171,17 @@ pub fn route_of(
             Ok(Route::Forward { owner })
         }
     }
+}
+
+/// Why this node may serve no read now, whatever the bucket: the cluster failed it, or it has
+/// not heard from a majority within the node timeout, so its buckets may have been given to
+/// others and written there meanwhile (a read here could go back in time). A node that stops
+/// or hands over still owns its buckets until they flip, and reads them.
+pub fn read_refusal(node: NodeFacts) -> Option<DataError> {
+    if node.failed {
+        return Some(DataError::NodeFailed);
+    }
+    node.no_quorum.map(|(heard, members)| DataError::NoQuorum { heard, members })
 }
 
 /// Why this node may acknowledge no write now, whatever the bucket.
@@ -239,7 +255,7 @@ pub fn write_plan(
         return Err(refusal);
     }
     let phase = phase_of(state, me, bucket, facts);
-    match route_of(state, bucket, phase, Routing { forwarded: true, redirect: false }, false)? {
+    match route_of(state, bucket, phase, Routing { forwarded: true, redirect: false }, node, false)? {
         Route::Local => {}
         // Unreachable with `forwarded`: route_of refuses instead.
         Route::Forward { .. } | Route::Redirect { .. } => {

@@ -43,7 +43,7 @@ impl NodeApi {
                 break;
             }
             // Every key of this attempt is decided on the same state.
-            let state = self.state_at_least(ctx.forwarded_map_version.unwrap_or(0)).await;
+            let state = self.state_for(ctx).await?;
             let mut here: BTreeMap<BucketId, Vec<usize>> = BTreeMap::new();
             let mut groups: BTreeMap<NodeId, Vec<usize>> = BTreeMap::new();
             for &i in &pending {
@@ -138,8 +138,14 @@ impl NodeApi {
     ) -> Result<Vec<Result<Option<GetOk>, ApiError>>, ApiError> {
         let started = Instant::now();
         let local = |bucket: BucketId, idx: Vec<usize>| {
-            let found = idx.into_iter().map(|i| (i, Ok(self.local_get(&keys[i], bucket)))).collect();
-            async move { found }
+            let keys = &keys;
+            async move {
+                let mut found = Vec::with_capacity(idx.len());
+                for i in idx {
+                    found.push((i, Ok(self.local_get(&keys[i], bucket).await)));
+                }
+                found
+            }
         };
         let remote = |api: String, owner: NodeId, batch: Vec<String>, v: u64| {
             let peers = &self.peers;

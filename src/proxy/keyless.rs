@@ -63,19 +63,31 @@ impl NodeApi {
         scope: Scope,
         local: impl FnOnce(&[BucketId]) -> Vec<(Vec<u8>, BucketId, u64)>,
         remote: impl Fn(String) -> Fut,
-    ) -> KeyList
+    ) -> Result<KeyList, ApiError>
     where
         Fut: Future<Output = Result<KeyList, ApiError>>,
     {
-        let local_list = || KeyList { keys: self.found_keys(local(&self.owned_buckets())), ..Default::default() };
+        // Without its lease this node lists nothing of its own: its buckets may be served
+        // elsewhere by now.
+        let refusal = self.core.read_refusal();
         if scope == Scope::Local {
-            return local_list();
+            if let Some(e) = refusal {
+                return Err(e.into());
+            }
+            return Ok(KeyList { keys: self.found_keys(local(&self.owned_buckets())), ..Default::default() });
         }
-        let (answers, errors) = self.broadcast(local_list, remote).await;
+        let local_list = || match &refusal {
+            Some(_) => KeyList::default(),
+            None => KeyList { keys: self.found_keys(local(&self.owned_buckets())), ..Default::default() },
+        };
+        let (answers, mut errors) = self.broadcast(local_list, remote).await;
+        if let Some(e) = refusal {
+            errors.push(NodeFailure { node: self.node_id, detail: ApiError::from(e).to_string() });
+        }
         let mut keys: Vec<FoundKey> = answers.into_iter().flat_map(|(_, list)| list.keys).collect();
         keys.sort();
         keys.truncate(limit);
-        KeyList { keys, incomplete: !errors.is_empty(), errors }
+        Ok(KeyList { keys, incomplete: !errors.is_empty(), errors })
     }
 
     pub(super) async fn keys_everywhere(
@@ -96,7 +108,7 @@ impl NodeApi {
                 },
             )
             .await;
-        self.timed(Op::List, started, Ok(list))
+        self.timed(Op::List, started, list)
     }
 
     pub(super) async fn tagged_everywhere(&self, tag: String, limit: usize, scope: Scope) -> Result<KeyList, ApiError> {
@@ -112,7 +124,7 @@ impl NodeApi {
                 },
             )
             .await;
-        self.timed(Op::Tagged, started, Ok(list))
+        self.timed(Op::Tagged, started, list)
     }
 
     pub(super) async fn remove_tagged_everywhere(&self, tag: String, scope: Scope) -> Result<Removed, ApiError> {

@@ -138,6 +138,18 @@ impl NodeApi {
         }
     }
 
+    /// The applied state to route a request by: for another node's forward, after waiting
+    /// (bounded) until its map is at least the sender's; a client's version this node has not
+    /// applied is refused at once.
+    async fn state_for(&self, ctx: RouteContext) -> Result<Arc<ClusterState>, DataError> {
+        let want = ctx.forwarded_map_version.unwrap_or(0);
+        let state = self.control.state();
+        if state.map.version < want && !ctx.from_peer {
+            return Err(DataError::MapBehind { have: state.map.version, want });
+        }
+        Ok(self.state_at_least(want).await)
+    }
+
     /// The applied state, after waiting (bounded) until its map is at least `version`.
     async fn state_at_least(&self, version: u64) -> Arc<ClusterState> {
         let state = self.control.state();
@@ -168,7 +180,7 @@ impl NodeApi {
         let frozen_until = tokio::time::Instant::now() + FROZEN_WAIT;
         let mut attempts = 0;
         while attempts < ROUTE_ATTEMPTS {
-            let state = self.state_at_least(ctx.forwarded_map_version.unwrap_or(0)).await;
+            let state = self.state_for(ctx).await?;
             match self.core.route(&state, bucket, routing(ctx))? {
                 Route::Local => match local().await {
                     Err(e) if is_moving(&e) && tokio::time::Instant::now() < frozen_until => {
@@ -200,7 +212,9 @@ impl NodeApi {
         Err(DataError::MapChanging(bucket).into())
     }
 
-    fn local_get(&self, key: &str, bucket: BucketId) -> Option<GetOk> {
+    /// Reads `key` here, once no write of its bucket may still be taken back.
+    async fn local_get(&self, key: &str, bucket: BucketId) -> Option<GetOk> {
+        let _committed = self.core.facts().committed(bucket).await;
         if let Some(probe) = self.core.probe() {
             probe.served(self.node_id, bucket, self.control.state().epoch_of(bucket));
         }
@@ -252,7 +266,7 @@ impl ShoalApi for NodeApi {
     async fn get(&self, key: String, ctx: RouteContext) -> Result<GetOk, ApiError> {
         let started = Instant::now();
         let bucket = bucket_of(key.as_bytes());
-        let local = || async { Ok(self.local_get(&key, bucket)) };
+        let local = || async { Ok(self.local_get(&key, bucket).await) };
         let remote = |api: String, v: u64| {
             let (peers, key) = (&self.peers, &key);
             async move {

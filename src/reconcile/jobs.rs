@@ -3,10 +3,14 @@
 
 use std::time::Duration;
 
-use shoal_raft::{AdminRequest, BucketId, NodeId};
+use futures::StreamExt;
+use shoal_raft::{AdminRequest, AdminResponse, BucketId, LostBucket, NodeId};
+use tokio::time::Instant;
 
 use super::{Done, Fetched, Reconciler, RETRY};
+use crate::transfer::found::give_back_body;
 use crate::transfer::import::PullError;
+use crate::transport::CallError;
 
 /// How long acknowledging a pending map waits before the loop tries again.
 const ACK_RETRY: Duration = Duration::from_millis(500);
@@ -17,8 +21,79 @@ const HANDOVER_SYNC_WAIT: Duration = Duration::from_secs(10);
 const APPLY_WAIT: Duration = Duration::from_secs(5);
 /// How long a successor waits between two attempts to take the lead from a stopping leader.
 const ELECT_RETRY: Duration = Duration::from_millis(500);
+/// How long a failed node tries to give back the lost buckets it served last before it
+/// rejoins anyway.
+const GIVE_BACK_FOR: Duration = Duration::from_secs(60);
+/// Buckets given back at once.
+const GIVE_BACK_PARALLELISM: usize = 8;
 
 impl Reconciler {
+    /// The cluster failed this node. The buckets it served last that their heir had no copy
+    /// of are lost, and this node holds their newest copy (`crate::transfer::found`): it gives
+    /// each to its owner, until none is left or pending, or `GIVE_BACK_FOR` has passed. A
+    /// bucket it is still restoring after a restart is not its to give (it holds nothing).
+    pub(super) async fn give_back(&self) -> Done {
+        let deadline = Instant::now() + GIVE_BACK_FOR;
+        let (mut given, mut refused) = (0usize, 0usize);
+        while Instant::now() < deadline {
+            let Some((lost, pending)) = self.lost_of_me().await else {
+                tokio::time::sleep(RETRY).await;
+                continue;
+            };
+            let lost: Vec<LostBucket> =
+                lost.into_iter().filter(|l| !self.facts.is_restoring(BucketId(l.bucket))).collect();
+            if lost.is_empty() && pending == 0 {
+                break;
+            }
+            tracing::info!(
+                node_id = self.me,
+                lost = lost.len(),
+                pending,
+                "giving back the lost buckets this node served last"
+            );
+            let results: Vec<Result<(), CallError>> = futures::stream::iter(lost)
+                .map(|l| async move {
+                    let bucket = BucketId(l.bucket);
+                    let body = give_back_body(&self.store, bucket);
+                    let result = self.peers.give_back(&l.peer_addr, self.me, bucket, body).await;
+                    if let Err(e) = &result {
+                        tracing::warn!(bucket = l.bucket, owner = l.owner, error = %e, "giving a lost bucket back");
+                    }
+                    result
+                })
+                .buffer_unordered(GIVE_BACK_PARALLELISM)
+                .collect()
+                .await;
+            given += results.iter().filter(|r| r.is_ok()).count();
+            // Refused for good: the bucket is no longer lost, or not this node's to give.
+            refused += results.iter().filter(|r| matches!(r, Err(CallError::Refused { status: 409, .. }))).count();
+            if results.iter().any(|r| r.is_err()) || pending > 0 {
+                tokio::time::sleep(RETRY).await;
+            }
+        }
+        let left = self.lost_of_me().await.map(|(lost, pending)| lost.len() + pending);
+        if given > 0 || refused > 0 || left.unwrap_or(0) > 0 {
+            tracing::warn!(node_id = self.me, given, refused, left = ?left, "gave back the lost buckets this node served last");
+        }
+        Done::GaveBack
+    }
+
+    /// The lost buckets this node served last and how many may still turn lost, as the leader
+    /// sees them (asked through any other member: this node's own state stopped when it was
+    /// failed).
+    async fn lost_of_me(&self) -> Option<(Vec<LostBucket>, usize)> {
+        let state = self.control.state();
+        let request = AdminRequest::LostOf { node_id: self.me };
+        for member in state.members.iter().filter(|m| m.id != self.me) {
+            match self.control.admin_client().call(&member.peer_addr, &request).await {
+                Ok(AdminResponse::LostOf { buckets, pending }) => return Some((buckets, pending)),
+                Ok(other) => tracing::debug!(via = member.id, answer = ?other, "asking for lost buckets"),
+                Err(e) => tracing::debug!(via = member.id, error = %e, "asking for lost buckets"),
+            }
+        }
+        None
+    }
+
     /// Acknowledges the pending map `to_version`.
     pub(super) async fn ack(&self, to_version: u64) -> Done {
         let request = AdminRequest::Ack { node_id: self.me, to_version };

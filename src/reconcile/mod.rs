@@ -129,6 +129,7 @@ enum Done {
     CaughtUp,
     StuckChecked(Box<StuckDetector>),
     Sent,
+    GaveBack,
 }
 
 /// Pulls paused after a failed one.
@@ -208,6 +209,8 @@ struct Memory {
     limit: u64,
     /// Buckets served again empty since the restart began (reported once it is over).
     emptied: Vec<BucketId>,
+    /// The cluster failed this node and it gave back the lost buckets it served last.
+    gave_back: bool,
 }
 
 impl Reconciler {
@@ -292,7 +295,8 @@ impl Reconciler {
                     }
                 }
                 () = self.replicator.queued().notified(), if !memory.running.send => {}
-                () = self.health.removed() => {}
+                // Once: after that the node only gives its lost buckets back and rejoins.
+                () = self.health.removed(), if !memory.running.give_back && !memory.gave_back => {}
                 () = tokio::time::sleep(TICK) => {}
             }
         }
@@ -351,6 +355,7 @@ impl Reconciler {
             queue_waiting: self.replicator.queue_waiting(),
             stuck_check_due,
             limits: (memory.limit, self.limits.0, self.limits.1),
+            gave_back: memory.gave_back,
         }
     }
 
@@ -358,6 +363,11 @@ impl Reconciler {
     fn act(self: &Arc<Self>, action: Action, state: &Arc<ClusterState>, memory: &mut Memory, jobs: &mut Jobs) -> bool {
         let r = &mut memory.running;
         match action {
+            Action::GiveBack => {
+                r.give_back = true;
+                let me = self.clone();
+                jobs.spawn(async move { me.give_back().await }, Done::GaveBack);
+            }
             Action::Rejoin => {
                 let join: Vec<String> =
                     state.members.iter().filter(|m| m.id != self.me).map(|m| m.api_addr.clone()).collect();
@@ -589,6 +599,10 @@ impl Reconciler {
                 memory.stuck = Some(detector);
             }
             Done::Sent => r.send = false,
+            Done::GaveBack => {
+                r.give_back = false;
+                memory.gave_back = true;
+            }
         }
     }
 

@@ -42,6 +42,8 @@ pub struct Running {
     pub stuck: bool,
     /// Sending a batch of the async replication queue.
     pub send: bool,
+    /// Giving lost buckets back before rejoining.
+    pub give_back: bool,
 }
 
 /// What this node knows of itself that the replicated state does not say.
@@ -95,6 +97,8 @@ pub struct Facts {
     pub stuck_check_due: bool,
     /// The store's size limit now; the limit alone and with others.
     pub limits: (u64, u64, u64),
+    /// Since the cluster failed it, it gave back the lost buckets it served last (or tried).
+    pub gave_back: bool,
 }
 
 impl Facts {
@@ -111,7 +115,11 @@ impl Facts {
 /// Something to do.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
-    /// The cluster failed this node: stop, discard the data dir, join again as a new member.
+    /// The cluster failed this node: give the lost buckets it served last back to their
+    /// owners (it holds their newest copy), before it discards anything.
+    GiveBack,
+    /// The cluster failed this node and it gave back what it could: stop, discard the data
+    /// dir, join again as a new member.
     Rejoin,
     /// This node left and is no voter any more: record it and stop.
     Stop,
@@ -229,7 +237,11 @@ pub fn plan(previous: &ClusterState, state: &ClusterState, f: &Facts) -> Vec<Act
     let me = f.me;
     let mut out = Vec::new();
     if f.failed || state.failed.contains(&me) {
-        return vec![Action::Rejoin];
+        return match (f.gave_back, f.running.give_back) {
+            (true, _) => vec![Action::Rejoin],
+            (false, true) => Vec::new(),
+            (false, false) => vec![Action::GiveBack],
+        };
     }
     if state.retired.contains(&me) {
         // It serves nothing any more; it stops once it is no voter (so that a two-voter

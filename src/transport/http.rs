@@ -212,6 +212,12 @@ impl HttpTransport {
                 refused_unless_success(&answer)?;
                 Ok(PeerAnswer::ShadowApplied)
             }
+            PeerRequest::GiveBack { from, bucket, body } => {
+                let uri = format!("http://{addr}/internal/found/{}", bucket.0);
+                let answer = self.peer(Method::POST, uri, &[(HEADER_FROM, from.to_string())], body, timeout).await?;
+                refused_unless_success(&answer)?;
+                Ok(PeerAnswer::Found)
+            }
             PeerRequest::Ping(ping) => {
                 let body = serde_json::to_vec(&ping).map_err(|e| CallError::Broken(e.to_string()))?;
                 let headers = [(CONTENT_TYPE.as_str(), "application/json".to_string())];

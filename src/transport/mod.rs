@@ -53,6 +53,16 @@ pub enum PeerRequest {
         /// Framed changes (`transport::frame`).
         body: Bytes,
     },
+    /// A lost bucket's copy, from the node that served it last (failed while cut off, back
+    /// now), to the bucket's owner.
+    GiveBack {
+        /// The returned node.
+        from: NodeId,
+        /// The bucket.
+        bucket: BucketId,
+        /// Its items, framed (`transport::frame`).
+        body: Bytes,
+    },
     /// A failure-detection ping.
     Ping(Ping),
     /// The receiver's transfer progress (the leader's stuck detector asks).
@@ -133,6 +143,8 @@ pub enum PeerAnswer {
     Replicated(ReplicaAnswer),
     /// The shadow applied the writes.
     ShadowApplied,
+    /// The owner installed the copy given back, and the bucket serves again.
+    Found,
     /// The pong.
     Pong(Pong),
     /// Transfer progress.
@@ -240,6 +252,15 @@ pub struct Pong {
     pub incarnation: u64,
     /// The sender's membership in the answering node's view.
     pub status: MemberStatus,
+    /// Whether the answer renews the sender's lease: false while the answering node may still
+    /// be counted as reporting the sender pfail (the sender may be failed on that report, so
+    /// it must not serve on a lease meanwhile). Absent (older versions): true.
+    #[serde(default = "lease_default")]
+    pub lease: bool,
+}
+
+fn lease_default() -> bool {
+    true
 }
 
 /// Why a call got no answer it could use.
@@ -292,6 +313,7 @@ fn answer_name(answer: &PeerAnswer) -> &'static str {
     match answer {
         PeerAnswer::Replicated(_) => "replicated",
         PeerAnswer::ShadowApplied => "shadow applied",
+        PeerAnswer::Found => "found",
         PeerAnswer::Pong(_) => "pong",
         PeerAnswer::TransferStatus(_) => "transfer status",
         PeerAnswer::Got(_) => "got",

@@ -39,7 +39,7 @@ pub struct PeerService {
 }
 
 fn forwarded(map_version: u64) -> RouteContext {
-    RouteContext { forwarded_map_version: Some(map_version), redirect: false }
+    RouteContext { forwarded_map_version: Some(map_version), from_peer: true, redirect: false }
 }
 
 impl PeerService {
@@ -55,6 +55,13 @@ impl PeerService {
                     .await
                     .map_err(|(status, reason)| CallError::Refused { status, reason })?;
                 PeerAnswer::ShadowApplied
+            }
+            PeerRequest::GiveBack { from, bucket, body } => {
+                self.exporter
+                    .take_back(from, bucket, &body)
+                    .await
+                    .map_err(|(status, reason)| CallError::Refused { status, reason })?;
+                PeerAnswer::Found
             }
             PeerRequest::Ping(ping) => PeerAnswer::Pong(self.health.pong(ping)),
             PeerRequest::TransferStatus => {
@@ -125,6 +132,7 @@ pub fn peer_routes(service: Arc<PeerService>) -> Router {
         .route("/internal/members/{id}", get(member_status))
         .route("/internal/replicate/{bucket}", post(replicate))
         .route("/internal/shadow/{bucket}", post(shadow))
+        .route("/internal/found/{bucket}", post(found))
         .route("/internal/ping", post(ping))
         .route("/internal/transfer/status", get(transfer_status))
         .route("/internal/transfer/{bucket}", get(stream_bucket))
@@ -214,6 +222,25 @@ async fn shadow(State(s): State<Arc<PeerService>>, Path(bucket): Path<u16>, body
         Err(refusal) => return refusal.into_response(),
     };
     match s.exporter.apply_shadow(bucket, &body).await {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err((status, reason)) => (StatusCode::from_u16(status).unwrap_or(StatusCode::CONFLICT), reason).into_response(),
+    }
+}
+
+async fn found(
+    State(s): State<Arc<PeerService>>,
+    Path(bucket): Path<u16>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let bucket = match bucket_of_path(bucket) {
+        Ok(b) => b,
+        Err(refusal) => return refusal.into_response(),
+    };
+    let Some(from) = header_u64(&headers, HEADER_FROM) else {
+        return (StatusCode::BAD_REQUEST, "missing sender").into_response();
+    };
+    match s.exporter.take_back(from, bucket, &body).await {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err((status, reason)) => (StatusCode::from_u16(status).unwrap_or(StatusCode::CONFLICT), reason).into_response(),
     }

@@ -1,7 +1,8 @@
 //! Fault tests with real processes: kill -9, SIGSTOP/SIGCONT and nft partitions, under a
-//! workload of writers whose history is checked for lost acknowledged writes and phantoms.
+//! workload of writers whose history is checked for lost acknowledged writes and phantoms, and
+//! (in the five-member splits) readers whose reads are checked for linearizability.
 //!
-//! The nodes listen on 127.0.0.2, .3, .4 (and send from there); the test's own clients come
+//! The nodes listen on 127.0.0.2, .3, .4 (.5, .6 with five; and send from there); the test's own clients come
 //! from 127.0.0.1. These tests add nft rules, so they run only inside a private network
 //! namespace: `tests/run.sh` runs them under `unshare -n` with `SHOAL_FAULT_NETNS=1`; outside
 //! one they are ignored (listed as such, never passed silently).
@@ -13,7 +14,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use crate::harness::wait_for;
-use crate::workload::{async_verdict, check_addr, read_all, verdict, History, Workload};
+use crate::workload::{async_verdict, check_addr, linearizable, read_all, verdict, History, Workload};
 
 const BIN: &str = env!("CARGO_BIN_EXE_shoal");
 const API_PORT: u16 = 7000;
@@ -163,12 +164,17 @@ async fn fully_replicated(http: &reqwest::Client, addrs: &[String]) {
 
 /// Three nodes, joined in order, settled.
 async fn three_nodes(dir: &Path, extra: &[&str]) -> Vec<FaultNode> {
+    nodes(dir, 3, extra).await
+}
+
+/// `count` nodes, joined in order, settled.
+async fn nodes(dir: &Path, count: u8, extra: &[&str]) -> Vec<FaultNode> {
     let http = client();
     let first = FaultNode::start(dir, 1, None, extra);
     settled(&http, &first.api(), 1).await;
     let seed = first.api();
     let mut nodes = vec![first];
-    for n in 2..=3 {
+    for n in 2..=count {
         nodes.push(FaultNode::start(dir, n, Some(&seed), extra));
         settled(&http, &seed, n as usize).await;
     }
@@ -396,11 +402,7 @@ async fn an_isolated_node_is_failed_by_the_majority_and_the_cluster_converges_af
     let ids: Vec<u64> =
         nodes.iter().map(|n| member_of(&before, &n.api()).expect("member")["id"].as_u64().expect("id")).collect();
     // Cut node 3 from its peers in both directions; the test's clients (127.0.0.1) still reach it.
-    let (x, others) = (&nodes[2].ip, format!("{{ {}, {} }}", nodes[0].ip, nodes[1].ip));
-    nft(&["add", "table", "inet", "chaos"]);
-    nft(&["add", "chain", "inet", "chaos", "in", "{ type filter hook input priority 0; policy accept; }"]);
-    nft(&["add", "rule", "inet", "chaos", "in", "ip", "saddr", x, "ip", "daddr", &others, "drop"]);
-    nft(&["add", "rule", "inet", "chaos", "in", "ip", "saddr", &others, "ip", "daddr", x, "drop"]);
+    cut(&[(&nodes[2].ip, &nodes[0].ip), (&nodes[2].ip, &nodes[1].ip)]);
     let cut = Instant::now();
     let failed_view = wait_for("the majority to fail the isolated node", || async {
         let v = view(&http, &nodes[0].api()).await?;
@@ -418,7 +420,7 @@ async fn an_isolated_node_is_failed_by_the_majority_and_the_cluster_converges_af
     if let Some(rest) = Duration::from_secs(20).checked_sub(cut.elapsed()) {
         tokio::time::sleep(rest).await;
     }
-    nft(&["delete", "table", "inet", "chaos"]);
+    heal();
     settled(&http, &nodes[0].api(), 3).await;
     let after = view(&http, &nodes[2].api()).await;
     assert!(
@@ -434,4 +436,142 @@ async fn an_isolated_node_is_failed_by_the_majority_and_the_cluster_converges_af
 fn nft(args: &[&str]) {
     let out = Command::new("nft").args(args).output().expect("nft (tests/run.sh installs nftables)");
     assert!(out.status.success(), "nft {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// Drops every packet between the two addresses of each pair, both ways (table `chaos`).
+fn cut(pairs: &[(&str, &str)]) {
+    nft(&["add", "table", "inet", "chaos"]);
+    nft(&["add", "chain", "inet", "chaos", "in", "{ type filter hook input priority 0; policy accept; }"]);
+    for (a, b) in pairs {
+        nft(&["add", "rule", "inet", "chaos", "in", "ip", "saddr", a, "ip", "daddr", b, "drop"]);
+        nft(&["add", "rule", "inet", "chaos", "in", "ip", "saddr", b, "ip", "daddr", a, "drop"]);
+    }
+}
+
+fn heal() {
+    nft(&["delete", "table", "inet", "chaos"]);
+}
+
+/// How five members are split.
+#[derive(Debug, Clone, Copy)]
+enum Split {
+    /// The Raft leader and the holder of its replica on the small side of a 3|2 split.
+    LeaderAndHolderAlone,
+    /// Another member and the holder of its replica on the small side; the leader stays with
+    /// the majority.
+    OwnerAndHolderAlone,
+    /// Every member reaches only its two neighbours in a ring: each sees a different majority.
+    MajoritiesRing,
+}
+
+/// Five members (all Raft voters) with sync replication under writers and readers; `split` for 12 s, then
+/// heal. Every acknowledged write is there afterwards through every node, every read was
+/// linearizable, and no bucket is left lost: the members the majority failed give back the
+/// buckets they served last before they rejoin.
+async fn five_members_split(split: Split) {
+    require_private_netns();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let http = client();
+    // Five voters: with three, a small side holding two of them would leave the majority of
+    // the members without a Raft majority (it could fail nobody until the heal).
+    let nodes = nodes(dir.path(), 5, &["--replication", "sync", "--voters", "5"]).await;
+    let apis: Vec<String> = nodes.iter().map(FaultNode::api).collect();
+    let w = Workload::start_with_readers(apis.clone(), 3, 2);
+    let_writers_ack(&w, 300).await;
+    fully_replicated(&http, &apis).await;
+    let before = settled(&http, &apis[0], 5).await;
+    let id_of = |api: &str| member_of(&before, api).and_then(|m| m["id"].as_u64()).expect("member id");
+    let ids: Vec<u64> = apis.iter().map(|a| id_of(a)).collect();
+    let slot_of = |id: u64| ids.iter().position(|&i| i == id).expect("a member's slot");
+    let holder_of = |slot: usize| {
+        let m = member_of(&before, &apis[slot]).expect("member");
+        slot_of(m["replica_on"].as_u64().expect("a replica holder"))
+    };
+    let leader = slot_of(before["leader"].as_u64().expect("a leader"));
+    let ips: Vec<&str> = nodes.iter().map(|n| n.ip.as_str()).collect();
+    let mut pairs = Vec::new();
+    let small: Vec<usize> = match split {
+        Split::LeaderAndHolderAlone => vec![leader, holder_of(leader)],
+        Split::OwnerAndHolderAlone => {
+            let owner =
+                (0..5).find(|&s| s != leader && holder_of(s) != leader).expect("an owner apart from the leader");
+            vec![owner, holder_of(owner)]
+        }
+        Split::MajoritiesRing => {
+            for a in 0..5 {
+                pairs.push((ips[a], ips[(a + 2) % 5]));
+            }
+            Vec::new()
+        }
+    };
+    for &a in &small {
+        for b in (0..5).filter(|b| !small.contains(b)) {
+            pairs.push((ips[a], ips[b]));
+        }
+    }
+    eprintln!("{split:?}: leader in slot {leader}, small side {small:?}, cut {pairs:?}");
+    cut(&pairs);
+    let cut_at = Instant::now();
+    if !small.is_empty() {
+        let big = (0..5).find(|s| !small.contains(s)).expect("a majority member");
+        wait_for("the majority to fail the small side", || async {
+            let v = view(&http, &apis[big]).await?;
+            let failed: Vec<u64> = v["failed"].as_array()?.iter().filter_map(Value::as_u64).collect();
+            small.iter().all(|&s| failed.contains(&ids[s])).then_some(())
+        })
+        .await;
+        eprintln!("failed after {:?}", cut_at.elapsed());
+    }
+    let_writers_ack(&w, 100).await;
+    if let Some(rest) = Duration::from_secs(12).checked_sub(cut_at.elapsed()) {
+        tokio::time::sleep(rest).await;
+    }
+    heal();
+    // The failed members give their buckets back and rejoin as new members by themselves.
+    let last_lost = parking_lot::Mutex::new(String::new());
+    let after = wait_for("five members again, settled, with no bucket lost", || async {
+        let v = view(&http, &apis[(leader + 2) % 5]).await?;
+        let lost = v["lost_buckets"].to_string();
+        if *last_lost.lock() != lost {
+            eprintln!("{:?} after the cut: lost buckets {lost}, failed {}", cut_at.elapsed(), v["failed"]);
+            *last_lost.lock() = lost;
+        }
+        let n = v["members"].as_array()?.len();
+        let settled = n == 5 && v["transition"].is_null() && v["transfer"].is_null() && v["leader"].is_u64();
+        (settled && v["lost_buckets"].as_array()?.is_empty()).then_some(v)
+    })
+    .await;
+    eprintln!("healed and settled {:?} after the cut; failed: {}", cut_at.elapsed(), after["failed"]);
+    let_writers_ack(&w, 100).await;
+    let history = w.pause().await;
+    let reads = w.reads();
+    assert_no_loss(&http, &nodes, &history).await;
+    let problems = linearizable(&reads, &history);
+    assert!(
+        problems.is_empty(),
+        "{} of {} reads not linearizable, e.g. {:?}",
+        problems.len(),
+        reads.len(),
+        &problems[..problems.len().min(5)]
+    );
+    eprintln!("{} keys, {} reads checked", history.len(), reads.len());
+    w.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "changes firewall rules: runs through tests/run.sh in a private network namespace"]
+async fn a_split_that_cuts_the_leader_and_its_replica_holder_off_loses_nothing_and_reads_never_go_back() {
+    five_members_split(Split::LeaderAndHolderAlone).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "changes firewall rules: runs through tests/run.sh in a private network namespace"]
+async fn a_split_that_cuts_an_owner_and_its_replica_holder_off_loses_nothing_and_reads_never_go_back() {
+    five_members_split(Split::OwnerAndHolderAlone).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "changes firewall rules: runs through tests/run.sh in a private network namespace"]
+async fn a_majorities_ring_loses_nothing_and_reads_never_go_back() {
+    five_members_split(Split::MajoritiesRing).await;
 }

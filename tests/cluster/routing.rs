@@ -130,6 +130,23 @@ async fn a_forwarded_request_to_a_non_owner_is_refused_and_redirects_point_to_th
     let p: Value = r.json().await.expect("problem");
     assert_eq!((p["code"].as_str(), p["map_version"].as_u64()), (Some("not_owner"), Some(version)));
 
+    // A client's map version from the future is refused at once, for single and bulk requests.
+    let future = (version + 1000).to_string();
+    // (Held, it would be routed by this node's map after the wait: served or 421, not 503.)
+    let r = c.http.get(c.url(0, "/v1/kv/any")).header("x-shoal-map-version", &future).send().await.expect("get");
+    assert_eq!(r.status(), 503);
+    let p: Value = r.json().await.expect("problem");
+    assert_eq!(p["code"], "map_changing", "{p}");
+    let r = c
+        .http
+        .post(c.url(1, "/v1/bulk/get"))
+        .header("x-shoal-map-version", &future)
+        .json(&serde_json::json!({"keys": ["a", "b"]}))
+        .send()
+        .await
+        .expect("bulk get");
+    assert_eq!(r.status(), 503);
+
     let r = reqwest::Client::builder()
         .no_proxy()
         .redirect(reqwest::redirect::Policy::none())

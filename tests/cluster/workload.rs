@@ -4,6 +4,12 @@
 //! Every writer owns its keys (`w<writer>-<n>`), so a key's last acknowledged value is well
 //! defined. A write that failed or timed out may or may not have landed: its value is allowed
 //! too, as long as it came after the last acknowledged one.
+//!
+//! Readers may run beside the writers ([`Workload::start_with_readers`]); their reads are
+//! checked for linearizability ([`linearizable`]): each key is a register written by one
+//! writer at a time, so a read must return the newest value acknowledged before it began or a
+//! newer one written since, never a value older than one a read that ended before it began
+//! returned.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -41,7 +47,29 @@ pub struct Workload {
     stop: Arc<AtomicBool>,
     history: Arc<Mutex<History>>,
     writers: Vec<JoinHandle<u64>>,
+    reads: Arc<Mutex<Vec<ReadOp>>>,
+    readers: Vec<JoinHandle<()>>,
 }
+
+/// One read a reader made, with what the writers had acknowledged when it began.
+#[derive(Debug, Clone)]
+pub struct ReadOp {
+    /// The key.
+    pub key: String,
+    /// When the read was sent.
+    pub start: std::time::Instant,
+    /// When its answer came.
+    pub end: std::time::Instant,
+    /// The key's last acknowledged sequence number when the read was sent.
+    pub floor: Option<u64>,
+    /// What it found (`None`: not found).
+    pub seen: Option<u64>,
+    /// The node it asked.
+    pub via: String,
+}
+
+/// Upper bound on reads per reader.
+const MAX_READS: u64 = 500_000;
 
 /// Upper bound on writes per writer, so a stuck test cannot write forever.
 const MAX_WRITES: u64 = 200_000;
@@ -49,6 +77,11 @@ const MAX_WRITES: u64 = 200_000;
 impl Workload {
     /// Starts `writers` writers against the API addresses `targets`.
     pub fn start(targets: Vec<String>, writers: usize) -> Self {
+        Self::start_with_readers(targets, writers, 0)
+    }
+
+    /// Starts `writers` writers and `readers` readers against the API addresses `targets`.
+    pub fn start_with_readers(targets: Vec<String>, writers: usize, readers: usize) -> Self {
         let w = Workload {
             targets: Arc::new(RwLock::new(targets)),
             paused: Arc::new(AtomicBool::new(false)),
@@ -56,9 +89,61 @@ impl Workload {
             stop: Arc::new(AtomicBool::new(false)),
             history: Arc::new(Mutex::new(HashMap::new())),
             writers: Vec::new(),
+            reads: Arc::new(Mutex::new(Vec::new())),
+            readers: Vec::new(),
         };
         let handles = (0..writers).map(|id| tokio::spawn(w.writer(id))).collect();
-        Workload { writers: handles, ..w }
+        let readers = (0..readers).map(|id| tokio::spawn(w.reader(id))).collect();
+        Workload { writers: handles, readers, ..w }
+    }
+
+    fn reader(&self, id: usize) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let (targets, stop, history, reads) =
+            (self.targets.clone(), self.stop.clone(), self.history.clone(), self.reads.clone());
+        async move {
+            let http = reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(5)).build().expect("client");
+            let mut rng = rand::rngs::SmallRng::seed_from_u64(1000 + id as u64);
+            for _ in 0..MAX_READS {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                let picked = {
+                    let h = history.lock();
+                    let n = h.len();
+                    (n > 0).then(|| {
+                        let (key, kh) = h.iter().nth(rng.random_range(0..n)).expect("a key");
+                        (key.clone(), kh.acked)
+                    })
+                };
+                let Some((key, floor)) = picked else {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                };
+                let via = {
+                    let t = targets.read();
+                    t[rng.random_range(0..t.len())].clone()
+                };
+                let start = std::time::Instant::now();
+                let answer = match http.get(format!("http://{via}/v1/kv/{key}")).send().await {
+                    Ok(r) if r.status().as_u16() == 200 => {
+                        r.text().await.ok().map(|body| body.rsplit(':').next().and_then(|s| s.parse().ok()))
+                    }
+                    Ok(r) if r.status().as_u16() == 404 => Some(None),
+                    _ => None,
+                };
+                let Some(seen) = answer else {
+                    // Refused or unreachable: not a read; a moment before the next.
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    continue;
+                };
+                reads.lock().push(ReadOp { key, start, end: std::time::Instant::now(), floor, seen, via });
+            }
+        }
+    }
+
+    /// The reads made so far.
+    pub fn reads(&self) -> Vec<ReadOp> {
+        self.reads.lock().clone()
     }
 
     fn writer(&self, id: usize) -> impl std::future::Future<Output = u64> + Send + 'static {
@@ -90,6 +175,8 @@ impl Workload {
                     let t = targets.read();
                     t[rng.random_range(0..t.len())].clone()
                 };
+                // Recorded before it is sent: a reader may see it land before the answer.
+                history.lock().entry(key.clone()).or_default().written.push(seq);
                 let ok = http
                     .put(format!("http://{target}/v1/kv/{key}"))
                     .body(format!("w{id}:{seq}"))
@@ -98,7 +185,6 @@ impl Workload {
                     .is_ok_and(|r| r.status() == 200);
                 let mut h = history.lock();
                 let entry = h.entry(key).or_default();
-                entry.written.push(seq);
                 if ok {
                     entry.acked = Some(seq);
                     entry.acked_at = Some(std::time::Instant::now());
@@ -141,6 +227,9 @@ impl Workload {
         let mut total = 0;
         for w in self.writers {
             total += w.await.unwrap_or(0);
+        }
+        for r in self.readers {
+            let _ = r.await;
         }
         total
     }
@@ -250,4 +339,79 @@ pub fn verdict(h: &KeyHistory, found: Option<u64>) -> Option<&'static str> {
         (_, Some(f)) if Some(f) != h.acked && !h.uncertain.contains(&f) => Some("phantom"),
         _ => None,
     }
+}
+
+/// The reads of `reads` that are not linearizable with the writes of `history`, described. Per
+/// key (one writer, one write at a time, increasing sequence numbers), a read must see:
+/// a value that was written for the key; at least the value acknowledged before it began
+/// (`floor`; not found only if nothing was); and nothing older than what a read that ended
+/// before it began saw.
+pub fn linearizable(reads: &[ReadOp], history: &History) -> Vec<String> {
+    let mut problems = Vec::new();
+    let mut by_key: HashMap<&str, Vec<&ReadOp>> = HashMap::new();
+    for r in reads {
+        by_key.entry(r.key.as_str()).or_default().push(r);
+        let written = history.get(&r.key).map_or(&[][..], |h| h.written.as_slice());
+        if let Some(s) = r.seen {
+            if !written.contains(&s) {
+                problems.push(format!("{}: read {s} via {}, never written", r.key, r.via));
+            }
+        }
+        if r.seen < r.floor {
+            problems.push(format!(
+                "{}: read {:?} via {}, older than {:?} acknowledged before",
+                r.key, r.seen, r.via, r.floor
+            ));
+        }
+    }
+    for (key, mut rs) in by_key {
+        rs.sort_by_key(|r| r.start);
+        for (i, r) in rs.iter().enumerate() {
+            // Reads that ended before this one began, newest value first.
+            if let Some(q) = rs[..i].iter().filter(|q| q.end < r.start).max_by_key(|q| q.seen) {
+                if q.seen > r.seen {
+                    problems.push(format!(
+                        "{key}: read {:?} via {} after a read via {} had seen {:?}: back in time",
+                        r.seen, r.via, q.via, q.seen
+                    ));
+                }
+            }
+        }
+    }
+    problems
+}
+
+#[test]
+fn the_linearizability_checker_finds_reads_that_go_back_in_time() {
+    use std::time::Instant;
+    let t0 = Instant::now();
+    let at = |ms: u64| t0 + Duration::from_millis(ms);
+    let read = |start: u64, end: u64, floor: Option<u64>, seen: Option<u64>| ReadOp {
+        key: "k".into(),
+        start: at(start),
+        end: at(end),
+        floor,
+        seen,
+        via: "n".into(),
+    };
+    let history: History =
+        [("k".to_string(), KeyHistory { acked: Some(3), written: vec![1, 2, 3, 4], ..Default::default() })].into();
+    let good = [
+        read(0, 10, None, None),
+        read(20, 30, Some(1), Some(2)),
+        read(25, 40, Some(2), Some(4)),
+        read(35, 50, Some(2), Some(2)),
+    ];
+    // The last two overlap: either order is a linearization.
+    assert!(linearizable(&good, &history).is_empty(), "{:?}", linearizable(&good, &history));
+    let stale = [read(0, 10, Some(3), Some(2))];
+    assert_eq!(linearizable(&stale, &history).len(), 1, "older than acknowledged");
+    let gone = [read(0, 10, Some(3), None)];
+    assert_eq!(linearizable(&gone, &history).len(), 1, "an acknowledged value vanished");
+    let phantom = [read(0, 10, None, Some(9))];
+    assert_eq!(linearizable(&phantom, &history).len(), 1, "never written");
+    let back = [read(0, 10, Some(2), Some(4)), read(20, 30, Some(3), Some(3))];
+    let found = linearizable(&back, &history);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].contains("back in time"));
 }

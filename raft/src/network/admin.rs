@@ -105,6 +105,21 @@ pub enum AdminRequest {
         /// Its new replica holder.
         holder: NodeId,
     },
+    /// Which lost buckets did `node_id` serve last, and who owns them? (A failed node that
+    /// returns asks, to give them back before it rejoins.) Answered from the leader's state.
+    LostOf {
+        /// The returned node.
+        node_id: NodeId,
+    },
+    /// `owner` installed the copies `from` gave back of these lost buckets.
+    Found {
+        /// The owner.
+        owner: NodeId,
+        /// The returned last server.
+        from: NodeId,
+        /// The buckets.
+        buckets: Vec<u16>,
+    },
     /// An operator acknowledges lost buckets (all when empty).
     ClearLost {
         /// The buckets.
@@ -150,6 +165,26 @@ pub enum AdminResponse {
         /// The serving map's version.
         map_version: u64,
     },
+    /// The lost buckets a node served last.
+    LostOf {
+        /// Each bucket, its owner and the owner's internal address.
+        buckets: Vec<LostBucket>,
+        /// Buckets it served last whose heir has not said yet whether it holds a copy (they
+        /// may still turn lost).
+        #[serde(default)]
+        pending: usize,
+    },
+}
+
+/// A lost bucket and where to give its copy back.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LostBucket {
+    /// The bucket.
+    pub bucket: u16,
+    /// Its owner.
+    pub owner: NodeId,
+    /// The owner's internal address.
+    pub peer_addr: String,
 }
 
 /// What the cluster says about a node id (asked by a node that restarts).

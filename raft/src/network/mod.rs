@@ -21,7 +21,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
 
-pub use admin::{AdminClient, AdminRequest, AdminResponse, MemberStatus};
+pub use admin::{AdminClient, AdminRequest, AdminResponse, LostBucket, MemberStatus};
 pub use client::RaftTransportNetwork;
 pub use server::ServeError;
 

@@ -91,6 +91,13 @@ impl ClusterState {
                 continue;
             }
             let bucket = i as u16;
+            // Who served it last: `from`, unless `from` never did (it was promoted to it and not
+            // installed yet, or it is lost).
+            let server = match self.last_server.get(&bucket) {
+                Some(&earlier) if self.promoted.contains_key(&bucket) || self.lost.contains(&bucket) => earlier,
+                _ => from,
+            };
+            self.last_server.insert(bucket, server);
             self.map.owners[i] = heir;
             let epoch = self.epoch_of(BucketId(bucket));
             self.bucket_epochs.insert(bucket, epoch + 1);
@@ -113,6 +120,7 @@ impl ClusterState {
         for b in buckets {
             if self.map.owner_of(BucketId(*b)) == Some(heir) {
                 self.promoted.remove(b);
+                self.last_server.remove(b);
             }
         }
         for &b in lost {
@@ -121,17 +129,49 @@ impl ClusterState {
             // bucket serves again, empty (see `failed_stopped`).
             if from.is_some_and(|f| !self.failed_stopped.contains(&f)) && self.map.owner_of(BucketId(b)) == Some(heir) {
                 self.lost.insert(b);
+            } else if !self.lost.contains(&b) {
+                self.last_server.remove(&b);
             }
         }
         CommandResponse::Done
     }
 
+    pub(super) fn found(&mut self, owner: NodeId, from: NodeId, buckets: &[u16]) -> CommandResponse {
+        if !self.is_member(owner) {
+            return rejected(&format!("node {owner} is not a member"));
+        }
+        for b in buckets {
+            let still = self.lost.contains(b)
+                && self.last_server.get(b) == Some(&from)
+                && self.map.owner_of(BucketId(*b)) == Some(owner);
+            if still {
+                self.lost.remove(b);
+                self.last_server.remove(b);
+            }
+        }
+        CommandResponse::Done
+    }
+
+    /// The lost buckets `node` served last (it may return with their newest copy), with
+    /// their owners.
+    pub fn lost_of(&self, node: NodeId) -> Vec<(BucketId, NodeId)> {
+        self.lost
+            .iter()
+            .filter(|b| self.last_server.get(b) == Some(&node))
+            .filter_map(|&b| Some((BucketId(b), self.map.owner_of(BucketId(b))?)))
+            .collect()
+    }
+
     pub(super) fn clear_lost(&mut self, buckets: &[u16]) -> CommandResponse {
         if buckets.is_empty() {
-            self.lost.clear();
+            for b in std::mem::take(&mut self.lost) {
+                self.last_server.remove(&b);
+            }
         } else {
             for b in buckets {
-                self.lost.remove(b);
+                if self.lost.remove(b) {
+                    self.last_server.remove(b);
+                }
             }
         }
         CommandResponse::Done

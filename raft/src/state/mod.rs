@@ -166,6 +166,12 @@ pub struct ClusterState {
     /// `bucket_lost` until an operator clears them.
     #[serde(default)]
     pub lost: BTreeSet<u16>,
+    /// Per promoted or lost bucket, the member that last served it (acknowledged its writes):
+    /// a promotion to a heir that never installed it, or of a lost bucket, keeps the one
+    /// before. A lost bucket's last server, failed while it was cut off, returns with the
+    /// newest copy there is and gives it back (`Found`).
+    #[serde(default)]
+    pub last_server: BTreeMap<u16, NodeId>,
     /// Members that are stopping (SIGTERM), until they run again. They keep their Raft vote; a
     /// stopping leader's successor (`successor_of`) takes the lead.
     #[serde(default)]
@@ -230,6 +236,7 @@ impl ClusterState {
             ClusterCommand::HandOver { node_id, heir } => self.hand_over(*node_id, *heir),
             ClusterCommand::Promoted { node_id, buckets, lost } => self.promoted(*node_id, buckets, lost),
             ClusterCommand::ClearLost { buckets } => self.clear_lost(buckets),
+            ClusterCommand::Found { owner, from, buckets } => self.found(*owner, *from, buckets),
             ClusterCommand::ReplicaMoved { owner, holder } => self.replica_moved(*owner, *holder),
             ClusterCommand::BucketsLost { node_id, buckets } => self.buckets_lost(*node_id, buckets),
             ClusterCommand::SetDraining { node_id, draining } => {

@@ -346,6 +346,55 @@ fn the_heir_reports_what_it_held_and_the_rest_is_lost_until_cleared() {
 }
 
 #[test]
+fn a_lost_bucket_s_last_server_is_the_member_that_served_it_and_only_its_copy_brings_it_back() {
+    // Five members; node 1 and the holder of its replica, node 2, are cut off together.
+    let mut s = bootstrapped(5);
+    for n in 2..=5 {
+        join(&mut s, n);
+    }
+    let of_1: Vec<u16> = s.map.buckets_of(1).iter().map(|b| b.0).collect();
+    assert_eq!(s.replica_of(1), Some(2));
+    // Node 1 fails first: its heir is node 2, which cannot install anything (it is cut off
+    // too) and fails next; node 3, the holder of node 2's replica, inherits and has no copy.
+    s.apply(&ClusterCommand::NodeFailed { node_id: 1 });
+    assert!(of_1.iter().all(|b| s.last_server.get(b) == Some(&1)));
+    s.apply(&ClusterCommand::NodeFailed { node_id: 2 });
+    let heir = s.map.owner_of(BucketId(of_1[0])).expect("an owner");
+    assert!(of_1.iter().all(|b| s.last_server.get(b) == Some(&1)), "node 2 never served them");
+    s.apply(&ClusterCommand::Promoted { node_id: heir, buckets: vec![], lost: of_1.clone() });
+    assert!(of_1.iter().all(|b| s.lost.contains(b)));
+    // The failures began a transition: lost buckets move (empty) like the others, and keep
+    // their last server, so it gives them back to their new owners.
+    settle_transition(&mut s);
+    move_everything(&mut s);
+    assert!(of_1.iter().all(|b| s.lost.contains(b) && s.last_server.get(b) == Some(&1)));
+    let lost_of_1 = s.lost_of(1);
+    assert_eq!(lost_of_1.len(), of_1.len());
+    assert!(lost_of_1.iter().any(|&(_, owner)| owner != heir), "some moved on");
+    let heir = lost_of_1[0].1;
+    assert!(s.lost_of(2).is_empty(), "node 2 holds no newest copy of them");
+    // Another member's copy, or another owner's install, changes nothing.
+    let first = &lost_of_1[0].0 .0;
+    let rest: Vec<u16> = lost_of_1[1..].iter().map(|(b, _)| b.0).collect();
+    s.apply(&ClusterCommand::Found { owner: heir, from: 2, buckets: vec![*first] });
+    let other = s.member_ids().into_iter().find(|&m| m != heir).expect("another member");
+    s.apply(&ClusterCommand::Found { owner: other, from: 1, buckets: vec![*first] });
+    assert!(s.is_lost(BucketId(*first)));
+    // Node 1 gives its copies back: they serve again.
+    s.apply(&ClusterCommand::Found { owner: heir, from: 1, buckets: vec![*first] });
+    assert!(!s.is_lost(BucketId(*first)) && !s.last_server.contains_key(first));
+    assert_eq!(s.lost_of(1).len(), rest.len());
+    // A lost bucket promoted again (its owner fails) keeps its last server.
+    let heir = s.map.owner_of(BucketId(rest[0])).expect("an owner");
+    s.apply(&ClusterCommand::NodeFailed { node_id: heir });
+    let rest: Vec<u16> = rest.into_iter().filter(|&b| s.promoted.contains_key(&b)).collect();
+    assert!(!rest.is_empty());
+    assert!(rest.iter().all(|b| s.last_server.get(b) == Some(&1) && s.lost.contains(b)));
+    s.apply(&ClusterCommand::ClearLost { buckets: vec![] });
+    assert!(s.lost.is_empty() && rest.iter().all(|b| !s.last_server.contains_key(b)));
+}
+
+#[test]
 fn a_leaver_hands_its_buckets_to_its_replica_holder_and_retires() {
     let mut s = three_nodes();
     assert!(matches!(s.apply(&ClusterCommand::HandOver { node_id: 2, heir: None }), CommandResponse::Rejected { .. }));

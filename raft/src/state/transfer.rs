@@ -60,6 +60,11 @@ impl ClusterState {
         self.bucket_epochs.insert(bucket, epoch + 1);
         self.handoffs.insert(bucket, from);
         self.promoted.remove(&bucket);
+        // A lost bucket moves empty and stays lost: its last server may still give it back,
+        // to its new owner.
+        if !self.lost.contains(&bucket) {
+            self.last_server.remove(&bucket);
+        }
         self.settle();
         CommandResponse::MapChanged { map_version: self.map.version }
     }

@@ -63,12 +63,31 @@ fn a_node_refuses_writes_while_failed_leaving_draining_or_cut_off_in_that_order(
 }
 
 #[test]
+fn a_node_without_its_lease_serves_no_read_but_one_that_stops_or_hands_over_does() {
+    let s = testing::bootstrapped();
+    let b = BucketId(3);
+    let read = |n: NodeFacts| route_of(&s, b, Phase::Serving, Routing::default(), n, false);
+    assert_eq!(read(node(false, false, false, Some((2, 5)))), Err(DataError::NoQuorum { heard: 2, members: 5 }));
+    assert_eq!(read(node(true, false, false, None)), Err(DataError::NodeFailed));
+    assert_eq!(read(node(false, true, true, None)), Ok(Route::Local));
+    // Without a lease, a bucket served elsewhere is still forwarded: the owner decides.
+    let foreign = Phase::Foreign { owner: 2 };
+    assert_eq!(
+        route_of(&s, b, foreign, Routing::default(), node(false, false, false, Some((1, 3))), false),
+        Ok(Route::Forward { owner: 2 })
+    );
+}
+
+#[test]
 fn a_restoring_or_unpromoted_bucket_is_not_served_and_a_lost_one_nowhere() {
     let s = testing::bootstrapped();
     let b = BucketId(5);
     let restoring = BucketFacts { restoring: true, installed: false };
     assert_eq!(phase_of(&s, 1, b, restoring), Phase::Restoring);
-    assert_eq!(route_of(&s, b, Phase::Restoring, Routing::default(), false), Err(DataError::Restoring(b)));
+    assert_eq!(
+        route_of(&s, b, Phase::Restoring, Routing::default(), NodeFacts::default(), false),
+        Err(DataError::Restoring(b))
+    );
     // Node 2 fails: its buckets are promoted to node 1, which has not installed them yet.
     let s = history(&[
         Step::Join,
@@ -98,14 +117,17 @@ fn forwarded_requests_are_never_forwarded_again_and_a_suspected_owner_answers_at
     let phase = phase_of(&s, 1, b, BucketFacts::default());
     assert_eq!(phase, Phase::Foreign { owner: 2 });
     let forwarded = Routing { forwarded: true, redirect: false };
-    assert!(matches!(route_of(&s, b, phase, forwarded, false), Err(DataError::NotOwner { .. })));
-    assert_eq!(route_of(&s, b, phase, Routing::default(), false), Ok(Route::Forward { owner: 2 }));
+    assert!(matches!(route_of(&s, b, phase, forwarded, NodeFacts::default(), false), Err(DataError::NotOwner { .. })));
     assert_eq!(
-        route_of(&s, b, phase, Routing::default(), true),
+        route_of(&s, b, phase, Routing::default(), NodeFacts::default(), false),
+        Ok(Route::Forward { owner: 2 })
+    );
+    assert_eq!(
+        route_of(&s, b, phase, Routing::default(), NodeFacts::default(), true),
         Err(DataError::OwnerUnreachable { owner: 2, bucket: b })
     );
     assert_eq!(
-        route_of(&s, b, phase, Routing { forwarded: false, redirect: true }, false),
+        route_of(&s, b, phase, Routing { forwarded: false, redirect: true }, NodeFacts::default(), false),
         Ok(Route::Redirect { owner: 2 })
     );
 }

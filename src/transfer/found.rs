@@ -1,0 +1,131 @@
+//! Lost buckets found again: a member failed while it was cut off from the majority together
+//! with the holder of its replica comes back holding the newest copy of the buckets it served
+//! (their heir had no copy, so they are `bucket_lost`). Before it discards its data and
+//! rejoins, it gives each of them back to the bucket's owner, which installs the copy and has
+//! Raft mark the bucket found (`Found`): it serves again, nothing lost.
+//!
+//! ```text
+//!  returned node R (failed)                          owner H of lost bucket b
+//!    LostOf { R } ──▶ leader: [(b, H, addr)]   (the lost buckets R served last)
+//!    POST /internal/found/b  (R's items of b) ──▶   lock b; still lost, last served by R, owned by H?
+//!                                                   install the items; Found { H, R, [b] } ──▶ Raft
+//!    ◀── 204 ───────────────────────────────────   (b serves again)
+//!    then: discard the data, rejoin as a new member
+//! ```
+//!
+//! Why R's copy is the newest there is: R acknowledged every write of b (it served b until it
+//! was failed, and nobody else did: its heir never installed b), and it acknowledged none
+//! after the cluster could have failed it (its lease ran out first, `crate::health`); a lost
+//! bucket takes no write at all. So R's copy holds every acknowledged write of b.
+
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use shoal_raft::{AdminRequest, BucketId, ClusterState, NodeId};
+
+use super::export::Exporter;
+use crate::cache::CacheStore;
+use crate::transport::frame::{end_frame, item_frames, Decoded, Decoder, HEADER};
+
+/// How long the owner waits to apply the change that marks a bucket found.
+const APPLY_WAIT: Duration = Duration::from_secs(5);
+
+/// Why a copy given back is refused: an HTTP status and the reason.
+type Refusal = (u16, String);
+
+/// The body that gives `bucket` back: this node's items of it, framed.
+pub fn give_back_body(store: &CacheStore, bucket: BucketId) -> Bytes {
+    let (items, counter) = store.snapshot(bucket);
+    let mut body = BytesMut::from(&HEADER[..]);
+    for item in &items {
+        for frame in item_frames(item) {
+            body.extend_from_slice(&frame);
+        }
+    }
+    body.extend_from_slice(&end_frame(counter, items.len() as u64));
+    body.freeze()
+}
+
+/// Whether node `me` may install `from`'s copy of `bucket` on `state`: the bucket is lost, `from`
+/// served it last, and `me` owns it.
+fn take_back_refusal(state: &ClusterState, me: NodeId, from: NodeId, bucket: BucketId) -> Option<String> {
+    if !state.is_lost(bucket) {
+        return Some(format!("bucket {bucket} is not lost"));
+    }
+    if state.last_server.get(&bucket.0) != Some(&from) {
+        return Some(format!("node {from} did not serve bucket {bucket} last"));
+    }
+    if state.map.owner_of(bucket) != Some(me) {
+        return Some(format!("node {me} does not own bucket {bucket}"));
+    }
+    None
+}
+
+impl Exporter {
+    /// `POST /internal/found/{bucket}`: installs the copy of lost `bucket` its last server
+    /// `from` gives back, and has Raft mark the bucket found. 409 when the bucket is not lost
+    /// (any more), `from` did not serve it last, or this node does not own it; 400 for a bad
+    /// body; 503 when the change could not be committed (the copy stays installed; the next
+    /// attempt commits it).
+    pub async fn take_back(&self, from: NodeId, bucket: BucketId, body: &[u8]) -> Result<(), Refusal> {
+        let me = self.control.node_id();
+        // Nothing else writes a lost bucket; the lock keeps two attempts apart.
+        let _lock = self.facts.lock(bucket).await;
+        if let Some(reason) = take_back_refusal(&self.control.state(), me, from, bucket) {
+            return Err((409, reason));
+        }
+        let mut decoder = Decoder::default();
+        decoder.feed(body);
+        let mut changes = Vec::new();
+        let counter = loop {
+            match decoder.next_decoded() {
+                Ok(Some(Decoded::Change(change))) => changes.push(change),
+                Ok(Some(Decoded::End { version_counter, .. })) => break version_counter,
+                Ok(None) => return Err((400, "truncated".into())),
+                Err(e) => return Err((400, e.to_string())),
+            }
+        };
+        self.cache.take_bucket(bucket);
+        for change in &changes {
+            let _ = self.cache.apply_change(bucket, change);
+        }
+        self.cache.raise_version_counter(bucket, counter);
+        let request = AdminRequest::Found { owner: me, from, buckets: vec![bucket.0] };
+        if let Err(e) = self.control.admin(request).await {
+            return Err((503, format!("could not mark bucket {bucket} found: {e}")));
+        }
+        // Committed at the leader; applied here a moment later.
+        if !self.control.wait_for_state(APPLY_WAIT, |s| !s.is_lost(bucket)).await {
+            return Err((409, format!("bucket {bucket} changed while it was given back")));
+        }
+        tracing::info!(bucket = bucket.0, from, items = changes.len(), "lost bucket given back by its last server");
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shoal_raft::ClusterCommand;
+
+    #[test]
+    fn only_the_owner_of_a_bucket_still_lost_takes_back_the_copy_of_its_last_server() {
+        let mut s = ClusterState::default();
+        s.apply(&ClusterCommand::Bootstrap {
+            cluster_id: "c".into(),
+            node_id: 1,
+            api_addr: "a1".into(),
+            peer_addr: "p1".into(),
+            name: None,
+            voters: 3,
+            replication: Default::default(),
+        });
+        let b = BucketId(7);
+        assert!(take_back_refusal(&s, 1, 2, b).is_some_and(|r| r.contains("not lost")));
+        s.lost.insert(b.0);
+        s.last_server.insert(b.0, 2);
+        assert_eq!(take_back_refusal(&s, 1, 2, b), None);
+        assert!(take_back_refusal(&s, 1, 3, b).is_some_and(|r| r.contains("did not serve")));
+        assert!(take_back_refusal(&s, 4, 2, b).is_some_and(|r| r.contains("does not own")));
+    }
+}
