@@ -10,7 +10,9 @@ use shoal_http_api::types::{GetOk, PutOk, RouteContext};
 use shoal_http_api::{ApiError, PutItem};
 use shoal_raft::{bucket_of, BucketId, NodeId};
 
-use super::{api_addr_of, is_moving, routing, write_of, NodeApi, ROUTE_ATTEMPTS};
+use super::{
+    api_addr_of, is_moving, is_passing, is_passing_answer, routing, write_of, NodeApi, PASSING_WAIT, ROUTE_ATTEMPTS,
+};
 use crate::bucket::Route;
 use crate::error::DataError;
 use crate::metrics::Op;
@@ -21,8 +23,9 @@ type LocalResults<T> = Vec<(usize, Result<T, DataError>)>;
 impl NodeApi {
     /// Runs a bulk operation: the keys of each bucket this node serves by `local` (once per
     /// bucket), every other owner's keys in one forwarded request, all owners at once. Keys
-    /// refused with `not_owner`, or whose bucket is frozen by a move, are routed again.
-    /// Results come back in request order.
+    /// refused with `not_owner`, whose bucket is frozen by a move, or whose bucket's ownership
+    /// is passing to another node (bounded), are routed again. Results come back in request
+    /// order.
     async fn bulk<I, T, LF, RF>(
         &self,
         items: &[I],
@@ -38,10 +41,12 @@ impl NodeApi {
     {
         let mut results: Vec<Option<Result<T, ApiError>>> = (0..items.len()).map(|_| None).collect();
         let mut pending: Vec<usize> = (0..items.len()).collect();
-        for _ in 0..ROUTE_ATTEMPTS {
-            if pending.is_empty() {
-                break;
-            }
+        let passing_until = tokio::time::Instant::now() + PASSING_WAIT;
+        let may_wait = || tokio::time::Instant::now() < passing_until;
+        let mut attempts = 0;
+        while !pending.is_empty() && attempts < ROUTE_ATTEMPTS {
+            // Keys retried only because their ownership is passing do not use up an attempt.
+            let mut passing = Vec::new();
             // Every key of this attempt is decided on the same state.
             let state = self.state_for(ctx).await?;
             let mut here: BTreeMap<BucketId, Vec<usize>> = BTreeMap::new();
@@ -56,6 +61,7 @@ impl NodeApi {
                         results[i] = Some(Err(redirect.unwrap_or_else(|e| e)));
                     }
                     Err(e @ DataError::NotOwner { .. }) => return Err(e.into()),
+                    Err(e) if is_passing(&e) && may_wait() => passing.push(i),
                     Err(e) => results[i] = Some(Err(e.into())),
                 }
             }
@@ -91,6 +97,7 @@ impl NodeApi {
                         retry.push(i);
                     }
                     Err(DataError::NotOwner { .. }) => retry.push(i),
+                    Err(e) if is_passing(&e) && may_wait() => passing.push(i),
                     other => results[i] = Some(other.map_err(ApiError::from)),
                 }
             }
@@ -99,7 +106,10 @@ impl NodeApi {
                 match answer {
                     Ok(answers) if answers.len() == idx.len() => {
                         for (i, a) in idx.into_iter().zip(answers) {
-                            results[i] = Some(a);
+                            match a {
+                                Err(e) if is_passing_answer(&e) && may_wait() => passing.push(i),
+                                a => results[i] = Some(a),
+                            }
                         }
                     }
                     Ok(_) => {
@@ -110,6 +120,7 @@ impl NodeApi {
                         newest = newest.max(map_version.max(version + 1));
                         retry.extend(idx);
                     }
+                    Err(e) if is_passing_answer(&e) && may_wait() => passing.extend(idx),
                     Err(e) => idx.into_iter().for_each(|i| results[i] = Some(Err(e.clone()))),
                 }
             }
@@ -120,6 +131,13 @@ impl NodeApi {
                 // Frozen by a handover: try again once the flip (or abort) is settled.
                 self.cache.wait_thawed().await;
             }
+            if !retry.is_empty() || passing.is_empty() {
+                attempts += 1;
+            }
+            if !passing.is_empty() {
+                self.wait_passing(version).await;
+            }
+            retry.extend(passing);
             pending = retry;
         }
         Ok(results

@@ -54,6 +54,11 @@ const MAP_CATCH_UP: Duration = Duration::from_secs(2);
 const ROUTE_ATTEMPTS: usize = 3;
 /// How long a write waits for a bucket frozen by a handover before answering 503.
 const FROZEN_WAIT: Duration = Duration::from_secs(10);
+/// How long a key operation waits for ownership passing from one node to another (a leaver
+/// handing its buckets over, the heir installing its copy) before answering 503.
+const PASSING_WAIT: Duration = Duration::from_secs(3);
+/// How long one wait for passing ownership watches for a newer map before looking again.
+const PASSING_POLL: Duration = Duration::from_millis(100);
 
 /// The API address of member `id` in `state`.
 fn api_addr_of(state: &ClusterState, id: NodeId) -> Result<String, ApiError> {
@@ -103,6 +108,18 @@ fn is_moving(e: &DataError) -> bool {
     matches!(e, DataError::Moving(_) | DataError::Store(CacheError::Frozen))
 }
 
+/// Whether an attempt found the bucket's ownership passing to another node: its owner hands
+/// its buckets over (it leaves), or the heir has not installed its copy yet. Both end within
+/// moments when nothing fails: wait, then route again.
+fn is_passing(e: &DataError) -> bool {
+    matches!(e, DataError::NodeLeaving | DataError::Restoring(_))
+}
+
+/// [`is_passing`] for an owner's answer to a forwarded operation.
+fn is_passing_answer(e: &ApiError) -> bool {
+    matches!(e.code(), "node_leaving" | "bucket_restoring")
+}
+
 /// The store's write of a validated item.
 fn write_of(item: &PutItem) -> Write<'_> {
     let o = &item.options;
@@ -150,6 +167,12 @@ impl NodeApi {
         Ok(self.state_at_least(want).await)
     }
 
+    /// Waits a moment for ownership that is passing (see [`is_passing`]): until the map is
+    /// newer than `version`, or a short poll (an install changes no map).
+    async fn wait_passing(&self, version: u64) {
+        self.control.wait_for_state(PASSING_POLL, |s| s.map.version > version).await;
+    }
+
     /// The applied state, after waiting (bounded) until its map is at least `version`.
     async fn state_at_least(&self, version: u64) -> Arc<ClusterState> {
         let state = self.control.state();
@@ -161,9 +184,10 @@ impl NodeApi {
     }
 
     /// Runs a key operation on `bucket` here, when the bucket core says this node serves it,
-    /// or at its owner, routing again when the owner's map disagrees with ours (`not_owner`)
-    /// or the bucket is frozen while it moves (its flip or abort is waited for, then the
-    /// operation goes to whoever serves it).
+    /// or at its owner, routing again when the owner's map disagrees with ours (`not_owner`),
+    /// the bucket is frozen while it moves (its flip or abort is waited for, then the
+    /// operation goes to whoever serves it), or its ownership is passing to another node (a
+    /// hand-over, an install: waited for, bounded).
     async fn route<T, L, LF, R, RF>(
         &self,
         bucket: BucketId,
@@ -178,14 +202,24 @@ impl NodeApi {
         RF: Future<Output = Result<T, ApiError>>,
     {
         let frozen_until = tokio::time::Instant::now() + FROZEN_WAIT;
+        let passing_until = tokio::time::Instant::now() + PASSING_WAIT;
+        let may_wait = || tokio::time::Instant::now() < passing_until;
         let mut attempts = 0;
         while attempts < ROUTE_ATTEMPTS {
             let state = self.state_for(ctx).await?;
-            match self.core.route(&state, bucket, routing(ctx))? {
+            let route = match self.core.route(&state, bucket, routing(ctx)) {
+                Err(e) if is_passing(&e) && may_wait() => {
+                    self.wait_passing(state.map.version).await;
+                    continue;
+                }
+                other => other?,
+            };
+            match route {
                 Route::Local => match local().await {
                     Err(e) if is_moving(&e) && tokio::time::Instant::now() < frozen_until => {
                         self.cache.wait_thawed().await
                     }
+                    Err(e) if is_passing(&e) && may_wait() => self.wait_passing(state.map.version).await,
                     // The map moved between the routing and the write: route again.
                     Err(DataError::NotOwner { .. }) => attempts += 1,
                     other => return other.map_err(ApiError::from),
@@ -203,6 +237,11 @@ impl NodeApi {
                     match answer {
                         Err(ApiError::NotOwner { map_version, .. }) => {
                             self.state_at_least(map_version.max(version + 1)).await;
+                        }
+                        Err(e) if is_passing_answer(&e) && may_wait() => {
+                            // Not an attempt lost to a map that moved: the deadline bounds it.
+                            attempts -= 1;
+                            self.wait_passing(version).await;
                         }
                         other => return other,
                     }

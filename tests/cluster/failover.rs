@@ -255,42 +255,89 @@ async fn a_stopping_leader_hands_the_lead_to_its_successor_and_keeps_its_vote() 
     c.shutdown().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn after_a_full_stop_any_two_of_three_members_serve_every_bucket_again() {
-    let mut c = TestCluster::start_with(3, fast_detection).await;
-    c.wait_for_counts(&[333, 333, 334]).await;
-    let first = c.id(0);
-    // A key in a bucket of node 1, the member that will not come back.
+fn fast_detection_five_voters(config: &mut ServeConfig) {
+    fast_detection(config);
+    config.voters = 5;
+}
+
+/// Every member of a cluster `c` of settled members stops at once (SIGTERM, as on a shutdown
+/// of the whole cluster); the members in `back` start again. They elect a leader, fail the
+/// others, and serve every bucket again within 30 s — the absent members' buckets empty (every
+/// copy died in the stop), not lost.
+async fn full_stop_then(mut c: TestCluster, back: &[usize]) {
+    let n = c.running().count();
+    let away: Vec<usize> = (0..n).filter(|s| !back.contains(s)).collect();
+    let away_ids: Vec<u64> = away.iter().map(|&s| c.id(s)).collect();
+    // A key in a bucket of each member that will not come back.
     let map = c.json(0, "/v1/cluster/map").await;
-    let key = (0..)
-        .map(|i| format!("full-stop-{i}"))
-        .find(|k| map["owners"][shoal_raft::bucket_of(k.as_bytes()).0 as usize].as_u64() == Some(first))
-        .expect("a key of node 1");
-    assert!(c.put(1, &key, "v").await.is_success());
-    // Every member stops at once, as on a shutdown of the whole cluster.
-    let drains = (0..3).map(|slot| c.node(slot).drain(Duration::from_secs(10)));
+    let owner_of = |k: &str| map["owners"][shoal_raft::bucket_of(k.as_bytes()).0 as usize].as_u64();
+    let keys: Vec<String> = away_ids
+        .iter()
+        .map(|&id| (0..).map(|i| format!("full-stop-{id}-{i}")).find(|k| owner_of(k) == Some(id)).expect("a key"))
+        .collect();
+    for key in &keys {
+        assert!(c.put(back[0], key, "v").await.is_success());
+    }
+    let drains = (0..n).map(|slot| c.node(slot).drain(Duration::from_secs(10)));
     futures::future::join_all(drains).await;
     let view: Value = c.json(0, "/v1/cluster").await;
     let voters =
         |view: &Value| view["members"].as_array().map_or(0, |m| m.iter().filter(|m| m["role"] == "voter").count());
-    assert_eq!(voters(&view), 3, "stopping members keep their votes: {view}");
-    for slot in 0..3 {
+    assert_eq!(
+        voters(&view),
+        n.min(view["voters"].as_u64().unwrap_or(3) as usize),
+        "stopping members keep their votes: {view}"
+    );
+    for slot in 0..n {
         c.stop(slot).await;
     }
-    // Nodes 2 and 3 come back: they elect a leader, fail node 1, and serve its buckets again,
-    // empty (every copy died in the stop), not lost.
-    c.restart(1).await.expect("restart node 2");
-    c.restart(2).await.expect("restart node 3");
+    for &slot in back {
+        c.restart(slot).await.expect("restart");
+    }
     let started = std::time::Instant::now();
-    wait_for("node 1's buckets served again by the two", || async {
-        let r = c.http.get(c.url(1, &format!("/v1/kv/{key}"))).send().await.ok()?;
-        (r.status() == 404).then_some(())
-    })
-    .await;
-    let view: Value = c.json(1, "/v1/cluster").await;
-    assert!(view["failed"].as_array().is_some_and(|f| f.iter().any(|id| id.as_u64() == Some(first))), "{view}");
-    assert!(started.elapsed() < Duration::from_secs(30), "served again after {:?}", started.elapsed());
+    for key in &keys {
+        wait_for("the absent members' buckets served again", || async {
+            let r = c.http.get(c.url(back[0], &format!("/v1/kv/{key}"))).send().await.ok()?;
+            (r.status() == 404).then_some(())
+        })
+        .await;
+    }
+    let took = started.elapsed();
+    let view: Value = c.json(back[0], "/v1/cluster").await;
+    let failed: Vec<u64> = view["failed"].as_array().expect("failed").iter().filter_map(Value::as_u64).collect();
+    assert!(away_ids.iter().all(|id| failed.contains(id)), "{view}");
+    assert!(view["lost_buckets"].as_array().is_some_and(Vec::is_empty), "{view}");
+    eprintln!("members {back:?} of {n} serve every bucket {took:?} after the last of them started");
+    assert!(took < Duration::from_secs(30), "served again after {took:?}");
     c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_full_stop_nodes_2_and_3_serve_every_bucket_again() {
+    let c = TestCluster::start_with(3, fast_detection).await;
+    c.wait_for_counts(&[333, 333, 334]).await;
+    full_stop_then(c, &[1, 2]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_full_stop_nodes_1_and_2_serve_every_bucket_again() {
+    let c = TestCluster::start_with(3, fast_detection).await;
+    c.wait_for_counts(&[333, 333, 334]).await;
+    full_stop_then(c, &[0, 1]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_full_stop_nodes_1_and_3_serve_every_bucket_again() {
+    let c = TestCluster::start_with(3, fast_detection).await;
+    c.wait_for_counts(&[333, 333, 334]).await;
+    full_stop_then(c, &[0, 2]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_full_stop_of_five_three_serve_every_bucket_again() {
+    let c = TestCluster::start_with(5, fast_detection_five_voters).await;
+    c.wait_for_counts(&[200, 200, 200, 200, 200]).await;
+    full_stop_then(c, &[1, 3, 4]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -142,29 +142,29 @@ async fn the_transition_and_transfer_are_visible_and_guard_membership_changes() 
     assert_eq!(node2["buckets_total"], 500);
 
     // Membership changes wait (409) unless forced.
-    let leave = |force: bool| {
-        c.http.post(c.url(0, &format!("/v1/cluster/nodes/1/leave{}", if force { "?force=true" } else { "" }))).send()
-    };
+    let (http, leave_url) = (c.http.clone(), c.url(0, "/v1/cluster/nodes/1/leave"));
+    let leave = |force: bool| http.post(format!("{leave_url}{}", if force { "?force=true" } else { "" })).send();
     let r = leave(false).await.expect("leave");
     assert_eq!(r.status(), 409);
     let problem: serde_json::Value = r.json().await.expect("problem");
     assert_eq!(problem["code"], "membership_change_in_progress");
     assert_eq!(c.json(0, "/v1/cluster").await["members"].as_array().map(Vec::len), Some(2), "nothing changed");
-    // Forced, the leave starts at once: the new pending map leaves node 1 out.
-    let r = leave(true).await.expect("leave");
-    assert_eq!(r.status(), 200);
-    let left: serde_json::Value = r.json().await.expect("json");
-    assert!(left["warning"].as_str().is_some_and(|w| w.contains("can lose")), "the answer warns: {left}");
-    let view = c.json(0, "/v1/cluster").await;
-    let leaving: Vec<bool> =
-        view["members"].as_array().expect("members").iter().map(|m| m["leaving"] == true).collect();
-    assert_eq!(leaving, vec![true, false]);
     // A node started with --force-join becomes a member while the transfer still runs.
     let slot = c.add_node_no_wait().await;
     let view = c.json(0, "/v1/cluster").await;
     let ids: Vec<u64> = view["members"].as_array().expect("members").iter().filter_map(|m| m["id"].as_u64()).collect();
     assert!(ids.contains(&c.id(slot)), "{view}");
     assert!(!view["transfer"].is_null(), "the transfer still runs: {view}");
+    // Forced, the leave starts at once: the new pending map leaves node 1 out.
+    let r = leave(true).await.expect("leave");
+    assert_eq!(r.status(), 200);
+    let left: serde_json::Value = r.json().await.expect("json");
+    assert!(left["warning"].as_str().is_some_and(|w| w.contains("can lose")), "the answer warns: {left}");
+    // (Asked of node 2: node 1 stops once it has handed its buckets over.)
+    let view = c.json(1, "/v1/cluster").await;
+    let leaving: Vec<bool> =
+        view["members"].as_array().expect("members").iter().map(|m| m["leaving"] == true).collect();
+    assert!(leaving == vec![true, false, false] || leaving == vec![false, false], "{view}");
     c.shutdown().await;
 }
 
@@ -201,5 +201,77 @@ async fn a_stuck_transfer_is_detected_and_its_flag_cleared() {
     // Membership may change again, without force.
     let r = c.http.post(c.url(0, &format!("/v1/cluster/nodes/{dead}/leave"))).send().await.expect("leave");
     assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
+    c.shutdown().await;
+}
+
+/// Writes single items and bulks of 16 through `api` until `stop`, counting the answers that
+/// were not 200 (per status and code; bulk items per item).
+async fn write_and_count(
+    http: reqwest::Client,
+    api: String,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> (u64, std::collections::BTreeMap<String, u64>) {
+    use std::sync::atomic::Ordering;
+    let mut failures = std::collections::BTreeMap::new();
+    let mut fail = |what: String| *failures.entry(what).or_insert(0u64) += 1;
+    let mut written = 0u64;
+    for round in 0..200_000u64 {
+        if stop.load(Ordering::Relaxed) {
+            break;
+        }
+        let r = http.put(format!("http://{api}/v1/kv/single-{}", round % 5000)).body("v").send().await;
+        match r {
+            Ok(r) if r.status() == 200 => written += 1,
+            Ok(r) => {
+                let status = r.status();
+                let p: serde_json::Value = r.json().await.unwrap_or_default();
+                fail(format!("single {status} {}", p["code"]));
+            }
+            Err(e) => fail(format!("single {e}")),
+        }
+        let items: Vec<serde_json::Value> = (0..16)
+            .map(|i| serde_json::json!({"key": format!("bulk-{}", (round * 16 + i) % 20_000), "value": "v"}))
+            .collect();
+        let r =
+            http.post(format!("http://{api}/v1/bulk/put")).json(&serde_json::json!({ "items": items })).send().await;
+        match r {
+            Ok(r) if r.status() == 200 => {
+                let body: serde_json::Value = r.json().await.unwrap_or_default();
+                for item in body["results"].as_array().into_iter().flatten() {
+                    match item.get("error") {
+                        Some(e) if !e.is_null() => fail(format!("bulk item {}", e["code"])),
+                        _ => written += 1,
+                    }
+                }
+            }
+            Ok(r) => fail(format!("bulk {}", r.status())),
+            Err(e) => fail(format!("bulk {e}")),
+        }
+    }
+    (written, failures)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn joins_and_leaves_without_faults_fail_no_single_or_bulk_write() {
+    let mut c = TestCluster::start(1).await;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = tokio::spawn(write_and_count(c.http.clone(), c.api(0), stop.clone()));
+    let splits: [&[usize]; 3] = [&[500, 500], &[333, 333, 334], &[250, 250, 250, 250]];
+    for expected in splits {
+        c.add_node().await;
+        c.wait_for_counts(expected).await;
+        c.wait_settled().await;
+    }
+    for (slot, expected) in [(3usize, &[333usize, 333, 334][..]), (1, &[500, 500][..])] {
+        let r = c.http.post(c.url(0, &format!("/v1/cluster/nodes/{}/leave", c.id(slot)))).send().await.expect("leave");
+        assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
+        let stays: Vec<usize> = c.running().filter(|&s| s != slot).collect();
+        c.wait_for_counts_among(expected, &stays).await;
+        c.wait_stopped(slot).await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (written, failures) = writer.await.expect("writer");
+    assert!(written > 1000, "the writer kept writing ({written} writes)");
+    assert!(failures.is_empty(), "{written} writes acknowledged, and failures: {failures:?}");
     c.shutdown().await;
 }
