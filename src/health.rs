@@ -145,11 +145,21 @@ impl Health {
     }
 
     /// Whether this node reports `id` pfail: it has not heard from it, and it promised it
-    /// nothing (no ping from `id` arrived within the node timeout).
-    fn suspects(&self, id: NodeId) -> bool {
-        self.enabled()
-            && id != self.me
-            && self.contacts.lock().get(&id).is_some_and(|c| c.suspected(Instant::now(), self.config.node_timeout))
+    /// nothing (no ping from `id` arrived within the node timeout). A report is remembered in
+    /// the same step (under the same lock as the promises), so this node lends `id` no lease
+    /// while the report may count.
+    fn reports(&self, id: NodeId) -> bool {
+        if !self.enabled() || id == self.me {
+            return false;
+        }
+        let now = Instant::now();
+        let mut contacts = self.contacts.lock();
+        let Some(c) = contacts.get_mut(&id) else { return false };
+        let suspected = c.suspected(now, self.config.node_timeout);
+        if suspected {
+            c.reported = Some(now);
+        }
+        suspected
     }
 
     /// How long a report this node sent may count at another node: the reports' freshness,
@@ -173,19 +183,9 @@ impl Health {
         self.control.state().members.iter().map(|m| m.id).filter(|&id| self.is_pfail(id)).collect()
     }
 
-    /// The members this node reports pfail (see [`Contact::suspected`]); each report is
-    /// remembered, so this node lends them no lease while it may count.
+    /// The members this node reports pfail (see [`Self::reports`]).
     fn suspected_members(&self) -> Vec<NodeId> {
-        let ids: Vec<NodeId> =
-            self.control.state().members.iter().map(|m| m.id).filter(|&id| self.suspects(id)).collect();
-        let now = Instant::now();
-        let mut contacts = self.contacts.lock();
-        for id in &ids {
-            if let Some(c) = contacts.get_mut(id) {
-                c.reported = Some(now);
-            }
-        }
-        ids
+        self.control.state().members.iter().map(|m| m.id).filter(|&id| self.reports(id)).collect()
     }
 
     /// Every other member's state in this node's view.
@@ -345,7 +345,8 @@ impl Health {
             reports.clone()
         };
         for m in state.members.iter().filter(|m| m.id != self.me) {
-            let votes = usize::from(self.suspects(m.id)) + reports.votes_against(m.id, |r| state.is_member(r));
+            // The leader's own view is a report like any other: remembered.
+            let votes = usize::from(self.reports(m.id)) + reports.votes_against(m.id, |r| state.is_member(r));
             if votes * 2 <= n {
                 continue;
             }

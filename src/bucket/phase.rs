@@ -11,7 +11,8 @@ use crate::error::DataError;
 pub struct BucketFacts {
     /// It restarted and has not got the bucket back from a copy elsewhere yet.
     pub restoring: bool,
-    /// A failover or hand-over gave it the bucket, and it has installed its copy.
+    /// A failover or hand-over gave it the bucket, and it has installed its copy (it serves
+    /// it once the cluster knows: its report is committed).
     pub installed: bool,
 }
 
@@ -69,7 +70,10 @@ pub fn phase_of(state: &ClusterState, me: NodeId, bucket: BucketId, facts: Bucke
         if facts.restoring {
             return Phase::Restoring;
         }
-        if !state.promoted.is_empty() && state.promoted.contains_key(&bucket.0) && !facts.installed {
+        // Until the heir's report is committed, even once it installed its copy: so Raft
+        // knows who served the bucket last (`ClusterState::last_server`) if the heir fails
+        // before.
+        if !state.promoted.is_empty() && state.promoted.contains_key(&bucket.0) {
             return Phase::AwaitingPromotion;
         }
         return Phase::Serving;

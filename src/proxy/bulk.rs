@@ -160,7 +160,7 @@ impl NodeApi {
             async move {
                 let mut found = Vec::with_capacity(idx.len());
                 for i in idx {
-                    found.push((i, Ok(self.local_get(&keys[i], bucket).await)));
+                    found.push((i, self.local_get(&keys[i], bucket).await));
                 }
                 found
             }

@@ -251,20 +251,24 @@ impl NodeApi {
         Err(DataError::MapChanging(bucket).into())
     }
 
-    /// Reads `key` here, once no write of its bucket may still be taken back.
-    async fn local_get(&self, key: &str, bucket: BucketId) -> Option<GetOk> {
+    /// Reads `key` here, once no write of its bucket may still be taken back, if the node
+    /// still holds its lease then (the wait may be a replication round trip).
+    async fn local_get(&self, key: &str, bucket: BucketId) -> Result<Option<GetOk>, DataError> {
         let _committed = self.core.facts().committed(bucket).await;
+        if let Some(refusal) = self.core.read_refusal() {
+            return Err(refusal);
+        }
         if let Some(probe) = self.core.probe() {
             probe.served(self.node_id, bucket, self.control.state().epoch_of(bucket));
         }
         match self.cache.get(bucket, key.as_bytes()) {
             Some(item) => {
                 self.metrics.hits.increment(1);
-                Some(GetOk { value: item.value, version: item.version, bucket: bucket.0, node: self.node_id })
+                Ok(Some(GetOk { value: item.value, version: item.version, bucket: bucket.0, node: self.node_id }))
             }
             None => {
                 self.metrics.misses.increment(1);
-                None
+                Ok(None)
             }
         }
     }
@@ -286,9 +290,10 @@ impl NodeApi {
     }
 
     /// Why this node takes no write now, even one it would only forward (it is stopping,
-    /// leaving, failed, or cut off from a majority).
+    /// failed, or cut off from a majority). A node handing its buckets over (leaving) still
+    /// takes writes: those of its own buckets wait for the hand-over and go to the heir.
     fn write_refusal(&self) -> Option<ApiError> {
-        self.core.write_refusal().map(ApiError::from)
+        self.core.write_refusal().filter(|e| !matches!(e, DataError::NodeLeaving)).map(ApiError::from)
     }
 
     fn timed<T>(&self, op: Op, started: Instant, result: Result<T, ApiError>) -> Result<T, ApiError> {
@@ -305,7 +310,7 @@ impl ShoalApi for NodeApi {
     async fn get(&self, key: String, ctx: RouteContext) -> Result<GetOk, ApiError> {
         let started = Instant::now();
         let bucket = bucket_of(key.as_bytes());
-        let local = || async { Ok(self.local_get(&key, bucket).await) };
+        let local = || self.local_get(&key, bucket);
         let remote = |api: String, v: u64| {
             let (peers, key) = (&self.peers, &key);
             async move {

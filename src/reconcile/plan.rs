@@ -338,39 +338,34 @@ fn plan_restores(state: &ClusterState, f: &Facts, out: &mut Vec<Action>) {
 
 /// Buckets a failover or hand-over gave this node: each is served from the replica copy of
 /// the member it came from, else from the shadow of the running transfer (every write the
-/// failed owner acknowledged was written through to it), else it is lost. Once every one is
-/// decided, they are reported.
+/// failed owner acknowledged was written through to it), else it is lost. The decided ones are
+/// reported at once: the heir serves a promoted bucket only once its report is committed.
 fn plan_promotions(state: &ClusterState, f: &Facts, out: &mut Vec<Action>) {
     let promotions = state.promotions_of(f.me);
     if promotions.is_empty() || f.running.report {
         return;
     }
-    let (mut installed, mut lost, mut pending) = (Vec::new(), Vec::new(), false);
+    let (mut installed, mut lost) = (Vec::new(), Vec::new());
     for (bucket, from) in promotions {
         if f.installed.contains(&bucket) {
             installed.push(bucket);
         } else if f.replicas.get(&bucket) == Some(&from) {
             out.push(Action::Install { bucket, from });
-            pending = true;
         } else {
             let shadow = state.handoffs.get(&bucket.0).copied().filter(|&s| s == f.me || state.is_member(s));
             match shadow {
                 // Named as the shadow but restarted since: it holds nothing of the bucket.
                 Some(s) if s == f.me && !f.shadows.contains(&bucket) => lost.push(bucket),
-                Some(s) if s == f.me => {
-                    out.push(Action::AdoptShadow { bucket });
-                    pending = true;
-                }
-                Some(_) if f.running.promotions.contains(&bucket) => pending = true,
+                Some(s) if s == f.me => out.push(Action::AdoptShadow { bucket }),
+                Some(_) if f.running.promotions.contains(&bucket) => {}
                 Some(s) if !f.no_copy.get(&bucket).is_some_and(|t| t.contains(&s)) => {
                     out.push(Action::RestoreShadow { bucket, from: s });
-                    pending = true;
                 }
                 _ => lost.push(bucket),
             }
         }
     }
-    if !pending {
+    if !installed.is_empty() || !lost.is_empty() {
         out.push(Action::ReportPromoted { installed, lost });
     }
 }

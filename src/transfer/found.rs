@@ -14,9 +14,10 @@
 //! ```
 //!
 //! Why R's copy is the newest there is: R acknowledged every write of b (it served b until it
-//! was failed, and nobody else did: its heir never installed b), and it acknowledged none
-//! after the cluster could have failed it (its lease ran out first, `crate::health`); a lost
-//! bucket takes no write at all. So R's copy holds every acknowledged write of b.
+//! was failed, and nobody else did: a heir serves a promoted bucket only once its report is
+//! committed, and b's heir reported no copy), and it acknowledged none after the cluster could
+//! have failed it (its lease ran out first, `crate::health`); a lost bucket takes no write at
+//! all. So R's copy holds every acknowledged write of b.
 
 use std::time::Duration;
 
@@ -73,6 +74,10 @@ impl Exporter {
         let _lock = self.facts.lock(bucket).await;
         if let Some(reason) = take_back_refusal(&self.control.state(), me, from, bucket) {
             return Err((409, reason));
+        }
+        if self.cache.is_frozen(bucket) {
+            // An export of the (empty) lost bucket is waiting for its flip; `Found` voids it.
+            return Err((503, format!("bucket {bucket} is being exported; retry")));
         }
         let mut decoder = Decoder::default();
         decoder.feed(body);

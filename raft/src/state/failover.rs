@@ -147,6 +147,10 @@ impl ClusterState {
             if still {
                 self.lost.remove(b);
                 self.last_server.remove(b);
+                // A new ownership period: a move of the (empty) lost bucket that was under way
+                // can no longer flip it.
+                let epoch = self.epoch_of(BucketId(*b));
+                self.bucket_epochs.insert(*b, epoch + 1);
             }
         }
         CommandResponse::Done

@@ -380,9 +380,11 @@ fn a_lost_bucket_s_last_server_is_the_member_that_served_it_and_only_its_copy_br
     let other = s.member_ids().into_iter().find(|&m| m != heir).expect("another member");
     s.apply(&ClusterCommand::Found { owner: other, from: 1, buckets: vec![*first] });
     assert!(s.is_lost(BucketId(*first)));
-    // Node 1 gives its copies back: they serve again.
+    // Node 1 gives its copies back: they serve again, in a new ownership period.
+    let epoch = s.epoch_of(BucketId(*first));
     s.apply(&ClusterCommand::Found { owner: heir, from: 1, buckets: vec![*first] });
     assert!(!s.is_lost(BucketId(*first)) && !s.last_server.contains_key(first));
+    assert_eq!(s.epoch_of(BucketId(*first)), epoch + 1, "a move begun before cannot flip it");
     assert_eq!(s.lost_of(1).len(), rest.len());
     // A lost bucket promoted again (its owner fails) keeps its last server.
     let heir = s.map.owner_of(BucketId(rest[0])).expect("an owner");

@@ -101,7 +101,11 @@ fn a_restoring_or_unpromoted_bucket_is_not_served_and_a_lost_one_nowhere() {
     let promoted = s.promotions_of(3);
     let (b, _) = *promoted.first().expect("node 3 inherits node 2's buckets");
     assert_eq!(phase_of(&s, 3, b, BucketFacts::default()), Phase::AwaitingPromotion);
-    assert_eq!(phase_of(&s, 3, b, BucketFacts { restoring: false, installed: true }), Phase::Serving);
+    let installed = BucketFacts { restoring: false, installed: true };
+    assert_eq!(phase_of(&s, 3, b, installed), Phase::AwaitingPromotion, "served once the report is committed");
+    let mut reported = s.clone();
+    reported.apply(&shoal_raft::ClusterCommand::Promoted { node_id: 3, buckets: vec![b.0], lost: vec![] });
+    assert_eq!(phase_of(&reported, 3, b, installed), Phase::Serving);
     let mut lost = s.clone();
     testing::apply(&mut lost, &Step::Report(u64::MAX));
     assert!(lost.is_lost(b));

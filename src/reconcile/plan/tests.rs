@@ -95,7 +95,12 @@ fn a_promoted_bucket_comes_from_the_replica_else_the_shadow_else_it_is_lost() {
     f.replicas = [(a, 2)].into();
     let actions = plan(&s, &s, &f);
     assert!(actions.contains(&Action::Install { bucket: a, from: 2 }), "{actions:?}");
-    assert!(!actions.iter().any(|x| matches!(x, Action::ReportPromoted { .. })), "not all decided yet");
+    let reported = actions.iter().find_map(|x| match x {
+        Action::ReportPromoted { installed, lost } => Some((installed.clone(), lost.clone())),
+        _ => None,
+    });
+    let (installed, lost) = reported.expect("what is decided is reported at once");
+    assert!(installed.is_empty() && !lost.contains(&a) && lost.contains(&b), "{actions:?}");
     // Every copy installed except b and c, of which no copy is left: reported.
     f.replicas.clear();
     f.installed = of_2.iter().copied().filter(|&x| x != b && x != c).collect();
