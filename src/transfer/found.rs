@@ -111,20 +111,10 @@ impl Exporter {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use shoal_raft::ClusterCommand;
 
     #[test]
     fn only_the_owner_of_a_bucket_still_lost_takes_back_the_copy_of_its_last_server() {
-        let mut s = ClusterState::default();
-        s.apply(&ClusterCommand::Bootstrap {
-            cluster_id: "c".into(),
-            node_id: 1,
-            api_addr: "a1".into(),
-            peer_addr: "p1".into(),
-            name: None,
-            voters: 3,
-            replication: Default::default(),
-        });
+        let mut s = crate::bucket::testing::bootstrapped();
         let b = BucketId(7);
         assert!(take_back_refusal(&s, 1, 2, b).is_some_and(|r| r.contains("not lost")));
         s.lost.insert(b.0);
