@@ -554,7 +554,15 @@ async fn five_members_split(split: Split) {
         reads.len(),
         &problems[..problems.len().min(5)]
     );
-    eprintln!("{} keys, {} reads checked", history.len(), reads.len());
+    let o = w.outages();
+    eprintln!(
+        "{split:?}: {} writes acknowledged, {} failed, longest a writer saw failures {:?}; {} keys, {} reads checked",
+        o.acked,
+        o.failed,
+        o.longest,
+        history.len(),
+        reads.len()
+    );
     w.stop().await;
 }
 

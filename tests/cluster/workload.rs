@@ -49,6 +49,18 @@ pub struct Workload {
     writers: Vec<JoinHandle<u64>>,
     reads: Arc<Mutex<Vec<ReadOp>>>,
     readers: Vec<JoinHandle<()>>,
+    outages: Arc<Mutex<Outages>>,
+}
+
+/// What the writers saw of the cluster's availability.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Outages {
+    /// Writes acknowledged.
+    pub acked: u64,
+    /// Writes that failed (any error or timeout).
+    pub failed: u64,
+    /// The longest time one writer went from its first failed write to its next success.
+    pub longest: Duration,
 }
 
 /// One read a reader made, with what the writers had acknowledged when it began.
@@ -91,6 +103,7 @@ impl Workload {
             writers: Vec::new(),
             reads: Arc::new(Mutex::new(Vec::new())),
             readers: Vec::new(),
+            outages: Arc::new(Mutex::new(Outages::default())),
         };
         let handles = (0..writers).map(|id| tokio::spawn(w.writer(id))).collect();
         let readers = (0..readers).map(|id| tokio::spawn(w.reader(id))).collect();
@@ -141,6 +154,11 @@ impl Workload {
         }
     }
 
+    /// What the writers saw of availability so far.
+    pub fn outages(&self) -> Outages {
+        *self.outages.lock()
+    }
+
     /// The reads made so far.
     pub fn reads(&self) -> Vec<ReadOp> {
         self.reads.lock().clone()
@@ -149,7 +167,9 @@ impl Workload {
     fn writer(&self, id: usize) -> impl std::future::Future<Output = u64> + Send + 'static {
         let (targets, paused, idle, stop, history) =
             (self.targets.clone(), self.paused.clone(), self.idle.clone(), self.stop.clone(), self.history.clone());
+        let outages = self.outages.clone();
         async move {
+            let mut failing_since: Option<std::time::Instant> = None;
             let http = reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(10)).build().expect("client");
             let mut rng = rand::rngs::SmallRng::seed_from_u64(id as u64);
             let (mut keys, mut seq) = (0u64, 0u64);
@@ -177,12 +197,25 @@ impl Workload {
                 };
                 // Recorded before it is sent: a reader may see it land before the answer.
                 history.lock().entry(key.clone()).or_default().written.push(seq);
+                let sent = std::time::Instant::now();
                 let ok = http
                     .put(format!("http://{target}/v1/kv/{key}"))
                     .body(format!("w{id}:{seq}"))
                     .send()
                     .await
                     .is_ok_and(|r| r.status() == 200);
+                {
+                    let mut o = outages.lock();
+                    if ok {
+                        o.acked += 1;
+                        if let Some(since) = failing_since.take() {
+                            o.longest = o.longest.max(since.elapsed());
+                        }
+                    } else {
+                        o.failed += 1;
+                        failing_since.get_or_insert(sent);
+                    }
+                }
                 let mut h = history.lock();
                 let entry = h.entry(key).or_default();
                 if ok {
