@@ -14,9 +14,10 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use axum::extract::{Request, State};
-use axum::http::{header, Method, StatusCode};
+use axum::http::{header, Method};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use shoal_http_api::ApiError;
 use subtle::ConstantTimeEq;
 
 /// A secret from the command line: compared in constant time, printed as `***`.
@@ -61,21 +62,15 @@ impl Secret {
         if self.0.chars().any(|c| !c.is_ascii_graphic()) {
             return Some("must be printable ASCII without spaces (it travels in an HTTP header)");
         }
+        if self.0.to_ascii_lowercase().contains("replace-me") {
+            return Some("is the placeholder shipped in deploy/secret.yaml: make a real one (the file says how)");
+        }
         None
     }
 }
 
 fn unauthorized(code: &'static str, detail: &str) -> Response {
-    let body = serde_json::json!({
-        "type": format!("urn:shoal:problem:{code}"),
-        "title": "Unauthorized",
-        "status": 401,
-        "code": code,
-        "detail": detail,
-    });
-    let mut response = (StatusCode::UNAUTHORIZED, axum::Json(body)).into_response();
-    response.headers_mut().insert(header::CONTENT_TYPE, header::HeaderValue::from_static("application/problem+json"));
-    response
+    ApiError::Unauthorized { code, detail: detail.to_string() }.into_response()
 }
 
 /// Middleware of the peer listener: the cluster secret, when the node has one.
@@ -134,5 +129,7 @@ mod tests {
         assert_eq!(format!("{s:?}"), "***");
         assert!("".parse::<Secret>().expect("parses").problem().is_some());
         assert!("has space".parse::<Secret>().expect("parses").problem().is_some());
+        let shipped = "REPLACE-ME-this-placeholder-is-not-a-secret".parse::<Secret>().expect("parses");
+        assert!(shipped.problem().is_some_and(|p| p.contains("placeholder")), "the shipped placeholder is refused");
     }
 }

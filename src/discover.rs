@@ -29,13 +29,10 @@ use std::time::{Duration, Instant};
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use shoal_http_api::types::{ClusterView, MemberView};
-use shoal_http_api::ApiError;
+use shoal_http_api::{ApiError, Unavailable};
 
 use crate::peer::Peers;
 use crate::transport::CallError;
-
-/// The code a starting node with an empty data dir answers: it is no member of any cluster.
-const NOT_MEMBER: &str = "not_member";
 
 /// What discovery decided.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -95,7 +92,7 @@ pub fn hostname() -> Option<String> {
 /// `/livez` 200; `/readyz` and everything else 503, with code `starting` when this node has
 /// a data dir (it is a member coming back) and `not_member` when it has none.
 pub fn starting_router(has_data: bool) -> axum::Router {
-    let code = if has_data { "starting" } else { NOT_MEMBER };
+    let code = if has_data { Unavailable::Starting } else { Unavailable::NotMember };
     let detail = if has_data {
         "this node is starting with its data dir (a member coming back); retry"
     } else {
@@ -194,7 +191,7 @@ async fn ask(peers: &Peers, candidates: &[String]) -> Round {
     let answers = futures::future::join_all(candidates.iter().map(|c| async move {
         let answer = match peers.cluster(c, ANSWER_TIMEOUT).await {
             Ok(view) if view.members.iter().any(|m| m.id == view.node_id) => Answer::Member(Box::new(view)),
-            Err(CallError::Api(e)) if e.code() == NOT_MEMBER => Answer::Empty,
+            Err(CallError::Api(e)) if e.code() == Unavailable::NotMember.code() => Answer::Empty,
             _ => Answer::Unknown,
         };
         (c.clone(), answer)

@@ -1,7 +1,7 @@
 //! [`DataError`]: why the data plane did not serve a key operation, typed; it becomes the
 //! public API's [`ApiError`] in one place ([`From<DataError> for ApiError`]), at the edge.
 
-use shoal_http_api::ApiError;
+use shoal_http_api::{ApiError, Unavailable};
 use shoal_raft::{BucketId, NodeId};
 
 use crate::cache::CacheError;
@@ -116,26 +116,26 @@ pub enum DataError {
 
 impl From<DataError> for ApiError {
     fn from(e: DataError) -> Self {
-        let unavailable = |code: &'static str, e: &DataError| ApiError::unavailable(code, e.to_string());
+        let unavailable = |code: Unavailable, e: &DataError| ApiError::unavailable(code, e.to_string());
         match e {
-            DataError::NotReady => unavailable("not_ready", &e),
+            DataError::NotReady => unavailable(Unavailable::NotReady, &e),
             DataError::NotOwner { bucket, map_version } => ApiError::NotOwner { bucket: bucket.0, map_version },
             DataError::Redirect { api_addr } => ApiError::Redirect { api_addr },
-            DataError::Lost(_) => unavailable("bucket_lost", &e),
-            DataError::Restoring(_) => unavailable("bucket_restoring", &e),
-            DataError::Moving(_) => unavailable("bucket_moving", &e),
-            DataError::MapChanging(_) | DataError::MapBehind { .. } => unavailable("map_changing", &e),
-            DataError::OwnerUnreachable { .. } => unavailable("owner_unreachable", &e),
-            DataError::NodeFailed => unavailable("node_failed", &e),
-            DataError::NodeLeaving => unavailable("node_leaving", &e),
-            DataError::NodeDraining => unavailable("node_draining", &e),
-            DataError::NoQuorum { .. } => unavailable("no_quorum", &e),
-            DataError::ReplicationFailed { .. } => unavailable("replication_failed", &e),
+            DataError::Lost(_) => unavailable(Unavailable::BucketLost, &e),
+            DataError::Restoring(_) => unavailable(Unavailable::BucketRestoring, &e),
+            DataError::Moving(_) => unavailable(Unavailable::BucketMoving, &e),
+            DataError::MapChanging(_) | DataError::MapBehind { .. } => unavailable(Unavailable::MapChanging, &e),
+            DataError::OwnerUnreachable { .. } => unavailable(Unavailable::OwnerUnreachable, &e),
+            DataError::NodeFailed => unavailable(Unavailable::NodeFailed, &e),
+            DataError::NodeLeaving => unavailable(Unavailable::NodeLeaving, &e),
+            DataError::NodeDraining => unavailable(Unavailable::NodeDraining, &e),
+            DataError::NoQuorum { .. } => unavailable(Unavailable::NoQuorum, &e),
+            DataError::ReplicationFailed { .. } => unavailable(Unavailable::ReplicationFailed, &e),
             DataError::Store(CacheError::ConditionFailed { current }) => {
                 ApiError::PreconditionFailed { current_version: current }
             }
             DataError::Store(CacheError::TooLarge { .. }) => ApiError::ItemTooLarge(e.to_string()),
-            DataError::Store(CacheError::Frozen) => unavailable("bucket_moving", &e),
+            DataError::Store(CacheError::Frozen) => unavailable(Unavailable::BucketMoving, &e),
         }
     }
 }

@@ -64,7 +64,8 @@ fn outcome_of(result: Result<(), &ApiError>) -> usize {
             | ApiError::Conflict(_)
             | ApiError::MembershipChangeInProgress(_)
             | ApiError::UnknownResource(_)
-            | ApiError::MethodNotAllowed,
+            | ApiError::MethodNotAllowed
+            | ApiError::Unauthorized { .. },
         ) => 3,
         Err(ApiError::Unavailable { .. } | ApiError::NotOwner { .. }) => 4,
         Err(ApiError::Redirect { .. }) => 5,

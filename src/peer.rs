@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use shoal_http_api::types::{ClusterView, GetOk, KeyList, NodeStats, PutOk, Removed, TransferStatus};
-use shoal_http_api::{ApiError, PutItem};
+use shoal_http_api::{ApiError, PutItem, Unavailable};
 use shoal_raft::{BucketId, NodeId};
 
 use crate::transport::http::FORWARD_TIMEOUT;
@@ -35,9 +35,11 @@ fn api_error(addr: &str, e: CallError) -> ApiError {
     match e {
         CallError::Api(e) => e,
         CallError::Timeout => {
-            ApiError::unavailable("owner_unreachable", format!("node at {addr} did not answer in time"))
+            ApiError::unavailable(Unavailable::OwnerUnreachable, format!("node at {addr} did not answer in time"))
         }
-        other => ApiError::unavailable("owner_unreachable", format!("node at {addr} did not answer: {other}")),
+        other => {
+            ApiError::unavailable(Unavailable::OwnerUnreachable, format!("node at {addr} did not answer: {other}"))
+        }
     }
 }
 

@@ -27,6 +27,92 @@ pub struct Problem {
     /// The map version of the node that answered, for `not_owner`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub map_version: Option<u64>,
+    /// The bucket the node does not own, for `not_owner`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bucket: Option<u16>,
+}
+
+/// Why a node cannot serve a request now: the stable `code` of a 503 answer, which always
+/// carries `Retry-After`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Unavailable {
+    /// No Raft leader is known (an election runs).
+    NoLeader,
+    /// This node has not joined a cluster yet.
+    NotReady,
+    /// This node is starting with its data dir (a member coming back).
+    Starting,
+    /// This node is starting with an empty data dir: it is not a member yet.
+    NotMember,
+    /// The key's owner does not answer (pings or this request) and is not failed yet.
+    OwnerUnreachable,
+    /// The cluster's control plane did not answer in time.
+    Unavailable,
+    /// The bucket's owner and its replica were lost together.
+    BucketLost,
+    /// A restarted node or a failover heir is getting the bucket back.
+    BucketRestoring,
+    /// The bucket is frozen while it moves to another node.
+    BucketMoving,
+    /// The bucket changed owner more often than a request routes again, or the request named
+    /// a map version this node has not applied.
+    MapChanging,
+    /// The cluster failed this node; it rejoins.
+    NodeFailed,
+    /// This node is handing its buckets over (it leaves).
+    NodeLeaving,
+    /// This node is stopping.
+    NodeDraining,
+    /// This node cannot hear a majority of the members.
+    NoQuorum,
+    /// Sync replication: the replica did not apply the write; it was taken back.
+    ReplicationFailed,
+    /// A forwarded request arrived after its deadline; nothing was done.
+    Expired,
+}
+
+impl Unavailable {
+    /// Every code, for documentation and tests.
+    pub const ALL: [Unavailable; 16] = [
+        Unavailable::NoLeader,
+        Unavailable::NotReady,
+        Unavailable::Starting,
+        Unavailable::NotMember,
+        Unavailable::OwnerUnreachable,
+        Unavailable::Unavailable,
+        Unavailable::BucketLost,
+        Unavailable::BucketRestoring,
+        Unavailable::BucketMoving,
+        Unavailable::MapChanging,
+        Unavailable::NodeFailed,
+        Unavailable::NodeLeaving,
+        Unavailable::NodeDraining,
+        Unavailable::NoQuorum,
+        Unavailable::ReplicationFailed,
+        Unavailable::Expired,
+    ];
+
+    /// The stable machine code.
+    pub fn code(self) -> &'static str {
+        match self {
+            Unavailable::NoLeader => "no_leader",
+            Unavailable::NotReady => "not_ready",
+            Unavailable::Starting => "starting",
+            Unavailable::NotMember => "not_member",
+            Unavailable::OwnerUnreachable => "owner_unreachable",
+            Unavailable::Unavailable => "unavailable",
+            Unavailable::BucketLost => "bucket_lost",
+            Unavailable::BucketRestoring => "bucket_restoring",
+            Unavailable::BucketMoving => "bucket_moving",
+            Unavailable::MapChanging => "map_changing",
+            Unavailable::NodeFailed => "node_failed",
+            Unavailable::NodeLeaving => "node_leaving",
+            Unavailable::NodeDraining => "node_draining",
+            Unavailable::NoQuorum => "no_quorum",
+            Unavailable::ReplicationFailed => "replication_failed",
+            Unavailable::Expired => "expired",
+        }
+    }
 }
 
 /// An error answered to a client.
@@ -82,8 +168,8 @@ pub enum ApiError {
     /// The node cannot serve now (no leader, not joined, owner unreachable, ...): retry.
     #[error("{detail}")]
     Unavailable {
-        /// Stable code: `no_leader`, `not_ready`, `owner_unreachable`, `unavailable`.
-        code: &'static str,
+        /// Why.
+        code: Unavailable,
         /// What happened.
         detail: String,
         /// When to retry.
@@ -99,6 +185,14 @@ pub enum ApiError {
     /// The HTTP method is not served on this path.
     #[error("method not allowed")]
     MethodNotAllowed,
+    /// A credential the endpoint needs is missing or wrong.
+    #[error("{detail}")]
+    Unauthorized {
+        /// `admin_token_required` or `cluster_secret_required`.
+        code: &'static str,
+        /// Which credential, and how to give it.
+        detail: String,
+    },
     /// A bug or a storage failure; details are logged, not returned.
     #[error("internal error")]
     Internal(String),
@@ -116,8 +210,18 @@ pub enum ApiError {
 
 impl ApiError {
     /// A 503 with `code` and a one-second `Retry-After`.
-    pub fn unavailable(code: &'static str, detail: impl Into<String>) -> Self {
+    pub fn unavailable(code: Unavailable, detail: impl Into<String>) -> Self {
         ApiError::Unavailable { code, detail: detail.into(), retry_after: Duration::from_secs(1) }
+    }
+
+    /// When the client should retry: every 503 says it (the owner's own value when the
+    /// error was forwarded).
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            ApiError::Unavailable { retry_after, .. } => Some(*retry_after),
+            ApiError::Remote { retry_after, .. } => *retry_after,
+            _ => None,
+        }
     }
 
     /// The HTTP status.
@@ -134,6 +238,7 @@ impl ApiError {
             ApiError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Redirect { .. } => StatusCode::TEMPORARY_REDIRECT,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Remote { problem, .. } => {
                 StatusCode::from_u16(problem.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
@@ -154,9 +259,10 @@ impl ApiError {
             ApiError::NotOwner { .. } => "not_owner",
             ApiError::Conflict(_) => "conflict",
             ApiError::MembershipChangeInProgress(_) => "membership_change_in_progress",
-            ApiError::Unavailable { code, .. } => code,
+            ApiError::Unavailable { code, .. } => code.code(),
             ApiError::Redirect { .. } => "redirect",
             ApiError::MethodNotAllowed => "method_not_allowed",
+            ApiError::Unauthorized { code, .. } => code,
             ApiError::Internal(_) => "internal",
             ApiError::Remote { problem, .. } => &problem.code,
         }
@@ -174,7 +280,7 @@ impl ApiError {
         };
         Problem {
             type_uri: format!("urn:shoal:problem:{}", self.code()),
-            title: status.canonical_reason().unwrap_or("error").to_string(),
+            title: title_of(status.as_u16()),
             status: status.as_u16(),
             detail,
             code: self.code().to_string(),
@@ -186,26 +292,35 @@ impl ApiError {
                 ApiError::NotOwner { map_version, .. } => Some(*map_version),
                 _ => None,
             },
+            bucket: match self {
+                ApiError::NotOwner { bucket, .. } => Some(*bucket),
+                _ => None,
+            },
         }
     }
 
     /// Rebuilds the error a peer answered with from its problem document (and its
     /// `Retry-After`), so a forwarded request fails exactly as it would have locally: the
-    /// codes a node acts on become their own variants, every other error passes on intact
+    /// codes a node acts on (`not_found`, `precondition_failed`, `not_owner`) become their own
+    /// variants, every other error passes on intact
     /// ([`ApiError::Remote`]).
     pub fn from_problem(problem: &Problem, retry_after: Option<Duration>) -> Self {
         let remote = || ApiError::Remote { problem: Box::new(problem.clone()), retry_after };
         match problem.code.as_str() {
-            "bad_request" => ApiError::BadRequest(problem.detail.clone()),
             "not_found" => ApiError::NotFound,
             "precondition_failed" => ApiError::PreconditionFailed { current_version: problem.current_version },
-            "not_owner" => ApiError::NotOwner { bucket: 0, map_version: problem.map_version.unwrap_or(0) },
-            "item_too_large" => ApiError::ItemTooLarge(problem.detail.clone()),
-            "conflict" => ApiError::Conflict(problem.detail.clone()),
-            "membership_change_in_progress" => ApiError::MembershipChangeInProgress(problem.detail.clone()),
+            "not_owner" => ApiError::NotOwner {
+                bucket: problem.bucket.unwrap_or(0),
+                map_version: problem.map_version.unwrap_or(0),
+            },
             _ => remote(),
         }
     }
+}
+
+/// The problem title of an HTTP status: its reason phrase.
+pub(crate) fn title_of(status: u16) -> String {
+    StatusCode::from_u16(status).ok().and_then(|s| s.canonical_reason()).unwrap_or("error").to_string()
 }
 
 /// The media type of error bodies.
@@ -221,12 +336,7 @@ impl IntoResponse for ApiError {
         let mut response = (status, body).into_response();
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
-        let retry_after = match &self {
-            ApiError::Unavailable { retry_after, .. } => Some(*retry_after),
-            ApiError::Remote { retry_after, .. } => *retry_after,
-            _ => None,
-        };
-        if let Some(retry_after) = retry_after {
+        if let Some(retry_after) = self.retry_after() {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after.as_secs().max(1)));
         }
         response
@@ -243,26 +353,74 @@ mod tests {
             ApiError::NotFound,
             ApiError::PreconditionFailed { current_version: Some(4) },
             ApiError::NotOwner { bucket: 0, map_version: 9 },
-            ApiError::BadRequest("bad".into()),
         ] {
             assert_eq!(ApiError::from_problem(&e.problem(), None), e);
         }
     }
 
-    #[test]
-    fn other_errors_of_a_peer_pass_on_with_status_code_and_retry_after() {
-        for e in [
-            ApiError::unavailable("no_leader", "x"),
-            ApiError::unavailable("replication_failed", "the replica did not apply the write"),
-            ApiError::unavailable("node_draining", "stopping"),
+    /// Every error a node answers, once per code.
+    fn every_error() -> Vec<ApiError> {
+        let mut all: Vec<ApiError> =
+            Unavailable::ALL.iter().map(|&code| ApiError::unavailable(code, format!("{code:?} happened"))).collect();
+        all.extend([
+            ApiError::BadRequest("bad".into()),
+            ApiError::KeyTooLarge { len: 5000, limit: 4096 },
+            ApiError::ValueTooLarge { limit: 10 },
             ApiError::ItemTooLarge("too big".into()),
-        ] {
-            let retry_after = (e.status() == StatusCode::SERVICE_UNAVAILABLE).then_some(Duration::from_secs(1));
-            let passed = ApiError::from_problem(&e.problem(), retry_after);
-            assert_eq!((passed.status(), passed.code(), passed.problem()), (e.status(), e.code(), e.problem()));
-            let response = passed.into_response();
-            let retry = response.headers().get(header::RETRY_AFTER).map(|v| v.to_str().unwrap_or("").to_string());
-            assert_eq!(retry.as_deref(), retry_after.map(|_| "1"), "{e:?}");
+            ApiError::NotFound,
+            ApiError::UnknownResource("no such node".into()),
+            ApiError::PreconditionFailed { current_version: Some(4) },
+            ApiError::PreconditionFailed { current_version: None },
+            ApiError::NotOwner { bucket: 3, map_version: 9 },
+            ApiError::Conflict("last member".into()),
+            ApiError::MembershipChangeInProgress("transfer".into()),
+            ApiError::MethodNotAllowed,
+            ApiError::Unauthorized { code: "admin_token_required", detail: "token".into() },
+            ApiError::Internal("bug".into()),
+        ]);
+        all
+    }
+
+    fn wire(e: ApiError) -> (StatusCode, Option<String>, Vec<u8>) {
+        let response = e.into_response();
+        let retry = response.headers().get(header::RETRY_AFTER).map(|v| v.to_str().unwrap_or("").to_string());
+        let (parts, body) = response.into_parts();
+        let body = futures_executor(axum::body::to_bytes(body, usize::MAX)).expect("body");
+        (parts.status, retry, body.to_vec())
+    }
+
+    fn futures_executor<F: std::future::Future>(f: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread().build().expect("runtime").block_on(f)
+    }
+
+    #[test]
+    fn every_error_of_a_peer_passes_on_unchanged_alone_and_in_a_bulk_answer() {
+        for e in every_error() {
+            let original = wire(e.clone());
+            // Alone: the forwarder rebuilds it from the problem document and its Retry-After.
+            let problem: Problem = serde_json::from_slice(&original.2).expect("a problem document");
+            let retry_after = original.1.as_deref().map(|s| Duration::from_secs(s.parse().expect("seconds")));
+            let forwarded = wire(ApiError::from_problem(&problem, retry_after));
+            assert_eq!(forwarded, original, "{e:?}");
+            // In a bulk answer: the key's error says the same (a key's `not_owner` names its
+            // bucket in the key's result, and the forwarder routes again on it).
+            if matches!(e, ApiError::NotOwner { .. }) {
+                continue;
+            }
+            let item = crate::types::KeyError::of(&e);
+            let through = crate::types::KeyError::of(&item.error());
+            assert_eq!(through, item, "{e:?}");
+            assert_eq!(wire(item.error()), original, "{e:?}");
+            assert_eq!(original.1.is_some(), original.0 == StatusCode::SERVICE_UNAVAILABLE, "{e:?}");
+        }
+    }
+
+    #[test]
+    fn the_readme_lists_every_code() {
+        let readme = include_str!("../README.md");
+        let table = &readme[readme.find("## Error codes").expect("an error table")..];
+        for e in every_error() {
+            assert!(table.contains(&format!("`{}`", e.code())), "http-api/README.md's table lacks {}", e.code());
         }
     }
 

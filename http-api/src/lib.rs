@@ -17,6 +17,7 @@
 
 mod api;
 mod cluster;
+mod de;
 mod error;
 mod json;
 mod kv;
@@ -32,8 +33,8 @@ use axum::routing::{get, post};
 use axum::Router;
 
 pub use api::{Limits, PutItem, ShoalApi};
-pub use error::{ApiError, Problem, PROBLEM_JSON};
-pub use kv::{parse_duration, put_options, unix_ms, value_response};
+pub use error::{ApiError, Problem, Unavailable, PROBLEM_JSON};
+pub use kv::{format_duration, parse_duration, put_options, unix_ms, value_response, MAX_EXPIRY};
 
 use axum::http::HeaderName;
 

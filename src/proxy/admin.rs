@@ -5,10 +5,10 @@ use std::time::Duration;
 
 use futures::future::join_all;
 use shoal_http_api::types::{
-    Check, ClearLost, ClusterConfig, ClusterView, LeaveOk, MapNode, MapView, MemberView, NodeFailure, NodeStats,
-    ReplicationView, TransferSummary, TransferView, TransitionView,
+    Check, ClearLost, ClusterConfig, ClusterView, LeaveOk, LostCleared, MapNode, MapView, MemberView, NodeFailure,
+    NodeStats, ReplicationView, TransferSummary, TransferView, TransitionView,
 };
-use shoal_http_api::ApiError;
+use shoal_http_api::{ApiError, Unavailable};
 use shoal_raft::{AdminRequest, AdminResponse, ClusterState, ControlError, NodeId, ReplicationMode};
 
 use super::NodeApi;
@@ -46,7 +46,7 @@ impl NodeApi {
     pub(super) async fn cluster_view(&self) -> Result<ClusterView, ApiError> {
         let state = self.control.state();
         let Some(cluster_id) = state.cluster_id.clone() else {
-            return Err(ApiError::unavailable("not_ready", "this node has not joined a cluster yet"));
+            return Err(ApiError::unavailable(Unavailable::NotReady, "this node has not joined a cluster yet"));
         };
         let raft = self.control.raft_metrics();
         let voters: Vec<NodeId> = raft.membership_config.membership().voter_ids().collect();
@@ -104,7 +104,7 @@ impl NodeApi {
     pub(super) fn map_view(&self) -> Result<MapView, ApiError> {
         let state = self.control.state();
         if state.map.is_empty() {
-            return Err(ApiError::unavailable("not_ready", "this node has not joined a cluster yet"));
+            return Err(ApiError::unavailable(Unavailable::NotReady, "this node has not joined a cluster yet"));
         }
         let nodes = state
             .members
@@ -260,13 +260,23 @@ impl NodeApi {
         Ok(ClusterConfig { replication: mode.to_string() })
     }
 
-    pub(super) async fn acknowledge_lost(&self, clear: ClearLost) -> Result<ClearLost, ApiError> {
+    pub(super) async fn acknowledge_lost(&self, clear: ClearLost) -> Result<LostCleared, ApiError> {
         if let Some(b) = clear.buckets.iter().find(|&&b| usize::from(b) >= shoal_raft::BUCKET_COUNT) {
             return Err(ApiError::BadRequest(format!("no bucket {b}: buckets are 0-999")));
         }
-        let buckets = clear.buckets.clone();
-        self.control.admin(AdminRequest::ClearLost { buckets }).await.map_err(control_error)?;
-        Ok(clear)
+        match self.control.admin(AdminRequest::ClearLost { buckets: clear.buckets }).await.map_err(control_error)? {
+            AdminResponse::Cleared { buckets } => {
+                if !buckets.is_empty() {
+                    tracing::warn!(
+                        count = buckets.len(),
+                        ?buckets,
+                        "lost buckets acknowledged: they serve again, empty"
+                    );
+                }
+                Ok(LostCleared { cleared: buckets })
+            }
+            other => Err(ApiError::Internal(format!("unexpected answer to clear lost: {other:?}"))),
+        }
     }
 }
 
@@ -285,11 +295,11 @@ fn control_error(e: ControlError) -> ApiError {
     match e {
         ControlError::Rejected { reason } => ApiError::Conflict(reason),
         ControlError::MembershipChangeInProgress { reason } => ApiError::MembershipChangeInProgress(reason),
-        ControlError::NoLeader { detail } => ApiError::unavailable("no_leader", detail),
+        ControlError::NoLeader { detail } => ApiError::unavailable(Unavailable::NoLeader, detail),
         ControlError::NotLeader { .. } | ControlError::ChangeInProgress | ControlError::Network { .. } => {
-            ApiError::unavailable("unavailable", e.to_string())
+            ApiError::unavailable(Unavailable::Unavailable, e.to_string())
         }
-        ControlError::Timeout { what } => ApiError::unavailable("unavailable", format!("timed out: {what}")),
+        ControlError::Timeout { what } => ApiError::unavailable(Unavailable::Unavailable, format!("timed out: {what}")),
         ControlError::Fatal { detail } => ApiError::Internal(detail),
     }
 }

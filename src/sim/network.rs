@@ -27,7 +27,7 @@ use parking_lot::Mutex;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use shoal_http_api::types::KeyError;
-use shoal_http_api::ApiError;
+use shoal_http_api::{ApiError, Unavailable};
 use shoal_raft::{BoxFuture, ControlRpc, ControlTransport, NodeId, ServeError, TransportError};
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
@@ -362,7 +362,7 @@ impl Transport for SimTransport {
                 // A forwarded request that arrives after its sender gave up is refused, unapplied.
                 if deadline.is_some_and(|d| Instant::now() > d) {
                     let expired = "the forwarded request arrived after its deadline; nothing was done";
-                    return Err(CallError::Api(ApiError::unavailable("expired", expired)));
+                    return Err(CallError::Api(ApiError::unavailable(Unavailable::Expired, expired)));
                 }
                 service.serve(request).await
             };

@@ -24,8 +24,8 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use shoal_http_api::types::{BulkKeys, BulkPut, BulkPutItem, BulkResults, GetOk, KeyError, KeyResult, WriteCondition};
 use shoal_http_api::{
-    ApiError, Problem, PutItem, HEADER_BUCKET, HEADER_FORWARDED_MAP_VERSION, HEADER_FORWARD_DEADLINE, HEADER_NODE,
-    HEADER_SCOPE,
+    ApiError, Problem, PutItem, Unavailable, HEADER_BUCKET, HEADER_FORWARDED_MAP_VERSION, HEADER_FORWARD_DEADLINE,
+    HEADER_NODE, HEADER_SCOPE,
 };
 use shoal_raft::{BoxFuture, ControlRpc, ControlTransport, NodeId, TransportError};
 
@@ -456,7 +456,10 @@ fn error_of(answer: &Answer, api_addr: &str) -> ApiError {
             ApiError::from_problem(&problem, retry_after.map(Duration::from_secs))
         }
         _ if answer.status == StatusCode::NOT_FOUND => ApiError::NotFound,
-        _ => ApiError::unavailable("owner_unreachable", format!("node at {api_addr} answered {}", answer.status)),
+        _ => ApiError::unavailable(
+            Unavailable::OwnerUnreachable,
+            format!("node at {api_addr} answered {}", answer.status),
+        ),
     }
 }
 
@@ -499,10 +502,10 @@ fn put_query(item: &PutItem) -> Vec<(&'static str, String)> {
     let o = &item.options;
     let mut q = Vec::new();
     if let Some(ttl) = o.ttl {
-        q.push(("ttl", format!("{}ms", ttl.as_millis())));
+        q.push(("ttl", shoal_http_api::format_duration(ttl)));
     }
     if let Some(sliding) = o.sliding {
-        q.push(("sliding", format!("{}ms", sliding.as_millis())));
+        q.push(("sliding", shoal_http_api::format_duration(sliding)));
     }
     if !o.tags.is_empty() {
         q.push(("tags", o.tags.join(",")));
@@ -533,8 +536,8 @@ fn bulk_item(item: &PutItem) -> BulkPutItem {
         key: item.key.clone(),
         value,
         value_base64,
-        ttl: o.ttl.map(|d| format!("{}ms", d.as_millis())),
-        sliding: o.sliding.map(|d| format!("{}ms", d.as_millis())),
+        ttl: o.ttl.map(shoal_http_api::format_duration),
+        sliding: o.sliding.map(shoal_http_api::format_duration),
         tags: o.tags.clone(),
         cas,
         mode,

@@ -85,6 +85,26 @@ async fn sync_writes_are_in_the_replica_before_the_answer_and_deletes_follow() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn values_and_buckets_larger_than_two_megabytes_reach_the_replica() {
+    let mut c = TestCluster::start_with(1, |config| config.max_value_bytes = 4 << 20).await;
+    // One bucket (a shared tag) of about 9 MiB, written before the replica holder exists:
+    // it is sent whole, as a snapshot.
+    let big = "b".repeat(3 << 20);
+    for i in 0..3 {
+        let r = c.http.put(c.url(0, &format!("/v1/kv/{{huge}}{i}"))).body(big.clone()).send().await.expect("put");
+        assert_eq!(r.status(), 200);
+    }
+    c.add_node().await;
+    c.wait_for_counts(&[500, 500]).await;
+    wait_all_attached(&c).await;
+    // A sync write of a 3 MiB value, whoever owns its bucket.
+    let r = c.http.put(c.url(1, "/v1/kv/one-big-value")).body(big.clone()).send().await.expect("put");
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
+    assert_eq!(replica_items(&c).await, 4, "every item is in a replica");
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn async_mode_is_a_runtime_setting_and_replicas_catch_up() {
     let c = TestCluster::start(2).await;
     let r = c.http.put(c.url(1, "/v1/cluster/config")).body(r#"{"replication":"async"}"#).send().await.expect("put");
@@ -219,6 +239,29 @@ async fn a_draining_node_is_unready_and_acknowledges_no_write() {
     assert_eq!(r.status(), 503);
     let problem: Value = r.json().await.expect("json");
     assert_eq!(problem["code"], "node_draining", "{problem}");
+    // Through the other node, its refusal reaches the client unchanged, alone and in a bulk.
+    let map = c.json(0, "/v1/cluster/map").await;
+    let key = (0..)
+        .map(|i| format!("drained-{i}"))
+        .find(|k| map["owners"][shoal_raft::bucket_of(k.as_bytes()).0 as usize].as_u64() == Some(c.id(1)))
+        .expect("a key of node 1");
+    let r = c.http.put(c.url(0, &format!("/v1/kv/{key}"))).body("v").send().await.expect("put");
+    assert_eq!(
+        (r.status().as_u16(), r.headers().get("retry-after").map(|v| v.as_bytes().to_vec())),
+        (503, Some(b"1".to_vec()))
+    );
+    assert_eq!(r.headers().get("content-type").map(|v| v.as_bytes()), Some(&b"application/problem+json"[..]));
+    let forwarded: Value = r.json().await.expect("json");
+    assert_eq!((&forwarded["code"], &forwarded["detail"]), (&problem["code"], &problem["detail"]), "{forwarded}");
+    let bulk = serde_json::json!({"items": [{"key": key, "value": "v"}]});
+    let r = c.http.post(c.url(0, "/v1/bulk/put")).json(&bulk).send().await.expect("bulk");
+    let answer: Value = r.json().await.expect("json");
+    let e = &answer["results"][0]["error"];
+    assert_eq!(
+        (&e["status"], &e["code"], &e["retry_after"]),
+        (&Value::from(503), &problem["code"], &Value::from(1)),
+        "{answer}"
+    );
     c.stop(1).await;
     c.shutdown().await;
 }

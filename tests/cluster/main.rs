@@ -1,6 +1,7 @@
 //! Cluster tests: real nodes (in this process, or as processes where a signal is the point)
 //! with real HTTP on loopback ports the OS picks and real sled in temp dirs.
 
+mod answers;
 mod crash;
 mod failover;
 mod faults;

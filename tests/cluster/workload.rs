@@ -53,7 +53,7 @@ pub struct Workload {
 }
 
 /// What the writers saw of the cluster's availability.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct Outages {
     /// Writes acknowledged.
     pub acked: u64,
@@ -61,6 +61,35 @@ pub struct Outages {
     pub failed: u64,
     /// The longest time one writer went from its first failed write to its next success.
     pub longest: Duration,
+    /// Refusals that were not honest: a 500, a 503 without `Retry-After`, or an error that is
+    /// not a problem document (the first few, then only counted).
+    pub dishonest: Vec<String>,
+    /// Refusals by status and code (`503 no_quorum`).
+    pub refusals: std::collections::BTreeMap<String, u64>,
+}
+
+/// Why an error answer is not one a client can act on, if it is not: every error is a
+/// problem document with a code, a 500 is a bug, and every 503 says when to retry.
+pub fn dishonesty(status: u16, content_type: Option<&str>, retry_after: bool, body: &[u8]) -> Option<String> {
+    let problem: Option<Value> =
+        (content_type == Some("application/problem+json")).then(|| serde_json::from_slice(body).ok()).flatten();
+    let code = problem.as_ref().and_then(|p| p["code"].as_str().map(str::to_string));
+    match (status, code) {
+        (_, None) => Some(format!("{status} without a problem document: {}", String::from_utf8_lossy(body))),
+        (500, Some(code)) => Some(format!("500 {code}")),
+        (503, Some(code)) if !retry_after => Some(format!("503 {code} without Retry-After")),
+        _ => None,
+    }
+}
+
+/// The status and code of an error answer, and whether it was honest; reads the body.
+pub async fn refusal_of(r: reqwest::Response) -> (String, Option<String>) {
+    let status = r.status().as_u16();
+    let content_type = r.headers().get("content-type").and_then(|v| v.to_str().ok()).map(str::to_string);
+    let retry_after = r.headers().contains_key("retry-after");
+    let body = r.bytes().await.unwrap_or_default();
+    let code = serde_json::from_slice::<Value>(&body).ok().and_then(|p| p["code"].as_str().map(str::to_string));
+    (format!("{status} {}", code.unwrap_or_default()), dishonesty(status, content_type.as_deref(), retry_after, &body))
 }
 
 /// One read a reader made, with what the writers had acknowledged when it began.
@@ -113,6 +142,7 @@ impl Workload {
     fn reader(&self, id: usize) -> impl std::future::Future<Output = ()> + Send + 'static {
         let (targets, stop, history, reads) =
             (self.targets.clone(), self.stop.clone(), self.history.clone(), self.reads.clone());
+        let outages = self.outages.clone();
         async move {
             let http = reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(5)).build().expect("client");
             let mut rng = rand::rngs::SmallRng::seed_from_u64(1000 + id as u64);
@@ -142,7 +172,16 @@ impl Workload {
                         r.text().await.ok().map(|body| body.rsplit(':').next().and_then(|s| s.parse().ok()))
                     }
                     Ok(r) if r.status().as_u16() == 404 => Some(None),
-                    _ => None,
+                    Ok(r) => {
+                        let (what, dishonest) = refusal_of(r).await;
+                        let mut o = outages.lock();
+                        *o.refusals.entry(format!("read {what}")).or_default() += 1;
+                        if let Some(d) = dishonest.filter(|_| o.dishonest.len() < 20) {
+                            o.dishonest.push(format!("read via {via}: {d}"));
+                        }
+                        None
+                    }
+                    Err(_) => None,
                 };
                 let Some(seen) = answer else {
                     // Refused or unreachable: not a read; a moment before the next.
@@ -156,7 +195,7 @@ impl Workload {
 
     /// What the writers saw of availability so far.
     pub fn outages(&self) -> Outages {
-        *self.outages.lock()
+        self.outages.lock().clone()
     }
 
     /// The reads made so far.
@@ -198,14 +237,20 @@ impl Workload {
                 // Recorded before it is sent: a reader may see it land before the answer.
                 history.lock().entry(key.clone()).or_default().written.push(seq);
                 let sent = std::time::Instant::now();
-                let ok = http
-                    .put(format!("http://{target}/v1/kv/{key}"))
-                    .body(format!("w{id}:{seq}"))
-                    .send()
-                    .await
-                    .is_ok_and(|r| r.status() == 200);
+                let answer = http.put(format!("http://{target}/v1/kv/{key}")).body(format!("w{id}:{seq}")).send().await;
+                let ok = answer.as_ref().is_ok_and(|r| r.status() == 200);
+                let refusal = match answer {
+                    Ok(r) if !ok => Some(refusal_of(r).await),
+                    _ => None,
+                };
                 {
                     let mut o = outages.lock();
+                    if let Some((what, dishonest)) = refusal {
+                        *o.refusals.entry(what).or_default() += 1;
+                        if let Some(d) = dishonest.filter(|_| o.dishonest.len() < 20) {
+                            o.dishonest.push(format!("via {target}: {d}"));
+                        }
+                    }
                     if ok {
                         o.acked += 1;
                         if let Some(since) = failing_since.take() {
@@ -253,7 +298,8 @@ impl Workload {
         self.paused.store(false, Ordering::Release);
     }
 
-    /// Stops the writers; returns how many writes they sent.
+    /// Stops the writers; returns how many writes they sent. Panics if any refusal was not
+    /// honest (see [`dishonesty`]).
     pub async fn stop(self) -> u64 {
         self.stop.store(true, Ordering::Relaxed);
         self.paused.store(false, Ordering::Release);
@@ -264,6 +310,14 @@ impl Workload {
         for r in self.readers {
             let _ = r.await;
         }
+        let o = self.outages.lock().clone();
+        assert!(
+            o.dishonest.is_empty(),
+            "refusals a client cannot act on: {:?} (all refusals: {:?})",
+            o.dishonest,
+            o.refusals
+        );
+        eprintln!("refusals the writers saw: {:?}", o.refusals);
         total
     }
 }

@@ -1,0 +1,248 @@
+//! What clients are told when a node cannot serve: the owner's refusal reaches them unchanged
+//! through any node, single and bulk, with `Retry-After` on every 503 and never a 500.
+//! Real processes, because kill -9 and restarts are the point.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::harness::wait_for;
+use crate::process::NodeProcess;
+use crate::workload::{dishonesty, refusal_of};
+
+const FAST: [&str; 6] = ["--replication", "sync", "--ping-interval", "200ms", "--node-timeout", "1s"];
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(15)).build().expect("client")
+}
+
+async fn view(http: &reqwest::Client, addr: &str) -> Option<Value> {
+    http.get(format!("http://{addr}/v1/cluster")).send().await.ok()?.json().await.ok()
+}
+
+/// The member id of the node at `api`.
+async fn id_of(http: &reqwest::Client, via: &str, api: &str) -> u64 {
+    let v = view(http, via).await.expect("view");
+    v["members"].as_array().expect("members").iter().find(|m| m["api_addr"] == api).expect("a member")["id"]
+        .as_u64()
+        .expect("id")
+}
+
+/// `n` keys whose bucket `owner` owns in the map `via` answers.
+async fn keys_of(http: &reqwest::Client, via: &str, owner: u64, n: usize) -> Vec<String> {
+    let map: Value =
+        http.get(format!("http://{via}/v1/cluster/map")).send().await.expect("map").json().await.expect("json");
+    let keys: Vec<String> = (0..100_000)
+        .map(|i| format!("k{i}"))
+        .filter(|k| map["owners"][shoal_raft::bucket_of(k.as_bytes()).0 as usize].as_u64() == Some(owner))
+        .take(n)
+        .collect();
+    assert_eq!(keys.len(), n, "keys of node {owner}");
+    keys
+}
+
+/// Waits until the node at `addr` sees `members` members, settled, every replica attached.
+async fn settled(http: &reqwest::Client, addr: &str, members: usize) {
+    wait_for(&format!("{addr} to see {members} settled members"), || async {
+        let v = view(http, addr).await?;
+        let n = v["members"].as_array()?.len();
+        let r = &v["replication"];
+        let calm = v["transition"].is_null() && v["transfer"].is_null() && v["leader"].is_u64();
+        (n == members && calm && r["attached_buckets"] == r["owned_buckets"]).then_some(())
+    })
+    .await;
+}
+
+/// One refusal as the client saw it: status, code and `Retry-After` seconds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Seen {
+    status: u16,
+    code: String,
+    retry_after: Option<u64>,
+}
+
+/// A single PUT of `key` through `via`: `None` when it was acknowledged.
+async fn put_one(http: &reqwest::Client, via: &str, key: &str) -> Option<Seen> {
+    let r = http.put(format!("http://{via}/v1/kv/{key}")).body("v").send().await.expect("an answer");
+    if r.status() == 200 {
+        return None;
+    }
+    let status = r.status().as_u16();
+    let retry_after = r.headers().get("retry-after").and_then(|v| v.to_str().ok()?.parse().ok());
+    let content_type = r.headers().get("content-type").and_then(|v| v.to_str().ok()).map(str::to_string);
+    let body = r.bytes().await.expect("body");
+    assert_eq!(dishonesty(status, content_type.as_deref(), retry_after.is_some(), &body), None, "{key} via {via}");
+    let p: Value = serde_json::from_slice(&body).expect("problem");
+    Some(Seen { status, code: p["code"].as_str().expect("code").to_string(), retry_after })
+}
+
+/// A bulk PUT of `keys` through `via`: each key's refusal (`None`: acknowledged). A node
+/// that takes no write at all refuses the whole request: that refusal is every key's.
+async fn put_bulk(http: &reqwest::Client, via: &str, keys: &[String]) -> Vec<Option<Seen>> {
+    let items: Vec<Value> = keys.iter().map(|k| json!({"key": k, "value": "v"})).collect();
+    let r =
+        http.post(format!("http://{via}/v1/bulk/put")).json(&json!({ "items": items })).send().await.expect("answer");
+    if r.status() != 200 {
+        let status = r.status().as_u16();
+        let retry_after = r.headers().get("retry-after").and_then(|v| v.to_str().ok()?.parse().ok());
+        let content_type = r.headers().get("content-type").and_then(|v| v.to_str().ok()).map(str::to_string);
+        let body = r.bytes().await.expect("body");
+        assert_eq!(dishonesty(status, content_type.as_deref(), retry_after.is_some(), &body), None, "bulk via {via}");
+        let p: Value = serde_json::from_slice(&body).expect("problem");
+        let seen = Seen { status, code: p["code"].as_str().expect("code").to_string(), retry_after };
+        return vec![Some(seen); keys.len()];
+    }
+    let body: Value = r.json().await.expect("json");
+    let results = body["results"].as_array().expect("results");
+    assert_eq!(results.len(), keys.len());
+    results
+        .iter()
+        .map(|item| {
+            let e = item.get("error").filter(|e| !e.is_null())?;
+            Some(Seen {
+                status: e["status"].as_u64().expect("status") as u16,
+                code: e["code"].as_str().expect("code").to_string(),
+                retry_after: e["retry_after"].as_u64(),
+            })
+        })
+        .collect()
+}
+
+/// Asserts that every key written through `via`, alone and in a bulk, is refused with `code`,
+/// 503 and a `Retry-After`.
+async fn assert_refused(http: &reqwest::Client, via: &str, keys: &[String], code: &str) {
+    let want = Seen { status: 503, code: code.to_string(), retry_after: Some(1) };
+    for key in keys {
+        assert_eq!(put_one(http, via, key).await, Some(want.clone()), "{key} via {via}");
+    }
+    for (key, seen) in keys.iter().zip(put_bulk(http, via, keys).await) {
+        assert_eq!(seen, Some(want.clone()), "{key} in a bulk via {via}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_reach_the_client_unchanged_through_any_node_single_and_bulk() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let http = client();
+    // Five members, joined in order: b holds a's replica, c b's, d c's, e d's, a e's. a, b
+    // and c vote; failing a member takes reports from a majority of the five.
+    let a = NodeProcess::start_with(&dir.path().join("a"), &FAST);
+    let seed = a.addr.clone();
+    let join = [&FAST[..], &["--join", &seed]].concat();
+    let mut nodes = vec![a];
+    for (i, name) in ["b", "c", "d", "e"].iter().enumerate() {
+        nodes.push(NodeProcess::start_with(&dir.path().join(name), &join));
+        settled(&http, &nodes[0].addr, i + 2).await;
+    }
+    let addrs: Vec<String> = nodes.iter().map(|n| n.addr.clone()).collect();
+    let mut ids = Vec::new();
+    for addr in &addrs {
+        ids.push(id_of(&http, &addrs[0], addr).await);
+    }
+
+    // A restart of b: what a forwarder tells about b's keys meanwhile (node_draining,
+    // starting, owner_unreachable, bucket_restoring, ...) is honest, and b serves again.
+    let b_keys = keys_of(&http, &addrs[0], ids[1], 4).await;
+    let seen = {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let prober = tokio::spawn(probe(http.clone(), addrs[0].clone(), b_keys.clone(), stop.clone()));
+        tokio::task::block_in_place(|| {
+            nodes[1].stop();
+            nodes[1].restart();
+        });
+        settled(&http, &addrs[0], 5).await;
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        prober.await.expect("prober")
+    };
+    eprintln!("through a during b's restart: {seen:?}");
+    assert!(seen.keys().all(|what| !what.starts_with("dishonest")), "{seen:?}");
+    for key in &b_keys {
+        assert_eq!(put_one(&http, &addrs[2], key).await, None, "b serves {key} again");
+    }
+
+    // c and d die together: c's buckets have no copy left. Every node says bucket_lost for
+    // them, alone and in a bulk, whoever is asked (a, b and e report: a majority of five).
+    let c_keys = keys_of(&http, &addrs[0], ids[2], 4).await;
+    tokio::task::block_in_place(|| {
+        nodes[2].kill9();
+        nodes[3].kill9();
+    });
+    wait_for("c and d failed", || async {
+        let v = view(&http, &addrs[0]).await?;
+        let failed: Vec<u64> = v["failed"].as_array()?.iter().filter_map(Value::as_u64).collect();
+        (failed.contains(&ids[2]) && failed.contains(&ids[3])).then_some(())
+    })
+    .await;
+    wait_for("c's buckets lost", || async {
+        let v = view(&http, &addrs[0]).await?;
+        (!v["lost_buckets"].as_array()?.is_empty()).then_some(())
+    })
+    .await;
+    for via in [&addrs[0], &addrs[1], &addrs[4]] {
+        assert_refused(&http, via, &c_keys, "bucket_lost").await;
+    }
+
+    // b and e die too: a hears one member of three, so it acknowledges nothing: its own keys
+    // are no_quorum, and so are b's (a refuses before it would find b unreachable).
+    let a_keys = keys_of(&http, &addrs[0], ids[0], 4).await;
+    let b_keys = keys_of(&http, &addrs[0], ids[1], 4).await;
+    tokio::task::block_in_place(|| {
+        nodes[1].kill9();
+        nodes[4].kill9();
+    });
+    wait_for("a without a quorum", || async {
+        (put_one(&http, &addrs[0], &a_keys[0]).await?.code == "no_quorum").then_some(())
+    })
+    .await;
+    assert_refused(&http, &addrs[0], &a_keys, "no_quorum").await;
+    assert_refused(&http, &addrs[0], &b_keys, "no_quorum").await;
+
+    for node in &mut nodes {
+        node.kill9();
+    }
+}
+
+/// Writes `keys` through `via`, one at a time and in bulks, until `stop`; counts refusals by
+/// status and code (`dishonest ...` for any a client cannot act on).
+async fn probe(
+    http: reqwest::Client,
+    via: String,
+    keys: Vec<String>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> BTreeMap<String, u64> {
+    let mut seen = BTreeMap::new();
+    for _ in 0..100_000 {
+        if stop.load(std::sync::atomic::Ordering::Relaxed) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        for key in &keys {
+            match http.put(format!("http://{via}/v1/kv/{key}")).body("v").send().await {
+                Ok(r) if r.status() == 200 => {}
+                Ok(r) => {
+                    let (what, dishonest) = refusal_of(r).await;
+                    *seen.entry(dishonest.map(|d| format!("dishonest {d}")).unwrap_or(what)).or_default() += 1;
+                }
+                Err(e) => *seen.entry(format!("no answer: {e}")).or_default() += 1,
+            }
+        }
+        let items: Vec<Value> = keys.iter().map(|k| json!({"key": k, "value": "v"})).collect();
+        if let Ok(r) = http.post(format!("http://{via}/v1/bulk/put")).json(&json!({ "items": items })).send().await {
+            if r.status() != 200 {
+                let (what, dishonest) = refusal_of(r).await;
+                *seen
+                    .entry(dishonest.map(|d| format!("dishonest bulk {d}")).unwrap_or(format!("bulk {what}")))
+                    .or_default() += 1;
+                continue;
+            }
+            let body: Value = r.json().await.unwrap_or_default();
+            for e in body["results"].as_array().into_iter().flatten().filter_map(|i| i.get("error")) {
+                let honest = e["status"] != 500 && (e["status"] != 503 || e["retry_after"].is_u64());
+                let what = format!("bulk {} {}", e["status"], e["code"].as_str().unwrap_or_default());
+                *seen.entry(if honest { what } else { format!("dishonest {what}") }).or_default() += 1;
+            }
+        }
+    }
+    seen
+}
