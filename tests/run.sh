@@ -46,6 +46,9 @@ echo "== deploy/ manifests"
 tests/deploy/check.sh || status=$?
 echo "== metrics, rules and dashboard"
 tests/observability/check.sh || status=$?
+# The server against its own OpenAPI description (schemathesis, installed in a venv).
+echo "== API description (schemathesis)"
+tests/api/check.sh || status=$?
 
 # Fault tests (kill -9, SIGSTOP, nft partitions) run real node processes on 127.0.0.2-4 inside
 # a private network namespace: the nft rules and every packet stay in it, and it vanishes

@@ -8,8 +8,8 @@ use shoal_raft::NodeId;
 
 use crate::error::ApiError;
 use crate::types::{
-    Check, ClearLost, ClusterConfig, ClusterView, GetOk, KeyList, LeaveOk, MapView, NodeStats, PutOk, PutOptions,
-    Removed, RouteContext, Scope, TransferView,
+    Check, ClearLost, ClusterConfig, ClusterView, GetOk, KeyList, LeaveOk, LostCleared, MapView, NodeStats, PutOk,
+    PutOptions, Removed, RouteContext, Scope, TransferView,
 };
 
 /// A validated write of one item (from `PUT /v1/kv/{key}` or one entry of a bulk put).
@@ -119,7 +119,7 @@ pub trait ShoalApi: Send + Sync + 'static {
     fn set_config(&self, config: ClusterConfig) -> impl Future<Output = Result<ClusterConfig, ApiError>> + Send;
 
     /// Acknowledges lost buckets: they serve (empty) again.
-    fn clear_lost(&self, clear: ClearLost) -> impl Future<Output = Result<ClearLost, ApiError>> + Send;
+    fn clear_lost(&self, clear: ClearLost) -> impl Future<Output = Result<LostCleared, ApiError>> + Send;
 
     /// The readiness checks; ready when all pass.
     fn readiness(&self) -> Vec<Check>;

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use axum::extract::rejection::QueryRejection;
+use axum::extract::rejection::{PathRejection, QueryRejection};
 use axum::extract::{Path, Query, RawQuery, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -49,11 +49,16 @@ pub(crate) struct LeaveQuery {
 
 pub(crate) async fn leave<N: ShoalApi>(
     State(node): State<Arc<N>>,
-    Path(id): Path<String>,
+    id: Result<Path<String>, PathRejection>,
     q: Result<Query<LeaveQuery>, QueryRejection>,
 ) -> Response {
-    let Ok(id) = id.parse::<NodeId>() else {
-        return ApiError::BadRequest(format!("node id must be a number, not {id:?}")).into_response();
+    let id = match crate::kv::path(id) {
+        Ok(id) => id,
+        Err(e) => return e.into_response(),
+    };
+    let id: NodeId = match crate::kv::number("node id", &id) {
+        Ok(id) => id,
+        Err(e) => return e.into_response(),
     };
     let force = match query(q).and_then(|q| flag("force", q.force.as_deref())) {
         Ok(f) => f,
@@ -65,12 +70,19 @@ pub(crate) async fn leave<N: ShoalApi>(
     }
 }
 
-/// A JSON body, whatever its content type says (curl users forget it).
+/// A JSON object body, whatever its content type says (curl users forget it).
 fn json_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
-    serde_json::from_slice(body).map_err(|e| ApiError::BadRequest(format!("invalid JSON body: {e}")))
+    crate::kv::json_object(body)
 }
 
-pub(crate) async fn set_config<N: ShoalApi>(State(node): State<Arc<N>>, body: bytes::Bytes) -> Response {
+/// The largest body of a cluster write.
+const CLUSTER_BODY_LIMIT: usize = 64 * 1024;
+
+pub(crate) async fn set_config<N: ShoalApi>(State(node): State<Arc<N>>, body: axum::body::Body) -> Response {
+    let body = match crate::kv::read_body(body, CLUSTER_BODY_LIMIT).await {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
     let config: ClusterConfig = match json_body(&body) {
         Ok(b) => b,
         Err(e) => return e.into_response(),
@@ -81,8 +93,15 @@ pub(crate) async fn set_config<N: ShoalApi>(State(node): State<Arc<N>>, body: by
     }
 }
 
-pub(crate) async fn clear_lost<N: ShoalApi>(State(node): State<Arc<N>>, body: bytes::Bytes) -> Response {
-    let clear: ClearLost = match json_body(&body) {
+pub(crate) async fn clear_lost<N: ShoalApi>(State(node): State<Arc<N>>, body: axum::body::Body) -> Response {
+    let body = match crate::kv::read_body(body, CLUSTER_BODY_LIMIT).await {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
+    // No body at all (or `null`) means "every lost bucket", as `{}` does.
+    let empty = body.iter().all(u8::is_ascii_whitespace) || body.trim_ascii() == b"null";
+    let body: &[u8] = if empty { b"{}" } else { &body };
+    let clear: ClearLost = match json_body(body) {
         Ok(b) => b,
         Err(e) => return e.into_response(),
     };
@@ -102,9 +121,19 @@ pub(crate) async fn livez<N: ShoalApi>(State(node): State<Arc<N>>) -> Response {
 
 /// 200 when every readiness check passes, 503 otherwise; `?verbose` lists the checks.
 pub(crate) async fn readyz<N: ShoalApi>(State(node): State<Arc<N>>, RawQuery(q): RawQuery) -> Response {
+    // `?verbose` (Kubernetes' spelling), `?verbose=`, `=true` or `=1` list the checks.
+    let mut verbose = false;
+    for p in q.as_deref().unwrap_or("").split('&').filter(|p| *p == "verbose" || p.starts_with("verbose=")) {
+        verbose = match p.strip_prefix("verbose").unwrap_or("").trim_start_matches('=') {
+            "" | "true" | "1" => true,
+            "false" | "0" => false,
+            other => {
+                return ApiError::BadRequest(format!("verbose must be true or false, not {other:?}")).into_response();
+            }
+        };
+    }
     let checks = node.readiness();
     let ready = checks.iter().all(|c| c.ok);
-    let verbose = q.is_some_and(|q| q.split('&').any(|p| p == "verbose" || p.starts_with("verbose=")));
     let mut body = String::new();
     if verbose {
         for c in &checks {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::extract::rejection::QueryRejection;
+use axum::extract::rejection::{PathRejection, QueryRejection};
 use axum::extract::{Path, Query, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
@@ -19,7 +19,7 @@ use serde::Deserialize;
 use shoal_raft::bucket_of;
 
 use crate::api::{Limits, PutItem, ShoalApi};
-use crate::error::ApiError;
+use crate::error::{ApiError, Unavailable};
 use crate::json;
 use crate::types::{
     BulkKeys, BulkPut, BulkPutItem, BulkResults, GetOk, KeyError, KeyResult, PutOptions, RouteContext, Scope,
@@ -66,6 +66,12 @@ pub(crate) struct ListQuery {
 const DEFAULT_LIST_LIMIT: usize = 1000;
 const MAX_LIST_LIMIT: usize = 100_000;
 
+/// A path parameter, or the 400 problem document for one that is not valid (for example, a
+/// key that is not UTF-8 once percent-decoded).
+pub(crate) fn path<T>(p: Result<Path<T>, PathRejection>) -> Result<T, ApiError> {
+    p.map(|Path(v)| v).map_err(|e| ApiError::BadRequest(format!("invalid path: {}", e.body_text())))
+}
+
 pub(crate) fn query<T: Default>(q: Result<Query<T>, QueryRejection>) -> Result<T, ApiError> {
     q.map(|Query(q)| q).map_err(|e| ApiError::BadRequest(format!("invalid query: {}", e.body_text())))
 }
@@ -73,22 +79,51 @@ pub(crate) fn query<T: Default>(q: Result<Query<T>, QueryRejection>) -> Result<T
 pub(crate) fn flag(name: &str, value: Option<&str>) -> Result<bool, ApiError> {
     match value {
         None | Some("false") | Some("0") => Ok(false),
-        Some("") | Some("true") | Some("1") => Ok(true),
+        Some("true") | Some("1") => Ok(true),
         Some(other) => Err(ApiError::BadRequest(format!("{name} must be true or false, not {other:?}"))),
     }
 }
 
-/// Parses `30s`, `5m`, `1h30m` (humantime) or a bare number of seconds.
+/// A whole number written as decimal digits only (no sign, no spaces).
+pub(crate) fn number<T: std::str::FromStr>(name: &str, text: &str) -> Result<T, ApiError> {
+    let digits = !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit());
+    digits
+        .then(|| text.parse().ok())
+        .flatten()
+        .ok_or_else(|| ApiError::BadRequest(format!("{name} must be a whole number, not {text:?}")))
+}
+
+/// The longest `ttl` or `sliding`: 100 years (36,525 days).
+pub const MAX_EXPIRY: Duration = Duration::from_secs(36_525 * 86_400);
+
+/// The units of a `ttl` or `sliding`, in milliseconds (no unit: seconds).
+pub const DURATION_UNITS: [(&str, u64); 5] =
+    [("ms", 1), ("s", 1000), ("m", 60_000), ("h", 3_600_000), ("d", 86_400_000)];
+
+/// Parses a `ttl` or `sliding`: a whole number without leading zeros and an optional unit
+/// (`ms`, `s`, `m`, `h`, `d`; none: seconds), from 1 ms to [`MAX_EXPIRY`]. Every accepted
+/// value is a whole number of milliseconds, which [`format_duration`] writes back exactly.
 pub fn parse_duration(name: &str, text: &str) -> Result<Duration, ApiError> {
-    let d = match text.parse::<u64>() {
-        Ok(secs) => Duration::from_secs(secs),
-        Err(_) => humantime::parse_duration(text)
-            .map_err(|e| ApiError::BadRequest(format!("{name}={text:?} is not a duration (30s, 5m, 2h): {e}")))?,
+    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    let (digits, unit) = text.split_at(split);
+    let factor =
+        if unit.is_empty() { Some(1000) } else { DURATION_UNITS.iter().find(|(u, _)| *u == unit).map(|u| u.1) };
+    let (Some(factor), false, false) = (factor, digits.is_empty(), digits.starts_with('0')) else {
+        return Err(ApiError::BadRequest(format!(
+            "{name}={text:?} is not a duration: a positive whole number and a unit, ms, s, m, h or d (30s, 5m, 2h; no unit: seconds)"
+        )));
     };
-    if d.is_zero() {
-        return Err(ApiError::BadRequest(format!("{name} must be positive")));
+    let ms = digits.parse::<u64>().ok().and_then(|n| n.checked_mul(factor)).unwrap_or(u64::MAX);
+    if ms > MAX_EXPIRY.as_millis() as u64 {
+        return Err(ApiError::BadRequest(format!("{name}={text:?} is longer than 100 years")));
     }
-    Ok(d)
+    Ok(Duration::from_millis(ms))
+}
+
+/// A duration as [`parse_duration`] reads it back exactly (a forwarder passes the client's
+/// options on in this form).
+pub fn format_duration(d: Duration) -> String {
+    format!("{}ms", d.as_millis())
 }
 
 /// Builds validated write options from the textual parameters (query or bulk item).
@@ -104,8 +139,8 @@ pub fn put_options(
     if ttl.is_some() && sliding.is_some() {
         return Err(ApiError::BadRequest("ttl and sliding cannot be combined".into()));
     }
-    if let Some(t) = tags.iter().find(|t| t.is_empty() || t.len() > 256) {
-        return Err(ApiError::BadRequest(format!("tag {t:?} must be 1 to 256 bytes")));
+    if let Some(t) = tags.iter().find(|t| t.is_empty() || t.chars().count() > 256) {
+        return Err(ApiError::BadRequest(format!("tag {t:?} must be 1 to 256 characters")));
     }
     let condition = match (cas, mode) {
         (Some(_), Some(_)) => return Err(ApiError::BadRequest("cas and mode cannot be combined".into())),
@@ -122,12 +157,12 @@ pub fn put_options(
 }
 
 fn parse_cas(text: Option<&str>) -> Result<Option<u64>, ApiError> {
-    text.map(|t| t.parse::<u64>().map_err(|_| ApiError::BadRequest(format!("cas must be a version number, not {t:?}"))))
-        .transpose()
+    text.map(|t| number("cas", t)).transpose()
 }
 
+/// The tags of `tags=a,b`, each exactly as written between the commas.
 fn split_tags(text: Option<&str>) -> Vec<String> {
-    text.map(|t| t.split(',').map(|s| s.trim().to_string()).collect()).unwrap_or_default()
+    text.map(|t| t.split(',').map(str::to_string).collect()).unwrap_or_default()
 }
 
 pub(crate) fn check_key(key: &str, limits: &Limits) -> Result<(), ApiError> {
@@ -153,7 +188,7 @@ fn route_context(headers: &HeaderMap, redirect: Option<&str>) -> Result<RouteCon
     let deadline = headers.get(HEADER_FORWARD_DEADLINE).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
     if deadline.is_some_and(|d| unix_ms() > d) {
         return Err(ApiError::unavailable(
-            "expired",
+            Unavailable::Expired,
             "the forwarded request arrived after its deadline; nothing was done",
         ));
     }
@@ -238,13 +273,14 @@ fn query_of<T: Default + serde::de::DeserializeOwned>(uri: &Uri) -> Result<T, Ap
 
 pub(crate) async fn get_key<N: ShoalApi>(
     State(node): State<Arc<N>>,
-    Path(key): Path<String>,
+    key: Result<Path<String>, PathRejection>,
     request: Request,
 ) -> Response {
     // Parts, not the request: the body type is not Sync, so a borrowed request cannot be
     // held across an await.
     let (parts, _) = request.into_parts();
     let result = async {
+        let key = path(key)?;
         let q: GetQuery = query_of(&parts.uri)?;
         check_key(&key, &node.limits())?;
         let ctx = route_context(&parts.headers, q.redirect.as_deref())?;
@@ -256,11 +292,12 @@ pub(crate) async fn get_key<N: ShoalApi>(
 
 pub(crate) async fn put_key<N: ShoalApi>(
     State(node): State<Arc<N>>,
-    Path(key): Path<String>,
+    key: Result<Path<String>, PathRejection>,
     request: Request,
 ) -> Response {
     let (parts, body) = request.into_parts();
     let result = async {
+        let key = path(key)?;
         let q: PutQuery = query_of(&parts.uri)?;
         let limits = node.limits();
         check_key(&key, &limits)?;
@@ -278,13 +315,14 @@ pub(crate) async fn put_key<N: ShoalApi>(
 
 pub(crate) async fn delete_key<N: ShoalApi>(
     State(node): State<Arc<N>>,
-    Path(key): Path<String>,
+    key: Result<Path<String>, PathRejection>,
     request: Request,
 ) -> Response {
     // Parts, not the request: the body type is not Sync, so a borrowed request cannot be
     // held across an await.
     let (parts, _) = request.into_parts();
     let result = async {
+        let key = path(key)?;
         let q: DeleteQuery = query_of(&parts.uri)?;
         check_key(&key, &node.limits())?;
         let cas = parse_cas(q.cas.as_deref())?;
@@ -310,8 +348,15 @@ pub(crate) async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiErro
 }
 
 async fn read_json<T: DeserializeOwned>(body: Body, limit: usize) -> Result<T, ApiError> {
-    let bytes = read_body(body, limit).await?;
-    serde_json::from_slice(&bytes).map_err(|e| ApiError::BadRequest(format!("invalid JSON body: {e}")))
+    json_object(&read_body(body, limit).await?)
+}
+
+/// A JSON object body (whatever its content type says: curl users forget it); an array, even
+/// one serde could read as the same struct, is refused.
+pub(crate) fn json_object<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice::<crate::de::Object<T>>(body)
+        .map(|o| o.0)
+        .map_err(|e| ApiError::BadRequest(format!("invalid JSON body: {e}")))
 }
 
 /// The body limit of bulk requests: room for a full batch of small items, or one big value.
@@ -464,7 +509,7 @@ pub(crate) async fn bulk_delete<N: ShoalApi>(State(node): State<Arc<N>>, headers
 fn list_limit(text: Option<&str>) -> Result<usize, ApiError> {
     match text {
         None => Ok(DEFAULT_LIST_LIMIT),
-        Some(t) => match t.parse::<usize>() {
+        Some(t) => match number::<usize>("limit", t) {
             Ok(n) if (1..=MAX_LIST_LIMIT).contains(&n) => Ok(n),
             _ => Err(ApiError::BadRequest(format!("limit must be 1 to {MAX_LIST_LIMIT}, not {t:?}"))),
         },
@@ -487,11 +532,12 @@ pub(crate) async fn list_keys<N: ShoalApi>(
 
 pub(crate) async fn get_tag<N: ShoalApi>(
     State(node): State<Arc<N>>,
-    Path(tag): Path<String>,
+    tag: Result<Path<String>, PathRejection>,
     q: Result<Query<ListQuery>, QueryRejection>,
     headers: HeaderMap,
 ) -> Response {
     let result = async {
+        let tag = path(tag)?;
         let q = query(q)?;
         if q.prefix.is_some() {
             return Err(ApiError::BadRequest("prefix is not a parameter of tag queries".into()));
@@ -505,9 +551,13 @@ pub(crate) async fn get_tag<N: ShoalApi>(
 
 pub(crate) async fn delete_tag<N: ShoalApi>(
     State(node): State<Arc<N>>,
-    Path(tag): Path<String>,
+    tag: Result<Path<String>, PathRejection>,
     headers: HeaderMap,
 ) -> Response {
+    let tag = match path(tag) {
+        Ok(tag) => tag,
+        Err(e) => return e.into_response(),
+    };
     match node.remove_tagged(tag, scope(&headers)).await {
         Ok(removed) if removed.incomplete => (StatusCode::BAD_GATEWAY, Json(removed)).into_response(),
         Ok(removed) => Json(removed).into_response(),

@@ -8,6 +8,7 @@
 
 #![allow(dead_code)]
 
+use serde_json::{json, Value};
 use utoipa::OpenApi;
 
 use crate::error::Problem;
@@ -29,7 +30,7 @@ use crate::types::*;
     components(schemas(
         Problem, PutOk, BulkKeys, BulkPut, BulkPutItem, BulkResults, KeyResult, KeyError, KeyList, FoundKey,
         NodeFailure, Removed, ClusterView, MemberView, TransitionView, TransferSummary, TransferView, TransferStatus, MapView, MapNode, NodeStats, LeaveOk,
-        PeerHealth, ReplicationView, ClusterConfig, ClearLost
+        PeerHealth, ReplicationView, ClusterConfig, ClearLost, LostCleared
     )),
     tags(
         (name = "keys", description = "Key operations, served by the owner of the key's bucket (any node forwards)"),
@@ -41,7 +42,137 @@ pub struct ApiDoc;
 
 /// The document as JSON.
 pub fn document() -> String {
-    ApiDoc::openapi().to_pretty_json().unwrap_or_default()
+    let mut doc = serde_json::to_value(ApiDoc::openapi()).unwrap_or_default();
+    complete(&mut doc);
+    serde_json::to_string_pretty(&doc).unwrap_or_default()
+}
+
+/// Paths that answer whatever state the node is in (no 503 from the cluster).
+const OPERATIONS_PATHS: [&str; 4] = ["/livez", "/readyz", "/metrics", "/openapi.json"];
+
+fn problem_response(description: &str) -> Value {
+    json!({
+        "description": description,
+        "content": {"application/problem+json": {"schema": {"$ref": "#/components/schemas/Problem"}}}
+    })
+}
+
+/// What every operation shares, added once here rather than on each of them: the 400 of an
+/// operation with input, the 503 (with `Retry-After`) of one that needs the cluster, the 401
+/// and the admin token of cluster writes, the 413 of bodies over their limit; and the exact
+/// grammar of the parameters the server checks by hand (durations, tags, numbers), so that a
+/// value the description allows is one the server takes.
+fn complete(doc: &mut Value) {
+    let ttl = json!({"type": "string", "pattern": duration_pattern()});
+    doc["components"]["securitySchemes"] = json!({
+        "admin_token": {"type": "http", "scheme": "bearer", "description": "`--admin-token`, when the node has one"}
+    });
+    // A bulk item's options are checked item by item: a bad one fails that key alone (in the
+    // 200 answer), so the body's schema takes any string for them.
+    let schemas = &mut doc["components"]["schemas"];
+    schemas["BulkPutItem"]["properties"]["cas"] =
+        json!({"type": ["integer", "null"], "minimum": 0, "maximum": u64::MAX});
+    schemas["ClusterConfig"]["properties"]["replication"] = json!({"type": "string", "enum": ["sync", "async"]});
+    schemas["ClearLost"]["properties"]["buckets"]["items"] = json!({"type": "integer", "minimum": 0, "maximum": 999});
+    let Some(paths) = doc["paths"].as_object_mut() else { return };
+    for (path, item) in paths.iter_mut() {
+        let Some(item) = item.as_object_mut() else { continue };
+        for (method, op) in item.iter_mut() {
+            let input = op["parameters"].as_array().is_some_and(|p| !p.is_empty()) || op.get("requestBody").is_some();
+            let cluster_write = method != "get" && path.starts_with("/v1/cluster");
+            let key = path == "/v1/kv/{key}";
+            let mut responses = op["responses"].take();
+            let mut add = |status: &str, description: &str| {
+                if responses.get(status).is_none() {
+                    responses[status] = problem_response(description);
+                }
+            };
+            if input {
+                add("400", "bad_request: a parameter or the body is not valid");
+            }
+            if !OPERATIONS_PATHS.contains(&path.as_str()) {
+                add("503", "The node cannot serve now (see the code); retry after Retry-After");
+            }
+            if cluster_write {
+                add("401", "admin_token_required: the node has an admin token and the request did not carry it");
+                add("409", "conflict or membership_change_in_progress");
+                add("413", "value_too_large: the body is over 64 KiB");
+            }
+            if key || path.starts_with("/v1/bulk/") {
+                add("413", "key_too_large, value_too_large (or a bulk body over its limit)");
+            }
+            if key && method != "get" {
+                add("412", "precondition_failed");
+                if responses.get("307").is_none() {
+                    responses["307"] = json!({"description": "redirect=true: the owner's URL in Location"});
+                }
+            }
+            op["responses"] = responses;
+            if cluster_write {
+                op["security"] = json!([{"admin_token": []}]);
+            }
+            for p in op.get_mut("parameters").and_then(Value::as_array_mut).into_iter().flatten() {
+                let schema = match (p["name"].as_str().unwrap_or(""), p["in"].as_str().unwrap_or("")) {
+                    ("ttl" | "sliding", "query") => ttl.clone(),
+                    ("tags", "query") => json!({"type": "string", "pattern": "^[^,]{1,256}(,[^,]{1,256})*$"}),
+                    ("mode", "query") => json!({"type": "string", "enum": ["add", "replace"]}),
+                    ("limit", "query") => json!({"type": "integer", "minimum": 1, "maximum": 100000}),
+                    ("cas", "query") => json!({"type": "integer", "minimum": 0, "maximum": u64::MAX}),
+                    ("id", "path") => {
+                        p["example"] = json!(1);
+                        json!({"type": "integer", "minimum": 0, "maximum": u64::MAX})
+                    }
+                    ("verbose", "query") => json!({"type": "string", "enum": ["", "true", "false", "1", "0"]}),
+                    ("key" | "tag", "path") => {
+                        p["example"] = json!("users/42");
+                        json!({"type": "string", "minLength": 1})
+                    }
+                    _ => continue,
+                };
+                p["schema"] = schema;
+            }
+        }
+    }
+}
+
+/// The exact grammar of a `ttl` or `sliding` as a regular expression: a whole number without
+/// leading zeros from 1 to the most the unit allows within [`crate::MAX_EXPIRY`], then the unit
+/// (none: seconds).
+pub fn duration_pattern() -> String {
+    let max_ms = crate::MAX_EXPIRY.as_millis() as u64;
+    let mut alternatives = vec![at_most(max_ms / 1000)];
+    alternatives.extend(crate::kv::DURATION_UNITS.iter().map(|(unit, ms)| format!("{}{unit}", at_most(max_ms / ms))));
+    format!("^(?:{})$", alternatives.join("|"))
+}
+
+/// A regular expression (no anchors) for the whole numbers 1 to `n`, without leading zeros.
+fn at_most(n: u64) -> String {
+    let digits: Vec<u8> = n.to_string().bytes().map(|b| b - b'0').collect();
+    let len = digits.len();
+    let mut alternatives = Vec::new();
+    // Every shorter number.
+    match len {
+        0 | 1 => {}
+        2 => alternatives.push("[1-9]".to_string()),
+        _ => alternatives.push(format!("[1-9][0-9]{{0,{}}}", len - 2)),
+    }
+    // Same length: equal to n up to position i, smaller at i, anything after.
+    let prefix: String = n.to_string();
+    for (i, &d) in digits.iter().enumerate() {
+        let low = u8::from(i == 0);
+        if d > low {
+            let class = if d - 1 == low { low.to_string() } else { format!("[{low}-{}]", d - 1) };
+            let rest = len - i - 1;
+            let tail = match rest {
+                0 => String::new(),
+                1 => "[0-9]".to_string(),
+                r => format!("[0-9]{{{r}}}"),
+            };
+            alternatives.push(format!("{}{class}{tail}", &prefix[..i]));
+        }
+    }
+    alternatives.push(prefix);
+    format!("(?:{})", alternatives.join("|"))
 }
 
 #[utoipa::path(get, path = "/v1/kv/{key}", tag = "keys",
@@ -165,8 +296,8 @@ fn set_config() {}
 
 #[utoipa::path(post, path = "/v1/cluster/lost/clear", tag = "cluster", summary = "Acknowledge lost buckets",
     description = "Buckets whose owner and replica were lost together answer `bucket_lost` until acknowledged here; then they serve again, empty.",
-    request_body = ClearLost,
-    responses((status = 200, description = "The buckets acknowledged (empty: all)", body = ClearLost)))]
+    request_body(content = Option<ClearLost>, description = "The buckets to acknowledge; no body, `{}` or an empty list: all"),
+    responses((status = 200, description = "The buckets that were lost and now serve again", body = LostCleared)))]
 fn clear_lost() {}
 
 #[utoipa::path(get, path = "/v1/node", tag = "cluster", summary = "This node's own figures",

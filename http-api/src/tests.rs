@@ -135,7 +135,7 @@ impl ShoalApi for FakeNode {
     }
 
     async fn cluster(&self) -> Result<ClusterView, ApiError> {
-        Err(ApiError::unavailable("no_leader", "no leader"))
+        Err(ApiError::unavailable(Unavailable::NoLeader, "no leader"))
     }
 
     async fn transfer(&self) -> Result<TransferView, ApiError> {
@@ -161,8 +161,8 @@ impl ShoalApi for FakeNode {
         }
     }
 
-    async fn clear_lost(&self, clear: ClearLost) -> Result<ClearLost, ApiError> {
-        Ok(clear)
+    async fn clear_lost(&self, clear: ClearLost) -> Result<LostCleared, ApiError> {
+        Ok(LostCleared { cleared: clear.buckets })
     }
 
     fn readiness(&self) -> Vec<Check> {
@@ -220,6 +220,13 @@ async fn keys_with_slashes_and_escapes_are_whole_keys() {
     let node = FakeNode::new();
     assert_eq!(call(&node, Method::PUT, "/v1/kv/a/b%20c", "v").await.status(), StatusCode::OK);
     assert!(node.items.lock().contains_key("a/b c"));
+    // A key that is not UTF-8 once decoded is a problem document like every other error.
+    for (method, uri) in [(Method::PUT, "/v1/kv/%FF"), (Method::GET, "/v1/kv/%FF"), (Method::GET, "/v1/tags/%C3")] {
+        let r = call(&node, method.clone(), uri, "v").await;
+        assert_eq!(r.headers()[header::CONTENT_TYPE], crate::PROBLEM_JSON, "{method} {uri}");
+        let (status, p) = problem(r).await;
+        assert_eq!((status, p["code"].as_str()), (StatusCode::BAD_REQUEST, Some("bad_request")), "{method} {uri}");
+    }
 }
 
 #[tokio::test]
@@ -228,7 +235,15 @@ async fn malformed_requests_get_problem_json_and_change_nothing() {
     for (uri, code) in [
         ("/v1/kv/k?ttl=soon", "bad_request"),
         ("/v1/kv/k?ttl=0", "bad_request"),
+        ("/v1/kv/k?ttl=1ns", "bad_request"),
+        ("/v1/kv/k?ttl=101years", "bad_request"),
+        ("/v1/kv/k?sliding=9000years", "bad_request"),
+        ("/v1/kv/k?ttl=281474976710656", "bad_request"),
         ("/v1/kv/k?ttl=1s&sliding=1s", "bad_request"),
+        ("/v1/kv/k?redirect=", "bad_request"),
+        ("/v1/kv/k?cas=%2B5", "bad_request"),
+        ("/v1/kv/k?tags=a,,b", "bad_request"),
+        ("/v1/kv/k?ttl=1s&ttl=2s", "bad_request"),
         ("/v1/kv/k?cas=x", "bad_request"),
         ("/v1/kv/k?mode=upsert", "bad_request"),
         ("/v1/kv/k?cas=1&mode=add", "bad_request"),
@@ -286,6 +301,40 @@ async fn cluster_config_takes_a_json_body_and_refuses_unknown_fields() {
     assert_eq!(r.status(), StatusCode::BAD_REQUEST);
     let r = call(&node, Method::POST, "/v1/cluster/lost/clear", Body::from("{}")).await;
     assert_eq!(r.status(), StatusCode::OK);
+    let r = call(&node, Method::POST, "/v1/cluster/lost/clear", Body::empty()).await;
+    assert_eq!(r.status(), StatusCode::OK, "no body clears every lost bucket");
+}
+
+proptest::proptest! {
+    /// The description's pattern for a duration and the server's parser agree on every
+    /// string: numbers around each unit's bound, and any short string of digits and letters.
+    #[test]
+    fn the_duration_pattern_is_the_parser(n in 0u64..4_000_000_000_000, unit in 0usize..7, noise in "[0-9a-z+ .]{0,8}") {
+        let pattern = regex::Regex::new(&crate::openapi::duration_pattern()).expect("a regex");
+        let units = ["", "ms", "s", "m", "h", "d", "y"];
+        let limits = [3_155_760_000u64, 3_155_760_000_000, 3_155_760_000, 52_596_000, 876_600, 36_525, 100];
+        let near = [n, n % 100, limits[unit].saturating_sub(n % 3), limits[unit] + n % 3];
+        for text in near.iter().map(|m| format!("{m}{}", units[unit])).chain([noise.clone(), format!("0{n}s")]) {
+            let parsed = crate::parse_duration("ttl", &text).is_ok();
+            proptest::prop_assert_eq!(pattern.is_match(&text), parsed, "{}", text);
+        }
+    }
+}
+
+#[test]
+fn durations_are_bounded_and_pass_through_a_forwarder_exactly() {
+    use crate::{format_duration, parse_duration, MAX_EXPIRY};
+    use std::time::Duration;
+    for text in ["1ms", "1500ms", "30s", "90m", "2h", "36525d", "86400"] {
+        let d = parse_duration("ttl", text).expect(text);
+        assert_eq!(parse_duration("ttl", &format_duration(d)), Ok(d), "{text}");
+    }
+    assert_eq!(parse_duration("ttl", "36525d"), Ok(MAX_EXPIRY));
+    assert_eq!(parse_duration("ttl", "90m"), Ok(Duration::from_secs(5400)));
+    assert!(parse_duration("ttl", &format_duration(MAX_EXPIRY + Duration::from_millis(1))).is_err());
+    for bad in ["", "0", "0s", "05s", "1h30m", "1.5s", "+5", "5 s", "1w", "1ns", "36526d", "99999999999999999999999"] {
+        assert!(parse_duration("ttl", bad).is_err(), "{bad:?} is refused");
+    }
 }
 
 #[tokio::test]
@@ -374,5 +423,30 @@ async fn the_openapi_document_describes_every_route() {
     assert!(routes.len() >= 14, "{routes:?}");
     for route in routes {
         assert!(documented.contains(&route), "{route} is not in the OpenAPI document");
+    }
+    // Every operation with input describes its 400; every error of the API is a problem
+    // document; no `default` answer hides an undescribed status.
+    for (path, item) in doc["paths"].as_object().expect("paths") {
+        for (method, op) in item.as_object().expect("operations") {
+            let what = format!("{method} {path}");
+            assert!(op.get("parameters").is_none_or(Value::is_array), "{what}: parameters");
+            let responses = op["responses"].as_object().expect("responses");
+            assert!(!responses.contains_key("default"), "{what}");
+            if op.get("parameters").is_some_and(|p| p.as_array().is_some_and(|p| !p.is_empty()))
+                || op.get("requestBody").is_some()
+            {
+                assert!(responses.contains_key("400"), "{what} describes no 400");
+            }
+            for (status, r) in responses.iter().filter(|(s, _)| s.starts_with('4') || s.starts_with('5')) {
+                // Readiness is text for probes; an incomplete tag removal says what it did.
+                if (path == "/readyz" && status == "503") || (path == "/v1/tags/{tag}" && status == "502") {
+                    continue;
+                }
+                assert!(
+                    r["content"].get("application/problem+json").is_some(),
+                    "{what} {status} is not a problem document"
+                );
+            }
+        }
     }
 }

@@ -87,6 +87,7 @@ pub struct PutOk {
 #[serde(deny_unknown_fields)]
 pub struct BulkKeys {
     /// The keys.
+    #[schema(max_items = 10000)]
     pub keys: Vec<String>,
 }
 
@@ -112,7 +113,7 @@ pub struct BulkPutItem {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tags: Vec<String>,
     /// `cas=`: 0 creates only, N replaces version N only.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "crate::de::whole_u64")]
     pub cas: Option<u64>,
     /// `mode=`: `add` or `replace`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -124,10 +125,13 @@ pub struct BulkPutItem {
 #[serde(deny_unknown_fields)]
 pub struct BulkPut {
     /// The items.
+    #[serde(deserialize_with = "crate::de::objects")]
+    #[schema(max_items = 10000)]
     pub items: Vec<BulkPutItem>,
 }
 
-/// The error of one key in a bulk answer.
+/// The error of one key in a bulk answer: what the problem document of the same operation
+/// alone would have said.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct KeyError {
     /// The stable code, as in problem documents.
@@ -136,13 +140,29 @@ pub struct KeyError {
     pub detail: String,
     /// The HTTP status this error would have had alone.
     pub status: u16,
+    /// Seconds to wait before retrying this key (every 503 has it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after: Option<u64>,
+    /// The item's current version, for `precondition_failed` (absent: the key does not exist).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub current_version: Option<u64>,
+    /// The map version of the node that answered, for `not_owner`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub map_version: Option<u64>,
 }
 
 impl KeyError {
     /// The error of one key, as a bulk answer carries it.
     pub fn of(e: &crate::ApiError) -> Self {
         let p = e.problem();
-        KeyError { code: p.code, detail: p.detail, status: p.status }
+        KeyError {
+            code: p.code,
+            detail: p.detail,
+            status: p.status,
+            retry_after: e.retry_after().map(|d| d.as_secs().max(1)),
+            current_version: p.current_version,
+            map_version: p.map_version,
+        }
     }
 
     /// The error a bulk answer's key carried, rebuilt as [`crate::ApiError::from_problem`]
@@ -150,15 +170,15 @@ impl KeyError {
     pub fn error(&self) -> crate::ApiError {
         let problem = crate::Problem {
             type_uri: format!("urn:shoal:problem:{}", self.code),
-            title: String::new(),
+            title: crate::error::title_of(self.status),
             status: self.status,
             detail: self.detail.clone(),
             code: self.code.clone(),
-            current_version: None,
-            map_version: None,
+            current_version: self.current_version,
+            map_version: self.map_version,
+            bucket: None,
         };
-        let retry_after = (self.status == 503).then_some(Duration::from_secs(1));
-        crate::ApiError::from_problem(&problem, retry_after)
+        crate::ApiError::from_problem(&problem, self.retry_after.map(Duration::from_secs))
     }
 }
 
@@ -342,6 +362,7 @@ pub struct ReplicationView {
 #[serde(deny_unknown_fields)]
 pub struct ClusterConfig {
     /// `sync` or `async`.
+    #[schema(pattern = "^(sync|async)$")]
     pub replication: String,
 }
 
@@ -349,9 +370,18 @@ pub struct ClusterConfig {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ClearLost {
-    /// The buckets to acknowledge; all when absent or empty.
-    #[serde(default)]
+    /// The buckets to acknowledge; all when absent or empty (an empty request body clears
+    /// all too).
+    #[serde(default, deserialize_with = "crate::de::whole_u16s")]
     pub buckets: Vec<u16>,
+}
+
+/// Answer of `POST /v1/cluster/lost/clear`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct LostCleared {
+    /// The buckets that were lost and now serve again, empty (ascending; empty when none
+    /// of the named buckets was lost).
+    pub cleared: Vec<u16>,
 }
 
 /// A transition in `GET /v1/cluster`.

@@ -38,7 +38,8 @@ pub const MAX_VERSION: u64 = (1 << 44) - 1;
 /// with 24 bits). Idle times are computed modulo the wrap.
 const CLOCK_BITS: u32 = 20;
 const CLOCK_MASK: u64 = (1 << CLOCK_BITS) - 1;
-/// Expiry is a 48-bit Unix millisecond time (good until the year 10889).
+/// Expiry is a 48-bit Unix millisecond time (good until the year 10889; later times are kept as
+/// the largest one, never wrapped).
 const EXPIRY_MASK: u64 = (1 << 48) - 1;
 
 /// A cached item: a 40-byte record.
@@ -85,7 +86,7 @@ impl Item {
             data,
             meta: meta.map(Box::new),
             version_clock: AtomicU64::new(version << CLOCK_BITS | clock(now_ms)),
-            keylen_expiry: AtomicU64::new((key_len as u64) << 48 | (expires_at_ms & EXPIRY_MASK)),
+            keylen_expiry: AtomicU64::new((key_len as u64) << 48 | expires_at_ms.min(EXPIRY_MASK)),
         }
     }
 
@@ -155,7 +156,7 @@ impl Item {
         if let Some(meta) = &self.meta {
             if meta.sliding_ms > 0 {
                 let key_bits = self.keylen_expiry.load(Ordering::Relaxed) & !EXPIRY_MASK;
-                let at = now_ms.saturating_add(meta.sliding_ms) & EXPIRY_MASK;
+                let at = now_ms.saturating_add(meta.sliding_ms).min(EXPIRY_MASK);
                 self.keylen_expiry.store(key_bits | at, Ordering::Relaxed);
             }
         }
