@@ -7,7 +7,7 @@ use serde_json::Value;
 use shoal_http_api::types::{ClusterView, MapView, TransferView};
 use shoal_http_api::Problem;
 
-use crate::config::{ClientArgs, Command, NodeCommand, Output};
+use crate::config::{ClientArgs, Command, LostCommand, NodeCommand, Output};
 
 /// Runs a client command; the error is the message to print.
 pub async fn run(command: Command) -> Result<(), String> {
@@ -63,15 +63,44 @@ pub async fn run(command: Command) -> Result<(), String> {
                 } else {
                     None
                 };
-                match c.output {
-                    Output::Table => print!("{}{}", status_table(&view), transfer_bars(&view, transfer.as_ref())),
-                    Output::Json => print_json(&serde_json::json!({ "cluster": view, "transfer": transfer }))?,
-                }
-                if !(a.watch && moving) {
+                let frame = match c.output {
+                    Output::Table => format!("{}{}", status_table(&view), transfer_bars(&view, transfer.as_ref())),
+                    Output::Json => {
+                        serde_json::to_string_pretty(&serde_json::json!({ "cluster": view, "transfer": transfer }))
+                            .map_err(|e| e.to_string())?
+                            + "\n"
+                    }
+                };
+                if !a.watch {
+                    print!("{frame}");
                     return Ok(());
                 }
+                // On a terminal each frame replaces the last (cursor home, clear screen);
+                // into a pipe frames follow each other, one per second, until Ctrl-C.
+                let mut out = std::io::stdout().lock();
+                if std::io::IsTerminal::is_terminal(&out) {
+                    write!(out, "\x1b[H\x1b[2J").map_err(|e| e.to_string())?;
+                }
+                write!(out, "{frame}").and_then(|_| out.flush()).map_err(|e| e.to_string())?;
+                drop(out);
                 tokio::time::sleep(std::time::Duration::from_secs(1)).await;
-                println!();
+            }
+        }
+        Command::Lost(LostCommand::Clear(a)) => {
+            let body = serde_json::to_vec(&serde_json::json!({ "buckets": a.buckets })).map_err(|e| e.to_string())?;
+            let response = send(&a.client, Method::POST, &["v1", "cluster", "lost", "clear"], &[], Some(body)).await?;
+            let cleared: shoal_http_api::types::LostCleared = json(response).await?;
+            match a.client.output {
+                Output::Table if cleared.cleared.is_empty() => {
+                    println!("no bucket was lost");
+                    Ok(())
+                }
+                Output::Table => {
+                    let ids: Vec<usize> = cleared.cleared.iter().map(|&b| usize::from(b)).collect();
+                    println!("{} lost buckets acknowledged; they serve again, empty: {}", ids.len(), ranges(&ids));
+                    Ok(())
+                }
+                Output::Json => print_json(&cleared),
             }
         }
         Command::Map(c) => {
@@ -233,7 +262,9 @@ pub fn transfer_bars(view: &ClusterView, transfer: Option<&TransferView>) -> Str
             if summary.blocking { "" } else { " (flag cleared: membership may change)" }
         ));
     }
-    for n in transfer.nodes.iter().filter(|n| n.buckets_total > 0) {
+    // Only nodes pulling now: a node whose round ended (or was replaced by a newer target)
+    // keeps its last counts, which would read as a stuck bar.
+    for n in transfer.nodes.iter().filter(|n| n.active && n.buckets_total > 0) {
         const WIDTH: u64 = 30;
         let filled = (n.buckets_done * WIDTH).checked_div(n.buckets_total).unwrap_or(0).min(WIDTH) as usize;
         out.push_str(&format!(
@@ -315,12 +346,17 @@ mod tests {
             target_version: Some(3),
             buckets_left: 250,
             blocking: true,
-            nodes: vec![status],
+            nodes: vec![status.clone()],
             errors: vec![],
         };
         let text = super::transfer_bars(&view, Some(&transfer));
         assert!(text.contains("state transfer to map version 3: 250 buckets left"), "{text}");
         assert!(text.contains("[###############---------------]  250/500"), "{text}");
+        // A node whose round ended draws no bar (it would look stuck at its last count).
+        let ended = TransferStatus { node_id: 3, active: false, buckets_done: 0, buckets_total: 84, ..status };
+        let transfer = TransferView { nodes: vec![ended], ..transfer };
+        let text = super::transfer_bars(&view, Some(&transfer));
+        assert!(!text.contains("/84"), "{text}");
     }
 
     #[test]

@@ -38,6 +38,9 @@ pub enum Command {
     /// Member commands: `shoal node leave NAME|ID`.
     #[command(subcommand)]
     Node(NodeCommand),
+    /// Lost buckets: `shoal lost clear [BUCKET...]`.
+    #[command(subcommand)]
+    Lost(LostCommand),
     /// Measure throughput, latency and server CPU per operation against a node or cluster.
     Bench(crate::bench::BenchArgs),
 }
@@ -45,12 +48,12 @@ pub enum Command {
 /// How `shoal serve` runs a node.
 #[derive(Debug, Clone, Args)]
 pub struct ServeConfig {
-    /// Client API address to listen on.
-    #[arg(long, env = "SHOAL_LISTEN", default_value = "127.0.0.1:7000")]
+    /// Client API address to listen on (`HOST:PORT`; a host name is resolved once, at start).
+    #[arg(long, env = "SHOAL_LISTEN", default_value = "127.0.0.1:7000", value_parser = parse_listen)]
     pub listen: SocketAddr,
 
     /// Internal address for Raft and node-to-node traffic [default: the API host, port + 10000].
-    #[arg(long, env = "SHOAL_PEER_LISTEN")]
+    #[arg(long, env = "SHOAL_PEER_LISTEN", value_parser = parse_listen)]
     pub peer_listen: Option<SocketAddr>,
 
     /// Client API address other nodes and clients use to reach this node [default: --listen].
@@ -379,7 +382,7 @@ pub struct PutArgs {
 /// `shoal status`.
 #[derive(Debug, Clone, Args)]
 pub struct StatusArgs {
-    /// Redraw every second until no transition or transfer runs.
+    /// Redraw every second, in place on a terminal, until Ctrl-C.
     #[arg(long)]
     pub watch: bool,
     /// Where to connect and how to print.
@@ -395,6 +398,23 @@ pub enum NodeCommand {
     Leave(LeaveArgs),
 }
 
+/// `shoal lost ...`.
+#[derive(Debug, Clone, Subcommand)]
+pub enum LostCommand {
+    /// Acknowledge lost buckets (all, or the ones named): they serve again, empty.
+    Clear(LostClearArgs),
+}
+
+/// `shoal lost clear [BUCKET...]`.
+#[derive(Debug, Clone, Args)]
+pub struct LostClearArgs {
+    /// The buckets to acknowledge (0-999); all lost buckets when none is named.
+    pub buckets: Vec<u16>,
+    /// Where to connect and how to print.
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
 /// `shoal leave NAME|ID`.
 #[derive(Debug, Clone, Args)]
 pub struct LeaveArgs {
@@ -403,6 +423,23 @@ pub struct LeaveArgs {
     /// Where to connect and how to print.
     #[command(flatten)]
     pub client: ClientArgs,
+}
+
+/// A listen address: `IP:PORT`, or `HOST:PORT` with a host name that resolves (its first
+/// IPv4 address, else its first address).
+pub fn parse_listen(text: &str) -> Result<SocketAddr, String> {
+    if let Ok(addr) = text.parse() {
+        return Ok(addr);
+    }
+    let addrs: Vec<SocketAddr> = std::net::ToSocketAddrs::to_socket_addrs(text)
+        .map_err(|e| format!("{text:?} is not HOST:PORT that resolves: {e}"))?
+        .collect();
+    addrs
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or(addrs.first())
+        .copied()
+        .ok_or_else(|| format!("{text:?} resolves to no address"))
 }
 
 /// Parses `512MiB`, `1GiB`, `100MB` or a number of bytes.
@@ -446,6 +483,15 @@ mod tests {
         assert_eq!(c.max_key_bytes, 4096);
         assert_eq!(c.voters, 3);
         assert!(c.validate().is_ok());
+    }
+
+    #[test]
+    fn listen_addresses_may_name_a_host() {
+        let c = serve(&["--listen", "localhost:7005"]).expect("a host name resolves");
+        assert_eq!(c.listen.port(), 7005);
+        assert!(c.listen.ip().is_loopback());
+        assert_eq!(c.peer_listen_addr().map(|a| a.port()), Ok(17005));
+        assert!(serve(&["--listen", "no-such-host.invalid:7000"]).is_err());
     }
 
     #[test]

@@ -71,7 +71,7 @@ impl Joiner {
                     Ok(response) => return Ok(response),
                     Err(Err(rejected)) => return Err(format!("the cluster refused: {rejected}")),
                     Err(Ok(retryable)) => {
-                        tracing::debug!(error = %retryable, "join attempt failed; will retry");
+                        tracing::info!(error = %retryable, retry_in = ?backoff, "join attempt failed; retrying");
                         last_error = retryable;
                     }
                 }

@@ -369,6 +369,15 @@ pub async fn start_in(
         }
     };
     let node_id = identity.node_id;
+    if restarted && !config.join.is_empty() {
+        tracing::warn!(
+            node_id,
+            cluster_id = %identity.cluster_id,
+            data_dir = %config.data_dir.display(),
+            "the data dir already holds a member of a cluster: --join is ignored and the node restarts as that \
+             member (to join as a new member, start with an empty --data-dir)"
+        );
+    }
 
     let mut control_config =
         ControlConfig::new(node_id, api_addr.clone(), peer_addr.clone(), env.storage, env.control_transport);

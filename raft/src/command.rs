@@ -199,6 +199,11 @@ pub enum CommandResponse {
         /// Why, for the operator.
         reason: String,
     },
+    /// `ClearLost` acknowledged these buckets (they serve again, empty).
+    Cleared {
+        /// The buckets that were lost and are no longer.
+        buckets: Vec<u16>,
+    },
     /// A membership change was refused because another one, or a state transfer, is
     /// running (retry later, or force it).
     Busy {

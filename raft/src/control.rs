@@ -443,10 +443,10 @@ impl ControlPlane {
                 self.write(ClusterCommand::Found { owner, from, buckets }).await?;
                 Ok(AdminResponse::Done)
             }
-            AdminRequest::ClearLost { buckets } => {
-                self.write(ClusterCommand::ClearLost { buckets }).await?;
-                Ok(AdminResponse::Done)
-            }
+            AdminRequest::ClearLost { buckets } => match self.write(ClusterCommand::ClearLost { buckets }).await? {
+                CommandResponse::Cleared { buckets } => Ok(AdminResponse::Cleared { buckets }),
+                other => Err(unexpected(other)),
+            },
             AdminRequest::ReplicaMoved { owner, holder } => {
                 self.write(ClusterCommand::ReplicaMoved { owner, holder }).await?;
                 Ok(AdminResponse::Done)

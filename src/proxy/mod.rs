@@ -33,8 +33,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use shoal_http_api::types::{
-    Check, ClearLost, ClusterConfig, ClusterView, GetOk, KeyList, LeaveOk, MapView, NodeStats, PutOk, Removed,
-    RouteContext, Scope, TransferView, WriteCondition,
+    Check, ClearLost, ClusterConfig, ClusterView, GetOk, KeyList, LeaveOk, LostCleared, MapView, NodeStats, PutOk,
+    Removed, RouteContext, Scope, TransferView, WriteCondition,
 };
 use shoal_http_api::{ApiError, Limits, PutItem, ShoalApi};
 use shoal_raft::{bucket_of, BucketId, ClusterState, ControlPlane, NodeId};
@@ -419,7 +419,7 @@ impl ShoalApi for NodeApi {
         self.change_config(config).await
     }
 
-    async fn clear_lost(&self, clear: ClearLost) -> Result<ClearLost, ApiError> {
+    async fn clear_lost(&self, clear: ClearLost) -> Result<LostCleared, ApiError> {
         self.acknowledge_lost(clear).await
     }
 

@@ -123,6 +123,11 @@ impl PeerService {
 /// Raft (`/raft/{append,vote,snapshot}`), admin (`/internal/admin`, `/internal/members/{id}`),
 /// replication (`/internal/replicate/{bucket}`), shadows (`/internal/shadow/{bucket}`), pings
 /// (`/internal/ping`), transfer status and bucket streams (`/internal/transfer/...`).
+///
+/// Bodies have no size limit here: a replica snapshot carries a whole bucket and a
+/// replicated write a whole value (up to `--max-value-bytes`), and only members that know
+/// the cluster secret send them. (axum's default of 2 MB refused every bucket snapshot
+/// larger than that, so such buckets never got their replica.)
 pub fn peer_routes(service: Arc<PeerService>) -> Router {
     Router::new()
         .route("/raft/append", post(raft_append))
@@ -136,6 +141,7 @@ pub fn peer_routes(service: Arc<PeerService>) -> Router {
         .route("/internal/ping", post(ping))
         .route("/internal/transfer/status", get(transfer_status))
         .route("/internal/transfer/{bucket}", get(stream_bucket))
+        .layer(axum::extract::DefaultBodyLimit::disable())
         .with_state(service)
 }
 

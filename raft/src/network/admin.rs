@@ -165,6 +165,11 @@ pub enum AdminResponse {
         /// The serving map's version.
         map_version: u64,
     },
+    /// These lost buckets were acknowledged (they serve again, empty).
+    Cleared {
+        /// The buckets, ascending.
+        buckets: Vec<u16>,
+    },
     /// The lost buckets a node served last.
     LostOf {
         /// Each bucket, its owner and the owner's internal address.

@@ -167,18 +167,15 @@ impl ClusterState {
     }
 
     pub(super) fn clear_lost(&mut self, buckets: &[u16]) -> CommandResponse {
-        if buckets.is_empty() {
-            for b in std::mem::take(&mut self.lost) {
-                self.last_server.remove(&b);
-            }
+        let cleared: Vec<u16> = if buckets.is_empty() {
+            std::mem::take(&mut self.lost).into_iter().collect()
         } else {
-            for b in buckets {
-                if self.lost.remove(b) {
-                    self.last_server.remove(b);
-                }
-            }
+            buckets.iter().copied().filter(|b| self.lost.remove(b)).collect()
+        };
+        for b in &cleared {
+            self.last_server.remove(b);
         }
-        CommandResponse::Done
+        CommandResponse::Cleared { buckets: cleared }
     }
 
     /// The buckets `me` serves that it got from a replica and has not reported on yet.

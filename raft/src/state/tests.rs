@@ -339,9 +339,13 @@ fn the_heir_reports_what_it_held_and_the_rest_is_lost_until_cleared() {
     assert!(s.promoted.is_empty());
     assert!(s.is_lost(BucketId(gone[0])) && !s.is_lost(BucketId(kept[0])));
     assert_eq!(s.lost.len(), gone.len());
-    s.apply(&ClusterCommand::ClearLost { buckets: vec![gone[0]] });
+    let cleared = s.apply(&ClusterCommand::ClearLost { buckets: vec![gone[0], kept[0]] });
+    assert_eq!(cleared, CommandResponse::Cleared { buckets: vec![gone[0]] }, "only lost buckets are cleared");
     assert_eq!(s.lost.len(), gone.len() - 1);
-    s.apply(&ClusterCommand::ClearLost { buckets: vec![] });
+    let cleared = s.apply(&ClusterCommand::ClearLost { buckets: vec![] });
+    let mut rest = gone[1..].to_vec();
+    rest.sort();
+    assert_eq!(cleared, CommandResponse::Cleared { buckets: rest }, "an empty list clears every lost bucket");
     assert!(s.lost.is_empty());
 }
 

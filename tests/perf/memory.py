@@ -1,0 +1,214 @@
+#!/usr/bin/env python3
+"""Peak memory of a shoal node against its --memory-limit, under write patterns that each
+write well over the limit (a benchmark, run by hand; the figures go in tests/perf/README.md).
+
+For every pattern a fresh node starts with `--memory-limit` (default 256MiB, as the
+StatefulSet sets it), the pattern runs, and the kernel's peak resident size (VmHWM, which
+also catches spikes between samples) is read before the node is stopped. The table says how
+far under or over the limit each pattern peaked, and what the store charged at the end.
+
+    python3 tests/perf/memory.py --shoal target/release/shoal [--limit 256MiB] [--only NAME]
+
+Exits 1 when any pattern peaked at or above the limit. Servers listen on 127.0.0.1 only and
+every process started here is stopped by its PID, also on errors.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+MIB = 1024 * 1024
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def status_kib(pid, field):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def parse_size(text):
+    units = {"KiB": 1024, "MiB": MIB, "GiB": 1024 * MIB, "": 1}
+    for unit in sorted(units, key=len, reverse=True):
+        if text.endswith(unit) and text[: len(text) - len(unit)].isdigit():
+            return int(text[: len(text) - len(unit)]) * units[unit]
+    raise SystemExit(f"--limit {text!r}: expected e.g. 256MiB")
+
+
+def get_json(base, path):
+    with urllib.request.urlopen(base + path, timeout=10) as r:
+        return json.load(r)
+
+
+class Node:
+    """One `shoal serve` with a memory limit, stopped by its PID."""
+
+    def __init__(self, shoal, limit, env_extra):
+        self.dir = tempfile.mkdtemp(prefix="shoal-memory-")
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, **env_extra)
+        args = [shoal, "serve", "--listen", f"127.0.0.1:{self.port}", "--peer-listen", f"127.0.0.1:{free_port()}",
+                "--data-dir", os.path.join(self.dir, "data"), "--memory-limit", str(limit)]
+        self.log = open(os.path.join(self.dir, "node.log"), "w")
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=self.log, env=env)
+        deadline = time.time() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(self.base + "/readyz", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.stop()
+                raise RuntimeError("the node did not become ready")
+            time.sleep(0.1)
+
+    def peak(self):
+        return status_kib(self.proc.pid, "VmHWM") * 1024
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def bench(shoal, node, **kw):
+    """`shoal bench` writes only, without its fill; returns its JSON report."""
+    args = [shoal, "bench", "--addr", f"127.0.0.1:{node.port}", "--ratio", "0:1", "--no-fill", "-o", "json"]
+    for k, v in kw.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        return {"error": out.stderr.strip()[-200:]}
+    return json.loads(out.stdout)
+
+
+def slow_bodies(node, count=200, size=16 * MIB, seconds=10):
+    """`count` connections each announce a `size` body and trickle it; the server must not
+    buffer them all."""
+    socks = []
+    try:
+        for i in range(count):
+            s = socket.create_connection(("127.0.0.1", node.port), timeout=5)
+            s.sendall(f"PUT /v1/kv/slow-{i} HTTP/1.1\r\nHost: x\r\nContent-Length: {size}\r\n\r\n".encode())
+            socks.append(s)
+        chunk = b"x" * (size // 40)
+        end = time.time() + seconds
+        while time.time() < end:
+            for s in socks:
+                try:
+                    s.sendall(chunk)
+                except OSError:
+                    pass
+            time.sleep(0.1)
+    finally:
+        for s in socks:
+            s.close()
+    return {}
+
+
+def bulk_get_bomb(node, shoal):
+    """1000 values of 1 MiB written, then read back in one bulk get."""
+    bench(shoal, node, value_size=MIB, keys=1000, connections=4, duration="15s")
+    keys = [f"key:{i:012}" for i in range(1000)]
+    req = urllib.request.Request(node.base + "/v1/bulk/get", data=json.dumps({"keys": keys}).encode(), method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            r.read()
+            return {"status": r.status}
+    except urllib.error.HTTPError as e:
+        return {"status": e.code}
+
+
+PATTERNS = {
+    # name: (what, run(node) -> report)
+    "small": ("100 B values, 5M keys, 50 connections, 20 s",
+              lambda shoal, n: bench(shoal, n, value_size=100, keys=5_000_000, connections=50, duration="20s")),
+    "medium": ("5 KB values (kept out of line), 200k keys, 20 s",
+               lambda shoal, n: bench(shoal, n, value_size=5000, keys=200_000, connections=50, duration="20s")),
+    "large": ("1 MiB values, 2000 keys, 16 connections, 20 s",
+              lambda shoal, n: bench(shoal, n, value_size=MIB, keys=2000, connections=16, duration="20s")),
+    "max": ("16 MiB values, 64 keys, 8 connections, 15 s",
+            lambda shoal, n: bench(shoal, n, value_size=16 * MIB, keys=64, connections=8, duration="15s")),
+    "overwrites": ("1000 B values over 10k keys, 20 s",
+                   lambda shoal, n: bench(shoal, n, value_size=1000, keys=10_000, connections=50, duration="20s")),
+    "shift": ("eviction churn as sizes shift: 100 B, then 64 KiB, then 100 B, 10 s each",
+              lambda shoal, n: [bench(shoal, n, value_size=v, keys=k, connections=32, duration="10s")
+                                for v, k in [(100, 3_000_000), (65536, 20_000), (100, 3_000_000)]][-1]),
+    "bulk": ("bulk puts of 100 x 100 KiB (13 MB bodies), 8 connections, 20 s",
+             lambda shoal, n: bench(shoal, n, value_size=102400, keys=20_000, batch=100, connections=8, duration="20s")),
+    "connections": ("1000 connections, 10 KiB values, 20 s",
+                    lambda shoal, n: bench(shoal, n, value_size=10240, keys=100_000, connections=1000, duration="20s")),
+    "slow": ("200 connections trickling 16 MiB bodies, 10 s",
+             lambda shoal, n: slow_bodies(n)),
+    "bulk-get": ("1000 x 1 MiB values read back in one bulk get",
+                 lambda shoal, n: bulk_get_bomb(n, shoal)),
+}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shoal", default="target/release/shoal")
+    ap.add_argument("--limit", default="256MiB")
+    ap.add_argument("--only", action="append", help="run only this pattern (repeatable)")
+    ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for the node (e.g. MIMALLOC_ALLOW_THP=0)")
+    args = ap.parse_args()
+    limit = parse_size(args.limit)
+    env_extra = dict(e.split("=", 1) for e in args.env)
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 8192), hard))
+    except (ValueError, OSError):
+        pass
+    thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()
+    print(f"limit {limit // MIB} MiB; transparent huge pages: {thp}; node env: {env_extra or '-'}")
+    print(f"{'pattern':12} {'peak RSS':>10} {'of limit':>9} {'charged':>9} {'items':>9} {'store limit':>12}  notes")
+    over = False
+    for name, (what, run) in PATTERNS.items():
+        if args.only and name not in args.only:
+            continue
+        node = Node(args.shoal, limit, env_extra)
+        try:
+            report = run(args.shoal, node)
+            stats = get_json(node.base, "/v1/node")
+            peak = node.peak()
+        finally:
+            node.stop()
+        over |= peak >= limit
+        notes = what
+        if isinstance(report, dict) and report.get("error"):
+            notes += f"; bench: {report['error']}"
+        elif isinstance(report, dict) and "status" in report:
+            notes += f"; answer {report['status']}"
+        print(f"{name:12} {peak / MIB:9.0f}M {100 * peak / limit:8.0f}% {stats['bytes'] / MIB:8.0f}M "
+              f"{stats['items']:>9} {stats['limit_bytes'] / MIB:11.0f}M  {notes}", flush=True)
+    sys.exit(1 if over else 0)
+
+
+if __name__ == "__main__":
+    main()
