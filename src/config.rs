@@ -179,7 +179,7 @@ pub struct ServeConfig {
     pub drain_timeout: Duration,
 
     /// Log lines as `text` (colour only on a terminal) or `json` (one object per line). The
-    /// level comes from RUST_LOG (default `info,openraft=warn`).
+    /// level comes from RUST_LOG (default `info,openraft=error,openraft::replication=off`).
     #[arg(long, env = "SHOAL_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
 

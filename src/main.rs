@@ -95,11 +95,13 @@ fn serve(config: ServeConfig) -> Result<(), String> {
     })
 }
 
-/// Logs to standard error, filtered by RUST_LOG (default `info,openraft=warn`): text lines,
-/// coloured only on a terminal, or one JSON object per line.
+/// Logs to standard error, filtered by RUST_LOG (default `info,openraft=error,openraft::replication=off`:
+/// openraft's routine complaints, such as every failed append to a member that is down, stay out):
+/// text lines, coloured only on a terminal, or one JSON object per line.
 fn init_logs(format: LogFormat) {
     use std::io::IsTerminal;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,openraft=warn"));
+    let filter = EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new("info,openraft=error,openraft::replication=off"));
     let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     match format {
         LogFormat::Text => logs.with_ansi(std::io::stderr().is_terminal()).init(),

@@ -239,6 +239,11 @@ impl Reconciler {
                 self.progress.bucket_done();
                 self.metrics.transfer_bucket_duration.record(started.elapsed().as_secs_f64());
             }
+            // The map moved on while the bucket was pulled (its source handed it over, a newer
+            // move won): routine, the next plan starts from the newest state.
+            Err(e @ crate::transfer::import::PullError::Flip(shoal_raft::ControlError::Rejected { .. })) => {
+                tracing::info!(node_id = self.me, bucket = bucket.0, from, error = %e, "bucket transfer superseded")
+            }
             Err(e) => tracing::warn!(node_id = self.me, bucket = bucket.0, from, error = %e, "bucket transfer failed"),
         }
         Done::Pulled { bucket, ok: result.is_ok() }

@@ -222,3 +222,36 @@ async fn metrics_count_operations_hits_misses_and_forwards() {
     assert!(after0.contains("shoal_operation_duration_seconds_bucket{op=\"get\",le=\"0.005\"}"));
     cluster.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_does_not_depend_on_the_node_asked() {
+    let c = TestCluster::start(2).await;
+    c.wait_for_counts(&[500, 500]).await;
+    let map = c.json(0, "/v1/cluster/map").await;
+    let owned_by = |slot: usize| {
+        (0..)
+            .map(|i| format!("expiring-{i}"))
+            .find(|k| map["owners"][bucket_of(k.as_bytes()).0 as usize].as_u64() == Some(c.id(slot)))
+            .expect("a key")
+    };
+    let key = owned_by(1);
+    // The same options, through the owner (slot 1) and through the other node (slot 0).
+    for (ttl, status) in [("36525d", 200), ("36526d", 400), ("1ns", 400), ("0", 400), ("90m", 200), ("1h30m", 400)] {
+        for slot in [1, 0] {
+            let r = c.http.put(c.url(slot, &format!("/v1/kv/{key}?ttl={ttl}"))).body("v").send().await.expect("put");
+            assert_eq!(r.status().as_u16(), status, "ttl={ttl} via slot {slot}");
+        }
+    }
+    // A forwarded ttl keeps its value: 1500 ms through the other node expires the key.
+    let r = c.http.put(c.url(0, &format!("/v1/kv/{key}?ttl=1500ms"))).body("short").send().await.expect("put");
+    assert_eq!(r.status(), 200);
+    assert_eq!(c.get(1, &key).await.as_deref(), Some("short"));
+    crate::harness::wait_for("the key to expire", || async { c.get(1, &key).await.is_none().then_some(()) }).await;
+    // A bulk item's options travel the same way.
+    let bulk = json!({"items": [{"key": key, "value": "b", "sliding": "36526d"}, {"key": owned_by(0), "value": "b", "sliding": "5m"}]});
+    let r = c.http.post(c.url(0, "/v1/bulk/put")).json(&bulk).send().await.expect("bulk");
+    let answer: Value = r.json().await.expect("json");
+    assert_eq!(answer["results"][0]["error"]["code"], "bad_request", "{answer}");
+    assert!(answer["results"][1]["error"].is_null(), "{answer}");
+    c.shutdown().await;
+}
