@@ -400,8 +400,14 @@ pub async fn start_in(
     // shadows before this node serves them (its memory is empty after a restart).
     let facts = Arc::new(LocalFacts::default());
     facts.mark_restoring(&control.state(), node_id, restarted);
-    let replicator =
-        Replicator::new(control.clone(), cache.clone(), config.cache_size, facts.clone(), peers.clone(), env.first_seq);
+    let replicator = Replicator::new(
+        control.clone(),
+        cache.clone(),
+        config.cache_size / 2,
+        facts.clone(),
+        peers.clone(),
+        env.first_seq,
+    );
     let health =
         Health::new(control.clone(), config.health_config(), replicator.clone(), peers.clone(), env.incarnation);
     let core = Arc::new(BucketCore::new(
@@ -420,6 +426,7 @@ pub async fn start_in(
         replicator: replicator.clone(),
         health: health.clone(),
         peers: peers.clone(),
+        bodies: Arc::new(crate::memory::BodyBudget::new(config.body_budget())),
     };
     let api = Arc::new(NodeApi::new(control.clone(), cache.clone(), limits, parts));
     let (shutdown, _) = watch::channel(false);
@@ -472,7 +479,7 @@ pub async fn start_in(
         progress,
         metrics,
         transfer: transfer_config,
-        limits: (config.cache_size.saturating_mul(2), config.cache_size),
+        limits: (config.cache_size, config.cache_size / 2),
         identity: (identity, config.data_dir.clone()),
         shutdown: handle.shutdown.clone(),
         rejoin: handle.rejoin.clone(),

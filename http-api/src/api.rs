@@ -40,6 +40,22 @@ impl Default for Limits {
     }
 }
 
+/// A request body's share of the memory a node lets bodies take while they are in flight,
+/// held until the request is answered.
+pub struct BodyPermit(#[allow(dead_code)] Option<Box<dyn std::any::Any + Send + Sync>>);
+
+impl BodyPermit {
+    /// A permit that holds `share` (for example a semaphore permit) until dropped.
+    pub fn new(share: impl std::any::Any + Send + Sync) -> Self {
+        BodyPermit(Some(Box::new(share)))
+    }
+
+    /// A permit that holds nothing (no bound on bodies in flight).
+    pub fn unbounded() -> Self {
+        BodyPermit(None)
+    }
+}
+
 /// The operations behind the public API.
 ///
 /// Contract for every key operation: the key is already validated (non-empty, within
@@ -49,6 +65,14 @@ impl Default for Limits {
 pub trait ShoalApi: Send + Sync + 'static {
     /// The limits the handlers enforce.
     fn limits(&self) -> Limits;
+
+    /// Admits a request body of at most `bytes` bytes into memory before it is read, or
+    /// refuses it (503) when bodies in flight already take what the node allows them. The
+    /// default admits every body.
+    fn admit_body(&self, bytes: usize) -> impl Future<Output = Result<BodyPermit, ApiError>> + Send {
+        let _ = bytes;
+        std::future::ready(Ok(BodyPermit::unbounded()))
+    }
 
     /// Reads a key.
     fn get(&self, key: String, ctx: RouteContext) -> impl Future<Output = Result<GetOk, ApiError>> + Send;

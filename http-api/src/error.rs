@@ -69,11 +69,13 @@ pub enum Unavailable {
     ReplicationFailed,
     /// A forwarded request arrived after its deadline; nothing was done.
     Expired,
+    /// Request bodies in flight already take all the memory the node allows them.
+    Overloaded,
 }
 
 impl Unavailable {
     /// Every code, for documentation and tests.
-    pub const ALL: [Unavailable; 16] = [
+    pub const ALL: [Unavailable; 17] = [
         Unavailable::NoLeader,
         Unavailable::NotReady,
         Unavailable::Starting,
@@ -90,6 +92,7 @@ impl Unavailable {
         Unavailable::NoQuorum,
         Unavailable::ReplicationFailed,
         Unavailable::Expired,
+        Unavailable::Overloaded,
     ];
 
     /// The stable machine code.
@@ -111,6 +114,7 @@ impl Unavailable {
             Unavailable::NoQuorum => "no_quorum",
             Unavailable::ReplicationFailed => "replication_failed",
             Unavailable::Expired => "expired",
+            Unavailable::Overloaded => "overloaded",
         }
     }
 }
@@ -138,6 +142,14 @@ pub enum ApiError {
     /// The item alone would not fit in the node's cache.
     #[error("{0}")]
     ItemTooLarge(String),
+    /// A bulk read's values would make an answer larger than one may be.
+    #[error("the values asked for take {bytes} bytes, over the {limit} one answer may carry; ask for fewer keys")]
+    AnswerTooLarge {
+        /// The values' size.
+        bytes: usize,
+        /// The most one answer carries.
+        limit: usize,
+    },
     /// No such key (or it expired).
     #[error("key not found")]
     NotFound,
@@ -228,9 +240,10 @@ impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
             ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
-            ApiError::KeyTooLarge { .. } | ApiError::ValueTooLarge { .. } | ApiError::ItemTooLarge(_) => {
-                StatusCode::PAYLOAD_TOO_LARGE
-            }
+            ApiError::KeyTooLarge { .. }
+            | ApiError::ValueTooLarge { .. }
+            | ApiError::ItemTooLarge(_)
+            | ApiError::AnswerTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::NotFound | ApiError::UnknownResource(_) => StatusCode::NOT_FOUND,
             ApiError::PreconditionFailed { .. } => StatusCode::PRECONDITION_FAILED,
             ApiError::NotOwner { .. } => StatusCode::MISDIRECTED_REQUEST,
@@ -253,6 +266,7 @@ impl ApiError {
             ApiError::KeyTooLarge { .. } => "key_too_large",
             ApiError::ValueTooLarge { .. } => "value_too_large",
             ApiError::ItemTooLarge(_) => "item_too_large",
+            ApiError::AnswerTooLarge { .. } => "answer_too_large",
             ApiError::NotFound => "not_found",
             ApiError::UnknownResource(_) => "unknown_resource",
             ApiError::PreconditionFailed { .. } => "precondition_failed",
@@ -367,6 +381,7 @@ mod tests {
             ApiError::KeyTooLarge { len: 5000, limit: 4096 },
             ApiError::ValueTooLarge { limit: 10 },
             ApiError::ItemTooLarge("too big".into()),
+            ApiError::AnswerTooLarge { bytes: 100, limit: 10 },
             ApiError::NotFound,
             ApiError::UnknownResource("no such node".into()),
             ApiError::PreconditionFailed { current_version: Some(4) },

@@ -305,7 +305,7 @@ pub(crate) async fn put_key<N: ShoalApi>(
         let options =
             put_options(q.ttl.as_deref(), q.sliding.as_deref(), split_tags(q.tags.as_deref()), cas, q.mode.as_deref())?;
         let ctx = route_context(&parts.headers, q.redirect.as_deref())?;
-        let value = read_body(body, limits.max_value_bytes).await?;
+        let (value, _admitted) = admitted_body(&*node, &parts.headers, body, limits.max_value_bytes).await?;
         let ok = node.put(PutItem { key, value, options }, ctx).await?;
         Ok(Json(ok).into_response())
     }
@@ -334,6 +334,23 @@ pub(crate) async fn delete_key<N: ShoalApi>(
     with_redirect(result, &parts.uri)
 }
 
+/// Reads a body of at most `limit` bytes once the node admitted it (its `Content-Length`, or
+/// `limit` when it has none): the permit is held until the request is answered. A body that
+/// says it is longer than `limit` is refused with 413 before anything is read.
+pub(crate) async fn admitted_body<N: ShoalApi>(
+    node: &N,
+    headers: &HeaderMap,
+    body: Body,
+    limit: usize,
+) -> Result<(Bytes, crate::api::BodyPermit), ApiError> {
+    let length = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
+    if length.is_some_and(|l| l > limit) {
+        return Err(ApiError::ValueTooLarge { limit });
+    }
+    let permit = node.admit_body(length.unwrap_or(limit)).await?;
+    Ok((read_body(body, limit).await?, permit))
+}
+
 /// Reads a body of at most `limit` bytes; a longer one is refused whole with 413.
 pub(crate) async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
     axum::body::to_bytes(body, limit).await.map_err(|e| {
@@ -347,8 +364,14 @@ pub(crate) async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiErro
     })
 }
 
-async fn read_json<T: DeserializeOwned>(body: Body, limit: usize) -> Result<T, ApiError> {
-    json_object(&read_body(body, limit).await?)
+async fn read_json<N: ShoalApi, T: DeserializeOwned>(
+    node: &N,
+    headers: &HeaderMap,
+    body: Body,
+    limit: usize,
+) -> Result<(T, crate::api::BodyPermit), ApiError> {
+    let (bytes, permit) = admitted_body(node, headers, body, limit).await?;
+    Ok((json_object(&bytes)?, permit))
 }
 
 /// A JSON object body (whatever its content type says: curl users forget it); an array, even
@@ -383,7 +406,7 @@ fn check_bulk_keys<'a>(keys: impl ExactSizeIterator<Item = &'a String>, limits: 
 pub(crate) async fn bulk_get<N: ShoalApi>(State(node): State<Arc<N>>, headers: HeaderMap, body: Body) -> Response {
     let result = async {
         let limits = node.limits();
-        let req: BulkKeys = read_json(body, bulk_body_limit(&limits)).await?;
+        let (req, _admitted): (BulkKeys, _) = read_json(&*node, &headers, body, bulk_body_limit(&limits)).await?;
         check_bulk_keys(req.keys.iter(), &limits)?;
         let ctx = route_context(&headers, None)?;
         // Invalid keys fail alone; the others are asked of the node.
@@ -397,6 +420,12 @@ pub(crate) async fn bulk_get<N: ShoalApi>(State(node): State<Arc<N>>, headers: H
             }
             by_position[i] = Some(answer);
         }
+        // The answer is built in memory: it is bounded like a request body, and admitted.
+        let most = bulk_body_limit(&limits);
+        if value_bytes > most {
+            return Err(ApiError::AnswerTooLarge { bytes: value_bytes, limit: most });
+        }
+        let _answer_admitted = node.admit_body(value_bytes).await?;
         let mut out = Vec::with_capacity(16 + req.keys.len() * 96 + value_bytes * 4 / 3);
         out.extend_from_slice(b"{\"results\":[");
         for (i, (key, answer)) in req.keys.iter().zip(by_position).enumerate() {
@@ -449,7 +478,7 @@ fn put_item(item: BulkPutItem, limits: &Limits) -> Result<PutItem, (String, ApiE
 pub(crate) async fn bulk_put<N: ShoalApi>(State(node): State<Arc<N>>, headers: HeaderMap, body: Body) -> Response {
     let result = async {
         let limits = node.limits();
-        let req: BulkPut = read_json(body, bulk_body_limit(&limits)).await?;
+        let (req, _admitted): (BulkPut, _) = read_json(&*node, &headers, body, bulk_body_limit(&limits)).await?;
         check_bulk_keys(req.items.iter().map(|i| &i.key), &limits)?;
         let ctx = route_context(&headers, None)?;
         let n = req.items.len();
@@ -481,7 +510,7 @@ pub(crate) async fn bulk_put<N: ShoalApi>(State(node): State<Arc<N>>, headers: H
 pub(crate) async fn bulk_delete<N: ShoalApi>(State(node): State<Arc<N>>, headers: HeaderMap, body: Body) -> Response {
     let result = async {
         let limits = node.limits();
-        let req: BulkKeys = read_json(body, bulk_body_limit(&limits)).await?;
+        let (req, _admitted): (BulkKeys, _) = read_json(&*node, &headers, body, bulk_body_limit(&limits)).await?;
         check_bulk_keys(req.keys.iter(), &limits)?;
         let ctx = route_context(&headers, None)?;
         let (valid, invalid): (Vec<_>, Vec<_>) =

@@ -32,7 +32,7 @@ use std::sync::Arc;
 use axum::routing::{get, post};
 use axum::Router;
 
-pub use api::{Limits, PutItem, ShoalApi};
+pub use api::{BodyPermit, Limits, PutItem, ShoalApi};
 pub use error::{ApiError, Problem, Unavailable, PROBLEM_JSON};
 pub use kv::{format_duration, parse_duration, put_options, unix_ms, value_response, MAX_EXPIRY};
 

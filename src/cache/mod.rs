@@ -176,9 +176,8 @@ impl CacheStore {
         store
     }
 
-    /// Changes the size limit (a one-node cluster may use twice `--cache-size`: it holds no
-    /// replica); evicts
-    /// down to a lower one.
+    /// Changes the size limit (a lone node's store takes all of `--cache-size`: it holds no
+    /// replica; in a cluster it takes half); evicts down to a lower one.
     pub fn set_limit(&self, limit_bytes: u64) {
         if self.limit_bytes.swap(limit_bytes, Ordering::Relaxed) != limit_bytes {
             self.evict_to_limit();

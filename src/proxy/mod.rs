@@ -82,6 +82,8 @@ pub struct NodeParts {
     pub health: Arc<Health>,
     /// Calls to other nodes.
     pub peers: Peers,
+    /// Memory for request bodies in flight.
+    pub bodies: Arc<crate::memory::BodyBudget>,
 }
 
 /// The node's implementation of the public API.
@@ -96,6 +98,7 @@ pub struct NodeApi {
     core: Arc<BucketCore>,
     replicator: Arc<Replicator>,
     health: Arc<Health>,
+    bodies: Arc<crate::memory::BodyBudget>,
 }
 
 /// How a request reached this node, as the bucket core sees it.
@@ -152,6 +155,7 @@ impl NodeApi {
             core: parts.core,
             replicator: parts.replicator,
             health: parts.health,
+            bodies: parts.bodies,
         }
     }
 
@@ -305,6 +309,10 @@ impl NodeApi {
 impl ShoalApi for NodeApi {
     fn limits(&self) -> Limits {
         self.limits
+    }
+
+    async fn admit_body(&self, bytes: usize) -> Result<shoal_http_api::BodyPermit, ApiError> {
+        self.bodies.admit(bytes).await
     }
 
     async fn get(&self, key: String, ctx: RouteContext) -> Result<GetOk, ApiError> {
