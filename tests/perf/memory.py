@@ -59,13 +59,15 @@ def get_json(base, path):
 class Node:
     """One `shoal serve` with a memory limit, stopped by its PID."""
 
-    def __init__(self, shoal, limit, env_extra):
+    def __init__(self, shoal, limit, env_extra, join=None):
         self.dir = tempfile.mkdtemp(prefix="shoal-memory-")
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, **env_extra)
         args = [shoal, "serve", "--listen", f"127.0.0.1:{self.port}", "--peer-listen", f"127.0.0.1:{free_port()}",
                 "--data-dir", os.path.join(self.dir, "data"), "--memory-limit", str(limit)]
+        if join:
+            args += ["--join", join]
         self.log = open(os.path.join(self.dir, "node.log"), "w")
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=self.log, env=env)
         deadline = time.time() + 60
@@ -97,8 +99,11 @@ class Node:
 
 
 def bench(shoal, node, **kw):
-    """`shoal bench` writes only, without its fill; returns its JSON report."""
-    args = [shoal, "bench", "--addr", f"127.0.0.1:{node.port}", "--ratio", "0:1", "--no-fill", "-o", "json"]
+    """`shoal bench` writes only, without its fill; returns its JSON report. `node` may be a
+    list: the writes go to each key's owner."""
+    nodes = node if isinstance(node, list) else [node]
+    addrs = ",".join(f"127.0.0.1:{n.port}" for n in nodes)
+    args = [shoal, "bench", "--addr", addrs, "--ratio", "0:1", "--no-fill", "-o", "json"]
     for k, v in kw.items():
         args += [f"--{k.replace('_', '-')}", str(v)]
     out = subprocess.run(args, capture_output=True, text=True, timeout=600)
@@ -144,6 +149,33 @@ def bulk_get_bomb(node, shoal):
         return {"status": e.code}
 
 
+def replicas(shoal, first, limit, env_extra, value_size):
+    """Three members (sync replication): every node holds its own items and another's replica,
+    both stores full; the highest peak of the three counts."""
+    others = [Node(shoal, limit, env_extra, join=f"127.0.0.1:{first.port}") for _ in range(2)]
+    try:
+        nodes = [first] + others
+        deadline = time.time() + 120
+        while True:
+            view = get_json(first.base, "/v1/cluster")
+            r = view.get("replication") or {}
+            settled = len(view["members"]) == 3 and view.get("transfer") is None and view.get("transition") is None
+            if settled and r.get("attached_buckets") == r.get("owned_buckets"):
+                break
+            if time.time() > deadline:
+                raise RuntimeError("the three nodes did not settle")
+            time.sleep(0.5)
+        report = bench(shoal, nodes, value_size=value_size, keys=max(1, 2 * 3 * limit // value_size), connections=24,
+                       duration="30s")
+        peaks = [n.peak() for n in nodes]
+        report["peak"] = max(peaks)
+        report["note"] = "peaks " + ", ".join(f"{p / MIB:.0f}M" for p in peaks)
+        return report
+    finally:
+        for n in others:
+            n.stop()
+
+
 PATTERNS = {
     # name: (what, run(node) -> report)
     "small": ("100 B values, 5M keys, 50 connections, 20 s",
@@ -163,11 +195,18 @@ PATTERNS = {
              lambda shoal, n: bench(shoal, n, value_size=102400, keys=20_000, batch=100, connections=8, duration="20s")),
     "connections": ("1000 connections, 10 KiB values, 20 s",
                     lambda shoal, n: bench(shoal, n, value_size=10240, keys=100_000, connections=1000, duration="20s")),
+    "replicas": ("3 nodes, sync replication, 1 KiB values to each key's owner, 30 s",
+                 lambda shoal, n: replicas(shoal, n, LIMIT[0], ENV[0], 1024)),
+    "replicas-large": ("3 nodes, sync replication, 256 KiB values to each key's owner, 30 s",
+                       lambda shoal, n: replicas(shoal, n, LIMIT[0], ENV[0], 262144)),
     "slow": ("200 connections trickling 16 MiB bodies, 10 s",
              lambda shoal, n: slow_bodies(n)),
     "bulk-get": ("1000 x 1 MiB values read back in one bulk get",
                  lambda shoal, n: bulk_get_bomb(n, shoal)),
 }
+
+
+LIMIT, ENV = [0], [{}]
 
 
 def main():
@@ -179,6 +218,7 @@ def main():
     args = ap.parse_args()
     limit = parse_size(args.limit)
     env_extra = dict(e.split("=", 1) for e in args.env)
+    LIMIT[0], ENV[0] = limit, env_extra
     try:
         import resource
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -196,7 +236,7 @@ def main():
         try:
             report = run(args.shoal, node)
             stats = get_json(node.base, "/v1/node")
-            peak = node.peak()
+            peak = max(node.peak(), report.get("peak", 0) if isinstance(report, dict) else 0)
         finally:
             node.stop()
         over |= peak >= limit
@@ -205,6 +245,8 @@ def main():
             notes += f"; bench: {report['error']}"
         elif isinstance(report, dict) and "status" in report:
             notes += f"; answer {report['status']}"
+        if isinstance(report, dict) and report.get("note"):
+            notes += f"; {report['note']}"
         print(f"{name:12} {peak / MIB:9.0f}M {100 * peak / limit:8.0f}% {stats['bytes'] / MIB:8.0f}M "
               f"{stats['items']:>9} {stats['limit_bytes'] / MIB:11.0f}M  {notes}", flush=True)
     sys.exit(1 if over else 0)
