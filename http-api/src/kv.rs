@@ -335,8 +335,9 @@ pub(crate) async fn delete_key<N: ShoalApi>(
 }
 
 /// Reads a body of at most `limit` bytes once the node admitted it (its `Content-Length`, or
-/// `limit` when it has none): the permit is held until the request is answered. A body that
-/// says it is longer than `limit` is refused with 413 before anything is read.
+/// `limit` when it has none or a larger one): the permit is held until the request is
+/// answered. A longer body is read up to `limit`, then refused with 413 (answering before
+/// reading would break the pipe of a client still sending).
 pub(crate) async fn admitted_body<N: ShoalApi>(
     node: &N,
     headers: &HeaderMap,
@@ -344,10 +345,7 @@ pub(crate) async fn admitted_body<N: ShoalApi>(
     limit: usize,
 ) -> Result<(Bytes, crate::api::BodyPermit), ApiError> {
     let length = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
-    if length.is_some_and(|l| l > limit) {
-        return Err(ApiError::ValueTooLarge { limit });
-    }
-    let permit = node.admit_body(length.unwrap_or(limit)).await?;
+    let permit = node.admit_body(length.unwrap_or(limit).min(limit)).await?;
     Ok((read_body(body, limit).await?, permit))
 }
 

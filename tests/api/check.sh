@@ -21,22 +21,9 @@ die() {
     exit 1
 }
 
-work=$(mktemp -d)
-node_pid=""
-cleanup() {
-    if [ -n "$node_pid" ] && kill -0 "$node_pid" 2>/dev/null; then
-        kill -TERM "$node_pid" 2>/dev/null || true
-        for _ in $(seq 150); do kill -0 "$node_pid" 2>/dev/null || break; sleep 0.1; done
-        kill -KILL "$node_pid" 2>/dev/null || true
-        wait "$node_pid" 2>/dev/null || true
-    fi
-    rm -rf "$work"
-}
-trap cleanup EXIT
-
-for tool in python3 curl; do
-    command -v "$tool" >/dev/null 2>&1 || die "$tool is required"
-done
+# The temp dir, the node's lifecycle and the tool checks (python3, curl).
+# shellcheck source=tests/node.sh
+source tests/node.sh
 
 # ------------------------------------------------------------------ 1. schemathesis
 if [ "$("$VENV/bin/st" --version 2>/dev/null | grep -o '[0-9][0-9.]*' | head -n 1)" != "$SCHEMATHESIS_VERSION" ]; then
@@ -55,22 +42,7 @@ fi
 echo "schemathesis: $("$VENV/bin/st" --version)"
 
 # ------------------------------------------------------------------ 2. a node
-[ -x "$BIN" ] || die "$BIN is missing: build first (cargo build)"
-read -r api_port peer_port < <(python3 -c '
-import socket
-s = [socket.socket() for _ in range(2)]
-for x in s: x.bind(("127.0.0.1", 0))
-print(*[x.getsockname()[1] for x in s])')
-base="http://127.0.0.1:$api_port"
-"$BIN" serve --listen "127.0.0.1:$api_port" --peer-listen "127.0.0.1:$peer_port" \
-    --data-dir "$work/data" --worker-threads 1 --admin-token "$TOKEN" --cache-size 64MiB >"$work/node.log" 2>&1 &
-node_pid=$!
-deadline=$((SECONDS + 60))
-until [ "$(curl -s -o /dev/null -w '%{http_code}' "$base/readyz" 2>/dev/null)" = 200 ]; do
-    kill -0 "$node_pid" 2>/dev/null || { tail -n 30 "$work/node.log" >&2; die "the node exited before it was ready"; }
-    [ "$SECONDS" -lt "$deadline" ] || { tail -n 30 "$work/node.log" >&2; die "the node was not ready within 60 s"; }
-    sleep 0.2
-done
+start_node "$BIN" --admin-token "$TOKEN" --cache-size 64MiB
 echo "node ready on $base (pid $node_pid)"
 
 # ------------------------------------------------------------------ 3. schemathesis

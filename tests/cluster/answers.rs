@@ -62,19 +62,24 @@ struct Seen {
     retry_after: Option<u64>,
 }
 
+/// An error answer as the client saw it; panics if a client could not act on it.
+async fn seen_of(r: reqwest::Response, what: &str) -> Seen {
+    let status = r.status().as_u16();
+    let retry_after = r.headers().get("retry-after").and_then(|v| v.to_str().ok()?.parse().ok());
+    let content_type = r.headers().get("content-type").and_then(|v| v.to_str().ok()).map(str::to_string);
+    let body = r.bytes().await.expect("body");
+    assert_eq!(dishonesty(status, content_type.as_deref(), retry_after.is_some(), &body), None, "{what}");
+    let p: Value = serde_json::from_slice(&body).expect("problem");
+    Seen { status, code: p["code"].as_str().expect("code").to_string(), retry_after }
+}
+
 /// A single PUT of `key` through `via`: `None` when it was acknowledged.
 async fn put_one(http: &reqwest::Client, via: &str, key: &str) -> Option<Seen> {
     let r = http.put(format!("http://{via}/v1/kv/{key}")).body("v").send().await.expect("an answer");
     if r.status() == 200 {
         return None;
     }
-    let status = r.status().as_u16();
-    let retry_after = r.headers().get("retry-after").and_then(|v| v.to_str().ok()?.parse().ok());
-    let content_type = r.headers().get("content-type").and_then(|v| v.to_str().ok()).map(str::to_string);
-    let body = r.bytes().await.expect("body");
-    assert_eq!(dishonesty(status, content_type.as_deref(), retry_after.is_some(), &body), None, "{key} via {via}");
-    let p: Value = serde_json::from_slice(&body).expect("problem");
-    Some(Seen { status, code: p["code"].as_str().expect("code").to_string(), retry_after })
+    Some(seen_of(r, &format!("{key} via {via}")).await)
 }
 
 /// A bulk PUT of `keys` through `via`: each key's refusal (`None`: acknowledged). A node
@@ -84,13 +89,7 @@ async fn put_bulk(http: &reqwest::Client, via: &str, keys: &[String]) -> Vec<Opt
     let r =
         http.post(format!("http://{via}/v1/bulk/put")).json(&json!({ "items": items })).send().await.expect("answer");
     if r.status() != 200 {
-        let status = r.status().as_u16();
-        let retry_after = r.headers().get("retry-after").and_then(|v| v.to_str().ok()?.parse().ok());
-        let content_type = r.headers().get("content-type").and_then(|v| v.to_str().ok()).map(str::to_string);
-        let body = r.bytes().await.expect("body");
-        assert_eq!(dishonesty(status, content_type.as_deref(), retry_after.is_some(), &body), None, "bulk via {via}");
-        let p: Value = serde_json::from_slice(&body).expect("problem");
-        let seen = Seen { status, code: p["code"].as_str().expect("code").to_string(), retry_after };
+        let seen = seen_of(r, &format!("bulk via {via}")).await;
         return vec![Some(seen); keys.len()];
     }
     let body: Value = r.json().await.expect("json");

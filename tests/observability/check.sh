@@ -33,23 +33,9 @@ die() {
     exit 1
 }
 
-work=$(mktemp -d)
-node_pid=""
-cleanup() {
-    if [ -n "$node_pid" ] && kill -0 "$node_pid" 2>/dev/null; then
-        kill -TERM "$node_pid" 2>/dev/null || true
-        # The node drains for up to 10 s on SIGTERM; kill it if it takes longer than 15 s.
-        for _ in $(seq 150); do kill -0 "$node_pid" 2>/dev/null || break; sleep 0.1; done
-        kill -KILL "$node_pid" 2>/dev/null || true
-        wait "$node_pid" 2>/dev/null || true
-    fi
-    rm -rf "$work"
-}
-trap cleanup EXIT
-
-for tool in python3 curl; do
-    command -v "$tool" >/dev/null 2>&1 || die "$tool is required"
-done
+# The temp dir, the node's lifecycle and the tool checks (python3, curl).
+# shellcheck source=tests/node.sh
+source tests/node.sh
 
 # ------------------------------------------------------------------ 1. promtool
 prometheus_pids() { # PIDs of running processes named exactly "prometheus"
@@ -419,28 +405,7 @@ fi
 
 # ------------------------------------------------------------------ 4. live node
 echo "== live node: $BIN"
-[ -x "$BIN" ] || die "$BIN is missing: build first (cargo build)"
-read -r api_port peer_port < <(python3 -c '
-import socket
-s = [socket.socket() for _ in range(2)]
-for x in s: x.bind(("127.0.0.1", 0))
-print(*[x.getsockname()[1] for x in s])')
-base="http://127.0.0.1:$api_port"
-"$BIN" serve --listen "127.0.0.1:$api_port" --peer-listen "127.0.0.1:$peer_port" \
-    --data-dir "$work/data" --worker-threads 1 >"$work/node.log" 2>&1 &
-node_pid=$!
-deadline=$((SECONDS + 60))
-until [ "$(curl -s -o /dev/null -w '%{http_code}' "$base/readyz" 2>/dev/null)" = 200 ]; do
-    if ! kill -0 "$node_pid" 2>/dev/null; then
-        tail -n 30 "$work/node.log" >&2
-        die "the node exited before it was ready"
-    fi
-    if [ "$SECONDS" -ge "$deadline" ]; then
-        tail -n 30 "$work/node.log" >&2
-        die "the node was not ready within 60 s"
-    fi
-    sleep 0.2
-done
+start_node "$BIN"
 echo "  ready on $base (pid $node_pid)"
 value="observability check $$"
 curl -fsS -X PUT --data-binary "$value" "$base/v1/kv/observability-check" >/dev/null || fail "PUT /v1/kv/observability-check"

@@ -1,0 +1,46 @@
+# shellcheck shell=bash
+# One `shoal serve` for the shell checks (sourced by tests/observability/check.sh and
+# tests/api/check.sh): a temp dir in $work, the node on free loopback ports, stopped by its PID
+# on exit (SIGTERM, then SIGKILL after 15 s).
+#   start_node BIN [serve flags...]   sets $node_pid and $base, waits (60 s) for /readyz 200;
+#                                     on failure prints the node's log and calls die.
+# The sourcing script defines die().
+
+work=$(mktemp -d)
+node_pid=""
+cleanup() {
+    if [ -n "$node_pid" ] && kill -0 "$node_pid" 2>/dev/null; then
+        kill -TERM "$node_pid" 2>/dev/null || true
+        # The node drains for up to 10 s on SIGTERM; kill it if it takes longer than 15 s.
+        for _ in $(seq 150); do kill -0 "$node_pid" 2>/dev/null || break; sleep 0.1; done
+        kill -KILL "$node_pid" 2>/dev/null || true
+        wait "$node_pid" 2>/dev/null || true
+    fi
+    rm -rf "$work"
+}
+trap cleanup EXIT
+
+for tool in python3 curl; do
+    command -v "$tool" >/dev/null 2>&1 || die "$tool is required"
+done
+
+start_node() {
+    local bin=$1 api_port peer_port deadline
+    shift
+    [ -x "$bin" ] || die "$bin is missing: build first (cargo build)"
+    read -r api_port peer_port < <(python3 -c '
+import socket
+s = [socket.socket() for _ in range(2)]
+for x in s: x.bind(("127.0.0.1", 0))
+print(*[x.getsockname()[1] for x in s])')
+    base="http://127.0.0.1:$api_port"
+    "$bin" serve --listen "127.0.0.1:$api_port" --peer-listen "127.0.0.1:$peer_port" \
+        --data-dir "$work/data" --worker-threads 1 "$@" >"$work/node.log" 2>&1 &
+    node_pid=$!
+    deadline=$((SECONDS + 60))
+    until [ "$(curl -s -o /dev/null -w '%{http_code}' "$base/readyz" 2>/dev/null)" = 200 ]; do
+        kill -0 "$node_pid" 2>/dev/null || { tail -n 30 "$work/node.log" >&2; die "the node exited before it was ready"; }
+        [ "$SECONDS" -lt "$deadline" ] || { tail -n 30 "$work/node.log" >&2; die "the node was not ready within 60 s"; }
+        sleep 0.2
+    done
+}
