@@ -11,7 +11,8 @@ use shoal_http_api::{ApiError, PutItem};
 use shoal_raft::{bucket_of, BucketId, NodeId};
 
 use super::{
-    api_addr_of, is_moving, is_passing, is_passing_answer, routing, write_of, NodeApi, PASSING_WAIT, ROUTE_ATTEMPTS,
+    api_addr_of, is_moving, is_passing, is_passing_answer, routing, write_of, NodeApi, FROZEN_WAIT, PASSING_WAIT,
+    ROUTE_ATTEMPTS,
 };
 use crate::bucket::Route;
 use crate::error::DataError;
@@ -43,6 +44,9 @@ impl NodeApi {
         let mut pending: Vec<usize> = (0..items.len()).collect();
         let passing_until = tokio::time::Instant::now() + PASSING_WAIT;
         let may_wait = || tokio::time::Instant::now() < passing_until;
+        // A bucket frozen by a move thaws within moments; several moves in a row (joins) are
+        // waited out for as long as a single write would wait, without using up attempts.
+        let frozen_until = tokio::time::Instant::now() + FROZEN_WAIT;
         let mut attempts = 0;
         while !pending.is_empty() && attempts < ROUTE_ATTEMPTS {
             // Keys retried only because their ownership is passing do not use up an attempt.
@@ -90,10 +94,12 @@ impl NodeApi {
             let (done_here, answers) = futures::join!(locals, join_all(calls));
             let mut retry = Vec::new();
             let mut moving = false;
+            let mut frozen = 0;
             for (i, result) in done_here {
                 match result {
                     Err(e) if is_moving(&e) => {
                         moving = true;
+                        frozen += 1;
                         retry.push(i);
                     }
                     Err(DataError::NotOwner { .. }) => retry.push(i),
@@ -131,7 +137,9 @@ impl NodeApi {
                 // Frozen by a handover: try again once the flip (or abort) is settled.
                 self.cache.wait_thawed().await;
             }
-            if !retry.is_empty() || passing.is_empty() {
+            let rerouted = newest > 0 || retry.len() > frozen;
+            let waiting = !passing.is_empty() || (frozen > 0 && tokio::time::Instant::now() < frozen_until);
+            if rerouted || !waiting {
                 attempts += 1;
             }
             if !passing.is_empty() {
