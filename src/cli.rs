@@ -1,10 +1,10 @@
-//! The command-line client: `shoal get|put|del|status|map|leave`, talking to any node's API.
+//! The command-line client: `shoal get|put|del|status|map|leave|node|lost`, talking to any node's API.
 
 use std::io::{Read, Write};
 
 use reqwest::{Method, Url};
 use serde_json::Value;
-use shoal_http_api::types::{ClusterView, MapView, TransferView};
+use shoal_http_api::types::{ClusterView, MaintenanceView, MapView, TransferView};
 use shoal_http_api::Problem;
 
 use crate::config::{ClientArgs, Command, LostCommand, NodeCommand, Output};
@@ -111,6 +111,29 @@ pub async fn run(command: Command) -> Result<(), String> {
                     Ok(())
                 }
                 Output::Json => print_json(&map),
+            }
+        }
+        Command::Node(NodeCommand::Maintenance(a)) => {
+            let view: ClusterView = json(send(&a.client, Method::GET, &["v1", "cluster"], &[], None).await?).await?;
+            let id = member_id(&view, &a.node)?.to_string();
+            let path = ["v1", "cluster", "nodes", &id, "maintenance"];
+            let response = if a.end {
+                send(&a.client, Method::DELETE, &path, &[], None).await?
+            } else {
+                let body = serde_json::to_vec(&serde_json::json!({ "for": a.period })).map_err(|e| e.to_string())?;
+                send(&a.client, Method::POST, &path, &[], Some(body)).await?
+            };
+            let m: MaintenanceView = json(response).await?;
+            match a.client.output {
+                Output::Table if m.ended => {
+                    println!("node {} is no longer in maintenance; if it is not back, the cluster fails it", m.node_id);
+                    Ok(())
+                }
+                Output::Table => {
+                    print!("{}", maintenance_line(&m));
+                    Ok(())
+                }
+                Output::Json => print_json(&m),
             }
         }
         Command::Leave(a) | Command::Node(NodeCommand::Leave(a)) => {
@@ -226,12 +249,15 @@ pub fn status_table(view: &ClusterView) -> String {
             r.mode, r.attached_buckets, r.owned_buckets, r.queue_depth, r.lag_seconds, r.replica_items
         ));
     }
-    let pfail: Vec<String> = view.peers.iter().filter(|p| p.state != "ok").map(|p| p.node_id.to_string()).collect();
+    let pfail: Vec<String> = view.peers.iter().filter(|p| p.state == "pfail").map(|p| p.node_id.to_string()).collect();
     if !pfail.is_empty() {
         out.push_str(&format!("pfail in node {}'s view: {}\n", view.node_id, pfail.join(", ")));
     }
     if !view.failed.is_empty() {
         out.push_str(&format!("failed members: {:?}\n", view.failed));
+    }
+    if let Some(m) = &view.maintenance {
+        out.push_str(&maintenance_line(m));
     }
     if !view.lost_buckets.is_empty() {
         out.push_str(&format!(
@@ -240,6 +266,20 @@ pub fn status_table(view: &ClusterView) -> String {
         ));
     }
     out
+}
+
+/// The maintenance line of `shoal status`.
+fn maintenance_line(m: &MaintenanceView) -> String {
+    if m.returned {
+        return format!(
+            "MAINTENANCE: node {} is back and takes its buckets back from node {}: {} left\n",
+            m.node_id, m.served_by, m.buckets_left
+        );
+    }
+    format!(
+        "MAINTENANCE: node {} is away; node {} serves its {} buckets; {:.0}s left before it is failed\n",
+        m.node_id, m.served_by, m.buckets_left, m.seconds_left
+    )
 }
 
 /// The transition and transfer lines of `shoal status`: one progress bar per receiving node.
@@ -329,6 +369,7 @@ mod tests {
             replication: None,
             failed: vec![],
             lost_buckets: vec![],
+            maintenance: None,
         };
         let status = TransferStatus {
             node_id: 2,

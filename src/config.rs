@@ -173,8 +173,16 @@ pub struct ServeConfig {
     #[arg(long, env = "SHOAL_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<crate::auth::Secret>,
 
+    /// On SIGTERM of a member that does not leave (a restart, an upgrade): go into maintenance
+    /// for this long first. The holder of its replica serves its buckets meanwhile, and the
+    /// node, back with the same data dir, takes them back: no failover, no rebalance. Not back
+    /// in time: the cluster fails it. `0s` turns it off (a stop longer than `--node-timeout`
+    /// is then a failover). 10s to 1h.
+    #[arg(long, env = "SHOAL_RESTART_WINDOW", default_value = "5m", value_parser = parse_duration)]
+    pub restart_window: Duration,
+
     /// On SIGTERM, how long the node may wait before it exits: it stops being ready and
-    /// acknowledging writes at once, gives its Raft vote (and leadership) to another member,
+    /// acknowledging writes at once, hands Raft leadership to another member,
     /// and waits until the replica of every bucket it owns is in sync (a stop is not a leave:
     /// it comes back as the same member and gets its vote back).
     #[arg(long, env = "SHOAL_DRAIN_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
@@ -307,6 +315,14 @@ impl ServeConfig {
                 return Err(format!("{flag} {problem}"));
             }
         }
+        if !self.restart_window.is_zero()
+            && !(shoal_http_api::MAINTENANCE_MIN..=shoal_http_api::MAINTENANCE_MAX).contains(&self.restart_window)
+        {
+            return Err(format!(
+                "--restart-window must be 0s (off) or from 10s to 1h, not {}",
+                humantime::format_duration(self.restart_window)
+            ));
+        }
         if self.drain_timeout.is_zero() {
             return Err("--drain-timeout must be positive".into());
         }
@@ -408,6 +424,25 @@ pub enum NodeCommand {
     /// Make a member leave the cluster (its buckets are spread over the others); scaling a
     /// StatefulSet down is this, then `kubectl scale`.
     Leave(LeaveArgs),
+    /// Put a member into maintenance (its replica holder serves its buckets while it is away;
+    /// no failover, no rebalance), or end a maintenance early (`--end`).
+    Maintenance(MaintenanceArgs),
+}
+
+/// `shoal node maintenance NAME|ID [--for 10m] [--end]`.
+#[derive(Debug, Clone, Args)]
+pub struct MaintenanceArgs {
+    /// The member: its name (the pod name in a StatefulSet) or its id.
+    pub node: String,
+    /// How long it may stay away (10s to 1h); not back by then, it is failed.
+    #[arg(long = "for", default_value = "10m", conflicts_with = "end")]
+    pub period: String,
+    /// End the member's maintenance now (if it is not back, the cluster fails it).
+    #[arg(long)]
+    pub end: bool,
+    /// Where to connect and how to print.
+    #[command(flatten)]
+    pub client: ClientArgs,
 }
 
 /// `shoal lost ...`.

@@ -199,7 +199,14 @@ impl Health {
                 let since = self.contacts.lock().get(&m.id).map(|c| c.answered.elapsed());
                 PeerHealth {
                     node_id: m.id,
-                    state: if self.is_pfail(m.id) { "pfail" } else { "ok" }.to_string(),
+                    state: if Some(m.id) == state.away() {
+                        "maintenance"
+                    } else if self.is_pfail(m.id) {
+                        "pfail"
+                    } else {
+                        "ok"
+                    }
+                    .to_string(),
                     last_contact_ms: since.map(|d| d.as_millis() as u64),
                 }
             })
@@ -344,7 +351,8 @@ impl Health {
             reports.expire(fresh);
             reports.clone()
         };
-        for m in state.members.iter().filter(|m| m.id != self.me) {
+        // A member away in maintenance is silent on purpose: it is not failed for it.
+        for m in state.members.iter().filter(|m| m.id != self.me && Some(m.id) != state.away()) {
             // The leader's own view is a report like any other: remembered.
             let votes = usize::from(self.reports(m.id)) + reports.votes_against(m.id, |r| state.is_member(r));
             if votes * 2 <= n {

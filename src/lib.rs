@@ -41,6 +41,7 @@ pub mod health;
 pub mod http_server;
 pub mod identity;
 pub mod join;
+pub mod maintenance;
 pub mod memory;
 pub mod metrics;
 pub mod node;

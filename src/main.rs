@@ -68,7 +68,7 @@ fn serve(config: ServeConfig) -> Result<(), String> {
                         _ = node.stopped() => false,
                     };
                     if signalled {
-                        node.drain(config.drain_timeout).await;
+                        node.stop_for_restart(config.restart_window, config.drain_timeout).await;
                         tracing::info!("shutting down");
                     }
                     let rejoin = node.rejoin().filter(|_| !signalled);

@@ -64,6 +64,7 @@ fn outcome_of(result: Result<(), &ApiError>) -> usize {
             | ApiError::AnswerTooLarge { .. }
             | ApiError::Conflict(_)
             | ApiError::MembershipChangeInProgress(_)
+            | ApiError::MaintenanceRefused(_)
             | ApiError::UnknownResource(_)
             | ApiError::MethodNotAllowed
             | ApiError::Unauthorized { .. },
@@ -167,6 +168,10 @@ pub struct StateGauges {
     pub nodes_failed: Gauge,
     /// Buckets of which no copy is left.
     pub buckets_lost: Gauge,
+    /// The id of the member in maintenance (0: none).
+    pub maintenance: Gauge,
+    /// Seconds left of the maintenance (0: none, or it ran out).
+    pub maintenance_seconds_left: Gauge,
     /// `NodeFailed` proposed by this node as leader.
     pub fails_proposed: Counter,
 }
@@ -306,6 +311,14 @@ impl NodeMetrics {
             peers_pfail: gauge("shoal_peers_pfail", "Peers that have not answered a ping within the node timeout."),
             nodes_failed: gauge("shoal_nodes_failed", "Members the cluster failed so far."),
             buckets_lost: gauge("shoal_buckets_lost", "Buckets of which no copy is left (bucket_lost)."),
+            maintenance: gauge(
+                "shoal_maintenance",
+                "The id of the member in maintenance (its replica holder serves its buckets); 0 when none is.",
+            ),
+            maintenance_seconds_left: gauge(
+                "shoal_maintenance_seconds_left",
+                "Seconds until the maintenance runs out (the member is failed if it is not back); 0 when none runs.",
+            ),
             fails_proposed: counter("shoal_node_fail_proposals_total", "NodeFailed commands this node proposed."),
         };
         describe(r, "shoal_transfer_bucket_duration_seconds", "Time to pull one bucket: stream, install, flip.");

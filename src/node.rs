@@ -110,6 +110,7 @@ pub struct NodeHandle {
     rejoin: Arc<parking_lot::Mutex<Option<Vec<String>>>>,
     health: Arc<Health>,
     replicator: Arc<Replicator>,
+    api: Arc<NodeApi>,
 }
 
 impl NodeHandle {
@@ -148,6 +149,34 @@ impl NodeHandle {
     pub async fn stopped(&self) {
         let mut rx = self.shutdown.subscribe();
         let _ = rx.wait_for(|stop| *stop).await;
+    }
+
+    /// Stops for a restart (SIGTERM): a member that does not leave goes into maintenance for
+    /// `window` first, so the holder of its replica serves its buckets until it is back
+    /// (instead of the cluster failing it after the node timeout); then it drains (see
+    /// [`Self::drain`]). A refused maintenance (fewer than three members, another one in
+    /// maintenance, a peer down, replica not complete in time) is logged and the node drains
+    /// as before. `window` zero: no maintenance.
+    pub async fn stop_for_restart(&self, window: Duration, drain_timeout: Duration) -> bool {
+        let state = self.control.state();
+        let stays = state.member_of(self.node_id).is_some_and(|m| !m.leaving);
+        if !window.is_zero() && stays && state.members.len() > 1 {
+            match self.api.maintenance_here(window).await {
+                Ok(m) => tracing::warn!(
+                    node_id = self.node_id,
+                    served_by = m.served_by,
+                    window = ?window,
+                    "stopping for a restart: in maintenance; come back with the same data dir before the window ends"
+                ),
+                Err(e) => tracing::warn!(
+                    node_id = self.node_id,
+                    code = e.code(),
+                    error = %e,
+                    "stopping without maintenance: if this node is not back within the node timeout, the cluster fails it"
+                ),
+            }
+        }
+        self.drain(drain_timeout).await
     }
 
     /// Gets ready to stop (SIGTERM; a stop is not a leave): `/readyz` fails at once, writes
@@ -439,7 +468,7 @@ pub async fn start_in(
     };
     let service = Arc::new(PeerService {
         control: control.clone(),
-        api,
+        api: api.clone(),
         replicator: replicator.clone(),
         exporter,
         health: health.clone(),
@@ -457,6 +486,7 @@ pub async fn start_in(
         rejoin: Arc::new(parking_lot::Mutex::new(None)),
         health: health.clone(),
         replicator: replicator.clone(),
+        api,
     };
     let joined = join_or_resume(&config, &identity, &control, &joiner).await;
     if let Err(e) = joined {

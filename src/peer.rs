@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use shoal_http_api::types::{ClusterView, GetOk, KeyList, NodeStats, PutOk, Removed, TransferStatus};
+use shoal_http_api::types::{ClusterView, GetOk, KeyList, MaintenanceView, NodeStats, PutOk, Removed, TransferStatus};
 use shoal_http_api::{ApiError, PutItem, Unavailable};
 use shoal_raft::{BucketId, NodeId};
 
@@ -165,6 +165,21 @@ impl Peers {
         match self.transport.call(api_addr, PeerRequest::Cluster, timeout).await? {
             PeerAnswer::Cluster(view) => Ok(*view),
             other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Asks the member at `peer_addr` to go into maintenance for `period`; its refusal comes
+    /// back as it answered it.
+    pub async fn enter_maintenance(&self, peer_addr: &str, period: Duration) -> Result<MaintenanceView, ApiError> {
+        let timeout = crate::maintenance::ENTER_TIMEOUT;
+        match self.transport.call(peer_addr, PeerRequest::EnterMaintenance { period }, timeout).await {
+            Ok(PeerAnswer::Maintenance(view)) => Ok(view),
+            Ok(other) => Err(api_error(peer_addr, unexpected(&other))),
+            Err(CallError::Api(e)) => Err(e),
+            Err(e) => Err(ApiError::unavailable(
+                Unavailable::Unavailable,
+                format!("the member at {peer_addr} did not answer ({e}): a member goes into maintenance itself, so it must run"),
+            )),
         }
     }
 

@@ -2,14 +2,15 @@
 //! implement it with a fake.
 
 use std::future::Future;
+use std::time::Duration;
 
 use bytes::Bytes;
 use shoal_raft::NodeId;
 
 use crate::error::ApiError;
 use crate::types::{
-    Check, ClearLost, ClusterConfig, ClusterView, GetOk, KeyList, LeaveOk, LostCleared, MapView, NodeStats, PutOk,
-    PutOptions, Removed, RouteContext, Scope, TransferView,
+    Check, ClearLost, ClusterConfig, ClusterView, GetOk, KeyList, LeaveOk, LostCleared, MaintenanceView, MapView,
+    NodeStats, PutOk, PutOptions, Removed, RouteContext, Scope, TransferView,
 };
 
 /// A validated write of one item (from `PUT /v1/kv/{key}` or one entry of a bulk put).
@@ -138,6 +139,17 @@ pub trait ShoalApi: Send + Sync + 'static {
 
     /// Starts member `node_id`'s leave (with `force`, even while a transfer runs).
     fn leave(&self, node_id: NodeId, force: bool) -> impl Future<Output = Result<LeaveOk, ApiError>> + Send;
+
+    /// Puts member `node_id` into maintenance for `period`: its replica holder serves its
+    /// buckets until it comes back (the member itself checks and proposes it).
+    fn enter_maintenance(
+        &self,
+        node_id: NodeId,
+        period: Duration,
+    ) -> impl Future<Output = Result<MaintenanceView, ApiError>> + Send;
+
+    /// Ends member `node_id`'s maintenance before it is back.
+    fn end_maintenance(&self, node_id: NodeId) -> impl Future<Output = Result<MaintenanceView, ApiError>> + Send;
 
     /// Changes the cluster settings (`replication`); answers the settings now in force.
     fn set_config(&self, config: ClusterConfig) -> impl Future<Output = Result<ClusterConfig, ApiError>> + Send;

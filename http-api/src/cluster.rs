@@ -1,7 +1,8 @@
 //! Cluster and health routes: `/v1/cluster`, `/v1/cluster/map`, `/v1/cluster/nodes/{id}/leave`,
-//! `/v1/node`, `/livez`, `/readyz`, `/metrics`.
+//! `/v1/cluster/nodes/{id}/maintenance`, `/v1/node`, `/livez`, `/readyz`, `/metrics`.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::extract::rejection::{PathRejection, QueryRejection};
 use axum::extract::{Path, Query, RawQuery, State};
@@ -13,7 +14,7 @@ use shoal_raft::NodeId;
 use crate::api::ShoalApi;
 use crate::error::ApiError;
 use crate::kv::{flag, query};
-use crate::types::{ClearLost, ClusterConfig};
+use crate::types::{ClearLost, ClusterConfig, MaintenanceRequest};
 
 pub(crate) async fn cluster<N: ShoalApi>(State(node): State<Arc<N>>) -> Response {
     match node.cluster().await {
@@ -65,6 +66,67 @@ pub(crate) async fn leave<N: ShoalApi>(
         Err(e) => return e.into_response(),
     };
     match node.leave(id, force).await {
+        Ok(ok) => Json(ok).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// The shortest maintenance a member may ask for.
+pub const MAINTENANCE_MIN: Duration = Duration::from_secs(10);
+/// The longest.
+pub const MAINTENANCE_MAX: Duration = Duration::from_secs(3600);
+/// Without `for`.
+pub const MAINTENANCE_DEFAULT: Duration = Duration::from_secs(600);
+
+/// The period of a maintenance, from its text (`10m`), checked against the bounds.
+pub fn maintenance_period(text: Option<&str>) -> Result<Duration, ApiError> {
+    let Some(text) = text else { return Ok(MAINTENANCE_DEFAULT) };
+    let period = crate::kv::parse_duration("for", text)?;
+    if !(MAINTENANCE_MIN..=MAINTENANCE_MAX).contains(&period) {
+        return Err(ApiError::BadRequest(format!("for must be from 10s to 1h, not {text:?}")));
+    }
+    Ok(period)
+}
+
+fn node_id_of(id: Result<Path<String>, PathRejection>) -> Result<NodeId, ApiError> {
+    let id = crate::kv::path(id)?;
+    crate::kv::number("node id", &id)
+}
+
+pub(crate) async fn enter_maintenance<N: ShoalApi>(
+    State(node): State<Arc<N>>,
+    id: Result<Path<String>, PathRejection>,
+    body: axum::body::Body,
+) -> Response {
+    let id = match node_id_of(id) {
+        Ok(id) => id,
+        Err(e) => return e.into_response(),
+    };
+    let body = match crate::kv::read_body(body, CLUSTER_BODY_LIMIT).await {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
+    // No body means the default period, as `{}` does.
+    let body: &[u8] = if body.iter().all(u8::is_ascii_whitespace) { b"{}" } else { &body };
+    let period = match json_body::<MaintenanceRequest>(body).and_then(|r| maintenance_period(r.period.as_deref())) {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
+    match node.enter_maintenance(id, period).await {
+        Ok(ok) => Json(ok).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+pub(crate) async fn end_maintenance<N: ShoalApi>(
+    State(node): State<Arc<N>>,
+    id: Result<Path<String>, PathRejection>,
+) -> Response {
+    let id = match node_id_of(id) {
+        Ok(id) => id,
+        Err(e) => return e.into_response(),
+    };
+    match node.end_maintenance(id).await {
         Ok(ok) => Json(ok).into_response(),
         Err(e) => e.into_response(),
     }

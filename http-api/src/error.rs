@@ -173,6 +173,10 @@ pub enum ApiError {
     /// The request conflicts with the cluster's state (for example: the last member leaves).
     #[error("{0}")]
     Conflict(String),
+    /// A member may not enter maintenance now (see the code: `maintenance_in_progress`,
+    /// `too_few_members`, `replica_not_attached`, `peer_unreachable`, ...).
+    #[error("{0}")]
+    MaintenanceRefused(shoal_raft::state::MaintenanceRefusal),
     /// A transition or state transfer is running; membership changes wait (or use
     /// `?force=true`).
     #[error("membership change in progress: {0}")]
@@ -247,7 +251,9 @@ impl ApiError {
             ApiError::NotFound | ApiError::UnknownResource(_) => StatusCode::NOT_FOUND,
             ApiError::PreconditionFailed { .. } => StatusCode::PRECONDITION_FAILED,
             ApiError::NotOwner { .. } => StatusCode::MISDIRECTED_REQUEST,
-            ApiError::Conflict(_) | ApiError::MembershipChangeInProgress(_) => StatusCode::CONFLICT,
+            ApiError::Conflict(_) | ApiError::MembershipChangeInProgress(_) | ApiError::MaintenanceRefused(_) => {
+                StatusCode::CONFLICT
+            }
             ApiError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Redirect { .. } => StatusCode::TEMPORARY_REDIRECT,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
@@ -273,6 +279,7 @@ impl ApiError {
             ApiError::NotOwner { .. } => "not_owner",
             ApiError::Conflict(_) => "conflict",
             ApiError::MembershipChangeInProgress(_) => "membership_change_in_progress",
+            ApiError::MaintenanceRefused(r) => r.code(),
             ApiError::Unavailable { code, .. } => code.code(),
             ApiError::Redirect { .. } => "redirect",
             ApiError::MethodNotAllowed => "method_not_allowed",
@@ -390,6 +397,20 @@ mod tests {
             ApiError::Conflict("last member".into()),
             ApiError::MembershipChangeInProgress("transfer".into()),
             ApiError::MethodNotAllowed,
+        ]);
+        use shoal_raft::state::MaintenanceRefusal as R;
+        all.extend(
+            [
+                R::InProgress(2),
+                R::TooFewMembers(2),
+                R::ReplicaNotAttached { node: 2, attached: 1, owned: 2 },
+                R::PeerDown(3),
+                R::HolderChanged(2),
+                R::StillHolding { holder: 2, owner: 1 },
+            ]
+            .map(ApiError::MaintenanceRefused),
+        );
+        all.extend([
             ApiError::Unauthorized { code: "admin_token_required", detail: "token".into() },
             ApiError::Internal("bug".into()),
         ]);

@@ -33,6 +33,7 @@ use axum::routing::{get, post};
 use axum::Router;
 
 pub use api::{BodyPermit, Limits, PutItem, ShoalApi};
+pub use cluster::{maintenance_period, MAINTENANCE_DEFAULT, MAINTENANCE_MAX, MAINTENANCE_MIN};
 pub use error::{ApiError, Problem, Unavailable, PROBLEM_JSON};
 pub use kv::{format_duration, parse_duration, put_options, unix_ms, value_response, MAX_EXPIRY};
 
@@ -71,6 +72,10 @@ pub fn router<N: ShoalApi>(node: Arc<N>) -> Router {
         .route("/v1/cluster/map", get(cluster::map::<N>))
         .route("/v1/cluster/transfer", get(cluster::transfer::<N>))
         .route("/v1/cluster/nodes/{id}/leave", post(cluster::leave::<N>))
+        .route(
+            "/v1/cluster/nodes/{id}/maintenance",
+            post(cluster::enter_maintenance::<N>).delete(cluster::end_maintenance::<N>),
+        )
         .route("/v1/cluster/config", axum::routing::put(cluster::set_config::<N>))
         .route("/v1/cluster/lost/clear", post(cluster::clear_lost::<N>))
         .route("/v1/node", get(cluster::node_stats::<N>))

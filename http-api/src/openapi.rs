@@ -25,12 +25,12 @@ use crate::types::*;
     ),
     paths(
         get_key, put_key, delete_key, list_keys, bulk_get, bulk_put, bulk_delete, get_tag, delete_tag,
-        cluster, cluster_map, cluster_transfer, leave, set_config, clear_lost, node, livez, readyz, metrics, openapi
+        cluster, cluster_map, cluster_transfer, leave, enter_maintenance, end_maintenance, set_config, clear_lost, node, livez, readyz, metrics, openapi
     ),
     components(schemas(
         Problem, PutOk, BulkKeys, BulkPut, BulkPutItem, BulkResults, KeyResult, KeyError, KeyList, FoundKey,
         NodeFailure, Removed, ClusterView, MemberView, TransitionView, TransferSummary, TransferView, TransferStatus, MapView, MapNode, NodeStats, LeaveOk,
-        PeerHealth, ReplicationView, ClusterConfig, ClearLost, LostCleared
+        PeerHealth, ReplicationView, ClusterConfig, ClearLost, LostCleared, MaintenanceRequest, MaintenanceView
     )),
     tags(
         (name = "keys", description = "Key operations, served by the owner of the key's bucket (any node forwards)"),
@@ -287,6 +287,24 @@ fn cluster_transfer() {}
               (status = 404, description = "unknown_resource: not a member", body = Problem, content_type = "application/problem+json"),
               (status = 409, description = "conflict (the last member) or membership_change_in_progress", body = Problem, content_type = "application/problem+json")))]
 fn leave() {}
+
+#[utoipa::path(post, path = "/v1/cluster/nodes/{id}/maintenance", tag = "cluster", summary = "Put a member into maintenance",
+    description = "The member's replica holder serves its buckets until it comes back (same data dir) and takes them back; \
+                   nothing is rebalanced and the member is not failed for its silence. Not back within the period, it is failed. \
+                   The member itself checks that its replica is complete, so it must run. One member at a time, three members or more.",
+    params(("id" = u64, Path, description = "The member's id")),
+    request_body(content = Option<MaintenanceRequest>, description = "The period; no body or `{}`: 10 minutes"),
+    responses((status = 200, description = "In maintenance: who serves its buckets, until when", body = MaintenanceView),
+              (status = 404, description = "unknown_resource: not a member", body = Problem, content_type = "application/problem+json"),
+              (status = 409, description = "maintenance_in_progress, too_few_members, replica_not_attached, replica_not_moved, peer_unreachable, replica_holder_changed or membership_change_in_progress", body = Problem, content_type = "application/problem+json")))]
+fn enter_maintenance() {}
+
+#[utoipa::path(delete, path = "/v1/cluster/nodes/{id}/maintenance", tag = "cluster", summary = "End a maintenance early",
+    description = "The member is no longer spared: if it is not back, failure detection fails it and the map is rebalanced.",
+    params(("id" = u64, Path, description = "The member's id")),
+    responses((status = 200, description = "The maintenance as it was, `ended` set", body = MaintenanceView),
+              (status = 409, description = "conflict: the member is not in maintenance", body = Problem, content_type = "application/problem+json")))]
+fn end_maintenance() {}
 
 #[utoipa::path(put, path = "/v1/cluster/config", tag = "cluster", summary = "Change the cluster settings",
     request_body = ClusterConfig,

@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use self::parking_lot_free::Mutex;
 use axum::body::Body;
@@ -152,6 +153,25 @@ impl ShoalApi for FakeNode {
 
     async fn leave(&self, node_id: NodeId, _force: bool) -> Result<LeaveOk, ApiError> {
         Err(ApiError::UnknownResource(format!("node {node_id} is not a member")))
+    }
+
+    async fn enter_maintenance(&self, node_id: NodeId, period: Duration) -> Result<MaintenanceView, ApiError> {
+        let until_ms = 1_000 + period.as_millis() as u64;
+        Ok(MaintenanceView {
+            node_id,
+            served_by: 3,
+            since_ms: 1_000,
+            until_ms,
+            seconds_left: period.as_secs_f64(),
+            phase: "away".into(),
+            returned: false,
+            buckets_left: 333,
+            ended: false,
+        })
+    }
+
+    async fn end_maintenance(&self, node_id: NodeId) -> Result<MaintenanceView, ApiError> {
+        Err(ApiError::Conflict(format!("node {node_id} is not in maintenance")))
     }
 
     async fn set_config(&self, config: ClusterConfig) -> Result<ClusterConfig, ApiError> {
@@ -449,4 +469,24 @@ async fn the_openapi_document_describes_every_route() {
             }
         }
     }
+}
+
+#[tokio::test]
+async fn maintenance_takes_a_bounded_period_and_defaults_to_ten_minutes() {
+    let node = FakeNode::new();
+    let path = "/v1/cluster/nodes/2/maintenance";
+    for (body, seconds) in [("", 600.0), ("{}", 600.0), (r#"{"for": "90s"}"#, 90.0), (r#"{"for": "1h"}"#, 3600.0)] {
+        let response = call(&node, Method::POST, path, body).await;
+        assert_eq!(response.status(), StatusCode::OK, "{body}");
+        let view: MaintenanceView = serde_json::from_slice(&body_bytes(response).await).expect("json");
+        assert_eq!((view.node_id, view.seconds_left), (2, seconds), "{body}");
+    }
+    for body in [r#"{"for": "5s"}"#, r#"{"for": "2h"}"#, r#"{"for": "soon"}"#, r#"{"until": "1h"}"#, "[]"] {
+        let (status, p) = problem(call(&node, Method::POST, path, body).await).await;
+        assert_eq!((status, p["code"].as_str()), (StatusCode::BAD_REQUEST, Some("bad_request")), "{body}");
+    }
+    let (status, _) = problem(call(&node, Method::POST, "/v1/cluster/nodes/x/maintenance", "").await).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let (status, p) = problem(call(&node, Method::DELETE, path, "").await).await;
+    assert_eq!((status, p["code"].as_str()), (StatusCode::CONFLICT, Some("conflict")));
 }

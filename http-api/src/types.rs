@@ -322,6 +322,44 @@ pub struct ClusterView {
     /// Buckets of which no copy is left (both the owner and its replica were lost).
     #[serde(default)]
     pub lost_buckets: Vec<u16>,
+    /// The member in maintenance, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub maintenance: Option<MaintenanceView>,
+}
+
+/// Body of `POST /v1/cluster/nodes/{id}/maintenance`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct MaintenanceRequest {
+    /// How long the member may stay away (`90s`, `10m`, `1h`; from 10 s to 1 h; default 10 m).
+    #[serde(default, rename = "for")]
+    pub period: Option<String>,
+}
+
+/// A member in maintenance (`GET /v1/cluster`, and the answer to entering or ending it).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct MaintenanceView {
+    /// The member.
+    pub node_id: NodeId,
+    /// The member serving its buckets meanwhile (the holder of its replica).
+    pub served_by: NodeId,
+    /// When it began (ms since the Unix epoch).
+    pub since_ms: u64,
+    /// When it runs out (ms since the Unix epoch): if the member is not back by then, it is
+    /// failed and the map is rebalanced without it.
+    pub until_ms: u64,
+    /// Seconds left until then (0 once it ran out).
+    pub seconds_left: f64,
+    /// `preparing` (it still serves; the replica it holds moves to the next member), `away`
+    /// (its replica holder serves its buckets) or `returned` (it takes them back).
+    pub phase: String,
+    /// Whether the member is back and taking its buckets back.
+    pub returned: bool,
+    /// Buckets still to go back to it.
+    pub buckets_left: usize,
+    /// Whether it is over (the answer to ending it, or to a member that came back).
+    #[serde(default)]
+    pub ended: bool,
 }
 
 /// A peer in `GET /v1/cluster`: `ok`, or `pfail` when it has not answered a ping within the
@@ -330,7 +368,7 @@ pub struct ClusterView {
 pub struct PeerHealth {
     /// The peer.
     pub node_id: NodeId,
-    /// `ok` or `pfail`.
+    /// `ok`, `pfail`, or `maintenance` (away on purpose: not failed for its silence).
     pub state: String,
     /// Milliseconds since its last pong (or ping), if it ever answered.
     pub last_contact_ms: Option<u64>,

@@ -170,6 +170,34 @@ pub enum ClusterCommand {
         /// The epoch of the move to cancel.
         epoch: u64,
     },
+    /// A member prepares for maintenance: replica placement skips it, so the replica it holds
+    /// moves to the next member.
+    EnterMaintenance {
+        /// The member.
+        node_id: NodeId,
+        /// When the maintenance began (ms since the Unix epoch, the member's clock).
+        since_ms: u64,
+        /// When it runs out (ms since the Unix epoch).
+        until_ms: u64,
+    },
+    /// The member preparing for maintenance goes away: the holder of its complete replica
+    /// serves its buckets until it comes back (and says it runs again); the target map keeps
+    /// giving them to it.
+    MaintenanceReady {
+        /// The member.
+        node_id: NodeId,
+        /// The heir it checked its replica at, and the heir's holding period then: refused if
+        /// either changed since.
+        heir: (NodeId, u64),
+    },
+    /// The maintenance of `node_id` ends before the member is back: an operator ends it, or
+    /// its time ran out (the leader proposes it). The member is no longer spared.
+    EndMaintenance {
+        /// The member.
+        node_id: NodeId,
+        /// Why, for the log.
+        reason: String,
+    },
     /// The stuck-transfer detector clears the state-transfer flag so that membership may
     /// change again; the buckets still to move stay in the target.
     ClearTransferFlag {

@@ -455,6 +455,33 @@ impl ControlPlane {
                 self.write(ClusterCommand::SetDraining { node_id, draining }).await?;
                 Ok(AdminResponse::Done)
             }
+            AdminRequest::EnterMaintenance { node_id, since_ms, until_ms } => {
+                // One membership change at a time: a join, leave or failure does not interleave.
+                let _guard = self.lock_membership().await?;
+                self.write(ClusterCommand::EnterMaintenance { node_id, since_ms, until_ms }).await?;
+                tracing::info!(node_id, until_ms, "node prepares for maintenance: the replica it holds moves on");
+                Ok(AdminResponse::Done)
+            }
+            AdminRequest::MaintenanceReady { node_id, heir } => {
+                let _guard = self.lock_membership().await?;
+                match self.write(ClusterCommand::MaintenanceReady { node_id, heir }).await? {
+                    CommandResponse::MapChanged { map_version } => {
+                        tracing::warn!(
+                            node_id,
+                            heir = heir.0,
+                            "node in maintenance: its replica holder serves its buckets"
+                        );
+                        Ok(AdminResponse::Moved { map_version })
+                    }
+                    other => Err(unexpected(other)),
+                }
+            }
+            AdminRequest::EndMaintenance { node_id, reason } => {
+                let _guard = self.lock_membership().await?;
+                self.write(ClusterCommand::EndMaintenance { node_id, reason: reason.clone() }).await?;
+                tracing::warn!(node_id, reason, "maintenance ended before the node came back");
+                Ok(AdminResponse::Done)
+            }
         }
     }
 

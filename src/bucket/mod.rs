@@ -238,9 +238,10 @@ impl BucketCore {
     pub fn route(&self, state: &ClusterState, bucket: BucketId, routing: Routing) -> Result<Route, DataError> {
         let phase = self.phase(state, bucket);
         let suspected = match phase {
-            Phase::Incoming { from: owner } | Phase::Shadow { owner } | Phase::Foreign { owner } => {
-                !routing.forwarded && !routing.redirect && self.health.is_pfail(owner)
-            }
+            Phase::Incoming { from: owner }
+            | Phase::Shadow { owner }
+            | Phase::Foreign { owner }
+            | Phase::Away { owner } => !routing.forwarded && !routing.redirect && self.health.is_pfail(owner),
             _ => false,
         };
         route_of(state, bucket, phase, routing, self.health.node_facts(), suspected)

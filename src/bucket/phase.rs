@@ -48,6 +48,12 @@ pub enum Phase {
         /// Who serves it now.
         from: NodeId,
     },
+    /// This node is in maintenance and has not come back: `owner` (the holder of its replica)
+    /// serves the bucket meanwhile; this node keeps nothing and pulls nothing until it returns.
+    Away {
+        /// Who serves it.
+        owner: NodeId,
+    },
     /// This node handed it to `owner` in the running transfer and keeps a shadow copy.
     Shadow {
         /// Who serves it now.
@@ -78,6 +84,9 @@ pub fn phase_of(state: &ClusterState, me: NodeId, bucket: BucketId, facts: Bucke
         }
         return Phase::Serving;
     }
+    if state.away() == Some(me) {
+        return Phase::Away { owner };
+    }
     if state.target.as_ref().and_then(|t| t.owner_of(bucket)) == Some(me) {
         return Phase::Incoming { from: owner };
     }
@@ -92,7 +101,7 @@ impl Phase {
     /// serves it, gets it, pulls it, or shadows it. (A restoring bucket is being refilled;
     /// a lost one may hold the newest copy there is.)
     pub fn keeps_active_data(self) -> bool {
-        !matches!(self, Phase::Foreign { .. } | Phase::NoMap)
+        !matches!(self, Phase::Foreign { .. } | Phase::Away { .. } | Phase::NoMap)
     }
 
     /// Whether the node serves the bucket's data (reads and, with a write plan, writes).
@@ -162,7 +171,10 @@ pub fn route_of(
             None => Ok(Route::Local),
         },
         Phase::Restoring | Phase::AwaitingPromotion => Err(DataError::Restoring(bucket)),
-        Phase::Incoming { from: owner } | Phase::Shadow { owner } | Phase::Foreign { owner } => {
+        Phase::Incoming { from: owner }
+        | Phase::Shadow { owner }
+        | Phase::Foreign { owner }
+        | Phase::Away { owner } => {
             if routing.forwarded {
                 return Err(DataError::NotOwner { bucket, map_version: state.map.version });
             }

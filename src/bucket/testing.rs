@@ -1,7 +1,7 @@
 //! Random histories of the replicated state, for the property tests of the bucket core and
 //! the reconciler: every state is reached by `ClusterState::apply` from a bootstrap, through
 //! joins, leaves, transitions, bucket moves and aborts, failures, hand-overs, promotion
-//! reports and replica moves, as the control plane would commit them (commands the state refuses change
+//! reports, replica moves and maintenance, as the control plane would commit them (commands the state refuses change
 //! nothing, as in Raft).
 
 use proptest::prelude::*;
@@ -28,6 +28,14 @@ pub enum Step {
     Report(u64),
     /// The member at this index says the holder join order names has its complete replica.
     ReplicaMoved(usize),
+    /// The member at this index prepares for maintenance.
+    Maintenance(usize),
+    /// The member preparing for maintenance goes away (checked at its heir now).
+    Away,
+    /// The member in maintenance comes back (it says it runs again).
+    Return,
+    /// The maintenance ends before the member is back (an operator, or its time ran out).
+    EndMaintenance,
 }
 
 /// A strategy for steps.
@@ -42,6 +50,10 @@ pub fn step() -> impl Strategy<Value = Step> {
         1 => any::<usize>().prop_map(Step::HandOver),
         2 => any::<u64>().prop_map(Step::Report),
         2 => any::<usize>().prop_map(Step::ReplicaMoved),
+        1 => any::<usize>().prop_map(Step::Maintenance),
+        1 => Just(Step::Away),
+        1 => Just(Step::Return),
+        1 => Just(Step::EndMaintenance),
     ]
 }
 
@@ -129,6 +141,29 @@ pub fn apply(s: &mut ClusterState, step: &Step) {
                 if let Some(holder) = s.replica_of(owner) {
                     s.apply(&ClusterCommand::ReplicaMoved { owner, holder });
                 }
+            }
+        }
+        Step::Maintenance(i) => {
+            if let Some(node_id) = pick(*i) {
+                s.apply(&ClusterCommand::EnterMaintenance { node_id, since_ms: 0, until_ms: 60_000 });
+            }
+        }
+        Step::Away => {
+            if let Some(node_id) = s.maintenance.as_ref().map(|m| m.node) {
+                if let Some(heir) = s.heir_of(node_id) {
+                    let period = s.replica_period(node_id, heir).unwrap_or(0);
+                    s.apply(&ClusterCommand::MaintenanceReady { node_id, heir: (heir, period) });
+                }
+            }
+        }
+        Step::Return => {
+            if let Some(m) = s.maintenance.clone() {
+                s.apply(&ClusterCommand::SetDraining { node_id: m.node, draining: false });
+            }
+        }
+        Step::EndMaintenance => {
+            if let Some(m) = s.maintenance.clone() {
+                s.apply(&ClusterCommand::EndMaintenance { node_id: m.node, reason: "test".into() });
             }
         }
     }

@@ -5,13 +5,15 @@ use std::time::Duration;
 
 use futures::future::join_all;
 use shoal_http_api::types::{
-    Check, ClearLost, ClusterConfig, ClusterView, LeaveOk, LostCleared, MapNode, MapView, MemberView, NodeFailure,
-    NodeStats, ReplicationView, TransferSummary, TransferView, TransitionView,
+    Check, ClearLost, ClusterConfig, ClusterView, LeaveOk, LostCleared, MaintenanceView, MapNode, MapView, MemberView,
+    NodeFailure, NodeStats, ReplicationView, TransferSummary, TransferView, TransitionView,
 };
 use shoal_http_api::{ApiError, Unavailable};
 use shoal_raft::{AdminRequest, AdminResponse, ClusterState, ControlError, NodeId, ReplicationMode};
 
 use super::NodeApi;
+use crate::maintenance::{EnterError, HandOff};
+use shoal_raft::state::MaintenanceRefusal;
 
 impl NodeApi {
     /// Every member's transfer status (this node's own from memory).
@@ -98,7 +100,61 @@ impl NodeApi {
             replication: Some(self.replication_view(&state)),
             failed: state.failed.iter().copied().collect(),
             lost_buckets: state.lost.iter().copied().collect(),
+            maintenance: crate::maintenance::view(&state, crate::maintenance::now_ms()),
         })
+    }
+
+    /// Puts member `node_id` into maintenance: here if it is this node, else the member is
+    /// asked (only it can check its replica).
+    pub(super) async fn make_maintenance(
+        &self,
+        node_id: NodeId,
+        period: Duration,
+    ) -> Result<MaintenanceView, ApiError> {
+        let state = self.control.state();
+        let Some(member) = state.member_of(node_id) else {
+            return Err(ApiError::UnknownResource(format!("node {node_id} is not a member")));
+        };
+        if node_id != self.node_id {
+            return self.peers.enter_maintenance(&member.peer_addr, period).await;
+        }
+        self.maintenance_here(period).await
+    }
+
+    /// Puts this node into maintenance for `period`.
+    pub async fn maintenance_here(&self, period: Duration) -> Result<MaintenanceView, ApiError> {
+        let handoff = HandOff {
+            me: self.node_id,
+            control: &self.control,
+            health: &self.health,
+            replicator: &self.replicator,
+            facts: self.core.facts(),
+        };
+        let suspected = self.health.pfail_members();
+        handoff.enter_maintenance(period, &suspected).await.map_err(|e| match e {
+            EnterError::Refused(MaintenanceRefusal::NotMember(id)) => {
+                ApiError::UnknownResource(format!("node {id} is not a member that stays"))
+            }
+            EnterError::Refused(refusal) => ApiError::MaintenanceRefused(refusal),
+            EnterError::Control(e) => control_error(e),
+        })?;
+        let state = self.control.state();
+        crate::maintenance::view(&state, crate::maintenance::now_ms())
+            .ok_or_else(|| ApiError::Conflict("the maintenance ended at once".into()))
+    }
+
+    /// Ends member `node_id`'s maintenance before it came back.
+    pub(super) async fn stop_maintenance(&self, node_id: NodeId) -> Result<MaintenanceView, ApiError> {
+        let state = self.control.state();
+        let Some(mut view) =
+            crate::maintenance::view(&state, crate::maintenance::now_ms()).filter(|m| m.node_id == node_id)
+        else {
+            return Err(ApiError::Conflict(format!("node {node_id} is not in maintenance")));
+        };
+        let reason = "ended by an operator".to_string();
+        self.control.admin(AdminRequest::EndMaintenance { node_id, reason }).await.map_err(control_error)?;
+        view.ended = true;
+        Ok(view)
     }
 
     pub(super) fn map_view(&self) -> Result<MapView, ApiError> {
@@ -231,6 +287,9 @@ impl NodeApi {
         g.peers_pfail.set(self.health.pfail_members().len() as f64);
         g.nodes_failed.set(state.failed.len() as f64);
         g.buckets_lost.set(state.lost.len() as f64);
+        let maintenance = crate::maintenance::view(&state, crate::maintenance::now_ms());
+        g.maintenance.set(maintenance.as_ref().map_or(0.0, |m| m.node_id as f64));
+        g.maintenance_seconds_left.set(maintenance.as_ref().map_or(0.0, |m| m.seconds_left));
         g.fails_proposed.absolute(self.health.fails_proposed.load(Ordering::Relaxed));
     }
 

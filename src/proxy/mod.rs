@@ -33,8 +33,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use shoal_http_api::types::{
-    Check, ClearLost, ClusterConfig, ClusterView, GetOk, KeyList, LeaveOk, LostCleared, MapView, NodeStats, PutOk,
-    Removed, RouteContext, Scope, TransferView, WriteCondition,
+    Check, ClearLost, ClusterConfig, ClusterView, GetOk, KeyList, LeaveOk, LostCleared, MaintenanceView, MapView,
+    NodeStats, PutOk, Removed, RouteContext, Scope, TransferView, WriteCondition,
 };
 use shoal_http_api::{ApiError, Limits, PutItem, ShoalApi};
 use shoal_raft::{bucket_of, BucketId, ClusterState, ControlPlane, NodeId};
@@ -421,6 +421,14 @@ impl ShoalApi for NodeApi {
 
     async fn leave(&self, node_id: NodeId, force: bool) -> Result<LeaveOk, ApiError> {
         self.make_leave(node_id, force).await
+    }
+
+    async fn enter_maintenance(&self, node_id: NodeId, period: Duration) -> Result<MaintenanceView, ApiError> {
+        self.make_maintenance(node_id, period).await
+    }
+
+    async fn end_maintenance(&self, node_id: NodeId) -> Result<MaintenanceView, ApiError> {
+        self.stop_maintenance(node_id).await
     }
 
     async fn set_config(&self, config: ClusterConfig) -> Result<ClusterConfig, ApiError> {

@@ -8,6 +8,7 @@ use shoal_raft::{AdminRequest, AdminResponse, BucketId, LostBucket, NodeId};
 use tokio::time::Instant;
 
 use super::{Done, Fetched, Reconciler, RETRY};
+use crate::maintenance::{HandOff, NotInSync, WritePause};
 use crate::transfer::found::give_back_body;
 use crate::transfer::import::PullError;
 use crate::transport::CallError;
@@ -316,25 +317,18 @@ impl Reconciler {
     /// never acknowledged). If the replica cannot be confirmed complete in time, L does not
     /// hand over and drains its buckets itself.
     pub(super) async fn hand_over(&self, heir: NodeId) -> Done {
-        self.health.set_handing_over(true);
-        // A write that passed the refusal check before the flag holds its bucket lock until
-        // it reached the replica or its queue: taking every lock once waits for those, so
-        // the queue count below includes them.
-        for b in self.control.state().map.buckets_of(self.me) {
-            drop(self.facts.lock(b).await);
-        }
-        let deadline = tokio::time::Instant::now() + HANDOVER_SYNC_WAIT;
-        let in_sync = loop {
-            let state = self.control.state();
-            let (attached, owned) = self.replicator.attached_count(&state);
-            let (queued, _) = self.replicator.queue_lag();
-            if attached == owned && queued == 0 && state.heir_of(self.me) == Some(heir) {
-                // Raft refuses the hand-over if the heir stopped holding since (it dropped
-                // the copies counted here).
-                break state.replica_period(self.me, heir).map(|p| (heir, p));
-            }
-            let leaving = state.member_of(self.me).is_some_and(|m| m.leaving);
-            if tokio::time::Instant::now() >= deadline || !leaving {
+        let handoff = HandOff {
+            me: self.me,
+            control: &self.control,
+            health: &self.health,
+            replicator: &self.replicator,
+            facts: &self.facts,
+        };
+        let pause = WritePause::new(&self.health);
+        let leaving = |s: &shoal_raft::ClusterState| s.member_of(self.me).is_some_and(|m| m.leaving);
+        let in_sync = match handoff.in_sync(heir, HANDOVER_SYNC_WAIT, leaving).await {
+            Ok(checked) => Some(checked),
+            Err(NotInSync { attached, owned, queued }) => {
                 tracing::warn!(
                     node_id = self.me,
                     attached,
@@ -342,9 +336,8 @@ impl Reconciler {
                     queued,
                     "replicas not in sync: draining the buckets instead"
                 );
-                break None;
+                None
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
         };
         if let Some(checked) = in_sync {
             let buckets = self.control.state().map.buckets_of(self.me).len();
@@ -359,7 +352,7 @@ impl Reconciler {
                 }
             }
         }
-        self.health.set_handing_over(false);
+        drop(pause);
         Done::HandedOver
     }
 }

@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use shoal_raft::{BucketId, ClusterState, ControlPlane, NodeId};
+use shoal_raft::{AdminRequest, BucketId, ClusterState, ControlPlane, NodeId};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -130,6 +130,7 @@ enum Done {
     StuckChecked(Box<StuckDetector>),
     Sent,
     GaveBack,
+    EndedMaintenance,
 }
 
 /// Pulls paused after a failed one.
@@ -356,6 +357,8 @@ impl Reconciler {
             stuck_check_due,
             limits: (memory.limit, self.limits.0, self.limits.1),
             gave_back: memory.gave_back,
+            // Read only while a maintenance runs: the simulation never reads the wall clock.
+            now_ms: if state.maintenance.is_some() { crate::maintenance::now_ms() } else { 0 },
         }
     }
 
@@ -535,6 +538,21 @@ impl Reconciler {
                     );
                 }
             }
+            Action::EndMaintenance { node } => {
+                r.end_maintenance = true;
+                let me = self.clone();
+                jobs.spawn(
+                    async move {
+                        let reason = "its time ran out before it came back".to_string();
+                        if let Err(e) = me.control.admin(AdminRequest::EndMaintenance { node_id: node, reason }).await {
+                            tracing::warn!(node_id = node, error = %e, "could not end the maintenance");
+                            tokio::time::sleep(Duration::from_secs(1)).await;
+                        }
+                        Done::EndedMaintenance
+                    },
+                    Done::EndedMaintenance,
+                );
+            }
             Action::SendQueued => {
                 r.send = true;
                 let me = self.clone();
@@ -603,6 +621,7 @@ impl Reconciler {
                 r.give_back = false;
                 memory.gave_back = true;
             }
+            Done::EndedMaintenance => r.end_maintenance = false,
         }
     }
 

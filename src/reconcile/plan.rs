@@ -6,6 +6,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use shoal_raft::state::MaintenancePhase;
 use shoal_raft::{BucketId, ClusterState, NodeId};
 
 use crate::bucket::{keeps_replica, phase_of, BucketFacts, Phase};
@@ -44,6 +45,8 @@ pub struct Running {
     pub send: bool,
     /// Giving lost buckets back before rejoining.
     pub give_back: bool,
+    /// Ending a maintenance whose time ran out (leader).
+    pub end_maintenance: bool,
 }
 
 /// What this node knows of itself that the replicated state does not say.
@@ -99,6 +102,8 @@ pub struct Facts {
     pub limits: (u64, u64, u64),
     /// Since the cluster failed it, it gave back the lost buckets it served last (or tried).
     pub gave_back: bool,
+    /// The wall clock, in ms since the Unix epoch (a maintenance runs out by it).
+    pub now_ms: u64,
 }
 
 impl Facts {
@@ -226,6 +231,11 @@ pub enum Action {
     },
     /// As leader: check a running transfer for progress.
     CheckStuck,
+    /// As leader: the time of this member's maintenance ran out before it came back.
+    EndMaintenance {
+        /// The member.
+        node: NodeId,
+    },
     /// Send a batch of the async replication queue.
     SendQueued,
 }
@@ -280,8 +290,16 @@ pub fn plan(previous: &ClusterState, state: &ClusterState, f: &Facts) -> Vec<Act
     plan_replicas(state, f, &mut out);
     plan_handover(state, f, &mut out);
     plan_drops(previous, state, f, &mut out);
-    if f.leader && state.transfer_flag && f.stuck_check_due && !f.running.stuck {
+    // While a member is away in maintenance nothing is stuck: it pulls once it returns.
+    if f.leader && state.transfer_flag && state.away().is_none() && f.stuck_check_due && !f.running.stuck {
         out.push(Action::CheckStuck);
+    }
+    if let Some(m) =
+        state.maintenance.as_ref().filter(|m| m.phase != MaintenancePhase::Returned && f.now_ms >= m.until_ms)
+    {
+        if f.leader && !f.running.end_maintenance {
+            out.push(Action::EndMaintenance { node: m.node });
+        }
     }
     if f.queue_waiting && !f.running.send {
         out.push(Action::SendQueued);

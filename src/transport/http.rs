@@ -57,6 +57,13 @@ const SEGMENT: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
+/// The body of `POST /internal/maintenance`.
+#[derive(Debug, Clone, Copy, Serialize, serde::Deserialize)]
+pub struct MaintenanceAsk {
+    /// How long the receiver may stay away, in ms.
+    pub period_ms: u64,
+}
+
 /// The production transport (see the module docs).
 pub struct HttpTransport {
     calls: HttpClient,
@@ -313,6 +320,17 @@ impl HttpTransport {
             PeerRequest::Cluster => {
                 let view = self.api_json(Method::GET, addr, "/v1/cluster", &[], Bytes::new(), timeout).await?;
                 Ok(PeerAnswer::Cluster(Box::new(view)))
+            }
+            PeerRequest::EnterMaintenance { period } => {
+                let body = serde_json::to_vec(&MaintenanceAsk { period_ms: period.as_millis() as u64 })
+                    .map_err(|e| CallError::Broken(e.to_string()))?;
+                let headers = [(CONTENT_TYPE.as_str(), "application/json".to_string())];
+                let uri = format!("http://{addr}/internal/maintenance");
+                let answer = self.peer(Method::POST, uri, &headers, body.into(), timeout).await?;
+                if !answer.status.is_success() {
+                    return Err(CallError::Api(error_of(&answer, addr)));
+                }
+                Ok(PeerAnswer::Maintenance(json(&answer.body)?))
             }
         }
     }

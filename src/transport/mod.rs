@@ -34,7 +34,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures::Stream;
 use serde::{Deserialize, Serialize};
-use shoal_http_api::types::{ClusterView, GetOk, KeyList, NodeStats, PutOk, Removed, TransferStatus};
+use shoal_http_api::types::{ClusterView, GetOk, KeyList, MaintenanceView, NodeStats, PutOk, Removed, TransferStatus};
 use shoal_http_api::{ApiError, PutItem};
 use shoal_raft::{BoxFuture, BucketId, ControlTransport, MemberStatus, NodeId};
 
@@ -134,6 +134,12 @@ pub enum PeerRequest {
     NodeStats,
     /// The cluster as the receiver sees it (a joiner asks its seed).
     Cluster,
+    /// The receiver goes into maintenance for this long (to its peer address: only it can
+    /// check that its replica is complete).
+    EnterMaintenance {
+        /// How long it may stay away.
+        period: Duration,
+    },
 }
 
 /// The answer to a [`PeerRequest`], in the same order of variants.
@@ -169,6 +175,8 @@ pub enum PeerAnswer {
     NodeStats(NodeStats),
     /// The cluster view.
     Cluster(Box<ClusterView>),
+    /// The receiver is in maintenance.
+    Maintenance(MaintenanceView),
 }
 
 /// A request that answers with a stream of frames.
@@ -326,6 +334,7 @@ fn answer_name(answer: &PeerAnswer) -> &'static str {
         PeerAnswer::Removed(_) => "removed",
         PeerAnswer::NodeStats(_) => "node stats",
         PeerAnswer::Cluster(_) => "cluster",
+        PeerAnswer::Maintenance(_) => "maintenance",
     }
 }
 

@@ -16,7 +16,8 @@ use shoal_http_api::ShoalApi;
 use shoal_raft::{BucketId, ControlPlane, ControlRpc, NodeId, ServeError, BUCKET_COUNT};
 
 use super::http::{
-    HEADER_FROM, HEADER_MAP_VERSION, HEADER_RAFT_TARGET, HEADER_SEQ, HEADER_SNAPSHOT, TRANSFER_MEDIA_TYPE,
+    MaintenanceAsk, HEADER_FROM, HEADER_MAP_VERSION, HEADER_RAFT_TARGET, HEADER_SEQ, HEADER_SNAPSHOT,
+    TRANSFER_MEDIA_TYPE,
 };
 use super::{CallError, FrameStream, PeerAnswer, PeerRequest, Ping, ReplicaAnswer, Replicate, StreamRequest};
 use crate::health::Health;
@@ -97,6 +98,9 @@ impl PeerService {
             }
             PeerRequest::NodeStats => PeerAnswer::NodeStats(api.node_stats()),
             PeerRequest::Cluster => PeerAnswer::Cluster(Box::new(api.cluster().await.map_err(failed)?)),
+            PeerRequest::EnterMaintenance { period } => {
+                PeerAnswer::Maintenance(api.maintenance_here(period).await.map_err(failed)?)
+            }
         })
     }
 
@@ -138,6 +142,7 @@ pub fn peer_routes(service: Arc<PeerService>) -> Router {
         .route("/internal/replicate/{bucket}", post(replicate))
         .route("/internal/shadow/{bucket}", post(shadow))
         .route("/internal/found/{bucket}", post(found))
+        .route("/internal/maintenance", post(maintenance))
         .route("/internal/ping", post(ping))
         .route("/internal/transfer/status", get(transfer_status))
         .route("/internal/transfer/{bucket}", get(stream_bucket))
@@ -249,6 +254,13 @@ async fn found(
     match s.exporter.take_back(from, bucket, &body).await {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err((status, reason)) => (StatusCode::from_u16(status).unwrap_or(StatusCode::CONFLICT), reason).into_response(),
+    }
+}
+
+async fn maintenance(State(s): State<Arc<PeerService>>, Json(ask): Json<MaintenanceAsk>) -> Response {
+    match s.api.maintenance_here(std::time::Duration::from_millis(ask.period_ms)).await {
+        Ok(view) => Json(view).into_response(),
+        Err(e) => e.into_response(),
     }
 }
 

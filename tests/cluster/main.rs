@@ -6,6 +6,7 @@ mod crash;
 mod failover;
 mod faults;
 mod harness;
+mod maintenance;
 mod membership;
 mod process;
 mod readme;

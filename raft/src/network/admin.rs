@@ -134,6 +134,29 @@ pub enum AdminRequest {
         /// Whether it is stopping.
         draining: bool,
     },
+    /// A member prepares for maintenance until `until_ms`.
+    EnterMaintenance {
+        /// The member.
+        node_id: NodeId,
+        /// Now, in ms since the Unix epoch.
+        since_ms: u64,
+        /// The end of the period, in ms since the Unix epoch.
+        until_ms: u64,
+    },
+    /// The member preparing for maintenance, its replica in sync at `heir`, goes away.
+    MaintenanceReady {
+        /// The member.
+        node_id: NodeId,
+        /// The heir it checked and the heir's holding period.
+        heir: (NodeId, u64),
+    },
+    /// End the maintenance of `node_id` (early, or because its time ran out).
+    EndMaintenance {
+        /// The member.
+        node_id: NodeId,
+        /// Why, for the log.
+        reason: String,
+    },
 }
 
 /// The leader's answer to an [`AdminRequest`].

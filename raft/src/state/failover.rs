@@ -84,7 +84,7 @@ impl ClusterState {
     }
 
     /// Gives every bucket `from` serves to `heir`, which holds their replica.
-    fn promote_all(&mut self, from: NodeId, heir: NodeId) {
+    pub(super) fn promote_all(&mut self, from: NodeId, heir: NodeId) {
         let mut changed = false;
         for i in 0..BUCKET_COUNT {
             if self.map.owners[i] != from {

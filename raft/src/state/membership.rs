@@ -87,8 +87,10 @@ impl ClusterState {
 
     /// Starts a transition to a map for the active members, made from the newest map
     /// there is (pending, target, or serving) so that buckets already on their way keep
-    /// going where they were going.
+    /// going where they were going. A maintenance ends: the map is made anew for the members
+    /// (one that is still away is no longer spared by failure detection).
     pub(super) fn begin_transition(&mut self) -> CommandResponse {
+        self.maintenance = None;
         let base = self.transition.as_ref().map(|t| &t.to).or(self.target.as_ref()).unwrap_or(&self.map);
         let mut to = rebalance(base, &self.active_ids());
         // Pending maps get versions above every map seen, so a version names one map.

@@ -12,8 +12,10 @@
 //! - `membership.rs`: bootstrap, register, admit, remove.
 //! - `transfer.rs`: the transition (acks, end), bucket moves, completion.
 //! - `failover.rs`: failed members, hand-over of a leaver, promotion of replicas, lost buckets.
+//! - `maintenance.rs`: a member away for a while, its buckets served by its replica holder.
 
 mod failover;
+mod maintenance;
 mod membership;
 #[cfg(test)]
 mod tests;
@@ -25,6 +27,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::command::{ClusterCommand, CommandResponse};
 use crate::distribution::{BucketId, DistributionMap, NodeId};
+
+pub use maintenance::{Maintenance, MaintenancePhase, MaintenanceRefusal};
 
 /// A member of the cluster.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -201,6 +205,10 @@ pub struct ClusterState {
     /// The number the next holding period gets; only increases.
     #[serde(default)]
     pub next_replica_period: u64,
+    /// The member in maintenance, if any (one at a time): the holder of its replica serves its
+    /// buckets and the target map gives them back to it when it returns.
+    #[serde(default)]
+    pub maintenance: Option<Maintenance>,
 }
 
 impl ClusterState {
@@ -247,6 +255,7 @@ impl ClusterState {
                     self.draining.insert(*node_id);
                 } else {
                     self.draining.remove(node_id);
+                    self.maintenance_returned(*node_id);
                 }
                 CommandResponse::Done
             }
@@ -261,6 +270,11 @@ impl ClusterState {
             ClusterCommand::EndTransition { to_version } => self.end_transition(*to_version),
             ClusterCommand::BucketMoved { bucket, from, to, epoch } => self.bucket_moved(*bucket, *from, *to, *epoch),
             ClusterCommand::AbortMove { bucket, epoch } => self.abort_move(*bucket, *epoch),
+            ClusterCommand::EnterMaintenance { node_id, since_ms, until_ms } => {
+                self.enter_maintenance(*node_id, *since_ms, *until_ms)
+            }
+            ClusterCommand::MaintenanceReady { node_id, heir } => self.maintenance_ready(*node_id, *heir),
+            ClusterCommand::EndMaintenance { node_id, .. } => self.end_maintenance(*node_id),
             ClusterCommand::ClearTransferFlag { .. } => {
                 self.transfer_flag = false;
                 CommandResponse::Done
@@ -291,19 +305,22 @@ impl ClusterState {
     /// The member that holds `id`'s replica: the next member in join order, the first for
     /// the last one. `None` in a one-node cluster or for a non-member. A leaving member
     /// keeps its place in the ring until it is retired, so replicas stay where they are
-    /// while it drains.
+    /// while it drains. A member preparing for maintenance or away is skipped: it will hold
+    /// nothing.
     pub fn replica_of(&self, id: NodeId) -> Option<NodeId> {
         let n = self.members.len();
         if n < 2 {
             return None;
         }
         let pos = self.members.iter().position(|m| m.id == id)?;
-        Some(self.members[(pos + 1) % n].id)
+        let skipped = self.skipped();
+        (1..n).map(|k| self.members[(pos + k) % n].id).find(|&h| Some(h) != skipped)
     }
 
     /// The member that holds `id`'s complete replica now (see `replica_holders`), if any.
     pub fn committed_holder_of(&self, id: NodeId) -> Option<NodeId> {
-        self.replica_holders.get(&id).copied().filter(|&h| h != id && self.is_member(h))
+        let away = self.away();
+        self.replica_holders.get(&id).copied().filter(|&h| h != id && self.is_member(h) && Some(h) != away)
     }
 
     /// The member that inherits `id`'s buckets if it fails or hands them over: the holder of
@@ -369,6 +386,9 @@ impl ClusterState {
     /// Whether a membership change must wait: the state-transfer flag is set (a transition
     /// or a transfer runs, and the stuck detector has not cleared the flag).
     pub fn membership_busy(&self) -> Option<String> {
+        if let Some(m) = self.away() {
+            return Some(format!("node {m} is in maintenance"));
+        }
         if !self.transfer_flag {
             return None;
         }
@@ -386,8 +406,9 @@ impl ClusterState {
 
     /// The buckets `node` should receive: the target gives them to it, another node serves
     /// them now. Each comes with its current server and move epoch.
+    /// A member in maintenance gets nothing until it returns.
     pub fn incoming_of(&self, node: NodeId) -> Vec<(BucketId, NodeId, u64)> {
-        let Some(target) = &self.target else { return Vec::new() };
+        let Some(target) = self.target.as_ref().filter(|_| self.away() != Some(node)) else { return Vec::new() };
         BucketId::all()
             .filter_map(|b| {
                 let to = target.owner_of(b)?;

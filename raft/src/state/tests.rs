@@ -609,3 +609,112 @@ fn an_entry_of_earlier_versions_marking_lost_buckets_replays_as_before() {
     let r = s.apply(&ClusterCommand::BucketsLost { node_id: 9, buckets: vec![of_2[1]] });
     assert!(matches!(r, CommandResponse::Rejected { .. }));
 }
+
+/// Node `node` of `s` prepares for maintenance; the member whose replica it holds moves it to
+/// the next member; then it goes away, checked at its heir now.
+fn enter_maintenance(s: &mut ClusterState, node: NodeId) -> CommandResponse {
+    let r = s.apply(&ClusterCommand::EnterMaintenance { node_id: node, since_ms: 1_000, until_ms: 61_000 });
+    if r != CommandResponse::Done {
+        return r;
+    }
+    while let Some(owner) = s.held_by(node) {
+        let holder = s.replica_of(owner).expect("a holder");
+        assert_ne!(holder, node, "placement skips the member preparing for maintenance");
+        assert_eq!(s.apply(&ClusterCommand::ReplicaMoved { owner, holder }), CommandResponse::Done);
+    }
+    let heir = s.heir_of(node).expect("an heir");
+    let period = s.replica_period(node, heir).expect("a holding period");
+    s.apply(&ClusterCommand::MaintenanceReady { node_id: node, heir: (heir, period) })
+}
+
+#[test]
+fn a_member_in_maintenance_has_its_buckets_served_by_its_heir_and_takes_them_back_when_it_returns() {
+    let mut s = three_nodes();
+    s.apply(&ClusterCommand::ReplicaMoved { owner: 1, holder: 2 });
+    let before = s.map.clone();
+    let of_2 = s.map.buckets_of(2);
+    assert_eq!(s.replica_of(1), Some(2));
+    // Preparing: it serves on, and stays node 1's complete holder until node 3 has it all.
+    s.apply(&ClusterCommand::EnterMaintenance { node_id: 2, since_ms: 0, until_ms: 60_000 });
+    assert_eq!((s.away(), s.replica_of(1), s.committed_holder_of(1)), (None, Some(3), Some(2)));
+    assert_eq!(s.map.buckets_of(2), of_2);
+    let period = s.replica_period(2, 3).expect("node 3 holds node 2's replica");
+    let r = s.apply(&ClusterCommand::MaintenanceReady { node_id: 2, heir: (3, period) });
+    assert!(matches!(r, CommandResponse::Rejected { .. }), "node 1's only complete replica is on node 2: {r:?}");
+    s.apply(&ClusterCommand::ReplicaMoved { owner: 1, holder: 3 });
+    let r = s.apply(&ClusterCommand::MaintenanceReady { node_id: 2, heir: (3, period) });
+    assert!(matches!(r, CommandResponse::MapChanged { .. }), "{r:?}");
+    assert_eq!(s.away(), Some(2));
+    assert!(s.map.buckets_of(2).is_empty(), "its heir serves its buckets");
+    assert!(of_2.iter().all(|&b| s.map.owner_of(b) == Some(3) && s.promoted.contains_key(&b.0)));
+    assert_eq!(s.target.as_ref().map(|t| &t.owners), Some(&before.owners), "the distribution stays");
+    assert_eq!(s.replica_of(1), Some(3), "the replica it held moved to the next member");
+    assert_eq!(s.committed_holder_of(1), Some(3));
+    assert!(s.incoming_of(2).is_empty(), "away: it pulls nothing");
+    assert!(s.membership_busy().is_some(), "joins and leaves wait");
+    assert!(matches!(enter_maintenance(&mut s, 1), CommandResponse::Rejected { .. }), "one at a time");
+    s.apply(&ClusterCommand::Promoted { node_id: 3, buckets: of_2.iter().map(|b| b.0).collect(), lost: vec![] });
+    // It comes back: it says it runs again, and pulls its buckets back from the heir.
+    s.apply(&ClusterCommand::SetDraining { node_id: 2, draining: false });
+    assert_eq!(s.away(), None);
+    assert_eq!((s.replica_of(1), s.committed_holder_of(1)), (Some(2), Some(3)), "it takes the replica back later");
+    assert_eq!(s.incoming_of(2).len(), of_2.len());
+    move_everything(&mut s);
+    assert_eq!(s.map.owners, before.owners);
+    assert_eq!(s.maintenance, None, "over once every bucket is back");
+    assert!(!s.transfer_flag && s.target.is_none());
+    assert!(s.failed.is_empty());
+}
+
+#[test]
+fn maintenance_is_refused_with_a_reason_while_it_cannot_be_kept() {
+    let mut s = bootstrapped(3);
+    join(&mut s, 2);
+    assert_eq!(s.maintenance_refusal(2).map(|r| r.code()), Some("too_few_members"));
+    join(&mut s, 3);
+    assert_eq!(s.maintenance_refusal(9).map(|r| r.code()), Some("unknown_resource"));
+    let mut joining = s.clone();
+    admit(&mut joining, 4);
+    assert_eq!(joining.maintenance_refusal(2).map(|r| r.code()), Some("membership_change_in_progress"));
+    let mut preparing = s.clone();
+    preparing.apply(&ClusterCommand::EnterMaintenance { node_id: 2, since_ms: 0, until_ms: 1 });
+    let before = preparing.clone();
+    let heir = preparing.heir_of(2).expect("an heir");
+    let r = preparing.apply(&ClusterCommand::MaintenanceReady { node_id: 2, heir: (heir, 999) });
+    assert!(matches!(r, CommandResponse::Rejected { .. }), "a holder period that changed: {r:?}");
+    assert_eq!(preparing, before, "a refused entry changes nothing");
+    // It restarted before it went away: the maintenance ends.
+    preparing.apply(&ClusterCommand::SetDraining { node_id: 2, draining: false });
+    assert_eq!(preparing.maintenance, None);
+    assert!(matches!(enter_maintenance(&mut s, 2), CommandResponse::MapChanged { .. }));
+    assert_eq!(s.maintenance_refusal(1).map(|r| r.code()), Some("maintenance_in_progress"));
+}
+
+#[test]
+fn a_failure_or_an_end_before_the_member_returns_ends_the_maintenance_and_spares_it_no_more() {
+    // Ended by an operator or by its time: the member is an ordinary one again, still owed
+    // its buckets by the target.
+    let mut s = three_nodes();
+    enter_maintenance(&mut s, 2);
+    let r = s.apply(&ClusterCommand::EndMaintenance { node_id: 1, reason: "test".into() });
+    assert!(matches!(r, CommandResponse::Rejected { .. }), "node 1 is not in maintenance");
+    assert_eq!(
+        s.apply(&ClusterCommand::EndMaintenance { node_id: 2, reason: "expired".into() }),
+        CommandResponse::Done
+    );
+    assert_eq!((s.away(), s.maintenance.clone()), (None, None));
+    assert!(!s.incoming_of(2).is_empty(), "if it runs, it takes its buckets back");
+    // Failed then: a rebalance without it; its buckets stay with the heir until they move.
+    assert!(matches!(s.apply(&ClusterCommand::NodeFailed { node_id: 2 }), CommandResponse::MapChanged { .. }));
+    assert!(s.transition.as_ref().is_some_and(|t| !t.to.owners.contains(&2)));
+
+    // Another member fails while it is away (five members): the maintenance ends at once.
+    let mut s = bootstrapped(5);
+    for n in 2..=5 {
+        join(&mut s, n);
+    }
+    enter_maintenance(&mut s, 2);
+    s.apply(&ClusterCommand::NodeFailed { node_id: 4 });
+    assert_eq!(s.maintenance, None);
+    assert_eq!(s.replica_of(1), Some(2), "no longer skipped");
+}

@@ -92,6 +92,8 @@ impl ClusterState {
         }
         if self.target.is_none() {
             self.handoffs.clear();
+            // A member in maintenance took every bucket back: the maintenance is over.
+            self.maintenance = None;
         }
         let pending = |id: NodeId| {
             self.transition.as_ref().is_some_and(|t| t.to.owners.contains(&id))

@@ -1,0 +1,217 @@
+//! Maintenance: a member goes away for a while; its replica holder serves its buckets, nobody
+//! fails it, and it takes its buckets back when it returns — or, not back in time, it is
+//! failed like any silent member.
+
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use shoal::config::ServeConfig;
+
+use crate::harness::{wait_for, TestCluster};
+use crate::workload::{check, Workload};
+
+/// Pings every 200 ms, pfail after 1 s of silence: a member away for longer would be failed
+/// were it not in maintenance.
+fn fast_detection(config: &mut ServeConfig) {
+    config.ping_interval = Duration::from_millis(200);
+    config.node_timeout = Duration::from_secs(1);
+}
+
+/// Five voters; a node timeout long enough for the leader to restart without being failed.
+fn five_voters(config: &mut ServeConfig) {
+    config.ping_interval = Duration::from_millis(200);
+    config.node_timeout = Duration::from_secs(8);
+    config.voters = 5;
+}
+
+/// POSTs `{"for": period}` to member `id`'s maintenance through `slot`: status and body.
+async fn enter(c: &TestCluster, slot: usize, id: u64, period: &str) -> (u16, Value) {
+    let url = c.url(slot, &format!("/v1/cluster/nodes/{id}/maintenance"));
+    let r = c.http.post(url).json(&json!({ "for": period })).send().await.expect("request");
+    (r.status().as_u16(), r.json().await.expect("json"))
+}
+
+/// DELETEs member `id`'s maintenance through `slot`.
+async fn end(c: &TestCluster, slot: usize, id: u64) -> (u16, Value) {
+    let url = c.url(slot, &format!("/v1/cluster/nodes/{id}/maintenance"));
+    let r = c.http.delete(url).send().await.expect("request");
+    (r.status().as_u16(), r.json().await.expect("json"))
+}
+
+fn member_ids(view: &Value) -> Vec<u64> {
+    view["members"].as_array().expect("members").iter().filter_map(|m| m["id"].as_u64()).collect()
+}
+
+/// Waits until the maintenance is over and every member is ready again (its buckets back and
+/// its replica complete) as `slot` sees it.
+async fn wait_over(c: &TestCluster, slot: usize) {
+    wait_for("the maintenance to end", || async {
+        let v = c.json(slot, "/v1/cluster").await;
+        (v["maintenance"].is_null() && v["transfer"].is_null() && v["transition"].is_null()).then_some(())
+    })
+    .await;
+    let slots: Vec<usize> = c.running().collect();
+    for s in slots {
+        let deadline = tokio::time::Instant::now() + crate::harness::DEADLINE;
+        loop {
+            let r = c.http.get(c.url(s, "/readyz?verbose")).send().await.expect("readyz");
+            let ready = r.status() == 200;
+            let body = r.text().await.unwrap_or_default();
+            if ready {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "slot {s} not ready: {body}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_in_maintenance_is_served_by_its_replica_holder_and_takes_its_buckets_back() {
+    let mut c = TestCluster::start_with(3, fast_detection).await;
+    c.wait_for_counts(&[333, 333, 334]).await;
+    let w = Workload::start(vec![c.api(0), c.api(2)], 4);
+    wait_for("some writes", || async { (w.acked() > 200).then_some(()) }).await;
+
+    // Asked through another member: the member itself checks its replica and goes.
+    let (status, m) = enter(&c, 0, 2, "2m").await;
+    assert_eq!(status, 200, "{m}");
+    assert_eq!(
+        (m["node_id"].as_u64(), m["served_by"].as_u64(), m["returned"].as_bool()),
+        (Some(2), Some(3), Some(false))
+    );
+    assert!(m["seconds_left"].as_f64().is_some_and(|s| s > 100.0 && s <= 120.0), "{m}");
+    let view = c.json(0, "/v1/cluster").await;
+    assert_eq!(view["maintenance"]["node_id"], 2, "{view}");
+    let buckets: Vec<u64> =
+        view["members"].as_array().expect("members").iter().map(|m| m["buckets"].as_u64().unwrap_or(0)).collect();
+    assert_eq!((buckets.len(), buckets[1], buckets[0] + buckets[2]), (3, 0, 1000), "node 3 serves node 2's buckets");
+    let left = view["transfer"]["buckets_left"].as_u64();
+    assert!(left == Some(333) || left == Some(334), "the target gives them back: {view}");
+
+    // Away for several node timeouts: not failed, every bucket readable and writable.
+    c.stop(1).await;
+    let acked = w.acked();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    wait_for("writes while it is away", || async { (w.acked() > acked + 200).then_some(()) }).await;
+    let view = c.json(0, "/v1/cluster").await;
+    assert_eq!(view["failed"], json!([]), "{view}");
+    assert_eq!(member_ids(&view), vec![1, 2, 3]);
+    assert!(view["peers"].as_array().expect("peers").iter().any(|p| p["node_id"] == 2 && p["state"] == "maintenance"));
+    let metrics = c.http.get(c.url(0, "/metrics")).send().await.expect("metrics").text().await.expect("text");
+    assert!(metrics.lines().any(|l| l == "shoal_maintenance 2"), "{metrics}");
+
+    // Back with its data dir: the same member, its buckets back, the maintenance over.
+    c.restart(1).await.expect("restart");
+    assert_eq!(c.id(1), 2);
+    wait_over(&c, 0).await;
+    c.wait_for_counts(&[333, 333, 334]).await;
+    let history = w.pause().await;
+    let lost = check(&c, 1, &history).await;
+    assert!(lost.is_empty(), "{} problems, first: {:?}", lost.len(), &lost[..lost.len().min(5)]);
+    let view = c.json(1, "/v1/cluster").await;
+    assert_eq!((view["failed"].clone(), member_ids(&view)), (json!([]), vec![1, 2, 3]));
+    w.stop().await;
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn maintenance_is_refused_with_a_code_while_it_cannot_be_kept_and_ends_early_on_request() {
+    let mut c = TestCluster::start_with(2, fast_detection).await;
+    c.wait_for_counts(&[500, 500]).await;
+    let (status, p) = enter(&c, 0, 2, "1m").await;
+    assert_eq!((status, p["code"].as_str()), (409, Some("too_few_members")), "{p}");
+    c.add_node().await;
+    c.wait_for_counts(&[333, 333, 334]).await;
+    let (status, p) = enter(&c, 0, 9, "1m").await;
+    assert_eq!((status, p["code"].as_str()), (404, Some("unknown_resource")), "{p}");
+    let (status, p) = enter(&c, 0, 2, "1s").await;
+    assert_eq!((status, p["code"].as_str()), (400, Some("bad_request")), "{p}");
+
+    let (status, m) = enter(&c, 2, 2, "1m").await;
+    assert_eq!(status, 200, "{m}");
+    // One at a time; membership waits while a member is away.
+    let (status, p) = enter(&c, 0, 1, "1m").await;
+    assert_eq!((status, p["code"].as_str()), (409, Some("maintenance_in_progress")), "{p}");
+    let r = c.http.post(c.url(0, "/v1/cluster/nodes/3/leave")).send().await.expect("leave");
+    let p: Value = r.json().await.expect("json");
+    assert_eq!(p["code"], "membership_change_in_progress", "{p}");
+    let (status, p) = end(&c, 0, 1).await;
+    assert_eq!((status, p["code"].as_str()), (409, Some("conflict")), "{p}");
+
+    // Ended early while it still runs: it takes its buckets back at once.
+    let (status, m) = end(&c, 0, 2).await;
+    assert_eq!((status, m["ended"].as_bool()), (200, Some(true)), "{m}");
+    wait_over(&c, 0).await;
+    c.wait_for_counts(&[333, 333, 334]).await;
+    assert_eq!(c.json(0, "/v1/cluster").await["failed"], json!([]));
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_not_back_when_its_maintenance_runs_out_is_failed_and_the_map_rebalanced() {
+    let mut c = TestCluster::start_with(3, fast_detection).await;
+    c.wait_for_counts(&[333, 333, 334]).await;
+    let keys: Vec<String> = (0..200).map(|i| format!("m{i}")).collect();
+    for k in &keys {
+        assert_eq!(c.put(0, k, k).await, 200);
+    }
+    let (status, m) = enter(&c, 0, 2, "10s").await;
+    assert_eq!(status, 200, "{m}");
+    c.stop(1).await;
+    wait_for("node 2 failed after its maintenance ran out", || async {
+        let v = c.json(0, "/v1/cluster").await;
+        (v["failed"] == json!([2]) && v["maintenance"].is_null()).then_some(())
+    })
+    .await;
+    c.wait_for_counts_among(&[500, 500], &[0, 2]).await;
+    for k in &keys {
+        assert_eq!(c.get(2, k).await.as_deref(), Some(k.as_str()), "{k}");
+    }
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn maintenance_survives_a_new_leader_and_ends_at_once_when_another_member_fails() {
+    let mut c = TestCluster::start_with(5, five_voters).await;
+    c.wait_for_counts(&[200, 200, 200, 200, 200]).await;
+    let w = Workload::start(vec![c.api(2), c.api(3), c.api(4)], 3);
+    wait_for("some writes", || async { (w.acked() > 200).then_some(()) }).await;
+
+    // The leader (node 1) restarts while node 2 is in maintenance: a new leader keeps it.
+    let leader = c.json(0, "/v1/cluster").await["leader"].as_u64();
+    assert_eq!(leader, Some(1), "the first member leads");
+    let (status, m) = enter(&c, 0, 2, "5m").await;
+    assert_eq!(status, 200, "{m}");
+    c.stop(1).await;
+    c.stop(0).await;
+    wait_for("a new leader that keeps the maintenance", || async {
+        let v = c.json(2, "/v1/cluster").await;
+        (v["leader"].as_u64().is_some_and(|l| l > 2) && v["maintenance"]["node_id"] == 2).then_some(())
+    })
+    .await;
+    c.restart(0).await.expect("node 1 back within the node timeout");
+    c.restart(1).await.expect("node 2 back");
+    wait_over(&c, 2).await;
+    c.wait_for_counts(&[200, 200, 200, 200, 200]).await;
+    assert_eq!(c.json(2, "/v1/cluster").await["failed"], json!([]));
+
+    // Node 2 in maintenance again; then node 4 fails: the cluster leaves maintenance at once
+    // and, node 2 being away, fails it too. Nothing acknowledged is lost.
+    let (status, m) = enter(&c, 2, 2, "5m").await;
+    assert_eq!(status, 200, "{m}");
+    c.stop(1).await;
+    w.set_targets(vec![c.api(0), c.api(2), c.api(4)]);
+    c.stop(3).await;
+    wait_for("nodes 2 and 4 failed, maintenance over", || async {
+        let v = c.json(0, "/v1/cluster").await;
+        (v["failed"] == json!([2, 4]) && v["maintenance"].is_null()).then_some(())
+    })
+    .await;
+    c.wait_for_counts_among(&[333, 333, 334], &[0, 2, 4]).await;
+    let history = w.pause().await;
+    let lost = check(&c, 0, &history).await;
+    assert!(lost.is_empty(), "{} problems, first: {:?}", lost.len(), &lost[..lost.len().min(5)]);
+    w.stop().await;
+    c.shutdown().await;
+}
