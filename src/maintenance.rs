@@ -138,9 +138,16 @@ impl HandOff<'_> {
         }
     }
 
-    /// Puts this node into maintenance for `period` (see the module docs); answers once the
-    /// heir serves its buckets in this node's applied state.
-    pub async fn enter_maintenance(&self, period: Duration, suspected: &[NodeId]) -> Result<(), EnterError> {
+    /// Puts this node into maintenance for `period` (see the module docs), waiting at most
+    /// `wait` for its replicas; answers once the heir serves its buckets in this node's
+    /// applied state.
+    pub async fn enter_maintenance(
+        &self,
+        period: Duration,
+        wait: Duration,
+        suspected: &[NodeId],
+    ) -> Result<(), EnterError> {
+        let deadline = tokio::time::Instant::now() + wait;
         let state = self.control.state();
         if let Some(refusal) = state.maintenance_refusal(self.me) {
             return Err(EnterError::Refused(refusal));
@@ -152,7 +159,7 @@ impl HandOff<'_> {
         let until_ms = since_ms + period.as_millis() as u64;
         let request = AdminRequest::EnterMaintenance { node_id: self.me, since_ms, until_ms };
         self.control.admin(request).await.map_err(EnterError::Control)?;
-        let outcome = self.go_away().await;
+        let outcome = self.go_away(deadline).await;
         if outcome.is_err() {
             let reason = "it could not go away: see the refusal".to_string();
             let end = AdminRequest::EndMaintenance { node_id: self.me, reason };
@@ -165,14 +172,15 @@ impl HandOff<'_> {
 
     /// Preparing: waits until nobody's complete replica is on this node, then hands its buckets
     /// to its heir with writes paused.
-    async fn go_away(&self) -> Result<(), EnterError> {
+    async fn go_away(&self, deadline: tokio::time::Instant) -> Result<(), EnterError> {
         let me = self.me;
         let preparing = |s: &ClusterState| {
             s.maintenance.as_ref().is_some_and(|m| m.node == me && m.phase == MaintenancePhase::Preparing)
         };
         // The leader committed it; this node may apply it a moment later.
         self.control.wait_for_state(Duration::from_secs(5), preparing).await;
-        let moved = self.control.wait_for_state(PREPARE_WAIT, |s| !preparing(s) || s.held_by(me).is_none()).await;
+        let left = |cap: Duration| deadline.saturating_duration_since(tokio::time::Instant::now()).min(cap);
+        let moved = self.control.wait_for_state(left(PREPARE_WAIT), |s| !preparing(s) || s.held_by(me).is_none()).await;
         let state = self.control.state();
         if !preparing(&state) {
             return Err(EnterError::Refused(MaintenanceRefusal::Busy(
@@ -186,7 +194,7 @@ impl HandOff<'_> {
             return Err(EnterError::Refused(MaintenanceRefusal::TooFewMembers(state.members.len())));
         };
         let pause = WritePause::new(self.health);
-        let checked = match self.in_sync(heir, SYNC_WAIT, preparing).await {
+        let checked = match self.in_sync(heir, left(SYNC_WAIT).max(Duration::from_secs(1)), preparing).await {
             Ok(checked) => checked,
             Err(NotInSync { attached, owned, .. }) => {
                 return Err(EnterError::Refused(MaintenanceRefusal::ReplicaNotAttached { node: me, attached, owned }));

@@ -156,12 +156,14 @@ impl NodeHandle {
     /// (instead of the cluster failing it after the node timeout); then it drains (see
     /// [`Self::drain`]). A refused maintenance (fewer than three members, another one in
     /// maintenance, a peer down, replica not complete in time) is logged and the node drains
-    /// as before. `window` zero: no maintenance.
+    /// as before. `window` zero: no maintenance. Both together take at most `drain_timeout`
+    /// (two thirds of it at most for the maintenance).
     pub async fn stop_for_restart(&self, window: Duration, drain_timeout: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + drain_timeout;
         let state = self.control.state();
         let stays = state.member_of(self.node_id).is_some_and(|m| !m.leaving);
         if !window.is_zero() && stays && state.members.len() > 1 {
-            match self.api.maintenance_here(window).await {
+            match self.api.maintenance_here(window, drain_timeout * 2 / 3).await {
                 Ok(m) => tracing::warn!(
                     node_id = self.node_id,
                     served_by = m.served_by,
@@ -176,7 +178,7 @@ impl NodeHandle {
                 ),
             }
         }
-        self.drain(drain_timeout).await
+        self.drain(deadline.saturating_duration_since(tokio::time::Instant::now()).max(Duration::from_secs(1))).await
     }
 
     /// Gets ready to stop (SIGTERM; a stop is not a leave): `/readyz` fails at once, writes

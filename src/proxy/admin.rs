@@ -118,11 +118,11 @@ impl NodeApi {
         if node_id != self.node_id {
             return self.peers.enter_maintenance(&member.peer_addr, period).await;
         }
-        self.maintenance_here(period).await
+        self.maintenance_here(period, crate::maintenance::PREPARE_WAIT + crate::maintenance::SYNC_WAIT).await
     }
 
-    /// Puts this node into maintenance for `period`.
-    pub async fn maintenance_here(&self, period: Duration) -> Result<MaintenanceView, ApiError> {
+    /// Puts this node into maintenance for `period`, waiting at most `wait` for its replicas.
+    pub async fn maintenance_here(&self, period: Duration, wait: Duration) -> Result<MaintenanceView, ApiError> {
         let handoff = HandOff {
             me: self.node_id,
             control: &self.control,
@@ -131,7 +131,7 @@ impl NodeApi {
             facts: self.core.facts(),
         };
         let suspected = self.health.pfail_members();
-        handoff.enter_maintenance(period, &suspected).await.map_err(|e| match e {
+        handoff.enter_maintenance(period, wait, &suspected).await.map_err(|e| match e {
             EnterError::Refused(MaintenanceRefusal::NotMember(id)) => {
                 ApiError::UnknownResource(format!("node {id} is not a member that stays"))
             }

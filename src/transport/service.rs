@@ -99,7 +99,8 @@ impl PeerService {
             PeerRequest::NodeStats => PeerAnswer::NodeStats(api.node_stats()),
             PeerRequest::Cluster => PeerAnswer::Cluster(Box::new(api.cluster().await.map_err(failed)?)),
             PeerRequest::EnterMaintenance { period } => {
-                PeerAnswer::Maintenance(api.maintenance_here(period).await.map_err(failed)?)
+                let wait = crate::maintenance::PREPARE_WAIT + crate::maintenance::SYNC_WAIT;
+                PeerAnswer::Maintenance(api.maintenance_here(period, wait).await.map_err(failed)?)
             }
         })
     }
@@ -258,7 +259,8 @@ async fn found(
 }
 
 async fn maintenance(State(s): State<Arc<PeerService>>, Json(ask): Json<MaintenanceAsk>) -> Response {
-    match s.api.maintenance_here(std::time::Duration::from_millis(ask.period_ms)).await {
+    let wait = crate::maintenance::PREPARE_WAIT + crate::maintenance::SYNC_WAIT;
+    match s.api.maintenance_here(std::time::Duration::from_millis(ask.period_ms), wait).await {
         Ok(view) => Json(view).into_response(),
         Err(e) => e.into_response(),
     }

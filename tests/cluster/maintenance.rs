@@ -215,3 +215,103 @@ async fn maintenance_survives_a_new_leader_and_ends_at_once_when_another_member_
     w.stop().await;
     c.shutdown().await;
 }
+
+/// `GET http://addr/path` as JSON.
+async fn view_of(http: &reqwest::Client, addr: &str, path: &str) -> Option<Value> {
+    http.get(format!("http://{addr}{path}")).send().await.ok()?.json().await.ok()
+}
+
+/// `kubectl rollout restart` of a three-pod StatefulSet, on processes: highest ordinal first,
+/// each pod SIGTERMed (it goes into maintenance), down for longer than the node timeout, back
+/// on its volume, and ready before the next goes; the Service sends clients only to the pods
+/// that run. No write acknowledged is lost, no node is failed, every pod keeps its member id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_restart_of_a_statefulset_under_writes_fails_no_node_and_loses_no_write() {
+    use crate::process::{free_port, NodeProcess};
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ports: Vec<(u16, u16)> = (0..3).map(|_| (free_port(), free_port())).collect();
+    let discover = ports.iter().map(|(api, _)| format!("127.0.0.1:{api}")).collect::<Vec<_>>().join(",");
+    // A node timeout shorter than a pod's restart: without maintenance every restart would be
+    // a failover.
+    let flags = [
+        "--discover",
+        &discover,
+        "--ping-interval",
+        "300ms",
+        "--node-timeout",
+        "2s",
+        "--restart-window",
+        "2m",
+        "--drain-timeout",
+        "40s",
+    ];
+    let pods: Vec<String> = (0..3).map(|k| format!("shoal-{k}")).collect();
+    let mut nodes: Vec<NodeProcess> = (0..3)
+        .map(|k| NodeProcess::launch(&dir.path().join(&pods[k]), ports[k], &flags, &[("POD_NAME", pods[k].as_str())]))
+        .collect();
+    let addrs: Vec<String> = nodes.iter().map(|n| n.addr.clone()).collect();
+    let http = reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(10)).build().expect("client");
+    let settled = |v: &Value| {
+        v["members"].as_array().is_some_and(|m| m.len() == 3)
+            && v["transition"].is_null()
+            && v["transfer"].is_null()
+            && v["maintenance"].is_null()
+    };
+    let ids_before = wait_for("three members, settled", || async {
+        let v = view_of(&http, &addrs[0], "/v1/cluster").await?;
+        settled(&v).then(|| member_ids(&v))
+    })
+    .await;
+
+    let w = Workload::start_with_readers(addrs.clone(), 4, 2);
+    wait_for("some writes", || async { (w.acked() > 300).then_some(()) }).await;
+    for k in [2, 1, 0] {
+        wait_for("every pod ready", || async {
+            for a in &addrs {
+                if http.get(format!("http://{a}/readyz")).send().await.ok()?.status() != 200 {
+                    return None;
+                }
+            }
+            Some(())
+        })
+        .await;
+        let others: Vec<String> = (0..3).filter(|&j| j != k).map(|j| addrs[j].clone()).collect();
+        w.set_targets(others);
+        let status = tokio::task::block_in_place(|| nodes[k].stop());
+        assert!(status.success(), "exit status after SIGTERM: {status}");
+        assert!(
+            nodes[k].log().contains("in maintenance"),
+            "{} did not go into maintenance: {}",
+            pods[k],
+            nodes[k].log()
+        );
+        // Down for longer than the node timeout, as a pod being replaced is.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        tokio::task::block_in_place(|| nodes[k].restart());
+        wait_for("the restarted pod ready, the maintenance over", || async {
+            let ready = http.get(format!("http://{}/readyz", addrs[k])).send().await.ok()?.status() == 200;
+            let v = view_of(&http, &addrs[k], "/v1/cluster").await?;
+            (ready && v["maintenance"].is_null()).then_some(())
+        })
+        .await;
+        w.set_targets(addrs.clone());
+    }
+    let view = view_of(&http, &addrs[0], "/v1/cluster").await.expect("view");
+    assert_eq!(view["failed"], json!([]), "no node failed: {view}");
+    assert_eq!(member_ids(&view), ids_before, "every pod is the member it was");
+    let history = w.pause().await;
+    let outages = w.outages();
+    let reads = w.reads();
+    eprintln!(
+        "rolling restart: {} writes acknowledged, {} failed, longest pause one writer saw {:?}; refusals {:?}",
+        outages.acked, outages.failed, outages.longest, outages.refusals
+    );
+    let lost = crate::workload::check_addr(&http, &addrs[0], &history).await;
+    assert!(lost.is_empty(), "{} problems, first: {:?}", lost.len(), &lost[..lost.len().min(5)]);
+    let stale = crate::workload::linearizable(&reads, &history);
+    assert!(stale.is_empty(), "{} reads went back in time, first: {:?}", stale.len(), &stale[..stale.len().min(5)]);
+    w.stop().await;
+    for node in &mut nodes {
+        tokio::task::block_in_place(|| node.stop());
+    }
+}

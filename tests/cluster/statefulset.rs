@@ -124,7 +124,8 @@ fn a_statefulset_forms_one_cluster_in_ordinal_order_drains_on_sigterm_and_scales
     assert_eq!(after["map_version"], map_version);
     assert_eq!(after["members"].as_array().map(Vec::len), Some(3));
 
-    // Writes, then SIGTERM of shoal-2: it drains and exits 0; back as the same member.
+    // Writes, then SIGTERM of shoal-2: it goes into maintenance, drains and exits 0; back as
+    // the same member.
     let keys: Vec<String> = (0..300).map(|i| format!("sts{i}")).collect();
     for k in &keys {
         let put = client(&addrs[0], &["put", k, &format!("v-{k}")]);
@@ -151,6 +152,12 @@ fn a_statefulset_forms_one_cluster_in_ordinal_order_drains_on_sigterm_and_scales
         });
         assert_eq!(value, Some(format!("v-{k}")), "{k} after shoal-2's restart");
     }
+
+    // SIGTERM put it into maintenance: it took its buckets back, and the maintenance is over.
+    assert!(nodes[2].log().contains("in maintenance"), "{}", nodes[2].log());
+    poll("shoal-2's maintenance over", 60, || {
+        get_json(&addrs[0], "/v1/cluster").filter(|v| settled(v, 3) && v["maintenance"].is_null())
+    });
 
     // Scale down: leave first (the admin token is required), then the pod stops.
     let refused = Command::new(env!("CARGO_BIN_EXE_shoal"))
