@@ -160,6 +160,8 @@ pub struct StateGauges {
     pub replication_failures: Counter,
     /// Bucket snapshots sent to the replica.
     pub replication_snapshots: Counter,
+    /// Bytes of the bucket snapshots sent to the replica.
+    pub replication_snapshot_bytes: Counter,
     /// Writes undone because the replica did not apply them.
     pub replication_undone: Counter,
     /// Peers this node considers pfail.
@@ -300,6 +302,10 @@ impl NodeMetrics {
             replication_owned: gauge("shoal_replication_owned_buckets", "Owned buckets that have a replica holder."),
             replication_sent: counter("shoal_replication_changes_total", "Changes the replica acknowledged."),
             replication_failures: counter("shoal_replication_failures_total", "Replication requests that failed."),
+            replication_snapshot_bytes: counter(
+                "shoal_replication_snapshot_bytes_total",
+                "Bytes of the bucket snapshots sent to the replica (whole buckets: after a restart, a move or a change of holder).",
+            ),
             replication_snapshots: counter(
                 "shoal_replication_snapshots_total",
                 "Bucket snapshots sent to the replica.",

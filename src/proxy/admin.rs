@@ -283,6 +283,7 @@ impl NodeApi {
         g.replication_sent.absolute(r.sent.load(Ordering::Relaxed));
         g.replication_failures.absolute(r.failures.load(Ordering::Relaxed));
         g.replication_snapshots.absolute(r.snapshots.load(Ordering::Relaxed));
+        g.replication_snapshot_bytes.absolute(r.snapshot_bytes.load(Ordering::Relaxed));
         g.replication_undone.absolute(r.undone.load(Ordering::Relaxed));
         g.peers_pfail.set(self.health.pfail_members().len() as f64);
         g.nodes_failed.set(state.failed.len() as f64);

@@ -267,6 +267,7 @@ impl Reconciler {
             if !actions.is_empty() {
                 tracing::trace!(node_id = self.me, map_version = state.map.version, ?actions, "plan");
             }
+            self.log_maintenance(&previous, &state);
             previous = state.clone();
             for action in actions {
                 if self.act(action, &state, &mut memory, &mut jobs) {
@@ -634,6 +635,37 @@ impl Reconciler {
                 memory.no_copy.entry(bucket).or_default().insert(from);
             }
             Fetched::Failed => {}
+        }
+    }
+
+    /// Logs a maintenance's changes of phase as this node applies them (the member itself
+    /// logs its own at `WARN`).
+    fn log_maintenance(&self, previous: &ClusterState, state: &ClusterState) {
+        use shoal_raft::state::MaintenancePhase;
+        let phase = |s: &ClusterState| s.maintenance.as_ref().map(|m| (m.node, m.phase));
+        let (before, now) = (phase(previous), phase(state));
+        if before == now || self.control.leader() != Some(self.me) {
+            return;
+        }
+        match (before, now) {
+            (_, Some((node, MaintenancePhase::Preparing))) => {
+                tracing::info!(node_id = node, "maintenance: the node prepares (the replica it holds moves on)")
+            }
+            (_, Some((node, MaintenancePhase::Away))) => {
+                tracing::info!(node_id = node, "maintenance: the node is away; its replica holder serves its buckets")
+            }
+            (_, Some((node, MaintenancePhase::Returned))) => {
+                tracing::info!(node_id = node, "maintenance: the node is back and takes its buckets back")
+            }
+            (Some((node, MaintenancePhase::Returned)), None) => {
+                tracing::info!(node_id = node, "maintenance over: the node has its buckets back")
+            }
+            (Some((node, _)), None) => tracing::warn!(
+                node_id = node,
+                failed = state.failed.contains(&node),
+                "maintenance ended before the node came back: failure detection no longer spares it"
+            ),
+            (None, None) => {}
         }
     }
 

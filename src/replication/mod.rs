@@ -123,6 +123,8 @@ pub struct ReplicationStats {
     pub failures: AtomicU64,
     /// Bucket snapshots sent.
     pub snapshots: AtomicU64,
+    /// Bytes of the bucket snapshots sent.
+    pub snapshot_bytes: AtomicU64,
     /// Writes undone because the replica did not apply them (sync).
     pub undone: AtomicU64,
 }
@@ -351,10 +353,12 @@ impl Replicator {
             }
         }
         body.extend_from_slice(&end_frame(counter, items.len() as u64));
+        let bytes = body.len() as u64;
         match self.send(bucket, holder, body.freeze(), true).await? {
             ReplicaAnswer::Applied => {
                 self.attach_at(bucket, holder);
                 self.stats.snapshots.fetch_add(1, Ordering::Relaxed);
+                self.stats.snapshot_bytes.fetch_add(bytes, Ordering::Relaxed);
                 Ok(())
             }
             other => Err(refusal(other)),

@@ -47,6 +47,7 @@ class Cluster:
     def __init__(self, shoal, tmp, mode):
         self.shoal, self.tmp, self.mode = shoal, tmp, mode
         self.procs, self.addrs, self.args = [], [], []
+        self.extra = []  # more `shoal serve` flags for every node
 
     def start_node(self, join=None):
         n = len(self.procs)
@@ -56,6 +57,7 @@ class Cluster:
                "--data-dir", os.path.join(self.tmp, f"n{n}"), "--cache-size", "512MiB",
                "--worker-threads", "1", "--replication", self.mode,
                "--ping-interval", "200ms", "--node-timeout", "1s"]
+        cmd += self.extra
         if join:
             cmd += ["--join", join]
         self.args.append(cmd)
