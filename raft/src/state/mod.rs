@@ -386,8 +386,8 @@ impl ClusterState {
     /// Whether a membership change must wait: the state-transfer flag is set (a transition
     /// or a transfer runs, and the stuck detector has not cleared the flag).
     pub fn membership_busy(&self) -> Option<String> {
-        if let Some(m) = self.away() {
-            return Some(format!("node {m} is in maintenance"));
+        if let Some(m) = &self.maintenance {
+            return Some(format!("node {} is in maintenance", m.node));
         }
         if !self.transfer_flag {
             return None;
