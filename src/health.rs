@@ -74,6 +74,8 @@ pub struct Health {
     draining: AtomicBool,
     /// Set while a leaving node waits for its replicas before handing over.
     handing_over: AtomicBool,
+    /// This node runs the procedure that puts it into maintenance.
+    entering_maintenance: AtomicBool,
     /// The members this node holds pfail, as of the last ping round.
     pfail_now: watch::Sender<BTreeSet<NodeId>>,
 }
@@ -106,6 +108,7 @@ impl Health {
             in_flight: Mutex::new(BTreeSet::new()),
             draining: AtomicBool::new(false),
             handing_over: AtomicBool::new(false),
+            entering_maintenance: AtomicBool::new(false),
             pfail_now: watch::channel(BTreeSet::new()).0,
         })
     }
@@ -113,6 +116,16 @@ impl Health {
     /// Marks the node as stopping: `/readyz` fails and writes are refused from now on.
     pub fn start_draining(&self) {
         self.draining.store(true, Ordering::Relaxed);
+    }
+
+    /// This node starts (true) or ends (false) the procedure that puts it into maintenance.
+    pub fn set_entering_maintenance(&self, on: bool) {
+        self.entering_maintenance.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether this node runs the procedure that puts it into maintenance.
+    pub fn is_entering_maintenance(&self) -> bool {
+        self.entering_maintenance.load(Ordering::Relaxed)
     }
 
     /// Pauses (or resumes) this node's writes while it hands its buckets over.
@@ -344,7 +357,10 @@ impl Health {
     /// node included) reports pfail.
     async fn fail_reported(&self) {
         let state = self.control.state();
-        let n = state.members.len();
+        // A member away in maintenance cannot report: the majority is of the others. (Still
+        // safe against the lease: a node's lease needs a majority of all the members, none of
+        // them the away one, so it meets every majority of the others.)
+        let n = state.members.len() - usize::from(state.away().is_some());
         let fresh = self.config.node_timeout * 2 + self.config.ping_interval;
         let reports = {
             let mut reports = self.reports.lock();
@@ -354,7 +370,8 @@ impl Health {
         // A member away in maintenance is silent on purpose: it is not failed for it.
         for m in state.members.iter().filter(|m| m.id != self.me && Some(m.id) != state.away()) {
             // The leader's own view is a report like any other: remembered.
-            let votes = usize::from(self.reports(m.id)) + reports.votes_against(m.id, |r| state.is_member(r));
+            let votes = usize::from(self.reports(m.id))
+                + reports.votes_against(m.id, |r| state.is_member(r) && Some(r) != state.away());
             if votes * 2 <= n {
                 continue;
             }

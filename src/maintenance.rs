@@ -79,6 +79,17 @@ impl Drop for WritePause<'_> {
     }
 }
 
+/// Marks this node as running the procedure that puts it into maintenance while it lives: a
+/// maintenance that prepares with nobody driving it (the request was cancelled, an answer
+/// lost) is ended by the reconciler.
+struct Entering<'a>(&'a Health);
+
+impl Drop for Entering<'_> {
+    fn drop(&mut self) {
+        self.0.set_entering_maintenance(false);
+    }
+}
+
 /// What a member needs to hand its buckets to its heir: its state, its writes, its replica.
 pub struct HandOff<'a> {
     /// This node.
@@ -155,11 +166,17 @@ impl HandOff<'_> {
         if let Some(&peer) = suspected.first() {
             return Err(EnterError::Refused(MaintenanceRefusal::PeerDown(peer)));
         }
+        self.health.set_entering_maintenance(true);
+        let _entering = Entering(self.health);
         let since_ms = now_ms();
         let until_ms = since_ms + period.as_millis() as u64;
         let request = AdminRequest::EnterMaintenance { node_id: self.me, since_ms, until_ms };
-        self.control.admin(request).await.map_err(EnterError::Control)?;
-        let outcome = self.go_away(deadline).await;
+        // An error may come after the entry committed (a timeout, a change of leader): the
+        // maintenance is then ended below like any that could not begin.
+        let outcome = match self.control.admin(request).await {
+            Ok(_) => self.go_away(deadline).await,
+            Err(e) => Err(EnterError::Control(e)),
+        };
         if outcome.is_err() {
             let reason = "it could not go away: see the refusal".to_string();
             let end = AdminRequest::EndMaintenance { node_id: self.me, reason };

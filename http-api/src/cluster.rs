@@ -106,8 +106,9 @@ pub(crate) async fn enter_maintenance<N: ShoalApi>(
         Ok(b) => b,
         Err(e) => return e.into_response(),
     };
-    // No body means the default period, as `{}` does.
-    let body: &[u8] = if body.iter().all(u8::is_ascii_whitespace) { b"{}" } else { &body };
+    // No body (or `null`) means the default period, as `{}` does.
+    let empty = body.iter().all(u8::is_ascii_whitespace) || body.trim_ascii() == b"null";
+    let body: &[u8] = if empty { b"{}" } else { &body };
     let period = match json_body::<MaintenanceRequest>(body).and_then(|r| maintenance_period(r.period.as_deref())) {
         Ok(p) => p,
         Err(e) => return e.into_response(),

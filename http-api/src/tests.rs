@@ -475,7 +475,9 @@ async fn the_openapi_document_describes_every_route() {
 async fn maintenance_takes_a_bounded_period_and_defaults_to_ten_minutes() {
     let node = FakeNode::new();
     let path = "/v1/cluster/nodes/2/maintenance";
-    for (body, seconds) in [("", 600.0), ("{}", 600.0), (r#"{"for": "90s"}"#, 90.0), (r#"{"for": "1h"}"#, 3600.0)] {
+    for (body, seconds) in
+        [("", 600.0), ("null", 600.0), ("{}", 600.0), (r#"{"for": "90s"}"#, 90.0), (r#"{"for": "1h"}"#, 3600.0)]
+    {
         let response = call(&node, Method::POST, path, body).await;
         assert_eq!(response.status(), StatusCode::OK, "{body}");
         let view: MaintenanceView = serde_json::from_slice(&body_bytes(response).await).expect("json");

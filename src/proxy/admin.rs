@@ -221,6 +221,11 @@ impl NodeApi {
             check("map", !state.map.is_empty(), "no distribution map applied".into()),
             check("draining", !self.health.is_draining(), "this node is stopping (SIGTERM)".into()),
             check(
+                "maintenance",
+                state.maintenance.as_ref().is_none_or(|m| m.node != self.node_id),
+                "this node is in maintenance: its replica holder serves its buckets until it takes them back".into(),
+            ),
+            check(
                 "buckets",
                 incoming == 0 && restoring == 0,
                 format!("{incoming} buckets still to pull here, {restoring} being restored"),

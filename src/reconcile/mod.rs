@@ -360,6 +360,7 @@ impl Reconciler {
             gave_back: memory.gave_back,
             // Read only while a maintenance runs: the simulation never reads the wall clock.
             now_ms: if state.maintenance.is_some() { crate::maintenance::now_ms() } else { 0 },
+            entering_maintenance: self.health.is_entering_maintenance(),
         }
     }
 
@@ -539,12 +540,12 @@ impl Reconciler {
                     );
                 }
             }
-            Action::EndMaintenance { node } => {
+            Action::EndMaintenance { node, reason } => {
                 r.end_maintenance = true;
                 let me = self.clone();
                 jobs.spawn(
                     async move {
-                        let reason = "its time ran out before it came back".to_string();
+                        let reason = reason.to_string();
                         if let Err(e) = me.control.admin(AdminRequest::EndMaintenance { node_id: node, reason }).await {
                             tracing::warn!(node_id = node, error = %e, "could not end the maintenance");
                             tokio::time::sleep(Duration::from_secs(1)).await;
@@ -658,7 +659,10 @@ impl Reconciler {
                 tracing::info!(node_id = node, "maintenance: the node is back and takes its buckets back")
             }
             (Some((node, MaintenancePhase::Returned)), None) => {
-                tracing::info!(node_id = node, "maintenance over: the node has its buckets back")
+                tracing::info!(node_id = node, "maintenance over: the node is back")
+            }
+            (Some((node, MaintenancePhase::Preparing)), None) => {
+                tracing::info!(node_id = node, "maintenance called off before the node went away")
             }
             (Some((node, _)), None) => tracing::warn!(
                 node_id = node,

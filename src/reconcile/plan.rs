@@ -104,6 +104,8 @@ pub struct Facts {
     pub gave_back: bool,
     /// The wall clock, in ms since the Unix epoch (a maintenance runs out by it).
     pub now_ms: u64,
+    /// It runs the procedure that puts it into maintenance.
+    pub entering_maintenance: bool,
 }
 
 impl Facts {
@@ -231,10 +233,13 @@ pub enum Action {
     },
     /// As leader: check a running transfer for progress.
     CheckStuck,
-    /// As leader: the time of this member's maintenance ran out before it came back.
+    /// End a maintenance before the member came back: as leader, its time ran out; as the
+    /// member, it prepares for it but nothing drives it any more (the request was cancelled).
     EndMaintenance {
         /// The member.
         node: NodeId,
+        /// Why, for the log.
+        reason: &'static str,
     },
     /// Send a batch of the async replication queue.
     SendQueued,
@@ -294,11 +299,16 @@ pub fn plan(previous: &ClusterState, state: &ClusterState, f: &Facts) -> Vec<Act
     if f.leader && state.transfer_flag && state.away().is_none() && f.stuck_check_due && !f.running.stuck {
         out.push(Action::CheckStuck);
     }
-    if let Some(m) =
-        state.maintenance.as_ref().filter(|m| m.phase != MaintenancePhase::Returned && f.now_ms >= m.until_ms)
-    {
-        if f.leader && !f.running.end_maintenance {
-            out.push(Action::EndMaintenance { node: m.node });
+    if let Some(m) = state.maintenance.as_ref().filter(|m| m.phase != MaintenancePhase::Returned) {
+        let reason = if f.leader && f.now_ms >= m.until_ms {
+            Some("its time ran out before it came back")
+        } else if m.node == me && m.phase == MaintenancePhase::Preparing && !f.entering_maintenance {
+            Some("it prepared for it, but nothing drives it any more")
+        } else {
+            None
+        };
+        if let Some(reason) = reason.filter(|_| !f.running.end_maintenance) {
+            out.push(Action::EndMaintenance { node: m.node, reason });
         }
     }
     if f.queue_waiting && !f.running.send {

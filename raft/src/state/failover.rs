@@ -18,6 +18,11 @@ impl ClusterState {
         if self.members.len() < 2 {
             return rejected("the last member cannot be failed");
         }
+        // A leader that counted reports before it applied the maintenance: the member is
+        // away on purpose.
+        if self.away() == Some(node) {
+            return rejected(&format!("node {node} is in maintenance"));
+        }
         let Some(heir) = self.heir_of(node) else { return rejected("no member holds the replica") };
         self.promote_all(node, heir);
         self.members.retain(|m| m.id != node);

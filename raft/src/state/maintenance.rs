@@ -141,6 +141,10 @@ impl ClusterState {
         if let Some(busy) = self.membership_busy() {
             return Some(MaintenanceRefusal::Busy(busy));
         }
+        // The stuck detector may have cleared the flag: buckets still on their way wait.
+        if self.transition.is_some() || self.target.is_some() {
+            return Some(MaintenanceRefusal::Busy("a transfer has buckets still to move".into()));
+        }
         if !self.promoted.is_empty() {
             return Some(MaintenanceRefusal::Busy(format!("a failover is installing {} buckets", self.promoted.len())));
         }
@@ -170,8 +174,10 @@ impl ClusterState {
         }
         // The map it owns now stays the target: nothing is rebalanced, and when it comes back
         // it pulls its buckets back from the heir like a joiner.
-        let home = DistributionMap { version: self.map.version + 1, owners: self.map.owners.clone() };
+        let mut home = DistributionMap { version: 0, owners: self.map.owners.clone() };
         self.promote_all(node, checked.0);
+        // A version names one map: the target's is above the serving map's.
+        home.version = self.map.version + 1;
         self.target = Some(home);
         self.transfer_flag = true;
         // Its memory goes with its process: it holds no replica when it comes back.

@@ -651,6 +651,8 @@ fn a_member_in_maintenance_has_its_buckets_served_by_its_heir_and_takes_them_bac
     assert_eq!(s.replica_of(1), Some(3), "the replica it held moved to the next member");
     assert_eq!(s.committed_holder_of(1), Some(3));
     assert!(s.incoming_of(2).is_empty(), "away: it pulls nothing");
+    let r = s.apply(&ClusterCommand::NodeFailed { node_id: 2 });
+    assert!(matches!(r, CommandResponse::Rejected { .. }), "away on purpose, not failed: {r:?}");
     assert!(s.membership_busy().is_some(), "joins and leaves wait");
     assert!(matches!(enter_maintenance(&mut s, 1), CommandResponse::Rejected { .. }), "one at a time");
     s.apply(&ClusterCommand::Promoted { node_id: 3, buckets: of_2.iter().map(|b| b.0).collect(), lost: vec![] });
@@ -675,6 +677,9 @@ fn maintenance_is_refused_with_a_reason_while_it_cannot_be_kept() {
     assert_eq!(s.maintenance_refusal(9).map(|r| r.code()), Some("unknown_resource"));
     let mut joining = s.clone();
     admit(&mut joining, 4);
+    assert_eq!(joining.maintenance_refusal(2).map(|r| r.code()), Some("membership_change_in_progress"));
+    // The stuck detector cleared the flag: buckets are still on their way.
+    joining.apply(&ClusterCommand::ClearTransferFlag { reason: "test".into() });
     assert_eq!(joining.maintenance_refusal(2).map(|r| r.code()), Some("membership_change_in_progress"));
     let mut preparing = s.clone();
     preparing.apply(&ClusterCommand::EnterMaintenance { node_id: 2, since_ms: 0, until_ms: 1 });
