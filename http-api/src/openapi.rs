@@ -74,6 +74,12 @@ fn complete(doc: &mut Value) {
         json!({"type": ["integer", "null"], "minimum": 0, "maximum": u64::MAX});
     schemas["ClusterConfig"]["properties"]["replication"] = json!({"type": "string", "enum": ["sync", "async"]});
     schemas["ClearLost"]["properties"]["buckets"]["items"] = json!({"type": "integer", "minimum": 0, "maximum": 999});
+    // The duration grammar; the range (10 s to 1 h) is said in words and answered 400.
+    schemas["MaintenanceRequest"]["properties"]["for"] = json!({
+        "type": ["string", "null"],
+        "pattern": duration_pattern(),
+        "description": "How long the member may stay away: 10s to 1h (400 outside); default 10m"
+    });
     let Some(paths) = doc["paths"].as_object_mut() else { return };
     for (path, item) in paths.iter_mut() {
         let Some(item) = item.as_object_mut() else { continue };
