@@ -722,4 +722,14 @@ fn a_failure_or_an_end_before_the_member_returns_ends_the_maintenance_and_spares
     s.apply(&ClusterCommand::NodeFailed { node_id: 4 });
     assert_eq!(s.maintenance, None);
     assert_eq!(s.replica_of(1), Some(2), "no longer skipped");
+
+    // A forced leave of another member ends it too: the new map is for the members as they are.
+    let mut s = three_nodes();
+    admit(&mut s, 4);
+    move_everything(&mut s);
+    enter_maintenance(&mut s, 2);
+    let r = s.apply(&ClusterCommand::Remove { node_id: 3, force: false });
+    assert!(matches!(r, CommandResponse::Busy { .. }), "membership waits: {r:?}");
+    assert!(matches!(s.apply(&ClusterCommand::Remove { node_id: 3, force: true }), CommandResponse::MapChanged { .. }));
+    assert_eq!(s.maintenance, None);
 }

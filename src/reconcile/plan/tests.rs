@@ -267,3 +267,27 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_maintenance_is_ended_by_the_leader_when_its_time_ran_out_and_by_the_member_when_nothing_drives_it() {
+    let mut s = three_nodes();
+    s.apply(&shoal_raft::ClusterCommand::EnterMaintenance { node_id: 2, since_ms: 1_000, until_ms: 61_000 });
+    let ends = |s: &ClusterState, f: &Facts| {
+        plan(s, s, f).into_iter().filter(|a| matches!(a, Action::EndMaintenance { node: 2, .. })).count()
+    };
+    // The member runs the procedure: nobody ends it before its time.
+    let member = Facts { entering_maintenance: true, now_ms: 2_000, ..facts(2) };
+    let leader = Facts { leader: true, now_ms: 2_000, ..facts(1) };
+    assert_eq!((ends(&s, &member), ends(&s, &leader)), (0, 0));
+    // The request was cancelled: the member ends what it prepared.
+    assert_eq!(ends(&s, &Facts { entering_maintenance: false, ..member.clone() }), 1);
+    // The time ran out: the leader ends it, another follower does not.
+    assert_eq!(ends(&s, &Facts { now_ms: 61_000, ..leader.clone() }), 1);
+    assert_eq!(ends(&s, &Facts { now_ms: 61_000, ..facts(3) }), 0);
+    // Once the member is back, its time no longer matters.
+    let heir = s.heir_of(2).expect("an heir");
+    let period = s.replica_period(2, heir).expect("a period");
+    s.apply(&shoal_raft::ClusterCommand::MaintenanceReady { node_id: 2, heir: (heir, period) });
+    s.apply(&shoal_raft::ClusterCommand::SetDraining { node_id: 2, draining: false });
+    assert_eq!(ends(&s, &Facts { now_ms: 99_000, ..leader }), 0);
+}
