@@ -157,16 +157,18 @@ impl LocalFacts {
     }
 
     /// Marks the buckets to get back before serving them, at start (before serving). After a
-    /// restart in a cluster of several members: every bucket, because the state this node read
-    /// from its own disk may be behind (a bucket flipped to it just before it went down is not
-    /// in it yet); the reconciler unmarks the ones it does not own once it has caught up with
-    /// the leader. Otherwise: every bucket `me` serves that has a shadow or a replica elsewhere.
+    /// restart: every bucket, because the state this node read from its own disk may be behind
+    /// (a bucket flipped to it just before it went down is not in it yet); the reconciler
+    /// unmarks the ones it does not own once it has caught up with the leader, and the owned
+    /// ones of which no copy is left serve again empty, said once. That includes the only
+    /// member's restart: its memory held the only copy of everything, and the loss is reported,
+    /// not silent. Otherwise: every bucket `me` serves that has a shadow or a replica elsewhere.
     pub fn mark_restoring(&self, state: &ClusterState, me: NodeId, restarted: bool) {
         let mut set = self.restoring.write();
         let replica = state.replica_of(me).is_some();
         for b in BucketId::all() {
             let owned = state.map.owner_of(b) == Some(me);
-            if (restarted && state.members.len() > 1) || (owned && (replica || state.shadow_of(b).is_some())) {
+            if restarted || (owned && (replica || state.shadow_of(b).is_some())) {
                 set.insert(b.0);
             }
         }
