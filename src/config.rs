@@ -141,6 +141,34 @@ pub struct ServeConfig {
     #[arg(long, env = "SHOAL_NODE_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
     pub node_timeout: Duration,
 
+    /// Where a read goes when the request does not say (`?read=`): `owner`, or `mirrors` (any
+    /// fresh copy of the bucket: its owner or the holder of its replica, chosen by
+    /// `--ha-strategy`).
+    #[arg(long, env = "SHOAL_READ_FROM", default_value = "owner", value_parser = parse_read_from)]
+    pub read_from: shoal_http_api::types::ReadFrom,
+
+    /// With async replication, how far behind its owner a replica copy may be to serve a mirror
+    /// read when the request does not say (`?max_staleness=`); `0`: never behind (async reads
+    /// stay with the owner).
+    #[arg(long, env = "SHOAL_MAX_STALENESS", default_value = "0s", value_parser = parse_duration)]
+    pub max_staleness: Duration,
+
+    /// How a mirror is chosen for a read: `random` (ignores their state), `nodeads` and
+    /// `noerrors` (latency-weighted probabilities, without dead mirrors, or also without
+    /// mirrors with recent errors), `roundrobin`.
+    #[arg(long, env = "SHOAL_HA_STRATEGY", default_value = "random")]
+    pub ha_strategy: crate::mirror::Strategy,
+
+    /// The length of a karma block: mirror statistics are kept in blocks this long (15 kept,
+    /// the newest two used), and the latency-weighted probabilities recomputed once per block.
+    #[arg(long, env = "SHOAL_HA_PERIOD_KARMA", default_value = "60s", value_parser = parse_duration)]
+    pub ha_period_karma: Duration,
+
+    /// How often members that answered nothing lately are pinged to keep their mirror
+    /// statistics and dead flag current (failure-detection pings count too); `0` never.
+    #[arg(long, env = "SHOAL_HA_PING_INTERVAL", default_value = "1000ms", value_parser = parse_duration)]
+    pub ha_ping_interval: Duration,
+
     /// Buckets pulled at once during state transfer.
     #[arg(long, env = "SHOAL_TRANSFER_PARALLELISM", default_value_t = 1)]
     pub transfer_parallelism: usize,
@@ -263,6 +291,17 @@ impl ServeConfig {
         }
     }
 
+    /// How reads are balanced over mirrors.
+    pub fn mirror_config(&self) -> crate::mirror::MirrorConfig {
+        crate::mirror::MirrorConfig {
+            read_from: self.read_from,
+            max_staleness: self.max_staleness,
+            strategy: self.ha_strategy,
+            period_karma: self.ha_period_karma,
+            ping_interval: self.ha_ping_interval,
+        }
+    }
+
     /// How failure detection runs.
     pub fn health_config(&self) -> crate::health::HealthConfig {
         crate::health::HealthConfig { ping_interval: self.ping_interval, node_timeout: self.node_timeout }
@@ -314,6 +353,9 @@ impl ServeConfig {
             if let Some(problem) = secret.as_ref().and_then(|s| s.problem()) {
                 return Err(format!("{flag} {problem}"));
             }
+        }
+        if self.ha_period_karma < Duration::from_secs(1) {
+            return Err("--ha-period-karma must be at least 1s".into());
         }
         if !self.restart_window.is_zero()
             && !(shoal_http_api::MAINTENANCE_MIN..=shoal_http_api::MAINTENANCE_MAX).contains(&self.restart_window)
@@ -500,6 +542,11 @@ fn parse_voters(text: &str) -> Result<u8, String> {
         "5" => Ok(5),
         _ => Err(format!("{text:?}: a cluster has 3 or 5 voters")),
     }
+}
+
+/// Parses `owner` or `mirrors`.
+fn parse_read_from(text: &str) -> Result<shoal_http_api::types::ReadFrom, String> {
+    text.parse()
 }
 
 /// Parses `250ms`, `30s`, `5m`.

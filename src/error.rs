@@ -4,6 +4,7 @@
 use shoal_http_api::{ApiError, Unavailable};
 use shoal_raft::{BucketId, NodeId};
 
+use crate::bucket::NotFresh;
 use crate::cache::CacheError;
 use crate::transport::CallError;
 
@@ -109,9 +110,32 @@ pub enum DataError {
         /// What happened.
         cause: ReplicaError,
     },
+    /// A mirror read reached a replica copy that may not serve it.
+    #[error("{}", not_fresh(*bucket, *why))]
+    ReplicaNotFresh {
+        /// The bucket.
+        bucket: BucketId,
+        /// Why.
+        why: NotFresh,
+    },
     /// The store refused the write.
     #[error(transparent)]
     Store(#[from] CacheError),
+}
+
+fn not_fresh(bucket: BucketId, why: NotFresh) -> String {
+    match why {
+        NotFresh::NotMirror => format!("this node is not a mirror of bucket {bucket} now"),
+        NotFresh::NotAttached => {
+            format!("this node's replica copy of bucket {bucket} does not hold every write of its owner yet")
+        }
+        NotFresh::Behind { lag_ms: Some(lag) } => {
+            format!("this node's replica copy of bucket {bucket} may be {lag} ms behind its owner, more than allowed")
+        }
+        NotFresh::Behind { lag_ms: None } => {
+            format!("how far this node's replica copy of bucket {bucket} is behind its owner is not known")
+        }
+    }
 }
 
 impl From<DataError> for ApiError {
@@ -131,6 +155,7 @@ impl From<DataError> for ApiError {
             DataError::NodeDraining => unavailable(Unavailable::NodeDraining, &e),
             DataError::NoQuorum { .. } => unavailable(Unavailable::NoQuorum, &e),
             DataError::ReplicationFailed { .. } => unavailable(Unavailable::ReplicationFailed, &e),
+            DataError::ReplicaNotFresh { .. } => unavailable(Unavailable::ReplicaNotFresh, &e),
             DataError::Store(CacheError::ConditionFailed { current }) => {
                 ApiError::PreconditionFailed { current_version: current }
             }
@@ -161,6 +186,7 @@ mod tests {
             ),
             (DataError::NodeDraining, "node_draining"),
             (DataError::OwnerUnreachable { owner: 3, bucket: b }, "owner_unreachable"),
+            (DataError::ReplicaNotFresh { bucket: b, why: NotFresh::NotAttached }, "replica_not_fresh"),
         ] {
             let api = ApiError::from(e);
             assert_eq!((api.code(), api.status().as_u16()), (code, 503));

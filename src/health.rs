@@ -37,6 +37,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::bucket::{write_refusal, NodeFacts};
+use crate::mirror::{Mirrors, Outcome};
 use crate::peer::Peers;
 use crate::replication::Replicator;
 use crate::transport::{Ping, Pong};
@@ -64,6 +65,8 @@ pub struct Health {
     incarnation: u64,
     incarnations: Mutex<BTreeMap<NodeId, u64>>,
     replicator: Arc<Replicator>,
+    /// Mirror statistics: every ping's answer (or failure) counts as a mirror ping.
+    mirrors: Arc<Mirrors>,
     /// `NodeFailed` commands this node proposed as leader.
     pub fails_proposed: AtomicU64,
     /// Set while a `NodeFailed` proposal runs.
@@ -89,6 +92,7 @@ impl Health {
         replicator: Arc<Replicator>,
         peers: Peers,
         incarnation: u64,
+        mirrors: Arc<Mirrors>,
     ) -> Arc<Self> {
         let ping_timeout = config.node_timeout.min(Duration::from_secs(2)).max(Duration::from_millis(200));
         Arc::new(Health {
@@ -103,6 +107,7 @@ impl Health {
             incarnation,
             incarnations: Mutex::new(BTreeMap::new()),
             replicator,
+            mirrors,
             fails_proposed: AtomicU64::new(0),
             failing: AtomicBool::new(false),
             in_flight: Mutex::new(BTreeSet::new()),
@@ -291,7 +296,8 @@ impl Health {
                 changed
             });
             let pfail = if write_refusal(self.node_facts()).is_some() { Vec::new() } else { self.suspected_members() };
-            let ping = Ping { from: self.me, pfail, incarnation: self.incarnation };
+            let replica_lag_ms = self.replicator.lag_report(&state);
+            let ping = Ping { from: self.me, pfail, incarnation: self.incarnation, replica_lag_ms };
             // Every peer on its own: a peer that does not answer must not hold up (and age)
             // the contacts of the others. One ping in flight per peer.
             for m in state.members.iter().filter(|m| m.id != self.me) {
@@ -305,9 +311,11 @@ impl Health {
                     // read: a node paused with answers in its socket buffer must not renew its
                     // lease with them.
                     let sent = Instant::now();
-                    let pong = health.peers.ping(&peer_addr, ping, health.ping_timeout).await.ok();
+                    let pong = health.peers.ping(&peer_addr, ping, health.ping_timeout).await;
                     health.in_flight.lock().remove(&id);
-                    if let Some(pong) = pong {
+                    let outcome = pong.as_ref().map_or_else(crate::mirror::outcome_of, |_| Outcome::Answered);
+                    health.mirrors.record_ping(id, outcome, sent.elapsed());
+                    if let Ok(pong) = pong {
                         health.on_pong(id, sent, pong);
                     }
                 });
@@ -410,6 +418,7 @@ impl Health {
                 lease = contact.pinged_at(now, self.report_life());
             }
             self.reports.lock().record(ping.from, now, ping.pfail);
+            self.replicator.note_lag(ping.from, ping.replica_lag_ms);
         }
         Pong { node_id: self.me, incarnation: self.incarnation, status, lease }
     }

@@ -44,6 +44,7 @@ pub mod join;
 pub mod maintenance;
 pub mod memory;
 pub mod metrics;
+pub mod mirror;
 pub mod node;
 pub mod peer;
 pub mod proxy;

@@ -197,6 +197,8 @@ pub struct NodeMetrics {
     pub transfer_bucket_duration: Histogram,
     /// Transfers the leader found stuck (and cleared the flag of).
     pub transfer_stuck: Counter,
+    /// Time a mirror took to answer a balanced read.
+    pub mirror_latency: Histogram,
 }
 
 static METADATA: Metadata<'static> = Metadata::new("shoal", Level::INFO, Some(module_path!()));
@@ -332,6 +334,14 @@ impl NodeMetrics {
             transfer_bucket_duration: r
                 .register_histogram(&Key::from_name("shoal_transfer_bucket_duration_seconds"), &METADATA),
             transfer_stuck: counter("shoal_transfer_stuck_total", "State transfers found stuck by the leader."),
+            mirror_latency: {
+                describe(
+                    r,
+                    "shoal_mirror_latency_seconds",
+                    "Time a mirror took to answer a read balanced over mirrors.",
+                );
+                r.register_histogram(&Key::from_name("shoal_mirror_latency_seconds"), &METADATA)
+            },
             hits: counter("shoal_cache_hits_total", "Reads that found their key."),
             misses: counter("shoal_cache_misses_total", "Reads that did not find their key."),
             forwarded: counter("shoal_forwarded_operations_total", "Key operations forwarded to their owner."),

@@ -439,8 +439,15 @@ pub async fn start_in(
         peers.clone(),
         env.first_seq,
     );
-    let health =
-        Health::new(control.clone(), config.health_config(), replicator.clone(), peers.clone(), env.incarnation);
+    let mirrors = crate::mirror::Mirrors::new(node_id, config.mirror_config(), Some(metrics.mirror_latency.clone()));
+    let health = Health::new(
+        control.clone(),
+        config.health_config(),
+        replicator.clone(),
+        peers.clone(),
+        env.incarnation,
+        mirrors.clone(),
+    );
     let core = Arc::new(BucketCore::new(
         control.clone(),
         cache.clone(),
@@ -458,6 +465,7 @@ pub async fn start_in(
         health: health.clone(),
         peers: peers.clone(),
         bodies: Arc::new(crate::memory::BodyBudget::new(config.body_budget())),
+        mirrors: mirrors.clone(),
     };
     let api = Arc::new(NodeApi::new(control.clone(), cache.clone(), limits, parts));
     let (shutdown, _) = watch::channel(false);
@@ -501,6 +509,7 @@ pub async fn start_in(
     handle.tasks.push(tokio::spawn(metrics_upkeep(metrics.clone())));
     handle.tasks.push(tokio::spawn(replicate_evictions(core.clone())));
     handle.tasks.push(tokio::spawn(health.clone().run()));
+    handle.tasks.push(tokio::spawn(mirrors.ping_idle(control.clone(), peers.clone())));
     let reconciler = Reconciler::new(crate::reconcile::Parts {
         core,
         store: cache,

@@ -21,6 +21,8 @@ use crate::transport::{
 
 /// How long the figures of one member may take in `GET /v1/cluster`.
 const STATS_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a mirror may take to answer a read before it goes to the owner instead.
+const MIRROR_TIMEOUT: Duration = Duration::from_secs(1);
 /// How long an owner may take to install a lost bucket given back and commit that it serves again.
 const GIVE_BACK_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -60,9 +62,45 @@ impl Peers {
 
     /// Forwards a GET to the owner.
     pub async fn get(&self, api_addr: &str, key: &str, map_version: u64) -> Result<GetOk, ApiError> {
-        match self.forward(api_addr, PeerRequest::Get { key: key.to_string(), map_version }).await? {
+        match self.forward(api_addr, PeerRequest::Get { key: key.to_string(), map_version, mirror: None }).await? {
             PeerAnswer::Got(ok) => Ok(ok),
             other => Err(api_error(api_addr, unexpected(&other))),
+        }
+    }
+
+    /// A mirror read: `key` from the replica copy of the mirror at `api_addr`, if that copy is
+    /// fresh within `staleness`. The call's own error is kept (the caller counts it by kind).
+    pub async fn mirror_get(
+        &self,
+        api_addr: &str,
+        key: &str,
+        map_version: u64,
+        staleness: Duration,
+    ) -> Result<Option<GetOk>, CallError> {
+        let request = PeerRequest::Get { key: key.to_string(), map_version, mirror: Some(staleness) };
+        match self.transport.call(api_addr, request, MIRROR_TIMEOUT).await {
+            Ok(PeerAnswer::Got(ok)) => Ok(Some(ok)),
+            Err(CallError::Api(ApiError::NotFound)) => Ok(None),
+            Err(e) => Err(e),
+            Ok(other) => Err(unexpected(&other)),
+        }
+    }
+
+    /// Mirror reads of keys whose buckets the mirror at `api_addr` holds replicas of.
+    pub async fn mirror_bulk_get(
+        &self,
+        api_addr: &str,
+        mirror: NodeId,
+        keys: Vec<String>,
+        map_version: u64,
+        staleness: Duration,
+    ) -> Result<Vec<Result<Option<GetOk>, ApiError>>, CallError> {
+        let request = PeerRequest::BulkGet { keys, map_version, mirror: Some(staleness) };
+        match self.transport.call(api_addr, request, MIRROR_TIMEOUT).await? {
+            PeerAnswer::BulkGot(results) => {
+                Ok(results.into_iter().map(|r| r.map(|found| found.map(|ok| GetOk { node: mirror, ..ok }))).collect())
+            }
+            other => Err(unexpected(&other)),
         }
     }
 
@@ -90,7 +128,7 @@ impl Peers {
         keys: Vec<String>,
         map_version: u64,
     ) -> Result<Vec<Result<Option<GetOk>, ApiError>>, ApiError> {
-        match self.forward(api_addr, PeerRequest::BulkGet { keys, map_version }).await? {
+        match self.forward(api_addr, PeerRequest::BulkGet { keys, map_version, mirror: None }).await? {
             PeerAnswer::BulkGot(results) => {
                 Ok(results.into_iter().map(|r| r.map(|found| found.map(|ok| GetOk { node: owner, ..ok }))).collect())
             }

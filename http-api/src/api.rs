@@ -9,8 +9,8 @@ use shoal_raft::NodeId;
 
 use crate::error::ApiError;
 use crate::types::{
-    Check, ClearLost, ClusterConfig, ClusterView, GetOk, KeyList, LeaveOk, LostCleared, MaintenanceView, MapView,
-    NodeStats, PutOk, PutOptions, Removed, RouteContext, Scope, TransferView,
+    AgentsView, Check, ClearLost, ClusterConfig, ClusterView, GetOk, KeyList, LeaveOk, LostCleared, MaintenanceView,
+    MapView, NodeStats, PutOk, PutOptions, Removed, RouteContext, Scope, TransferView,
 };
 
 /// A validated write of one item (from `PUT /v1/kv/{key}` or one entry of a bulk put).
@@ -156,6 +156,9 @@ pub trait ShoalApi: Send + Sync + 'static {
 
     /// Acknowledges lost buckets: they serve (empty) again.
     fn clear_lost(&self, clear: ClearLost) -> impl Future<Output = Result<LostCleared, ApiError>> + Send;
+
+    /// `GET /v1/cluster/agents`: the mirrors this node reads from.
+    fn agents(&self) -> AgentsView;
 
     /// The readiness checks; ready when all pass.
     fn readiness(&self) -> Vec<Check>;

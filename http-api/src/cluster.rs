@@ -37,6 +37,10 @@ pub(crate) async fn transfer<N: ShoalApi>(State(node): State<Arc<N>>) -> Respons
     }
 }
 
+pub(crate) async fn agents<N: ShoalApi>(State(node): State<Arc<N>>) -> Response {
+    Json(node.agents()).into_response()
+}
+
 pub(crate) async fn node_stats<N: ShoalApi>(State(node): State<Arc<N>>) -> Response {
     Json(node.node_stats()).into_response()
 }

@@ -71,11 +71,14 @@ pub enum Unavailable {
     Expired,
     /// Request bodies in flight already take all the memory the node allows them.
     Overloaded,
+    /// A mirror read reached a replica copy that is not fresh enough (not attached, moving,
+    /// or further behind than the read allows); the sender reads at the owner instead.
+    ReplicaNotFresh,
 }
 
 impl Unavailable {
     /// Every code, for documentation and tests.
-    pub const ALL: [Unavailable; 17] = [
+    pub const ALL: [Unavailable; 18] = [
         Unavailable::NoLeader,
         Unavailable::NotReady,
         Unavailable::Starting,
@@ -93,6 +96,7 @@ impl Unavailable {
         Unavailable::ReplicationFailed,
         Unavailable::Expired,
         Unavailable::Overloaded,
+        Unavailable::ReplicaNotFresh,
     ];
 
     /// The stable machine code.
@@ -115,6 +119,7 @@ impl Unavailable {
             Unavailable::ReplicationFailed => "replication_failed",
             Unavailable::Expired => "expired",
             Unavailable::Overloaded => "overloaded",
+            Unavailable::ReplicaNotFresh => "replica_not_fresh",
         }
     }
 }

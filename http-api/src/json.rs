@@ -67,7 +67,8 @@ mod tests {
             ("ünï", "välue".as_bytes()),
             ("bin", &[0xff, 0x00, 0x80][..]),
         ] {
-            let ok = GetOk { value: bytes::Bytes::copy_from_slice(value), version: 42, bucket: 7, node: 1 };
+            let ok =
+                GetOk { value: bytes::Bytes::copy_from_slice(value), version: 42, bucket: 7, node: 1, lag_ms: None };
             let mut fast = Vec::new();
             write_found(&mut fast, key, &ok);
             let (text, b64) = match std::str::from_utf8(value) {

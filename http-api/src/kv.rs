@@ -22,16 +22,29 @@ use crate::api::{Limits, PutItem, ShoalApi};
 use crate::error::{ApiError, Unavailable};
 use crate::json;
 use crate::types::{
-    BulkKeys, BulkPut, BulkPutItem, BulkResults, GetOk, KeyError, KeyResult, PutOptions, RouteContext, Scope,
+    BulkKeys, BulkPut, BulkPutItem, BulkResults, GetOk, KeyError, KeyResult, PutOptions, ReadFrom, RouteContext, Scope,
     WriteCondition,
 };
-use crate::{HEADER_BUCKET, HEADER_FORWARDED_MAP_VERSION, HEADER_FORWARD_DEADLINE, HEADER_NODE, HEADER_SCOPE};
+use crate::{
+    HEADER_BUCKET, HEADER_FORWARDED_MAP_VERSION, HEADER_FORWARD_DEADLINE, HEADER_MIRROR_READ, HEADER_NODE,
+    HEADER_REPLICA_LAG, HEADER_SCOPE,
+};
 
 /// Query of `GET /v1/kv/{key}`.
 #[derive(Debug, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct GetQuery {
     redirect: Option<String>,
+    read: Option<String>,
+    max_staleness: Option<String>,
+}
+
+/// Query of `POST /v1/bulk/get`.
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct BulkGetQuery {
+    read: Option<String>,
+    max_staleness: Option<String>,
 }
 
 /// Query of `PUT /v1/kv/{key}`.
@@ -192,7 +205,42 @@ fn route_context(headers: &HeaderMap, redirect: Option<&str>) -> Result<RouteCon
             "the forwarded request arrived after its deadline; nothing was done",
         ));
     }
-    Ok(RouteContext { forwarded_map_version, from_peer: deadline.is_some(), redirect: flag("redirect", redirect)? })
+    Ok(RouteContext {
+        forwarded_map_version,
+        from_peer: deadline.is_some(),
+        redirect: flag("redirect", redirect)?,
+        ..RouteContext::default()
+    })
+}
+
+/// [`route_context`] of a read, with the client's `?read=` and `?max_staleness=` and another
+/// node's mirror-read header.
+fn read_context(
+    headers: &HeaderMap,
+    redirect: Option<&str>,
+    read: Option<&str>,
+    max_staleness: Option<&str>,
+) -> Result<RouteContext, ApiError> {
+    let mut ctx = route_context(headers, redirect)?;
+    ctx.read = read.map(|r| r.parse::<ReadFrom>().map_err(ApiError::BadRequest)).transpose()?;
+    ctx.max_staleness = max_staleness.map(staleness).transpose()?;
+    if let Some(v) = headers.get(HEADER_MIRROR_READ) {
+        let ms = v
+            .to_str()
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .ok_or_else(|| ApiError::BadRequest(format!("{HEADER_MIRROR_READ} must be a number")))?;
+        ctx.mirror_read = Some(Duration::from_millis(ms));
+    }
+    Ok(ctx)
+}
+
+/// A `max_staleness`: `0` (never stale) or a duration as [`parse_duration`] reads it.
+fn staleness(text: &str) -> Result<Duration, ApiError> {
+    if text == "0" {
+        return Ok(Duration::ZERO);
+    }
+    parse_duration("max_staleness", text)
 }
 
 /// Milliseconds since the Unix epoch.
@@ -256,6 +304,9 @@ pub fn value_response(ok: GetOk) -> Response {
     headers.insert(header::ETAG, quoted(ok.version));
     headers.insert(HEADER_BUCKET, HeaderValue::from(ok.bucket));
     headers.insert(HEADER_NODE, HeaderValue::from(ok.node));
+    if let Some(lag) = ok.lag_ms {
+        headers.insert(HEADER_REPLICA_LAG, HeaderValue::from(lag));
+    }
     response
 }
 
@@ -283,7 +334,7 @@ pub(crate) async fn get_key<N: ShoalApi>(
         let key = path(key)?;
         let q: GetQuery = query_of(&parts.uri)?;
         check_key(&key, &node.limits())?;
-        let ctx = route_context(&parts.headers, q.redirect.as_deref())?;
+        let ctx = read_context(&parts.headers, q.redirect.as_deref(), q.read.as_deref(), q.max_staleness.as_deref())?;
         Ok(value_response(node.get(key, ctx).await?))
     }
     .await;
@@ -401,12 +452,18 @@ fn check_bulk_keys<'a>(keys: impl ExactSizeIterator<Item = &'a String>, limits: 
     Ok(())
 }
 
-pub(crate) async fn bulk_get<N: ShoalApi>(State(node): State<Arc<N>>, headers: HeaderMap, body: Body) -> Response {
+pub(crate) async fn bulk_get<N: ShoalApi>(
+    State(node): State<Arc<N>>,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
     let result = async {
+        let q: BulkGetQuery = query_of(&uri)?;
         let limits = node.limits();
         let (req, _admitted): (BulkKeys, _) = read_json(&*node, &headers, body, bulk_body_limit(&limits)).await?;
         check_bulk_keys(req.keys.iter(), &limits)?;
-        let ctx = route_context(&headers, None)?;
+        let ctx = read_context(&headers, None, q.read.as_deref(), q.max_staleness.as_deref())?;
         // Invalid keys fail alone; the others are asked of the node.
         let valid: Vec<usize> = (0..req.keys.len()).filter(|&i| check_key(&req.keys[i], &limits).is_ok()).collect();
         let answers = node.bulk_get(valid.iter().map(|&i| req.keys[i].clone()).collect(), ctx).await?;

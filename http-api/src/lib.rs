@@ -52,8 +52,14 @@ pub const HEADER_FORWARD_DEADLINE: HeaderName = HeaderName::from_static("x-shoal
 pub const HEADER_SCOPE: HeaderName = HeaderName::from_static("x-shoal-scope");
 /// The bucket of the key in a GET answer.
 pub const HEADER_BUCKET: HeaderName = HeaderName::from_static("x-shoal-bucket");
-/// The node that holds the key in a GET answer.
+/// The node that served the key in a GET answer (its owner, or a mirror holding its replica).
 pub const HEADER_NODE: HeaderName = HeaderName::from_static("x-shoal-node");
+/// In a GET answer served from a replica copy: at most how far behind its owner that copy was,
+/// in milliseconds.
+pub const HEADER_REPLICA_LAG: HeaderName = HeaderName::from_static("x-shoal-replica-lag-ms");
+/// Set by a node that sends a read to a mirror: serve it from your replica copy if it is
+/// fresh within this many milliseconds, else refuse (`replica_not_fresh`).
+pub const HEADER_MIRROR_READ: HeaderName = HeaderName::from_static("x-shoal-mirror-read");
 
 async fn openapi_json() -> impl axum::response::IntoResponse {
     ([(axum::http::header::CONTENT_TYPE, "application/json")], openapi::document())
@@ -71,6 +77,7 @@ pub fn router<N: ShoalApi>(node: Arc<N>) -> Router {
         .route("/v1/cluster", get(cluster::cluster::<N>))
         .route("/v1/cluster/map", get(cluster::map::<N>))
         .route("/v1/cluster/transfer", get(cluster::transfer::<N>))
+        .route("/v1/cluster/agents", get(cluster::agents::<N>))
         .route("/v1/cluster/nodes/{id}/leave", post(cluster::leave::<N>))
         .route(
             "/v1/cluster/nodes/{id}/maintenance",

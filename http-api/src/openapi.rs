@@ -25,12 +25,13 @@ use crate::types::*;
     ),
     paths(
         get_key, put_key, delete_key, list_keys, bulk_get, bulk_put, bulk_delete, get_tag, delete_tag,
-        cluster, cluster_map, cluster_transfer, leave, enter_maintenance, end_maintenance, set_config, clear_lost, node, livez, readyz, metrics, openapi
+        cluster, cluster_map, cluster_transfer, cluster_agents, leave, enter_maintenance, end_maintenance, set_config, clear_lost, node, livez, readyz, metrics, openapi
     ),
     components(schemas(
         Problem, PutOk, BulkKeys, BulkPut, BulkPutItem, BulkResults, KeyResult, KeyError, KeyList, FoundKey,
         NodeFailure, Removed, ClusterView, MemberView, TransitionView, TransferSummary, TransferView, TransferStatus, MapView, MapNode, NodeStats, LeaveOk,
-        PeerHealth, ReplicationView, ClusterConfig, ClearLost, LostCleared, MaintenanceRequest, MaintenanceView
+        PeerHealth, ReplicationView, ClusterConfig, ClearLost, LostCleared, MaintenanceRequest, MaintenanceView,
+        AgentsView, AgentView, KarmaBlockView, AgentErrors, ReadFrom
     )),
     tags(
         (name = "keys", description = "Key operations, served by the owner of the key's bucket (any node forwards)"),
@@ -122,6 +123,10 @@ fn complete(doc: &mut Value) {
                     ("ttl" | "sliding", "query") => ttl.clone(),
                     ("tags", "query") => json!({"type": "string", "pattern": "^[^,]{1,256}(,[^,]{1,256})*$"}),
                     ("mode", "query") => json!({"type": "string", "enum": ["add", "replace"]}),
+                    ("max_staleness", "query") => {
+                        let p = duration_pattern();
+                        json!({"type": "string", "pattern": format!("^(?:0|{})$", &p[1..p.len() - 1])})
+                    }
                     ("limit", "query") => json!({"type": "integer", "minimum": 1, "maximum": 100000}),
                     ("cas", "query") => json!({"type": "integer", "minimum": 0, "maximum": u64::MAX}),
                     ("id", "path") => {
@@ -186,12 +191,15 @@ fn at_most(n: u64) -> String {
     params(
         ("key" = String, Path, description = "The key (everything after /v1/kv/, percent-decoded)"),
         ("redirect" = Option<bool>, Query, description = "Answer 307 to the owner instead of forwarding"),
+        ("read" = Option<ReadFrom>, Query, description = "owner (the node's --read-from default) or mirrors: any fresh copy of the bucket may serve it"),
+        ("max_staleness" = Option<String>, Query, description = "With read=mirrors and async replication: how far behind its owner a replica copy may be (0, or 500ms, 2s, ...; default --max-staleness)"),
     ),
     responses(
         (status = 200, description = "The raw value", content_type = "application/octet-stream", body = String,
             headers(("etag" = String, description = "\"<version>\""),
                     ("x-shoal-bucket" = u16, description = "The key's bucket"),
-                    ("x-shoal-node" = u64, description = "The node that holds it"))),
+                    ("x-shoal-node" = u64, description = "The node that served it (the owner, or a mirror)"),
+                    ("x-shoal-replica-lag-ms" = u64, description = "Served from a replica copy: at most how far behind its owner it was"))),
         (status = 307, description = "redirect=true: the owner's URL in Location"),
         (status = 404, description = "not_found", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "key_too_large", body = Problem, content_type = "application/problem+json"),
@@ -244,6 +252,10 @@ fn delete_key() {}
 fn list_keys() {}
 
 #[utoipa::path(post, path = "/v1/bulk/get", tag = "keys", summary = "Read many keys",
+    params(
+        ("read" = Option<ReadFrom>, Query, description = "owner or mirrors, as for a single read"),
+        ("max_staleness" = Option<String>, Query, description = "As for a single read"),
+    ),
     request_body = BulkKeys,
     responses((status = 200, description = "One result per key, in order", body = BulkResults),
               (status = 400, description = "bad_request", body = Problem, content_type = "application/problem+json")))]
@@ -285,6 +297,10 @@ fn cluster_map() {}
 #[utoipa::path(get, path = "/v1/cluster/transfer", tag = "cluster", summary = "State transfer progress, per node",
     responses((status = 200, description = "Buckets done and total, bytes, rate, idle time of every member", body = TransferView)))]
 fn cluster_transfer() {}
+
+#[utoipa::path(get, path = "/v1/cluster/agents", tag = "cluster", summary = "The mirrors this node reads from (agent status)",
+    responses((status = 200, description = "Per member: alive or dead, probability, and the counters of the kept karma blocks", body = AgentsView)))]
+fn cluster_agents() {}
 
 #[utoipa::path(post, path = "/v1/cluster/nodes/{id}/leave", tag = "cluster", summary = "Make a member leave",
     params(("id" = u64, Path, description = "The member's id"),

@@ -56,7 +56,7 @@ impl ShoalApi for FakeNode {
         }
         let items = self.items.lock();
         let (value, version) = items.get(&key).cloned().ok_or(ApiError::NotFound)?;
-        Ok(GetOk { value, version, bucket: bucket_of(key.as_bytes()).0, node: ME })
+        Ok(GetOk { value, version, bucket: bucket_of(key.as_bytes()).0, node: ME, lag_ms: None })
     }
 
     async fn put(&self, item: PutItem, _ctx: RouteContext) -> Result<PutOk, ApiError> {
@@ -183,6 +183,18 @@ impl ShoalApi for FakeNode {
 
     async fn clear_lost(&self, clear: ClearLost) -> Result<LostCleared, ApiError> {
         Ok(LostCleared { cleared: clear.buckets })
+    }
+
+    fn agents(&self) -> AgentsView {
+        AgentsView {
+            node_id: ME,
+            read_from: ReadFrom::Owner,
+            strategy: "random".into(),
+            period_karma_ms: 60_000,
+            ping_interval_ms: 1000,
+            max_staleness_ms: 0,
+            agents: Vec::new(),
+        }
     }
 
     fn readiness(&self) -> Vec<Check> {

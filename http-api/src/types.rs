@@ -17,6 +17,38 @@ pub struct RouteContext {
     pub from_peer: bool,
     /// `?redirect=true`: answer 307 with the owner's address instead of forwarding.
     pub redirect: bool,
+    /// `?read=`: where the client lets a read be served (None: the node's `--read-from`).
+    pub read: Option<ReadFrom>,
+    /// `?max_staleness=`: how far behind its owner (async replication) a replica copy may be
+    /// to serve the read (None: the node's `--max-staleness`).
+    pub max_staleness: Option<Duration>,
+    /// Set on another node's mirror read: serve it from this node's replica copy if that is
+    /// fresh within this staleness, else refuse (`replica_not_fresh`); never forward it.
+    pub mirror_read: Option<Duration>,
+}
+
+/// Where a read may be served: by the bucket's owner only, or by any of its mirrors (the
+/// owner and the holder of its replica) that is fresh enough.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ReadFrom {
+    /// The owner (the default).
+    #[default]
+    Owner,
+    /// Any mirror of the bucket, chosen by the node's `--ha-strategy`.
+    Mirrors,
+}
+
+impl std::str::FromStr for ReadFrom {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "owner" => Ok(ReadFrom::Owner),
+            "mirrors" => Ok(ReadFrom::Mirrors),
+            other => Err(format!("read must be owner or mirrors, not {other:?}")),
+        }
+    }
 }
 
 /// Whether a keyless operation covers the whole cluster or only the answering node.
@@ -65,8 +97,11 @@ pub struct GetOk {
     pub version: u64,
     /// Its bucket.
     pub bucket: u16,
-    /// The node that holds it.
+    /// The node that served it (its owner, or a mirror holding its replica).
     pub node: NodeId,
+    /// Served from a replica copy (a mirror read): at most how far behind its owner it was, in
+    /// milliseconds (0 with sync replication).
+    pub lag_ms: Option<u64>,
 }
 
 /// The answer to a successful `PUT /v1/kv/{key}`.
@@ -544,4 +579,72 @@ pub struct TransferView {
     /// The members that did not answer.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub errors: Vec<NodeFailure>,
+}
+
+/// `GET /v1/cluster/agents`: the mirrors this node reads from and what it measured of them,
+/// per karma block (like Manticore's SHOW AGENT STATUS).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct AgentsView {
+    /// The answering node.
+    pub node_id: NodeId,
+    /// Where reads go by default (`--read-from`).
+    pub read_from: ReadFrom,
+    /// How a mirror is chosen (`--ha-strategy`).
+    pub strategy: String,
+    /// The length of a karma block (`--ha-period-karma`), in milliseconds.
+    pub period_karma_ms: u64,
+    /// How often idle mirrors are pinged (`--ha-ping-interval`), in milliseconds; 0: never.
+    pub ping_interval_ms: u64,
+    /// How far behind a replica copy may be by default (`--max-staleness`), in milliseconds.
+    pub max_staleness_ms: u64,
+    /// One entry per member this node may read from, itself included.
+    pub agents: Vec<AgentView>,
+}
+
+/// One mirror as the answering node sees it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct AgentView {
+    /// The member.
+    pub node_id: NodeId,
+    /// Whether its last answer (to a read or a ping) came; false once one failed.
+    pub alive: bool,
+    /// Its weight among the mirrors (the latency-weighted probability of the adaptive
+    /// strategies), normalised over every member.
+    pub probability: f64,
+    /// How long ago it last answered, in milliseconds.
+    pub last_answer_ms_ago: Option<u64>,
+    /// The kept karma blocks, newest first.
+    pub blocks: Vec<KarmaBlockView>,
+}
+
+/// What one karma block counted of one mirror.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct KarmaBlockView {
+    /// How long ago the block began, in milliseconds.
+    pub began_ms_ago: u64,
+    /// Reads sent to it.
+    pub requests: u64,
+    /// Reads it answered (a value or not found).
+    pub successes: u64,
+    /// Reads and pings that failed, by kind.
+    pub errors: AgentErrors,
+    /// The average latency of its answers to reads, in milliseconds.
+    pub avg_latency_ms: Option<f64>,
+    /// Pings answered.
+    pub pings: u64,
+    /// The average latency of its answers to pings, in milliseconds.
+    pub ping_avg_latency_ms: Option<f64>,
+}
+
+/// Failed reads and pings by kind.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct AgentErrors {
+    /// No connection.
+    pub connect: u64,
+    /// No answer in time.
+    pub timeout: u64,
+    /// It answered with a refusal (its copy was not fresh enough, it was stopping, ...).
+    pub refused: u64,
+    /// It answered something that was not an answer to the request.
+    pub wrong_answer: u64,
 }

@@ -35,8 +35,9 @@ use tokio::sync::{MutexGuard, RwLockReadGuard, RwLockWriteGuard};
 
 pub use permit::{change_body, WritePermit};
 pub use phase::{
-    export_refusal, holds_replica, keeps_replica, phase_of, read_refusal, route_of, write_plan, write_refusal,
-    BucketFacts, NodeFacts, Phase, Recipient, Route, Routing, WritePlan,
+    export_refusal, holds_replica, keeps_replica, mirror_read, mirrors_of, phase_of, read_refusal, route_of,
+    write_plan, write_refusal, BucketFacts, NodeFacts, NotFresh, Phase, Recipient, ReplicaFacts, Route, Routing,
+    WritePlan,
 };
 
 use crate::cache::CacheStore;
@@ -243,6 +244,7 @@ impl BucketCore {
             Phase::Incoming { from: owner }
             | Phase::Shadow { owner }
             | Phase::Foreign { owner }
+            | Phase::Mirror { owner }
             | Phase::Away { owner } => !routing.forwarded && !routing.redirect && self.health.is_pfail(owner),
             _ => false,
         };

@@ -59,6 +59,13 @@ pub enum Phase {
         /// Who serves it now.
         owner: NodeId,
     },
+    /// Another node serves it and this node holds the replica its writes must reach, while
+    /// the bucket is not moving: it may serve reads from that copy when the copy is fresh
+    /// (see [`mirror_read`]). Its active store keeps nothing of it.
+    Mirror {
+        /// Who serves it.
+        owner: NodeId,
+    },
     /// Another node serves it; this node keeps nothing of it in its active store.
     Foreign {
         /// Who serves it.
@@ -93,7 +100,76 @@ pub fn phase_of(state: &ClusterState, me: NodeId, bucket: BucketId, facts: Bucke
     if state.shadow_of(bucket) == Some(me) {
         return Phase::Shadow { owner };
     }
+    if mirrors_of(state, bucket).1 == Some(me) {
+        return Phase::Mirror { owner };
+    }
     Phase::Foreign { owner }
+}
+
+/// The mirrors of `bucket` on `state`: its owner, and the member holding the replica every
+/// write of the owner must reach (the heir), unless the bucket is moving (a transition gives
+/// it to another node, a shadow is kept, a promotion runs), it is lost, or the owner is away
+/// in maintenance. Reads with `read=mirrors` go to one of them.
+pub fn mirrors_of(state: &ClusterState, bucket: BucketId) -> (Option<NodeId>, Option<NodeId>) {
+    let Some(owner) = state.map.owner_of(bucket) else { return (None, None) };
+    let moving = state.target.as_ref().is_some_and(|t| t.owner_of(bucket) != Some(owner))
+        || state.shadow_of(bucket).is_some()
+        || state.promoted.contains_key(&bucket.0)
+        || state.is_lost(bucket)
+        || state.away() == Some(owner);
+    let holder = state.heir_of(owner).filter(|&h| h != owner && state.is_member(h) && !moving);
+    (Some(owner), holder)
+}
+
+/// What a replica holder knows of its copy of a bucket that the replicated state does not say.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReplicaFacts {
+    /// The owner whose snapshot the copy started from (0: none), in the bucket's move epoch
+    /// `epoch` of the holder's map then.
+    pub source: NodeId,
+    /// See `source`.
+    pub epoch: u64,
+    /// Async replication: at most how far behind its owner the copy is, in milliseconds, as
+    /// the owner last said (its oldest change not yet applied here, plus the time since it
+    /// said so); None when the owner said nothing lately or has buckets not attached here.
+    /// With sync replication: Some(0) unless the owner still drains a queue.
+    pub lag_ms: Option<u64>,
+}
+
+/// Why a replica copy may not serve a read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NotFresh {
+    /// This node is not a mirror of the bucket now (see [`Phase::Mirror`]).
+    NotMirror,
+    /// Its copy does not hold every write of the owner's current ownership period.
+    NotAttached,
+    /// Its copy may be further behind than the read allows.
+    Behind {
+        /// How far behind it may be (None: unknown).
+        lag_ms: Option<u64>,
+    },
+}
+
+/// Whether this node's replica copy of a bucket in `phase` may serve a read that allows
+/// `max_staleness_ms` (async replication), and if so how far behind it may be: the node is a
+/// mirror, the copy started from the current owner's snapshot in the bucket's current move
+/// epoch (so, sync, it has every write the owner acknowledged since), and it is not further
+/// behind than allowed.
+pub fn mirror_read(
+    state: &ClusterState,
+    bucket: BucketId,
+    phase: Phase,
+    replica: ReplicaFacts,
+    max_staleness_ms: u64,
+) -> Result<u64, NotFresh> {
+    let Phase::Mirror { owner } = phase else { return Err(NotFresh::NotMirror) };
+    if replica.source != owner || replica.epoch != state.epoch_of(bucket) {
+        return Err(NotFresh::NotAttached);
+    }
+    match replica.lag_ms {
+        Some(lag) if lag <= max_staleness_ms => Ok(lag),
+        lag_ms => Err(NotFresh::Behind { lag_ms }),
+    }
 }
 
 impl Phase {
@@ -101,7 +177,7 @@ impl Phase {
     /// serves it, gets it, pulls it, or shadows it. (A restoring bucket is being refilled;
     /// a lost one may hold the newest copy there is.)
     pub fn keeps_active_data(self) -> bool {
-        !matches!(self, Phase::Foreign { .. } | Phase::Away { .. } | Phase::NoMap)
+        !matches!(self, Phase::Foreign { .. } | Phase::Mirror { .. } | Phase::Away { .. } | Phase::NoMap)
     }
 
     /// Whether the node serves the bucket's data (reads and, with a write plan, writes).
@@ -174,6 +250,7 @@ pub fn route_of(
         Phase::Incoming { from: owner }
         | Phase::Shadow { owner }
         | Phase::Foreign { owner }
+        | Phase::Mirror { owner }
         | Phase::Away { owner } => {
             if routing.forwarded {
                 return Err(DataError::NotOwner { bucket, map_version: state.map.version });

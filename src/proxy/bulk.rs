@@ -17,6 +17,7 @@ use super::{
 use crate::bucket::Route;
 use crate::error::DataError;
 use crate::metrics::Op;
+use crate::mirror::{outcome_of, Outcome};
 
 /// The results of the keys of one bucket written here, by index into the request.
 type LocalResults<T> = Vec<(usize, Result<T, DataError>)>;
@@ -163,6 +164,26 @@ impl NodeApi {
         ctx: RouteContext,
     ) -> Result<Vec<Result<Option<GetOk>, ApiError>>, ApiError> {
         let started = Instant::now();
+        if let Some(staleness) = ctx.mirror_read {
+            // Another node's mirror reads: this node's replica copies or refusals, key by key.
+            if let Err(e) = self.state_for(ctx).await {
+                return self.timed(Op::BulkGet, started, Err(e.into()));
+            }
+            let results = keys
+                .iter()
+                .map(|k| self.local_mirror_get(k, bucket_of(k.as_bytes()), staleness).map_err(ApiError::from))
+                .collect();
+            return self.timed(Op::BulkGet, started, Ok(results));
+        }
+        let mut done: Vec<Option<Result<Option<GetOk>, ApiError>>> = vec![None; keys.len()];
+        if self.reads_from_mirrors(ctx) {
+            self.bulk_mirror_get(&keys, ctx, &mut done).await;
+        }
+        let left: Vec<usize> = (0..keys.len()).filter(|&i| done[i].is_none()).collect();
+        if left.is_empty() {
+            return self.timed(Op::BulkGet, started, Ok(done.into_iter().flatten().collect()));
+        }
+        let keys: Vec<String> = left.iter().map(|&i| keys[i].clone()).collect();
         let local = |bucket: BucketId, idx: Vec<usize>| {
             let keys = &keys;
             async move {
@@ -177,8 +198,77 @@ impl NodeApi {
             let peers = &self.peers;
             async move { peers.bulk_get(&api, owner, batch, v).await }
         };
-        let result = self.bulk(&keys, |k| k.as_str(), ctx, local, remote).await;
+        let result = self.bulk(&keys, |k| k.as_str(), ctx, local, remote).await.map(|results| {
+            for (i, r) in left.into_iter().zip(results) {
+                done[i] = Some(r);
+            }
+            done.into_iter().flatten().collect()
+        });
         self.timed(Op::BulkGet, started, result)
+    }
+
+    /// Bulk reads balanced over mirrors: per owner, its keys go to one mirror chosen by the
+    /// strategy; what a replica holder answers fills `done`, and the keys it refused (or all of
+    /// them, when it did not answer) are left for the owner.
+    async fn bulk_mirror_get(
+        &self,
+        keys: &[String],
+        ctx: RouteContext,
+        done: &mut [Option<Result<Option<GetOk>, ApiError>>],
+    ) {
+        let state = self.control.state();
+        let mut by_holder: BTreeMap<NodeId, Vec<usize>> = BTreeMap::new();
+        let mut chosen: BTreeMap<NodeId, Option<NodeId>> = BTreeMap::new();
+        for (i, k) in keys.iter().enumerate() {
+            let (Some(owner), Some(holder)) = crate::bucket::mirrors_of(&state, bucket_of(k.as_bytes())) else {
+                continue;
+            };
+            let pick = *chosen.entry(owner).or_insert_with(|| self.mirrors.choose(&[owner, holder]));
+            if pick == Some(holder) {
+                by_holder.entry(holder).or_default().push(i);
+            }
+        }
+        let staleness = self.staleness(ctx);
+        let asks = by_holder.into_iter().map(|(holder, idx)| {
+            let state = &state;
+            async move {
+                let sent = Instant::now();
+                let answer = if holder == self.node_id {
+                    Ok(idx
+                        .iter()
+                        .map(|&i| {
+                            self.local_mirror_get(&keys[i], bucket_of(keys[i].as_bytes()), staleness)
+                                .map_err(ApiError::from)
+                        })
+                        .collect())
+                } else {
+                    match api_addr_of(state, holder) {
+                        Ok(api) => {
+                            let batch = idx.iter().map(|&i| keys[i].clone()).collect();
+                            self.peers.mirror_bulk_get(&api, holder, batch, state.map.version, staleness).await
+                        }
+                        Err(_) => Err(crate::transport::CallError::Broken("not a member".into())),
+                    }
+                };
+                (holder, idx, sent.elapsed(), answer)
+            }
+        });
+        for (holder, idx, took, answer) in join_all(asks).await {
+            match answer {
+                Ok(results) => {
+                    let refused = results.iter().any(|r| r.is_err());
+                    let outcome = if refused { Outcome::Refused } else { Outcome::Answered };
+                    self.mirrors.record_read(holder, outcome, took);
+                    for (i, r) in idx.into_iter().zip(results) {
+                        if r.is_ok() {
+                            self.mirrors.served_by(holder);
+                            done[i] = Some(r);
+                        }
+                    }
+                }
+                Err(e) => self.mirrors.record_read(holder, outcome_of(&e), took),
+            }
+        }
     }
 
     pub(super) async fn bulk_put_routed(

@@ -33,17 +33,18 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use shoal_http_api::types::{
-    Check, ClearLost, ClusterConfig, ClusterView, GetOk, KeyList, LeaveOk, LostCleared, MaintenanceView, MapView,
-    NodeStats, PutOk, Removed, RouteContext, Scope, TransferView, WriteCondition,
+    AgentsView, Check, ClearLost, ClusterConfig, ClusterView, GetOk, KeyList, LeaveOk, LostCleared, MaintenanceView,
+    MapView, NodeStats, PutOk, ReadFrom, Removed, RouteContext, Scope, TransferView, WriteCondition,
 };
 use shoal_http_api::{ApiError, Limits, PutItem, ShoalApi};
 use shoal_raft::{bucket_of, BucketId, ClusterState, ControlPlane, NodeId};
 
-use crate::bucket::{BucketCore, Route, Routing};
+use crate::bucket::{mirror_read, mirrors_of, BucketCore, Phase, Route, Routing};
 use crate::cache::{CacheError, CacheStore, Condition, Write};
 use crate::error::DataError;
 use crate::health::Health;
 use crate::metrics::{NodeMetrics, Op};
+use crate::mirror::{outcome_of, Mirrors, Outcome};
 use crate::peer::Peers;
 use crate::replication::Replicator;
 use crate::transfer::progress::Progress;
@@ -84,6 +85,8 @@ pub struct NodeParts {
     pub peers: Peers,
     /// Memory for request bodies in flight.
     pub bodies: Arc<crate::memory::BodyBudget>,
+    /// Mirror choice and statistics.
+    pub mirrors: Arc<Mirrors>,
 }
 
 /// The node's implementation of the public API.
@@ -99,6 +102,7 @@ pub struct NodeApi {
     replicator: Arc<Replicator>,
     health: Arc<Health>,
     bodies: Arc<crate::memory::BodyBudget>,
+    mirrors: Arc<Mirrors>,
 }
 
 /// How a request reached this node, as the bucket core sees it.
@@ -156,6 +160,7 @@ impl NodeApi {
             replicator: parts.replicator,
             health: parts.health,
             bodies: parts.bodies,
+            mirrors: parts.mirrors,
         }
     }
 
@@ -268,11 +273,97 @@ impl NodeApi {
         match self.cache.get(bucket, key.as_bytes()) {
             Some(item) => {
                 self.metrics.hits.increment(1);
-                Ok(Some(GetOk { value: item.value, version: item.version, bucket: bucket.0, node: self.node_id }))
+                Ok(Some(GetOk {
+                    value: item.value,
+                    version: item.version,
+                    bucket: bucket.0,
+                    node: self.node_id,
+                    lag_ms: None,
+                }))
             }
             None => {
                 self.metrics.misses.increment(1);
                 Ok(None)
+            }
+        }
+    }
+
+    /// Whether a client's read may go to any mirror of its bucket: it asked for it (or the
+    /// node's default says so) and it is not routed by another node or a map version.
+    fn reads_from_mirrors(&self, ctx: RouteContext) -> bool {
+        ctx.forwarded_map_version.is_none()
+            && !ctx.redirect
+            && ctx.read.unwrap_or(self.mirrors.config().read_from) == ReadFrom::Mirrors
+    }
+
+    /// The staleness a client's mirror read allows.
+    fn staleness(&self, ctx: RouteContext) -> Duration {
+        ctx.max_staleness.unwrap_or(self.mirrors.config().max_staleness)
+    }
+
+    /// Reads `key` from this node's replica copy of `bucket`, if this node is a mirror of it
+    /// whose copy is fresh within `staleness` (else `replica_not_fresh`), and it holds its
+    /// lease (a node cut off long enough to be failed serves no read).
+    fn local_mirror_get(&self, key: &str, bucket: BucketId, staleness: Duration) -> Result<Option<GetOk>, DataError> {
+        if let Some(refusal) = self.core.read_refusal() {
+            return Err(refusal);
+        }
+        let state = self.control.state();
+        let phase = self.core.phase(&state, bucket);
+        let Phase::Mirror { owner } = phase else {
+            return Err(DataError::ReplicaNotFresh { bucket, why: crate::bucket::NotFresh::NotMirror });
+        };
+        let allowed = staleness.as_millis() as u64;
+        let (found, lag) = self
+            .replicator
+            .mirror_get(&state, bucket, owner, key.as_bytes(), |facts| {
+                mirror_read(&state, bucket, phase, facts, allowed)
+            })
+            .map_err(|why| DataError::ReplicaNotFresh { bucket, why })?;
+        Ok(found.map(|item| GetOk {
+            value: item.value,
+            version: item.version,
+            bucket: bucket.0,
+            node: self.node_id,
+            lag_ms: Some(lag),
+        }))
+    }
+
+    /// A client's read balanced over the mirrors of `bucket`: the chosen mirror's answer, or
+    /// `Err(chosen)` when the read goes the usual way to the owner (the owner was chosen, the
+    /// bucket has no other mirror now, or the chosen copy refused or did not answer).
+    async fn mirror_get(
+        &self,
+        key: &str,
+        bucket: BucketId,
+        ctx: RouteContext,
+    ) -> Result<Result<GetOk, ApiError>, Option<NodeId>> {
+        let state = self.control.state();
+        let (Some(owner), Some(holder)) = mirrors_of(&state, bucket) else { return Err(None) };
+        let chosen = self.mirrors.choose(&[owner, holder]).ok_or(None)?;
+        if chosen == owner {
+            return Err(Some(owner));
+        }
+        let staleness = self.staleness(ctx);
+        let sent = Instant::now();
+        let answer = if holder == self.node_id {
+            self.local_mirror_get(key, bucket, staleness).map_err(|e| {
+                tracing::trace!(bucket = bucket.0, error = %e, "mirror read at the owner instead");
+                Outcome::Refused
+            })
+        } else {
+            let api_addr = api_addr_of(&state, holder).map_err(|_| None)?;
+            self.peers.mirror_get(&api_addr, key, state.map.version, staleness).await.map_err(|e| outcome_of(&e))
+        };
+        match answer {
+            Ok(found) => {
+                self.mirrors.record_read(holder, Outcome::Answered, sent.elapsed());
+                self.mirrors.served_by(holder);
+                Ok(found.ok_or(ApiError::NotFound))
+            }
+            Err(outcome) => {
+                self.mirrors.record_read(holder, outcome, sent.elapsed());
+                Err(None)
             }
         }
     }
@@ -318,6 +409,19 @@ impl ShoalApi for NodeApi {
     async fn get(&self, key: String, ctx: RouteContext) -> Result<GetOk, ApiError> {
         let started = Instant::now();
         let bucket = bucket_of(key.as_bytes());
+        if let Some(staleness) = ctx.mirror_read {
+            // Another node's mirror read: this node's replica copy or a refusal, never a forward.
+            let state = self.state_for(ctx).await;
+            let result = state.and_then(|_| self.local_mirror_get(&key, bucket, staleness)).map_err(ApiError::from);
+            return self.timed(Op::Get, started, result.and_then(|found| found.ok_or(ApiError::NotFound)));
+        }
+        let mut to_owner = None;
+        if self.reads_from_mirrors(ctx) {
+            match self.mirror_get(&key, bucket, ctx).await {
+                Ok(result) => return self.timed(Op::Get, started, result),
+                Err(owner) => to_owner = owner,
+            }
+        }
         let local = || self.local_get(&key, bucket);
         let remote = |api: String, v: u64| {
             let (peers, key) = (&self.peers, &key);
@@ -330,6 +434,17 @@ impl ShoalApi for NodeApi {
             }
         };
         let result = self.route(bucket, ctx, local, remote).await.and_then(|found| found.ok_or(ApiError::NotFound));
+        if let Some(owner) = to_owner {
+            // The owner was the chosen mirror: its answer counts in its statistics.
+            let outcome = match &result {
+                Ok(_) | Err(ApiError::NotFound) => Outcome::Answered,
+                Err(_) => Outcome::Refused,
+            };
+            self.mirrors.record_read(owner, outcome, started.elapsed());
+            if outcome == Outcome::Answered {
+                self.mirrors.served_by(owner);
+            }
+        }
         self.timed(Op::Get, started, result)
     }
 
@@ -439,6 +554,11 @@ impl ShoalApi for NodeApi {
         self.acknowledge_lost(clear).await
     }
 
+    fn agents(&self) -> AgentsView {
+        let members: Vec<NodeId> = self.control.state().members.iter().map(|m| m.id).collect();
+        self.mirrors.view(&members)
+    }
+
     fn readiness(&self) -> Vec<Check> {
         self.checks()
     }
@@ -457,6 +577,8 @@ impl ShoalApi for NodeApi {
             .collect();
         let mut text = self.metrics.render();
         text.push_str(&crate::metrics::render_peers(&peers));
+        let members: Vec<NodeId> = self.control.state().members.iter().map(|m| m.id).collect();
+        text.push_str(&self.mirrors.render(&members));
         text
     }
 }

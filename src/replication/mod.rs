@@ -63,7 +63,7 @@ use shoal_raft::{BucketId, ClusterState, ControlPlane, NodeId, ReplicationMode, 
 use tokio::sync::{MutexGuard, Notify};
 use tokio::time::Instant;
 
-use crate::bucket::{change_body, keeps_replica, LocalFacts, Recipient, WritePlan};
+use crate::bucket::{change_body, keeps_replica, LocalFacts, NotFresh, Recipient, ReplicaFacts, WritePlan};
 use crate::cache::{CacheStore, Change, ExportedItem};
 use crate::error::{DataError, ReplicaError};
 use crate::peer::Peers;
@@ -168,6 +168,13 @@ pub struct Replicator {
     attached: Vec<Mutex<Attachments>>,
     /// Holder side: the owner whose snapshot each replica bucket holds (0: none).
     sources: Vec<AtomicU64>,
+    /// Holder side: the bucket's move epoch (in this node's map) when that snapshot arrived.
+    source_epochs: Vec<AtomicU64>,
+    /// Holder side: per owner, when it last said how far behind its replica copies may be,
+    /// and what it said (see `Ping::replica_lag_ms`).
+    owner_lag: Mutex<BTreeMap<NodeId, (Instant, Option<u64>)>>,
+    /// Sender side: when the oldest change of the batch being sent was queued.
+    sending_since: Mutex<Option<Instant>>,
     /// Holder side, per bucket: the sender and sequence number of the last request applied;
     /// a request with an older number from the same sender (held up in the network after
     /// its sender gave up) is refused, so it cannot overwrite newer data.
@@ -207,6 +214,9 @@ impl Replicator {
             peers,
             attached: (0..BUCKET_COUNT).map(|_| Mutex::new(Attachments::default())).collect(),
             sources: (0..BUCKET_COUNT).map(|_| AtomicU64::new(0)).collect(),
+            source_epochs: (0..BUCKET_COUNT).map(|_| AtomicU64::new(0)).collect(),
+            owner_lag: Mutex::new(BTreeMap::new()),
+            sending_since: Mutex::new(None),
             applied: (0..BUCKET_COUNT).map(|_| Mutex::new((0, 0))).collect(),
             seq: AtomicU64::new(first_seq.max(1)),
             queue: Mutex::new(VecDeque::new()),
@@ -424,6 +434,7 @@ impl Replicator {
             let mut queue = self.queue.lock();
             let n = queue.len().min(BATCH);
             self.sending.store(n as u64, Ordering::Release);
+            *self.sending_since.lock() = queue.front().map(|q| q.at);
             queue.drain(..n).collect()
         };
         let mut i = 0;
@@ -442,6 +453,7 @@ impl Replicator {
             i = j;
         }
         self.sending.store(0, Ordering::Release);
+        *self.sending_since.lock() = None;
     }
 
     /// The replica of `bucket` if it is a snapshot of `owner`'s (a restarted owner restores
@@ -542,6 +554,69 @@ impl Replicator {
         let queue = self.queue.lock();
         let depth = queue.len() + self.sending.load(Ordering::Acquire) as usize;
         (depth, queue.front().map(|q| q.at.elapsed()).unwrap_or_default())
+    }
+
+    /// What this node tells its replica holder in its pings about how far behind its copies
+    /// may be (see `Ping::replica_lag_ms`): the age of the oldest change queued or in flight,
+    /// in milliseconds; None while one of its buckets is not attached at the holder.
+    pub fn lag_report(&self, state: &ClusterState) -> Option<u64> {
+        let (attached, owned) = self.attached_count(state);
+        if attached < owned {
+            return None;
+        }
+        let queued = self.queue.lock().front().map(|q| q.at);
+        let sending = *self.sending_since.lock();
+        let oldest = [queued, sending].into_iter().flatten().min();
+        Some(oldest.map_or(0, |at| at.elapsed().as_millis() as u64))
+    }
+
+    /// Records what owner `from` said about how far behind its replica copies may be.
+    pub fn note_lag(&self, from: NodeId, lag_ms: Option<u64>) {
+        self.owner_lag.lock().insert(from, (Instant::now(), lag_ms));
+    }
+
+    /// Reads `key` from the replica copy of `bucket` if `fresh` says the copy may serve it
+    /// (given what this node knows of the copy from `owner`), answering what it said. Under the
+    /// bucket's apply lock: a snapshot being applied (the bucket emptied, then refilled) is
+    /// never seen half-way.
+    pub fn mirror_get<T>(
+        &self,
+        state: &ClusterState,
+        bucket: BucketId,
+        owner: NodeId,
+        key: &[u8],
+        fresh: impl FnOnce(ReplicaFacts) -> Result<T, NotFresh>,
+    ) -> Result<(Option<crate::cache::ItemView>, T), NotFresh> {
+        let _applying = self.applied[bucket.index()].lock();
+        let said = fresh(self.replica_facts(state, bucket, owner))?;
+        Ok((self.replica.get(bucket, key), said))
+    }
+
+    /// What this node knows of its replica copy of `bucket` from `owner` (see
+    /// [`crate::bucket::ReplicaFacts`]). How far behind: with async replication, what the owner
+    /// last said plus the time since; with sync replication nothing (every acknowledged write
+    /// reached the copy) unless the owner said it still drains a queue.
+    pub fn replica_facts(&self, state: &ClusterState, bucket: BucketId, owner: NodeId) -> ReplicaFacts {
+        let said = self.owner_lag.lock().get(&owner).copied();
+        // Rounded up, and at least a millisecond: changes may have been queued since the owner
+        // spoke, so an async copy is never known to be exactly current (`max_staleness=0`
+        // keeps async reads with the owner).
+        let since = |at: Instant, lag: u64| lag.saturating_add((at.elapsed().as_micros() as u64).div_ceil(1000).max(1));
+        let lag_ms = match state.settings.replication {
+            ReplicationMode::Sync => match said {
+                Some((at, Some(lag))) if lag > 0 => Some(since(at, lag)),
+                _ => Some(0),
+            },
+            ReplicationMode::Async => match said {
+                Some((at, Some(lag))) => Some(since(at, lag)),
+                _ => None,
+            },
+        };
+        ReplicaFacts {
+            source: self.sources[bucket.index()].load(Ordering::Acquire),
+            epoch: self.source_epochs[bucket.index()].load(Ordering::Acquire),
+            lag_ms,
+        }
     }
 
     /// The holders a write of `bucket` goes to on `state`, if this node owns it: the one it

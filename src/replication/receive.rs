@@ -67,6 +67,7 @@ impl Replicator {
         }
         if r.snapshot {
             self.replica.raise_version_counter(bucket, counter);
+            self.source_epochs[bucket.index()].store(state.epoch_of(bucket), Ordering::Release);
             source.store(from, Ordering::Release);
         }
         ReplicaAnswer::Applied

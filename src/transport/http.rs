@@ -25,7 +25,7 @@ use serde::Serialize;
 use shoal_http_api::types::{BulkKeys, BulkPut, BulkPutItem, BulkResults, GetOk, KeyError, KeyResult, WriteCondition};
 use shoal_http_api::{
     ApiError, Problem, PutItem, Unavailable, HEADER_BUCKET, HEADER_FORWARDED_MAP_VERSION, HEADER_FORWARD_DEADLINE,
-    HEADER_NODE, HEADER_SCOPE,
+    HEADER_MIRROR_READ, HEADER_NODE, HEADER_REPLICA_LAG, HEADER_SCOPE,
 };
 use shoal_raft::{BoxFuture, ControlRpc, ControlTransport, NodeId, TransportError};
 
@@ -240,15 +240,16 @@ impl HttpTransport {
                 refused_unless_success(&answer)?;
                 Ok(PeerAnswer::TransferStatus(json(&answer.body)?))
             }
-            PeerRequest::Get { key, map_version } => {
+            PeerRequest::Get { key, map_version, mirror } => {
                 let answer = self
-                    .api(Method::GET, addr, &key_path(&key), &forwarded(map_version), Bytes::new(), timeout)
+                    .api(Method::GET, addr, &key_path(&key), &read_headers(map_version, mirror), Bytes::new(), timeout)
                     .await?;
                 let header = |name: HeaderName| answer.headers.get(name).and_then(|v| v.to_str().ok());
                 let version = header(hyper::header::ETAG).and_then(|e| e.trim_matches('"').parse().ok()).unwrap_or(0);
                 let bucket = header(HEADER_BUCKET).and_then(|b| b.parse().ok()).unwrap_or(0);
                 let node = header(HEADER_NODE).and_then(|n| n.parse().ok()).unwrap_or(0);
-                Ok(PeerAnswer::Got(GetOk { value: answer.body, version, bucket, node }))
+                let lag_ms = header(HEADER_REPLICA_LAG).and_then(|n| n.parse().ok());
+                Ok(PeerAnswer::Got(GetOk { value: answer.body, version, bucket, node, lag_ms }))
             }
             PeerRequest::Put { item, map_version } => {
                 let mut path = key_path(&item.key);
@@ -269,9 +270,10 @@ impl HttpTransport {
                 self.api(Method::DELETE, addr, &path, &forwarded(map_version), Bytes::new(), timeout).await?;
                 Ok(PeerAnswer::Deleted)
             }
-            PeerRequest::BulkGet { keys, map_version } => {
+            PeerRequest::BulkGet { keys, map_version, mirror } => {
+                let headers = read_headers(map_version, mirror);
                 let answer: BulkResults =
-                    self.post_json(addr, "/v1/bulk/get", &forwarded(map_version), &BulkKeys { keys }, timeout).await?;
+                    self.post_json(addr, "/v1/bulk/get", &headers, &BulkKeys { keys }, timeout).await?;
                 Ok(PeerAnswer::BulkGot(answer.results.iter().map(bulk_get_result).collect()))
             }
             PeerRequest::BulkPut { items, map_version } => {
@@ -460,6 +462,15 @@ fn forwarded(map_version: u64) -> [(HeaderName, String); 2] {
     [(HEADER_FORWARDED_MAP_VERSION, map_version.to_string()), (HEADER_FORWARD_DEADLINE, deadline.to_string())]
 }
 
+/// [`forwarded`], and for a mirror read the staleness it allows.
+fn read_headers(map_version: u64, mirror: Option<Duration>) -> Vec<(HeaderName, String)> {
+    let mut headers = forwarded(map_version).to_vec();
+    if let Some(staleness) = mirror {
+        headers.push((HEADER_MIRROR_READ, staleness.as_millis().to_string()));
+    }
+    headers
+}
+
 fn local_scope() -> [(HeaderName, String); 1] {
     [(HEADER_SCOPE, "local".to_string())]
 }
@@ -499,7 +510,7 @@ fn bulk_get_result(r: &KeyResult) -> Result<Option<GetOk>, ApiError> {
                 (None, None) => Bytes::new(),
             };
             // The node is filled in by the caller, which knows whom it asked.
-            Ok(Some(GetOk { value, version: r.version.unwrap_or(0), bucket: r.bucket, node: 0 }))
+            Ok(Some(GetOk { value, version: r.version.unwrap_or(0), bucket: r.bucket, node: 0, lag_ms: None }))
         }
         (None, _) => Ok(None),
     }

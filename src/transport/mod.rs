@@ -67,12 +67,15 @@ pub enum PeerRequest {
     Ping(Ping),
     /// The receiver's transfer progress (the leader's stuck detector asks).
     TransferStatus,
-    /// A forwarded read, to the owner's API address.
+    /// A forwarded read, to the owner's API address (or, with `mirror`, to a mirror).
     Get {
         /// The key.
         key: String,
         /// The sender's map version.
         map_version: u64,
+        /// A mirror read: serve it from the receiver's replica copy if that is fresh within
+        /// this staleness, else refuse (`replica_not_fresh`).
+        mirror: Option<Duration>,
     },
     /// A forwarded write.
     Put {
@@ -90,12 +93,14 @@ pub enum PeerRequest {
         /// The sender's map version.
         map_version: u64,
     },
-    /// Forwarded reads of keys one owner holds.
+    /// Forwarded reads of keys one owner holds (or, with `mirror`, mirror reads).
     BulkGet {
         /// The keys.
         keys: Vec<String>,
         /// The sender's map version.
         map_version: u64,
+        /// As for [`PeerRequest::Get`].
+        mirror: Option<Duration>,
     },
     /// Forwarded writes of items one owner holds.
     BulkPut {
@@ -247,6 +252,12 @@ pub struct Ping {
     /// a new one tells the receiver that the sender restarted.
     #[serde(default)]
     pub incarnation: u64,
+    /// How far behind the sender's replica copies may be, in milliseconds: the age of its
+    /// oldest change not yet acknowledged by its replica holder (0: none); absent when one of
+    /// its buckets is not attached there (the copy may lack writes) or from older versions.
+    /// The holder bounds how stale a mirror read from its copy may be with it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replica_lag_ms: Option<u64>,
 }
 
 /// The answer to a ping.

@@ -3,6 +3,7 @@
 //! network calls [`PeerService`] directly, so both paths run the same handlers.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Query, State};
@@ -40,7 +41,12 @@ pub struct PeerService {
 }
 
 fn forwarded(map_version: u64) -> RouteContext {
-    RouteContext { forwarded_map_version: Some(map_version), from_peer: true, redirect: false }
+    RouteContext { forwarded_map_version: Some(map_version), from_peer: true, ..RouteContext::default() }
+}
+
+/// [`forwarded`], and for a mirror read the staleness it allows.
+fn read_context(map_version: u64, mirror: Option<Duration>) -> RouteContext {
+    RouteContext { mirror_read: mirror, ..forwarded(map_version) }
 }
 
 impl PeerService {
@@ -68,8 +74,8 @@ impl PeerService {
             PeerRequest::TransferStatus => {
                 PeerAnswer::TransferStatus(self.exporter.progress.status(self.control.node_id()))
             }
-            PeerRequest::Get { key, map_version } => {
-                PeerAnswer::Got(api.get(key, forwarded(map_version)).await.map_err(failed)?)
+            PeerRequest::Get { key, map_version, mirror } => {
+                PeerAnswer::Got(api.get(key, read_context(map_version, mirror)).await.map_err(failed)?)
             }
             PeerRequest::Put { item, map_version } => {
                 PeerAnswer::Put(api.put(item, forwarded(map_version)).await.map_err(failed)?)
@@ -78,8 +84,8 @@ impl PeerService {
                 api.delete(key, cas, forwarded(map_version)).await.map_err(failed)?;
                 PeerAnswer::Deleted
             }
-            PeerRequest::BulkGet { keys, map_version } => {
-                PeerAnswer::BulkGot(api.bulk_get(keys, forwarded(map_version)).await.map_err(failed)?)
+            PeerRequest::BulkGet { keys, map_version, mirror } => {
+                PeerAnswer::BulkGot(api.bulk_get(keys, read_context(map_version, mirror)).await.map_err(failed)?)
             }
             PeerRequest::BulkPut { items, map_version } => {
                 PeerAnswer::BulkPut(api.bulk_put(items, forwarded(map_version)).await.map_err(failed)?)

@@ -8,6 +8,7 @@ mod faults;
 mod harness;
 mod maintenance;
 mod membership;
+mod mirrors;
 mod process;
 mod readme;
 mod restart;

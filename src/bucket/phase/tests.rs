@@ -119,7 +119,8 @@ fn forwarded_requests_are_never_forwarded_again_and_a_suspected_owner_answers_at
     let s = history(&[Step::Join, Step::EndTransition, Step::Move(8)]);
     let b = BucketId::all().find(|&b| s.map.owner_of(b) == Some(2)).expect("node 2 owns some");
     let phase = phase_of(&s, 1, b, BucketFacts::default());
-    assert_eq!(phase, Phase::Foreign { owner: 2 });
+    // Node 1 holds node 2's replica: a mirror, routed like any other node that does not own it.
+    assert_eq!(phase, Phase::Mirror { owner: 2 });
     let forwarded = Routing { forwarded: true, redirect: false };
     assert!(matches!(route_of(&s, b, phase, forwarded, NodeFacts::default(), false), Err(DataError::NotOwner { .. })));
     assert_eq!(
@@ -134,6 +135,50 @@ fn forwarded_requests_are_never_forwarded_again_and_a_suspected_owner_answers_at
         route_of(&s, b, phase, Routing { forwarded: false, redirect: true }, NodeFacts::default(), false),
         Ok(Route::Redirect { owner: 2 })
     );
+}
+
+#[test]
+fn a_buckets_mirrors_are_its_owner_and_heir_while_it_stays_put_and_a_copy_serves_only_when_fresh() {
+    // Three members, settled: every bucket has two mirrors, its owner and the owner's heir.
+    let s = history(&[Step::Join, Step::EndTransition, Step::Move(8), Step::Join, Step::EndTransition, Step::Move(8)]);
+    assert!(s.target.is_none());
+    for b in BucketId::all() {
+        let (owner, holder) = mirrors_of(&s, b);
+        let owner = owner.expect("owned");
+        assert_eq!(holder, s.heir_of(owner));
+        let holder = holder.expect("three members: a holder");
+        assert_eq!(phase_of(&s, holder, b, BucketFacts::default()), Phase::Mirror { owner });
+        let third = ids(&s).into_iter().find(|&n| n != owner && n != holder).expect("a third member");
+        assert_eq!(phase_of(&s, third, b, BucketFacts::default()), Phase::Foreign { owner });
+    }
+    // Freshness of the holder's copy.
+    let b = BucketId(0);
+    let (Some(owner), Some(holder)) = mirrors_of(&s, b) else { panic!("mirrors") };
+    let phase = phase_of(&s, holder, b, BucketFacts::default());
+    let epoch = s.epoch_of(b);
+    let fresh = ReplicaFacts { source: owner, epoch, lag_ms: Some(0) };
+    assert_eq!(mirror_read(&s, b, phase, fresh, 0), Ok(0));
+    let other_owner = ReplicaFacts { source: holder, ..fresh };
+    assert_eq!(mirror_read(&s, b, phase, other_owner, 0), Err(NotFresh::NotAttached));
+    let older_epoch = ReplicaFacts { epoch: epoch + 1, ..fresh };
+    assert_eq!(mirror_read(&s, b, phase, older_epoch, 0), Err(NotFresh::NotAttached));
+    let behind = ReplicaFacts { lag_ms: Some(300), ..fresh };
+    assert_eq!(mirror_read(&s, b, phase, behind, 0), Err(NotFresh::Behind { lag_ms: Some(300) }));
+    assert_eq!(mirror_read(&s, b, phase, behind, 500), Ok(300));
+    let unknown = ReplicaFacts { lag_ms: None, ..fresh };
+    assert_eq!(mirror_read(&s, b, phase, unknown, u64::MAX), Err(NotFresh::Behind { lag_ms: None }));
+    assert_eq!(mirror_read(&s, b, Phase::Foreign { owner }, fresh, 0), Err(NotFresh::NotMirror));
+    // A join starts a transition, then a state transfer: a bucket the target gives to another node has no second
+    // mirror until it settles, so no read can go to a copy its new owner no longer feeds.
+    let mut moving = s.clone();
+    testing::apply(&mut moving, &Step::Join);
+    testing::apply(&mut moving, &Step::EndTransition);
+    let target = moving.target.clone().expect("a transition");
+    for b in BucketId::all().filter(|&b| target.owner_of(b) != moving.map.owner_of(b)) {
+        assert_eq!(mirrors_of(&moving, b).1, None, "bucket {b} moves");
+        let holder = s.heir_of(s.map.owner_of(b).expect("owned")).expect("holder");
+        assert!(!matches!(phase_of(&moving, holder, b, BucketFacts::default()), Phase::Mirror { .. }));
+    }
 }
 
 /// The case the property below once shrank to: the joiner fails while its buckets move to it.

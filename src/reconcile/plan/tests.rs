@@ -218,7 +218,7 @@ proptest! {
                     let bucket = match action {
                         Action::DropActive { bucket } => {
                             let phase = phase_of(state, me, *bucket, f.of(*bucket));
-                            prop_assert!(matches!(phase, Phase::Foreign { .. } | Phase::Away { .. }), "node {me} drops {bucket} in {phase:?}");
+                            prop_assert!(matches!(phase, Phase::Foreign { .. } | Phase::Mirror { .. } | Phase::Away { .. }), "node {me} drops {bucket} in {phase:?}");
                             Some(*bucket)
                         }
                         Action::DropReplica { bucket, .. } => {

@@ -1,0 +1,217 @@
+//! Mirrors: reads balanced over a bucket's owner and the holder of its replica, only from a
+//! copy that is fresh enough, with the agent status of what each node measured.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use shoal::config::ServeConfig;
+use shoal::mirror::Strategy;
+
+use crate::harness::{wait_for, TestCluster};
+
+/// Failure-detection pings (they carry the replication lag and count as mirror pings).
+fn pings(config: &mut ServeConfig) {
+    config.ping_interval = Duration::from_millis(200);
+    config.node_timeout = Duration::from_secs(3);
+}
+
+/// Pings, and mirrors chosen without dead ones, in short karma blocks; a node timeout long
+/// enough for a member to restart without being failed.
+fn nodeads(config: &mut ServeConfig) {
+    config.ping_interval = Duration::from_millis(200);
+    config.node_timeout = Duration::from_secs(30);
+    config.ha_strategy = Strategy::NoDeads;
+    config.ha_period_karma = Duration::from_secs(1);
+    config.ha_ping_interval = Duration::from_millis(200);
+}
+
+/// Waits until every running node owns buckets and has every one attached to its replica.
+async fn wait_all_attached(c: &TestCluster) {
+    wait_for("every bucket attached to its replica", || async {
+        for s in c.running() {
+            let r = &c.json(s, "/v1/cluster").await["replication"];
+            if r["attached_buckets"] != r["owned_buckets"] || r["owned_buckets"] == 0 {
+                return None;
+            }
+        }
+        Some(())
+    })
+    .await;
+}
+
+/// A read through `slot` with `query`: status, value, the node that served it and the lag it
+/// says.
+async fn read(c: &TestCluster, slot: usize, key: &str, query: &str) -> (u16, String, u64, Option<u64>) {
+    let r = c.http.get(c.url(slot, &format!("/v1/kv/{key}?{query}"))).send().await.expect("get");
+    let header = |name: &str| r.headers().get(name).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    let (node, lag) = (header("x-shoal-node").unwrap_or(0), header("x-shoal-replica-lag-ms"));
+    (r.status().as_u16(), r.text().await.expect("body"), node, lag)
+}
+
+/// Owner and replica holder of `key`, from `slot`'s view.
+async fn mirrors_of(c: &TestCluster, slot: usize, key: &str) -> (u64, u64) {
+    let map = c.json(slot, "/v1/cluster/map").await;
+    let owner = map["owners"][shoal_raft::bucket_of(key.as_bytes()).0 as usize].as_u64().expect("owner");
+    let holder = map["nodes"]
+        .as_array()
+        .expect("nodes")
+        .iter()
+        .find(|n| n["id"] == owner)
+        .and_then(|n| n["replica_on"].as_u64())
+        .expect("holder");
+    (owner, holder)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mirror_reads_are_served_by_the_owner_and_the_replica_and_never_older_than_an_acknowledged_write() {
+    let c = TestCluster::start(3).await;
+    c.wait_for_counts(&[333, 333, 334]).await;
+    wait_all_attached(&c).await;
+    let mut served_by: BTreeMap<&str, usize> = BTreeMap::new();
+    for i in 0..300 {
+        let key = format!("mirror-{i}");
+        let (owner, holder) = mirrors_of(&c, 0, &key).await;
+        // Every round overwrites the key, then reads it back through every node: a mirror
+        // read never answers a value older than the one just acknowledged.
+        for round in 0..2 {
+            let value = format!("v{round}-{i}");
+            assert!(c.put(i % 3, &key, &value).await.is_success());
+            for slot in 0..3 {
+                let (status, got, node, lag) = read(&c, slot, &key, "read=mirrors").await;
+                assert_eq!((status, got.as_str()), (200, value.as_str()), "{key} through slot {slot}");
+                let who = if node == owner {
+                    assert_eq!(lag, None, "the owner serves from its own data");
+                    "owner"
+                } else {
+                    assert_eq!(node, holder, "{key}: only its owner or replica holder serves it");
+                    assert_eq!(lag, Some(0), "sync replication: the copy holds every acknowledged write");
+                    "replica"
+                };
+                *served_by.entry(who).or_default() += 1;
+            }
+        }
+        // Without read=mirrors (the default --read-from owner), the owner serves.
+        let (_, _, node, _) = read(&c, i % 3, &key, "").await;
+        assert_eq!(node, owner);
+    }
+    eprintln!("served by {served_by:?}");
+    // Random between two mirrors: each serves about half of 1800 reads.
+    assert!(served_by["owner"] > 600 && served_by["replica"] > 600, "{served_by:?}");
+
+    // A missing key is a 404 through a mirror too.
+    let (status, ..) = read(&c, 0, "mirror-missing", "read=mirrors").await;
+    assert_eq!(status, 404);
+    // Bulk reads balance the same way, and keep request order.
+    let keys: Vec<String> = (0..200).map(|i| format!("mirror-{i}")).collect();
+    let r =
+        c.http.post(c.url(1, "/v1/bulk/get?read=mirrors")).json(&json!({ "keys": keys })).send().await.expect("bulk");
+    assert_eq!(r.status(), 200);
+    let body: Value = r.json().await.expect("json");
+    for (i, result) in body["results"].as_array().expect("results").iter().enumerate() {
+        assert_eq!(result["value"], format!("v1-{i}"), "{result}");
+    }
+    // Bad input is a 400.
+    let (status, ..) = read(&c, 0, "mirror-1", "read=nearest").await;
+    assert_eq!(status, 400);
+    let (status, ..) = read(&c, 0, "mirror-1", "read=mirrors&max_staleness=soon").await;
+    assert_eq!(status, 400);
+
+    // The agent status of the node that balanced the reads, and its metrics.
+    let agents = c.json(0, "/v1/cluster/agents").await;
+    assert_eq!(agents["strategy"], "random");
+    let rows = agents["agents"].as_array().expect("agents");
+    assert_eq!(rows.len(), 3, "{agents}");
+    let requests: u64 = rows.iter().map(|a| a["blocks"][0]["requests"].as_u64().unwrap_or(0)).sum();
+    assert!(requests >= 600, "{agents}");
+    assert!(rows.iter().all(|a| a["alive"] == true));
+    let metrics = c.http.get(c.url(0, "/metrics")).send().await.expect("metrics").text().await.expect("text");
+    for series in ["shoal_mirror_reads_total{node=", "shoal_mirror_probability{peer=", "shoal_mirror_latency_seconds"] {
+        assert!(metrics.contains(series), "{series} missing");
+    }
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_async_replication_a_replica_serves_only_within_the_staleness_the_read_allows() {
+    let c = TestCluster::start_with(3, pings).await;
+    c.wait_for_counts(&[333, 333, 334]).await;
+    let r = c.http.put(c.url(0, "/v1/cluster/config")).json(&json!({"replication": "async"})).send().await;
+    assert_eq!(r.expect("config").status(), 200);
+    wait_all_attached(&c).await;
+    let keys: Vec<String> = (0..100).map(|i| format!("stale-{i}")).collect();
+    for k in &keys {
+        assert!(c.put(0, k, "v").await.is_success());
+    }
+    // max_staleness 0 (the default): an async copy is never known to be that fresh.
+    for k in &keys {
+        let (owner, _) = mirrors_of(&c, 0, k).await;
+        for slot in 0..3 {
+            let (status, _, node, lag) = read(&c, slot, k, "read=mirrors").await;
+            assert_eq!((status, node, lag), (200, owner, None), "{k}");
+        }
+    }
+    // Allowing 30 s: the holders serve too, each saying how far behind it may be, never more.
+    wait_for("replica copies serve reads within 30 s of staleness", || async {
+        let mut replica_reads = 0;
+        for k in &keys {
+            let (owner, holder) = mirrors_of(&c, 0, k).await;
+            let (status, got, node, lag) = read(&c, 1, k, "read=mirrors&max_staleness=30s").await;
+            assert_eq!((status, got.as_str()), (200, "v"));
+            if node != owner {
+                assert_eq!(node, holder);
+                let lag = lag.expect("a replica read says its lag");
+                assert!(lag <= 30_000, "{lag} ms");
+                replica_reads += 1;
+            }
+        }
+        (replica_reads >= 20).then_some(())
+    })
+    .await;
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_nodeads_a_stopped_mirror_gets_no_reads_and_serves_again_after_it_returns() {
+    let mut c = TestCluster::start_with(3, nodeads).await;
+    c.wait_for_counts(&[333, 333, 334]).await;
+    wait_all_attached(&c).await;
+    let down = c.id(2);
+    // Keys whose replica node 3 holds: their owner (node 2) and node 3 are their mirrors.
+    let mut keys = Vec::new();
+    for i in 0.. {
+        let key = format!("dead-{i}");
+        if mirrors_of(&c, 0, &key).await.1 == down {
+            assert!(c.put(0, &key, "v").await.is_success());
+            keys.push(key);
+        }
+        if keys.len() == 50 {
+            break;
+        }
+    }
+    async fn served_by(c: &TestCluster, keys: &[String], down: u64) -> usize {
+        let mut n = 0;
+        for k in keys {
+            let (status, _, node, _) = read(c, 0, k, "read=mirrors").await;
+            assert_eq!(status, 200, "{k}");
+            n += usize::from(node == down);
+        }
+        n
+    }
+    assert!(served_by(&c, &keys, down).await > 0, "before: both mirrors serve");
+    c.stop(2).await;
+    // Within about a ping interval node 1 holds it dead (no answer to a read or a ping).
+    wait_for("node 3 dead in node 1's agent status", || async {
+        let agents = c.json(0, "/v1/cluster/agents").await;
+        agents["agents"].as_array()?.iter().find(|a| a["node_id"] == down).filter(|a| a["alive"] == false).map(|_| ())
+    })
+    .await;
+    // Every read still answers, from the owner.
+    assert_eq!(served_by(&c, &keys, down).await, 0);
+    c.restart(2).await.expect("restart");
+    // Back: alive again once it answers a ping, and its copy, sent again whole, serves reads.
+    wait_all_attached(&c).await;
+    wait_for("node 3 serves mirror reads again", || async { (served_by(&c, &keys, down).await > 0).then_some(()) })
+        .await;
+    c.shutdown().await;
+}
