@@ -439,7 +439,8 @@ pub async fn start_in(
         peers.clone(),
         env.first_seq,
     );
-    let mirrors = crate::mirror::Mirrors::new(node_id, config.mirror_config(), Some(metrics.mirror_latency.clone()));
+    let mirror_latency = Some(metrics.mirror_latency.clone());
+    let mirrors = crate::mirror::Mirrors::new(node_id, config.mirror_config(), mirror_latency, env.incarnation);
     let health = Health::new(
         control.clone(),
         config.health_config(),
@@ -509,7 +510,7 @@ pub async fn start_in(
     handle.tasks.push(tokio::spawn(metrics_upkeep(metrics.clone())));
     handle.tasks.push(tokio::spawn(replicate_evictions(core.clone())));
     handle.tasks.push(tokio::spawn(health.clone().run()));
-    handle.tasks.push(tokio::spawn(mirrors.ping_idle(control.clone(), peers.clone())));
+    handle.tasks.push(tokio::spawn(mirrors.ping_idle(control.clone(), peers.clone(), config.ping_interval)));
     let reconciler = Reconciler::new(crate::reconcile::Parts {
         core,
         store: cache,

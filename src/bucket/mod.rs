@@ -60,6 +60,11 @@ pub trait Probe: Send + Sync {
     /// epoch as `epoch` (a node with an old map may answer from a copy that is no longer the
     /// bucket's).
     fn served(&self, node: NodeId, bucket: BucketId, epoch: u64);
+
+    /// Node `node` answered a read of `bucket` from its replica copy (a mirror read).
+    fn served_replica(&self, node: NodeId, bucket: BucketId, epoch: u64) {
+        self.served(node, bucket, epoch);
+    }
 }
 
 /// What this node knows of its buckets that the replicated state does not say, and the lock

@@ -31,6 +31,8 @@ use std::time::Duration;
 
 use metrics::Histogram;
 use parking_lot::Mutex;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use shoal_http_api::types::{AgentsView, ReadFrom};
 use shoal_raft::{ControlPlane, NodeId};
 use tokio::time::Instant;
@@ -85,20 +87,24 @@ pub struct Mirrors {
     began: Instant,
     karma: Mutex<Karma>,
     turn: AtomicU64,
+    /// The draws of the random choices (seeded: the simulation replays them exactly).
+    rng: Mutex<StdRng>,
     /// Reads this node balanced, by the node that served them.
     served: Mutex<BTreeMap<NodeId, u64>>,
     latency: Option<Histogram>,
 }
 
 impl Mirrors {
-    /// Statistics from now on; `latency` observes every mirror read's time.
-    pub fn new(me: NodeId, config: MirrorConfig, latency: Option<Histogram>) -> Arc<Self> {
+    /// Statistics from now on; `latency` observes every mirror read's time; `seed` seeds the
+    /// random choices.
+    pub fn new(me: NodeId, config: MirrorConfig, latency: Option<Histogram>, seed: u64) -> Arc<Self> {
         Arc::new(Mirrors {
             me,
             config,
             began: Instant::now(),
             karma: Mutex::new(Karma::new(config.period_karma)),
             turn: AtomicU64::new(0),
+            rng: Mutex::new(StdRng::seed_from_u64(seed)),
             served: Mutex::new(BTreeMap::new()),
             latency,
         })
@@ -121,7 +127,7 @@ impl Mirrors {
         for &c in candidates {
             karma.know(c);
         }
-        let draw = rand::random::<f64>();
+        let draw = self.rng.lock().random::<f64>();
         let turn = self.turn.fetch_add(1, Ordering::Relaxed);
         karma.choose(self.config.strategy, candidates, now, draw, turn)
     }
@@ -198,10 +204,11 @@ impl Mirrors {
 
     /// Pings, every `--ha-ping-interval`, the members that answered nothing (no read, no
     /// failure-detection ping) within it, so that their statistics and dead flag stay current
-    /// while they are idle. Runs until the node stops.
-    pub async fn ping_idle(self: Arc<Self>, control: ControlPlane, peers: Peers) {
+    /// while they are idle. Runs until the node stops; not at all when failure detection
+    /// pings every member at least as often (`health_interval`): its pings count already.
+    pub async fn ping_idle(self: Arc<Self>, control: ControlPlane, peers: Peers, health_interval: Duration) {
         let interval = self.config.ping_interval;
-        if interval.is_zero() {
+        if interval.is_zero() || (!health_interval.is_zero() && health_interval <= interval) {
             return;
         }
         let mut tick = tokio::time::interval(interval);

@@ -320,6 +320,9 @@ impl NodeApi {
                 mirror_read(&state, bucket, phase, facts, allowed)
             })
             .map_err(|why| DataError::ReplicaNotFresh { bucket, why })?;
+        if let Some(probe) = self.core.probe() {
+            probe.served_replica(self.node_id, bucket, state.epoch_of(bucket));
+        }
         Ok(found.map(|item| GetOk {
             value: item.value,
             version: item.version,

@@ -66,6 +66,9 @@ pub struct Scenario {
     pub faults: Faults,
     /// How long the cluster may take to converge once the faults stop.
     pub converge_within: Duration,
+    /// Where the nodes send reads (`--read-from`): with `Mirrors`, every read goes to a
+    /// mirror of its bucket, and the read checks hold for replica copies too.
+    pub read_from: shoal_http_api::types::ReadFrom,
 }
 
 /// The faults a schedule may inject.
@@ -113,6 +116,8 @@ pub struct Report {
     pub operations: usize,
     /// Buckets served again empty because every copy died.
     pub emptied: usize,
+    /// Reads answered from replica copies (mirror reads).
+    pub replica_reads: usize,
 }
 
 impl Report {
@@ -131,7 +136,8 @@ impl Report {
     pub fn summary(&self) -> String {
         format!(
             "seed {} ({}): {} ops, {} writes acknowledged, {} reads, {} stale reads during splits, {} by nodes with an \
-             old map, {} keys in lost buckets, {} buckets emptied, converged after {:?}, digest {:016x}",
+             old map, {} from replica copies, {} keys in lost buckets, {} buckets emptied, converged after {:?}, digest \
+             {:016x}",
             self.seed,
             self.scenario,
             self.operations,
@@ -139,6 +145,7 @@ impl Report {
             self.reads.reads,
             self.reads.stale_during_split,
             self.reads.stale_old_map,
+            self.replica_reads,
             self.finals.lost_buckets,
             self.emptied,
             self.converged_after,
@@ -204,9 +211,14 @@ async fn simulate(seed: u64, scenario: Scenario) -> Report {
         by_epoch: parking_lot::Mutex::new(BTreeMap::new()),
         emptied: parking_lot::Mutex::new(check::Emptied::new()),
         old_map: parking_lot::Mutex::new(check::Emptied::new()),
+        replica_reads: std::sync::atomic::AtomicUsize::new(0),
         cluster: std::sync::OnceLock::new(),
     });
-    let cluster = Arc::new(SimCluster::new(net.clone(), seed, |_| {}, Some(writers.clone())));
+    let configure: fn(&mut crate::config::ServeConfig) = match scenario.read_from {
+        shoal_http_api::types::ReadFrom::Owner => |_| {},
+        shoal_http_api::types::ReadFrom::Mirrors => |c| c.read_from = shoal_http_api::types::ReadFrom::Mirrors,
+    };
+    let cluster = Arc::new(SimCluster::new(net.clone(), seed, configure, Some(writers.clone())));
     let _ = writers.cluster.set(Arc::downgrade(&cluster));
     let mut rng = StdRng::seed_from_u64(seed.rotate_left(17) ^ 0xdead_beef);
     let mut events = Vec::new();
@@ -359,6 +371,7 @@ async fn simulate(seed: u64, scenario: Scenario) -> Report {
         digest: digest.0,
         operations: history.len(),
         emptied: emptied.values().map(Vec::len).sum(),
+        replica_reads: writers.replica_reads.load(std::sync::atomic::Ordering::Relaxed),
     }
 }
 
@@ -371,6 +384,8 @@ struct Writers {
     /// When a node answered a read of a bucket from its own copy while another running node
     /// already knew of a later move of that bucket.
     old_map: parking_lot::Mutex<check::Emptied>,
+    /// Reads answered from replica copies (mirror reads).
+    replica_reads: std::sync::atomic::AtomicUsize,
     cluster: std::sync::OnceLock<std::sync::Weak<SimCluster>>,
 }
 
@@ -381,6 +396,11 @@ impl Probe for Writers {
 
     fn emptied(&self, _node: NodeId, bucket: BucketId) {
         self.emptied.lock().entry(bucket).or_default().push(self.t0.elapsed());
+    }
+
+    fn served_replica(&self, node: NodeId, bucket: BucketId, epoch: u64) {
+        self.replica_reads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.served(node, bucket, epoch);
     }
 
     fn served(&self, node: NodeId, bucket: BucketId, epoch: u64) {

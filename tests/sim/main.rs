@@ -3,15 +3,19 @@
 //!
 //! - `fixed_seeds_find_no_violation`: the seeds CI runs (1 to 12 and the regressions), over the
 //!   scenarios below.
+//! - `mirror_reads_find_no_violation`: seeds 1 to 9 with every read balanced over mirrors.
 //! - `a_seed_replays_exactly`: the same seed twice gives the same digest.
 //! - `sixty_four_nodes`: one run with 64 members.
 //! - `many_seeds`: `SHOAL_SIM_SEEDS=N` runs N more seeds (from `SHOAL_SIM_FIRST_SEED`, default
 //!   1000) and prints the failing ones; without it the test does nothing.
 //! - `replay`: `SHOAL_SIM_SEED=S` runs seed S alone (with `RUST_LOG` for the nodes' logs).
+//!
+//! `SHOAL_SIM_READ=mirrors` makes `many_seeds` and `replay` balance every read over mirrors.
 
 use std::time::Duration;
 
 use shoal::sim::{self, Faults, Report, Scenario};
+use shoal_http_api::types::ReadFrom;
 
 fn scenarios() -> Vec<Scenario> {
     let base = Scenario {
@@ -23,6 +27,7 @@ fn scenarios() -> Vec<Scenario> {
         keys: 12,
         faults: Faults::ALL,
         converge_within: Duration::from_secs(120),
+        read_from: ReadFrom::Owner,
     };
     vec![
         base.clone(),
@@ -38,7 +43,11 @@ fn scenarios() -> Vec<Scenario> {
 /// The scenario of seed `seed`.
 fn scenario_of(seed: u64) -> Scenario {
     let all = scenarios();
-    all[(seed as usize) % all.len()].clone()
+    let read_from = match std::env::var("SHOAL_SIM_READ").as_deref() {
+        Ok("mirrors") => ReadFrom::Mirrors,
+        _ => ReadFrom::Owner,
+    };
+    Scenario { read_from, ..all[(seed as usize) % all.len()].clone() }
 }
 
 fn init_logs() {
@@ -54,6 +63,11 @@ fn init_logs() {
 
 /// Runs `seeds` on two threads; answers the reports of the failing ones.
 fn run_all(seeds: Vec<u64>) -> (usize, Vec<Report>) {
+    run_all_reading(seeds, None)
+}
+
+/// [`run_all`], every node reading from `read_from` when given.
+fn run_all_reading(seeds: Vec<u64>, read_from: Option<ReadFrom>) -> (usize, Vec<Report>) {
     let (tx, rx) = std::sync::mpsc::channel();
     let chunks: Vec<Vec<u64>> = (0..2).map(|i| seeds.iter().copied().skip(i).step_by(2).collect()).collect();
     std::thread::scope(|s| {
@@ -61,7 +75,9 @@ fn run_all(seeds: Vec<u64>) -> (usize, Vec<Report>) {
             let tx = tx.clone();
             s.spawn(move || {
                 for seed in chunk {
-                    let report = sim::run(seed, &scenario_of(seed));
+                    let scenario = scenario_of(seed);
+                    let scenario = Scenario { read_from: read_from.unwrap_or(scenario.read_from), ..scenario };
+                    let report = sim::run(seed, &scenario);
                     eprintln!("{}", report.summary());
                     let _ = tx.send(report);
                 }
@@ -87,6 +103,15 @@ fn fixed_seeds_find_no_violation() {
         "build with --cfg tokio_unstable (.cargo/config.toml sets it) so that seeds replay exactly"
     );
     let (ran, failed) = run_all((1..=12).chain(REGRESSIONS.iter().copied()).collect());
+    assert_clean(ran, &failed);
+}
+
+/// Every read goes to a mirror of its bucket (its owner or the holder of its replica): under
+/// kills, splits, joins and leaves no read sees a value older than an acknowledged write.
+#[test]
+fn mirror_reads_find_no_violation() {
+    init_logs();
+    let (ran, failed) = run_all_reading((1..=9).collect(), Some(ReadFrom::Mirrors));
     assert_clean(ran, &failed);
 }
 
@@ -121,6 +146,7 @@ fn sixty_four_nodes() {
         keys: 16,
         faults: Faults { kill: true, partition: true, membership: false, drops: false, delays: false },
         converge_within: Duration::from_secs(180),
+        read_from: ReadFrom::Owner,
     };
     let report = sim::run(64, &scenario);
     eprintln!("{}", report.summary());
