@@ -4,7 +4,7 @@ use std::io::{Read, Write};
 
 use reqwest::{Method, Url};
 use serde_json::Value;
-use shoal_http_api::types::{ClusterView, MaintenanceView, MapView, TransferView};
+use shoal_http_api::types::{AgentsView, ClusterView, MaintenanceView, MapView, ReadFrom, TransferView};
 use shoal_http_api::Problem;
 
 use crate::config::{ClientArgs, Command, LostCommand, NodeCommand, Output};
@@ -111,6 +111,17 @@ pub async fn run(command: Command) -> Result<(), String> {
                     Ok(())
                 }
                 Output::Json => print_json(&map),
+            }
+        }
+        Command::Agents(a) => {
+            let view: AgentsView =
+                json(send(&a.client, Method::GET, &["v1", "cluster", "agents"], &[], None).await?).await?;
+            match a.client.output {
+                Output::Table => {
+                    print!("{}", agents_table(&view, a.blocks));
+                    Ok(())
+                }
+                Output::Json => print_json(&view),
             }
         }
         Command::Node(NodeCommand::Maintenance(a)) => {
@@ -335,6 +346,60 @@ pub fn map_table(map: &MapView) -> String {
     out
 }
 
+/// The agent status as a table: one line per mirror and karma block, newest first.
+pub fn agents_table(view: &AgentsView, blocks: usize) -> String {
+    let ms = |v: Option<f64>| v.map_or_else(|| "-".to_string(), |v| format!("{v:.2}"));
+    let mut out = format!(
+        "node {} reads from {}, strategy {}, karma {} s, pings every {} ms\n",
+        view.node_id,
+        match view.read_from {
+            ReadFrom::Owner => "owners (unless a read asks for mirrors)",
+            ReadFrom::Mirrors => "mirrors",
+        },
+        view.strategy,
+        view.period_karma_ms / 1000,
+        view.ping_interval_ms
+    );
+    out.push_str(&format!(
+        "{:>4}  {:>5}  {:>6}  {:>9}  {:>8}  {:>8}  {:>7}  {:>7}  {:>7}  {:>5}  {:>9}  {:>7}\n",
+        "NODE",
+        "STATE",
+        "PROB",
+        "BLOCK AGO",
+        "REQUESTS",
+        "SUCCESS",
+        "CONNECT",
+        "TIMEOUT",
+        "REFUSED",
+        "WRONG",
+        "LATENCY",
+        "PINGS"
+    ));
+    for a in &view.agents {
+        let state = if a.alive { "alive" } else { "dead" };
+        for (i, b) in a.blocks.iter().take(blocks.max(1)).enumerate() {
+            let (node, state, prob) = if i == 0 {
+                (a.node_id.to_string(), state.to_string(), format!("{:.3}", a.probability))
+            } else {
+                (String::new(), String::new(), String::new())
+            };
+            out.push_str(&format!(
+                "{node:>4}  {state:>5}  {prob:>6}  {:>8}s  {:>8}  {:>8}  {:>7}  {:>7}  {:>7}  {:>5}  {:>7}ms  {:>7}\n",
+                b.began_ms_ago / 1000,
+                b.requests,
+                b.successes,
+                b.errors.connect,
+                b.errors.timeout,
+                b.errors.refused,
+                b.errors.wrong_answer,
+                ms(b.avg_latency_ms.or(b.ping_avg_latency_ms)),
+                b.pings
+            ));
+        }
+    }
+    out
+}
+
 /// `[0,1,2,5,7,8]` → `0-2,5,7-8`.
 fn ranges(sorted: &[usize]) -> String {
     let mut parts = Vec::new();
@@ -352,7 +417,54 @@ fn ranges(sorted: &[usize]) -> String {
 
 #[cfg(test)]
 mod tests {
-    use shoal_http_api::types::{ClusterView, TransferStatus, TransferSummary, TransferView};
+    use shoal_http_api::types::{
+        AgentErrors, AgentView, AgentsView, ClusterView, KarmaBlockView, ReadFrom, TransferStatus, TransferSummary,
+        TransferView,
+    };
+
+    #[test]
+    fn the_agent_status_shows_each_mirror_and_its_newest_blocks() {
+        let block = |requests, timeout| KarmaBlockView {
+            began_ms_ago: 1500,
+            requests,
+            successes: requests - timeout,
+            errors: AgentErrors { timeout, ..AgentErrors::default() },
+            avg_latency_ms: Some(0.25),
+            pings: 3,
+            ping_avg_latency_ms: None,
+        };
+        let view = AgentsView {
+            node_id: 1,
+            read_from: ReadFrom::Mirrors,
+            strategy: "nodeads".into(),
+            period_karma_ms: 60_000,
+            ping_interval_ms: 1000,
+            max_staleness_ms: 0,
+            agents: vec![
+                AgentView {
+                    node_id: 2,
+                    alive: true,
+                    probability: 0.75,
+                    last_answer_ms_ago: Some(10),
+                    blocks: vec![block(40, 0), block(30, 0), block(20, 0)],
+                },
+                AgentView {
+                    node_id: 3,
+                    alive: false,
+                    probability: 0.25,
+                    last_answer_ms_ago: None,
+                    blocks: vec![block(9, 4)],
+                },
+            ],
+        };
+        let table = super::agents_table(&view, 2);
+        let lines: Vec<&str> = table.lines().collect();
+        assert_eq!(lines.len(), 2 + 2 + 1, "{table}");
+        assert!(lines[0].contains("strategy nodeads"), "{table}");
+        assert!(lines[2].contains("alive") && lines[2].contains("0.750") && lines[2].contains("40"), "{table}");
+        assert!(lines[4].contains("dead") && lines[4].contains("0.250"), "{table}");
+        assert!(lines[4].split_whitespace().any(|w| w == "4"), "the timeouts: {table}");
+    }
 
     #[test]
     fn a_running_transfer_is_drawn_as_progress_bars() {

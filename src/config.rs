@@ -33,6 +33,9 @@ pub enum Command {
     Status(StatusArgs),
     /// Show the distribution map.
     Map(ClientArgs),
+    /// Show the mirrors the node reads from: alive or dead, probability, and per karma block
+    /// requests, errors, latency and pings (like Manticore's SHOW AGENT STATUS).
+    Agents(AgentsArgs),
     /// Make a member leave the cluster (its buckets are spread over the others).
     Leave(LeaveArgs),
     /// Member commands: `shoal node leave NAME|ID`.
@@ -43,6 +46,17 @@ pub enum Command {
     Lost(LostCommand),
     /// Measure throughput, latency and server CPU per operation against a node or cluster.
     Bench(crate::bench::BenchArgs),
+}
+
+/// `shoal agents`.
+#[derive(Debug, Clone, Args)]
+pub struct AgentsArgs {
+    /// The client options.
+    #[command(flatten)]
+    pub client: ClientArgs,
+    /// How many karma blocks to show per mirror, newest first (at most 15 are kept).
+    #[arg(long, default_value_t = 2)]
+    pub blocks: usize,
 }
 
 /// How `shoal serve` runs a node.
