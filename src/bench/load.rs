@@ -47,6 +47,8 @@ pub struct Workload {
     pub batch: usize,
     /// Per-request timeout.
     pub timeout: Duration,
+    /// Gets ask for `?read=mirrors`.
+    pub mirrors: bool,
 }
 
 /// The text of key `i`: `key:` and 12 digits, 16 bytes (as redis-benchmark's keys).
@@ -147,10 +149,11 @@ impl Workload {
         let get = rng.random_bool(self.get_share.clamp(0.0, 1.0));
         let (node, keys) = self.pick_keys(rng);
         let n = keys.len() as u64;
+        let read = if self.mirrors { "?read=mirrors" } else { "" };
         if self.batch <= 1 {
             let path = format!("/v1/kv/{}", key_name(keys[0]));
             return if get {
-                Op { node, method: Method::GET, path, body: Bytes::new(), keys: n }
+                Op { node, method: Method::GET, path: format!("{path}{read}"), body: Bytes::new(), keys: n }
             } else {
                 Op { node, method: Method::PUT, path, body: self.value.clone(), keys: n }
             };
@@ -163,7 +166,7 @@ impl Workload {
             let items: Vec<_> = keys.iter().map(|&k| serde_json::json!({"key": key_name(k), "value": value})).collect();
             serde_json::json!({ "items": items })
         };
-        let path = if get { "/v1/bulk/get" } else { "/v1/bulk/put" }.to_string();
+        let path = if get { format!("/v1/bulk/get{read}") } else { "/v1/bulk/put".to_string() };
         Op { node, method: Method::POST, path, body: Bytes::from(body.to_string()), keys: n }
     }
 }

@@ -29,6 +29,8 @@ pub use cpu::{process_cpu_seconds, CpuSample, CpuUse};
 pub use load::{key_name, Routing};
 use load::{WorkerStats, Workload};
 
+use shoal_http_api::types::ReadFrom;
+
 use crate::config::{parse_duration, Output};
 
 /// `shoal bench` options.
@@ -59,6 +61,10 @@ pub struct BenchArgs {
     /// Send each key to its owner (direct) or to a random node (any).
     #[arg(long, value_enum, default_value = "direct")]
     pub routing: Routing,
+    /// Where gets may be served: `owner`, or `mirrors` (`?read=mirrors`: the owner or the
+    /// holder of its replica, whichever the node's --ha-strategy picks).
+    #[arg(long, default_value = "owner", value_parser = parse_read)]
+    pub read: ReadFrom,
     /// PIDs of the server processes whose CPU time to report, comma-separated.
     #[arg(long, value_delimiter = ',')]
     pub server_pid: Vec<u32>,
@@ -71,6 +77,10 @@ pub struct BenchArgs {
     /// Output format.
     #[arg(short = 'o', long, value_enum, default_value_t = Output::Table)]
     pub output: Output,
+}
+
+fn parse_read(text: &str) -> Result<ReadFrom, String> {
+    text.parse()
 }
 
 fn parse_ratio(text: &str) -> Result<(u32, u32), String> {
@@ -107,6 +117,8 @@ pub struct BenchReport {
     pub batch: usize,
     /// Routing.
     pub routing: Routing,
+    /// Where gets were served.
+    pub read: ReadFrom,
     /// Connections.
     pub connections: usize,
     /// Nodes.
@@ -186,6 +198,7 @@ async fn workload(args: &BenchArgs) -> Result<Workload, String> {
         get_share: f64::from(g) / f64::from(g + p),
         batch: args.batch.max(1),
         timeout: Duration::from_secs(5),
+        mirrors: args.read == ReadFrom::Mirrors,
     })
 }
 
@@ -211,6 +224,7 @@ async fn run_async(args: BenchArgs) -> Result<BenchReport, String> {
         ratio: format!("{}:{}", args.ratio.0, args.ratio.1),
         batch: work.batch,
         routing: args.routing,
+        read: args.read,
         connections: args.connections,
         nodes: work.nodes.len(),
         seconds,
@@ -247,7 +261,7 @@ pub fn table(r: &BenchReport) -> String {
         _ => "server ? (give --server-pid)".to_string(),
     };
     format!(
-        "shoal bench: {} nodes, {} connections, {:.1}s, get:put {}, batch {}, routing {:?}\n\
+        "shoal bench: {} nodes, {} connections, {:.1}s, get:put {}, batch {}, routing {:?}, read {:?}\n\
          throughput  {:.0} requests/s, {:.0} keys/s ({} requests)\n\
          latency     p50 {:.3} ms  p90 {:.3} ms  p99 {:.3} ms  p99.9 {:.3} ms  max {:.3} ms\n\
          errors      {}\n\
@@ -258,6 +272,7 @@ pub fn table(r: &BenchReport) -> String {
         r.ratio,
         r.batch,
         r.routing,
+        r.read,
         r.requests_per_sec,
         r.keys_per_sec,
         r.requests,

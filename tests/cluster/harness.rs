@@ -106,6 +106,11 @@ impl TestCluster {
     /// Starts a new node that joins through the first running node; returns its slot as soon
     /// as it is a member (its buckets may still be moving).
     pub async fn add_node_no_wait(&mut self) -> usize {
+        self.add_node_configured(|_| {}).await
+    }
+
+    /// [`Self::add_node_no_wait`], with `extra` adjusting this node's configuration last.
+    pub async fn add_node_configured(&mut self, extra: impl FnOnce(&mut ServeConfig)) -> usize {
         let slot = self.slots.len();
         let api = bind("127.0.0.1:0".parse().expect("addr")).await;
         let peer = bind("127.0.0.1:0".parse().expect("addr")).await;
@@ -118,6 +123,7 @@ impl TestCluster {
         config.raft_election_timeout = Duration::from_millis(1000);
         config.max_value_bytes = 1024 * 1024;
         (self.tweak)(&mut config);
+        extra(&mut config);
         // Every running node is a seed: the first may be on its way out (it left).
         config.join = self.running().map(|seed| self.api(seed)).collect();
         let node = node::start_with(config.clone(), Listeners { api, peer }).await.expect("node starts");

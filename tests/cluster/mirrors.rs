@@ -2,6 +2,8 @@
 //! copy that is fresh enough, with the agent status of what each node measured.
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use serde_json::{json, Value};
@@ -214,4 +216,103 @@ async fn with_nodeads_a_stopped_mirror_gets_no_reads_and_serves_again_after_it_r
     wait_for("node 3 serves mirror reads again", || async { (served_by(&c, &keys, down).await > 0).then_some(()) })
         .await;
     c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_nodeads_a_slow_mirror_gets_a_share_of_reads_by_its_latency_weight() {
+    let mut c = TestCluster::start_with(2, nodeads).await;
+    // The third member: the others reach its API (forwards, mirror reads) through a link that
+    // holds every chunk 15 ms each way.
+    let target = Arc::new(OnceLock::new());
+    let proxy = delaying_proxy(target.clone(), Duration::from_millis(15)).await;
+    c.add_node_configured(|config| {
+        let _ = target.set(config.listen);
+        config.advertise = Some(proxy.to_string());
+    })
+    .await;
+    wait_all_attached(&c).await;
+    let (fast, slow) = (c.id(1), c.id(2));
+    // Keys node 2 owns: their mirrors are node 2 and node 3 (its replica holder), both remote
+    // from node 1, through which they are read.
+    let mut keys = Vec::new();
+    for i in 0.. {
+        let key = format!("slow-{i}");
+        if mirrors_of(&c, 0, &key).await == (fast, slow) {
+            assert!(c.put(0, &key, "v").await.is_success());
+            keys.push(key);
+        }
+        if keys.len() == 40 {
+            break;
+        }
+    }
+    async fn shares(c: &TestCluster, keys: &[String], slow: u64, rounds: usize) -> f64 {
+        let mut from_slow = 0;
+        for _ in 0..rounds {
+            for k in keys {
+                let (status, _, node, _) = read(c, 0, k, "read=mirrors").await;
+                assert_eq!(status, 200, "{k}");
+                from_slow += usize::from(node == slow);
+            }
+        }
+        from_slow as f64 / (rounds * keys.len()) as f64
+    }
+    // Equal at first; the first karma blocks (1 s) measure the slow link and weigh it down.
+    let first = shares(&c, &keys, slow, 2).await;
+    wait_for("the slow mirror weighed down", || async {
+        let agents = c.json(0, "/v1/cluster/agents").await;
+        let p = |id: u64| {
+            agents["agents"].as_array()?.iter().find(|a| a["node_id"] == id).and_then(|a| a["probability"].as_f64())
+        };
+        (p(slow)? * 4.0 < p(fast)?).then_some(())
+    })
+    .await;
+    let after = shares(&c, &keys, slow, 5).await;
+    let agents = c.json(0, "/v1/cluster/agents").await;
+    eprintln!("share of the slow mirror: {first:.2} at first, {after:.2} weighed; {agents}");
+    assert!(after < 0.2, "the slow mirror still serves {after:.2} of the reads");
+    let latency = |id: u64| {
+        agents["agents"].as_array().expect("agents").iter().find(|a| a["node_id"] == id).expect("agent")["blocks"]
+            .as_array()
+            .expect("blocks")
+            .iter()
+            .find_map(|b| b["avg_latency_ms"].as_f64())
+    };
+    assert!(latency(slow).expect("measured") > 10.0 * latency(fast).expect("measured"), "{agents}");
+    c.shutdown().await;
+}
+
+/// A TCP proxy to `target` that holds every chunk for `delay` in each direction: a slow link
+/// to one node (the kernel here has no netem). Runs until the test ends.
+async fn delaying_proxy(target: Arc<OnceLock<SocketAddr>>, delay: Duration) -> SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let Some(&target) = target.get() else { continue };
+            let Ok(server) = tokio::net::TcpStream::connect(target).await else { continue };
+            let _ = client.set_nodelay(true);
+            let _ = server.set_nodelay(true);
+            let (cr, cw) = client.into_split();
+            let (sr, sw) = server.into_split();
+            let pipe = |mut from: tokio::net::tcp::OwnedReadHalf, mut to: tokio::net::tcp::OwnedWriteHalf| async move {
+                let mut buf = vec![0u8; 64 * 1024];
+                loop {
+                    match from.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => {
+                            tokio::time::sleep(delay).await;
+                            if to.write_all(&buf[..n]).await.is_err() {
+                                break;
+                            }
+                        }
+                    }
+                }
+                let _ = to.shutdown().await;
+            };
+            tokio::spawn(pipe(cr, sw));
+            tokio::spawn(pipe(sr, cw));
+        }
+    });
+    addr
 }
