@@ -296,8 +296,8 @@ impl Health {
                 changed
             });
             let pfail = if write_refusal(self.node_facts()).is_some() { Vec::new() } else { self.suspected_members() };
-            let replica_lag_ms = self.replicator.lag_report(&state);
-            let ping = Ping { from: self.me, pfail, incarnation: self.incarnation, replica_lag_ms };
+            let replica = self.replicator.lag_report(&state);
+            let ping = Ping { from: self.me, pfail, incarnation: self.incarnation, replica };
             // Every peer on its own: a peer that does not answer must not hold up (and age)
             // the contacts of the others. One ping in flight per peer.
             for m in state.members.iter().filter(|m| m.id != self.me) {
@@ -418,7 +418,7 @@ impl Health {
                 lease = contact.pinged_at(now, self.report_life());
             }
             self.reports.lock().record(ping.from, now, ping.pfail);
-            self.replicator.note_lag(ping.from, ping.replica_lag_ms);
+            self.replicator.note_lag(ping.from, ping.replica);
         }
         Pong { node_id: self.me, incarnation: self.incarnation, status, lease }
     }

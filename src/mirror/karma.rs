@@ -143,6 +143,10 @@ fn normalise(weights: &[f64]) -> Vec<f64> {
     weights.iter().map(|w| w / sum).collect()
 }
 
+/// The least weight a mirror keeps, relative to the sum: weights compound from period to
+/// period, and one that reached zero could never come back.
+const LEAST_WEIGHT: f64 = 1e-4;
+
 /// The statistics of every mirror, in blocks of `period`.
 #[derive(Debug, Clone)]
 pub struct Karma {
@@ -195,7 +199,8 @@ impl Karma {
         }
         let weights: Vec<f64> = ids.iter().map(|id| self.agents[id].weight).collect();
         let latencies: Vec<Option<f64>> = ids.iter().map(|id| block.get(id).and_then(Block::latency_ms)).collect();
-        for (id, w) in ids.iter().zip(reweigh(&weights, &latencies)) {
+        let floored: Vec<f64> = reweigh(&weights, &latencies).into_iter().map(|w| w.max(LEAST_WEIGHT)).collect();
+        for (id, w) in ids.iter().zip(normalise(&floored)) {
             if let Some(a) = self.agents.get_mut(id) {
                 a.weight = w;
             }
@@ -206,7 +211,8 @@ impl Karma {
     /// The dead flag follows every answer, pings included.
     pub fn record(&mut self, mirror: NodeId, now: Duration, outcome: Outcome, latency: Duration, ping: bool) {
         self.rotate(now);
-        let agent = self.agents.entry(mirror).or_default();
+        self.know(mirror);
+        let Some(agent) = self.agents.get_mut(&mirror) else { return };
         agent.alive = outcome.answered();
         if outcome.answered() {
             agent.last_answer = Some(now);
@@ -238,9 +244,18 @@ impl Karma {
         }
     }
 
-    /// Makes `mirror` known (it takes part in the weights from now on).
+    /// Makes `mirror` known (it takes part in the weights from now on, starting at the mean
+    /// weight of the others: as likely as an average mirror).
     pub fn know(&mut self, mirror: NodeId) {
-        self.agents.entry(mirror).or_default();
+        if self.agents.contains_key(&mirror) {
+            return;
+        }
+        let mean = if self.agents.is_empty() {
+            1.0
+        } else {
+            self.agents.values().map(|a| a.weight).sum::<f64>() / self.agents.len() as f64
+        };
+        self.agents.insert(mirror, Agent { weight: mean, ..Agent::default() });
     }
 
     /// Forgets the mirrors not in `members`.
@@ -440,6 +455,23 @@ mod tests {
         assert_eq!(k.choose(Strategy::NoDeads, &[2], now, 0.5, 0), Some(2));
         assert_eq!(k.choose(Strategy::NoErrors, &[2, 3], now, 0.1, 0), Some(3));
         assert_eq!(k.choose(Strategy::NoErrors, &[2], now, 0.1, 0), None);
+    }
+
+    #[test]
+    fn a_new_mirror_starts_as_likely_as_an_average_one_and_a_slow_one_never_reaches_zero() {
+        let period = Duration::from_secs(1);
+        let mut k = Karma::new(period);
+        k.record(1, MS, Outcome::Answered, MS, false);
+        k.record(2, MS, Outcome::Answered, MS * 1000, false);
+        for n in 1..40u32 {
+            k.record(1, period * n, Outcome::Answered, MS, false);
+            k.record(2, period * n, Outcome::Answered, MS * 1000, false);
+        }
+        k.rotate(period * 40);
+        assert!(k.probability(2) > 0.0 && k.probability(2) < 0.001, "{}", k.probability(2));
+        k.know(3);
+        let (p1, p2, p3) = (k.probability(1), k.probability(2), k.probability(3));
+        assert!((p3 - (p1 + p2 + p3) / 3.0).abs() < 1e-9, "{p1} {p2} {p3}");
     }
 
     #[test]

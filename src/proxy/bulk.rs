@@ -166,12 +166,17 @@ impl NodeApi {
         let started = Instant::now();
         if let Some(staleness) = ctx.mirror_read {
             // Another node's mirror reads: this node's replica copies or refusals, key by key.
-            if let Err(e) = self.state_for(ctx).await {
-                return self.timed(Op::BulkGet, started, Err(e.into()));
-            }
+            let behind = self.mirror_state(ctx, BucketId(0)).await.err();
             let results = keys
                 .iter()
-                .map(|k| self.local_mirror_get(k, bucket_of(k.as_bytes()), staleness).map_err(ApiError::from))
+                .map(|k| {
+                    let bucket = bucket_of(k.as_bytes());
+                    match &behind {
+                        Some(_) => Err(DataError::ReplicaNotFresh { bucket, why: crate::bucket::NotFresh::NotMirror }),
+                        None => self.local_mirror_get(k, bucket, staleness),
+                    }
+                    .map_err(ApiError::from)
+                })
                 .collect();
             return self.timed(Op::BulkGet, started, Ok(results));
         }
@@ -260,7 +265,8 @@ impl NodeApi {
                     let outcome = if refused { Outcome::Refused } else { Outcome::Answered };
                     self.mirrors.record_read(holder, outcome, took);
                     for (i, r) in idx.into_iter().zip(results) {
-                        if r.is_ok() {
+                        // Only values: an absent key is for the owner to say.
+                        if matches!(r, Ok(Some(_))) {
                             self.mirrors.served_by(holder);
                             done[i] = Some(r);
                         }

@@ -288,6 +288,17 @@ impl NodeApi {
         }
     }
 
+    /// Waits (bounded) until this node has applied the map the sender of a mirror read routed
+    /// by; a node still behind refuses (`replica_not_fresh`): its copy may be one the sender
+    /// already knows is no mirror.
+    async fn mirror_state(&self, ctx: RouteContext, bucket: BucketId) -> Result<(), DataError> {
+        let state = self.state_for(ctx).await?;
+        if state.map.version < ctx.forwarded_map_version.unwrap_or(0) {
+            return Err(DataError::ReplicaNotFresh { bucket, why: crate::bucket::NotFresh::NotMirror });
+        }
+        Ok(())
+    }
+
     /// Whether a client's read may go to any mirror of its bucket: it asked for it (or the
     /// node's default says so) and it is not routed by another node or a map version.
     fn reads_from_mirrors(&self, ctx: RouteContext) -> bool {
@@ -320,10 +331,13 @@ impl NodeApi {
                 mirror_read(&state, bucket, phase, facts, allowed)
             })
             .map_err(|why| DataError::ReplicaNotFresh { bucket, why })?;
+        // None: the copy does not hold the key; the sender asks the owner, since the replica
+        // store evicts on its own and only the owner can say the key is absent.
+        let Some(item) = found else { return Ok(None) };
         if let Some(probe) = self.core.probe() {
             probe.served_replica(self.node_id, bucket, state.epoch_of(bucket));
         }
-        Ok(found.map(|item| GetOk {
+        Ok(Some(GetOk {
             value: item.value,
             version: item.version,
             bucket: bucket.0,
@@ -359,10 +373,15 @@ impl NodeApi {
             self.peers.mirror_get(&api_addr, key, state.map.version, staleness).await.map_err(|e| outcome_of(&e))
         };
         match answer {
-            Ok(found) => {
+            Ok(Some(found)) => {
                 self.mirrors.record_read(holder, Outcome::Answered, sent.elapsed());
                 self.mirrors.served_by(holder);
-                Ok(found.ok_or(ApiError::NotFound))
+                Ok(Ok(found))
+            }
+            Ok(None) => {
+                // The copy does not hold the key: only the owner can say it is absent.
+                self.mirrors.record_read(holder, Outcome::Answered, sent.elapsed());
+                Err(None)
             }
             Err(outcome) => {
                 self.mirrors.record_read(holder, outcome, sent.elapsed());
@@ -414,9 +433,12 @@ impl ShoalApi for NodeApi {
         let bucket = bucket_of(key.as_bytes());
         if let Some(staleness) = ctx.mirror_read {
             // Another node's mirror read: this node's replica copy or a refusal, never a forward.
-            let state = self.state_for(ctx).await;
-            let result = state.and_then(|_| self.local_mirror_get(&key, bucket, staleness)).map_err(ApiError::from);
-            return self.timed(Op::Get, started, result.and_then(|found| found.ok_or(ApiError::NotFound)));
+            let result = match self.mirror_state(ctx, bucket).await {
+                Ok(()) => self.local_mirror_get(&key, bucket, staleness),
+                Err(e) => Err(e),
+            };
+            let result = result.map_err(ApiError::from).and_then(|found| found.ok_or(ApiError::NotFound));
+            return self.timed(Op::Get, started, result);
         }
         let mut to_owner = None;
         if self.reads_from_mirrors(ctx) {

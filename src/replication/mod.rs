@@ -68,7 +68,7 @@ use crate::cache::{CacheStore, Change, ExportedItem};
 use crate::error::{DataError, ReplicaError};
 use crate::peer::Peers;
 use crate::transport::frame::{end_frame, item_frames, HEADER};
-use crate::transport::{CallError, ReplicaAnswer, Replicate};
+use crate::transport::{CallError, ReplicaAnswer, ReplicaReport, Replicate};
 
 /// How long a holder's newer map may take to reach this node before a refused write fails.
 const CATCH_UP: Duration = Duration::from_secs(2);
@@ -172,7 +172,7 @@ pub struct Replicator {
     source_epochs: Vec<AtomicU64>,
     /// Holder side: per owner, when it last said how far behind its replica copies may be,
     /// and what it said (see `Ping::replica_lag_ms`).
-    owner_lag: Mutex<BTreeMap<NodeId, (Instant, Option<u64>)>>,
+    owner_lag: Mutex<BTreeMap<NodeId, (Instant, Option<ReplicaReport>)>>,
     /// Sender side: when the oldest change of the batch being sent was queued.
     sending_since: Mutex<Option<Instant>>,
     /// Holder side, per bucket: the sender and sequence number of the last request applied;
@@ -556,10 +556,12 @@ impl Replicator {
         (depth, queue.front().map(|q| q.at.elapsed()).unwrap_or_default())
     }
 
-    /// What this node tells its replica holder in its pings about how far behind its copies
-    /// may be (see `Ping::replica_lag_ms`): the age of the oldest change queued or in flight,
-    /// in milliseconds; None while one of its buckets is not attached at the holder.
-    pub fn lag_report(&self, state: &ClusterState) -> Option<u64> {
+    /// What this node tells in its pings of its replica (see `Ping::replica`): the holder
+    /// every write must reach, its holding period, and the age of the oldest change queued or
+    /// in flight, in milliseconds; None while one of its buckets is not attached there.
+    pub fn lag_report(&self, state: &ClusterState) -> Option<ReplicaReport> {
+        let holder = state.heir_of(self.me).filter(|&h| h != self.me)?;
+        let period = state.replica_period(self.me, holder)?;
         let (attached, owned) = self.attached_count(state);
         if attached < owned {
             return None;
@@ -567,12 +569,33 @@ impl Replicator {
         let queued = self.queue.lock().front().map(|q| q.at);
         let sending = *self.sending_since.lock();
         let oldest = [queued, sending].into_iter().flatten().min();
-        Some(oldest.map_or(0, |at| at.elapsed().as_millis() as u64))
+        let lag_ms = oldest.map_or(0, |at| at.elapsed().as_millis() as u64);
+        Some(ReplicaReport { holder, period, lag_ms })
     }
 
-    /// Records what owner `from` said about how far behind its replica copies may be.
-    pub fn note_lag(&self, from: NodeId, lag_ms: Option<u64>) {
-        self.owner_lag.lock().insert(from, (Instant::now(), lag_ms));
+    /// Records what owner `from` said of its replica (None: nothing that lets a copy serve).
+    pub fn note_lag(&self, from: NodeId, report: Option<ReplicaReport>) {
+        self.owner_lag.lock().insert(from, (Instant::now(), report));
+    }
+
+    /// What this node knows of its replica copy of `bucket` from `owner` (see
+    /// [`crate::bucket::ReplicaFacts`]). How far behind: unknown unless the owner's latest
+    /// report names this node, in its current holding period, as the holder whose copy has
+    /// every bucket; then, with sync replication, nothing unless the owner still drains a
+    /// queue (writes from before a switch from async); with async replication, what the owner
+    /// said plus the time since (rounded up, at least a millisecond: changes may have been
+    /// queued since, so `max_staleness=0` keeps async reads with the owner).
+    pub fn replica_facts(&self, state: &ClusterState, bucket: BucketId, owner: NodeId) -> ReplicaFacts {
+        let said = self.owner_lag.lock().get(&owner).copied();
+        let lag_ms = said.and_then(|(at, report)| {
+            let since_ms = (at.elapsed().as_micros() as u64).div_ceil(1000);
+            reported_lag(report?, self.me, state.replica_period(owner, self.me), state.settings.replication, since_ms)
+        });
+        ReplicaFacts {
+            source: self.sources[bucket.index()].load(Ordering::Acquire),
+            epoch: self.source_epochs[bucket.index()].load(Ordering::Acquire),
+            lag_ms,
+        }
     }
 
     /// Reads `key` from the replica copy of `bucket` if `fresh` says the copy may serve it
@@ -590,33 +613,6 @@ impl Replicator {
         let _applying = self.applied[bucket.index()].lock();
         let said = fresh(self.replica_facts(state, bucket, owner))?;
         Ok((self.replica.get(bucket, key), said))
-    }
-
-    /// What this node knows of its replica copy of `bucket` from `owner` (see
-    /// [`crate::bucket::ReplicaFacts`]). How far behind: with async replication, what the owner
-    /// last said plus the time since; with sync replication nothing (every acknowledged write
-    /// reached the copy) unless the owner said it still drains a queue.
-    pub fn replica_facts(&self, state: &ClusterState, bucket: BucketId, owner: NodeId) -> ReplicaFacts {
-        let said = self.owner_lag.lock().get(&owner).copied();
-        // Rounded up, and at least a millisecond: changes may have been queued since the owner
-        // spoke, so an async copy is never known to be exactly current (`max_staleness=0`
-        // keeps async reads with the owner).
-        let since = |at: Instant, lag: u64| lag.saturating_add((at.elapsed().as_micros() as u64).div_ceil(1000).max(1));
-        let lag_ms = match state.settings.replication {
-            ReplicationMode::Sync => match said {
-                Some((at, Some(lag))) if lag > 0 => Some(since(at, lag)),
-                _ => Some(0),
-            },
-            ReplicationMode::Async => match said {
-                Some((at, Some(lag))) => Some(since(at, lag)),
-                _ => None,
-            },
-        };
-        ReplicaFacts {
-            source: self.sources[bucket.index()].load(Ordering::Acquire),
-            epoch: self.source_epochs[bucket.index()].load(Ordering::Acquire),
-            lag_ms,
-        }
     }
 
     /// The holders a write of `bucket` goes to on `state`, if this node owns it: the one it
@@ -711,6 +707,26 @@ impl Replicator {
     }
 }
 
+/// How far behind its owner this node's (`me`'s) replica copy may be, from the owner's latest
+/// `report` received `since_ms` ago: None unless the report names `me` in its current holding
+/// `period`; with sync replication 0 unless the owner still drained a queue; otherwise what the
+/// owner said plus the time since, at least a millisecond more.
+pub fn reported_lag(
+    report: ReplicaReport,
+    me: NodeId,
+    period: Option<u64>,
+    mode: ReplicationMode,
+    since_ms: u64,
+) -> Option<u64> {
+    if report.holder != me || Some(report.period) != period {
+        return None;
+    }
+    match mode {
+        ReplicationMode::Sync if report.lag_ms == 0 => Some(0),
+        _ => Some(report.lag_ms.saturating_add(since_ms.max(1))),
+    }
+}
+
 /// The error of an answer other than "applied".
 fn refusal(answer: ReplicaAnswer) -> ReplicaError {
     match answer {
@@ -718,5 +734,26 @@ fn refusal(answer: ReplicaAnswer) -> ReplicaError {
         ReplicaAnswer::NeedSnapshot(reason) => ReplicaError::NeedsSnapshot(reason),
         ReplicaAnswer::Fenced { map_version, .. } => ReplicaError::Fenced(map_version),
         ReplicaAnswer::Refused(reason) => ReplicaError::Refused(reason),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_copy_is_as_fresh_as_its_owner_says_only_when_the_owner_names_it_in_its_period() {
+        let report = ReplicaReport { holder: 3, period: 7, lag_ms: 0 };
+        let sync = ReplicationMode::Sync;
+        let asynchronous = ReplicationMode::Async;
+        assert_eq!(reported_lag(report, 3, Some(7), sync, 500), Some(0), "sync: nothing behind");
+        assert_eq!(reported_lag(report, 2, Some(7), sync, 0), None, "another holder is named");
+        assert_eq!(reported_lag(report, 3, Some(8), sync, 0), None, "an earlier holding period");
+        assert_eq!(reported_lag(report, 3, None, sync, 0), None, "no longer a holder");
+        assert_eq!(reported_lag(report, 3, Some(7), asynchronous, 0), Some(1), "async: never exactly current");
+        assert_eq!(reported_lag(report, 3, Some(7), asynchronous, 40), Some(40));
+        let draining = ReplicaReport { lag_ms: 25, ..report };
+        assert_eq!(reported_lag(draining, 3, Some(7), sync, 10), Some(35), "sync, a queue still drains");
+        assert_eq!(reported_lag(draining, 3, Some(7), asynchronous, 10), Some(35));
     }
 }

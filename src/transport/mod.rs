@@ -252,12 +252,24 @@ pub struct Ping {
     /// a new one tells the receiver that the sender restarted.
     #[serde(default)]
     pub incarnation: u64,
-    /// How far behind the sender's replica copies may be, in milliseconds: the age of its
-    /// oldest change not yet acknowledged by its replica holder (0: none); absent when one of
-    /// its buckets is not attached there (the copy may lack writes) or from older versions.
-    /// The holder bounds how stale a mirror read from its copy may be with it.
+    /// What the sender says of its replica, for mirror reads: which member holds it (the one
+    /// every write must reach), in which holding period, and how far behind that copy may be.
+    /// Absent while one of its buckets is not attached there (the copy may lack writes), and
+    /// from older versions. A holder serves mirror reads from its copy only while the
+    /// sender's latest report names it, in its current period.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub replica_lag_ms: Option<u64>,
+    pub replica: Option<ReplicaReport>,
+}
+
+/// See [`Ping::replica`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicaReport {
+    /// The member holding the sender's replica.
+    pub holder: NodeId,
+    /// Its holding period (`ClusterState::replica_period`).
+    pub period: u64,
+    /// The age of the sender's oldest change not yet acknowledged there, in milliseconds.
+    pub lag_ms: u64,
 }
 
 /// The answer to a ping.

@@ -23,20 +23,6 @@ async fn replica_items(c: &TestCluster) -> u64 {
     total
 }
 
-/// Waits until every running node owns buckets and has every one attached to its replica.
-async fn wait_all_attached(c: &TestCluster) {
-    wait_for("every bucket attached to its replica", || async {
-        for s in c.running() {
-            let r = &c.json(s, "/v1/cluster").await["replication"];
-            if r["attached_buckets"] != r["owned_buckets"] || r["owned_buckets"] == 0 {
-                return None;
-            }
-        }
-        Some(())
-    })
-    .await;
-}
-
 async fn put_all(c: &TestCluster, slot: usize, keys: &[String], value: &str) {
     for k in keys {
         assert_eq!(c.put(slot, k, &format!("{value}-{k}")).await, 200, "PUT {k}");
@@ -76,7 +62,7 @@ async fn sync_writes_are_in_the_replica_before_the_answer_and_deletes_follow() {
     assert_eq!(replica_items(&c).await, 150, "removal by tag reaches the replicas");
     assert_eq!(c.get(1, &keys[120]).await, None);
     // The background attacher gives every owned bucket a replica.
-    wait_all_attached(&c).await;
+    c.wait_all_attached().await;
     let metrics = c.http.get(c.url(0, "/metrics")).send().await.expect("metrics").text().await.expect("text");
     for name in ["shoal_replica_items", "shoal_replication_queue_depth", "shoal_peers_pfail", "shoal_buckets_lost"] {
         assert!(metrics.contains(name), "{name} in /metrics");
@@ -96,7 +82,7 @@ async fn values_and_buckets_larger_than_two_megabytes_reach_the_replica() {
     }
     c.add_node().await;
     c.wait_for_counts(&[500, 500]).await;
-    wait_all_attached(&c).await;
+    c.wait_all_attached().await;
     // A sync write of a 3 MiB value, whoever owns its bucket.
     let r = c.http.put(c.url(1, "/v1/kv/one-big-value")).body(big.clone()).send().await.expect("put");
     assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
@@ -201,7 +187,7 @@ async fn a_leaver_hands_its_buckets_to_its_replica_holder_which_serves_them_duri
     let keys: Vec<String> = (0..600).map(|i| format!("h{i}")).collect();
     let big = "x".repeat(1000);
     put_all(&c, 0, &keys, &big).await;
-    wait_all_attached(&c).await;
+    c.wait_all_attached().await;
     let leaver = c.id(2);
     let r = c.http.post(c.url(0, &format!("/v1/cluster/nodes/{leaver}/leave"))).send().await.expect("leave");
     assert_eq!(r.status(), 200);

@@ -103,6 +103,20 @@ impl TestCluster {
         .await;
     }
 
+    /// Waits until every running node owns buckets and has every one attached to its replica.
+    pub async fn wait_all_attached(&self) {
+        wait_for("every bucket attached to its replica", || async {
+            for s in self.running() {
+                let r = &self.json(s, "/v1/cluster").await["replication"];
+                if r["attached_buckets"] != r["owned_buckets"] || r["owned_buckets"] == 0 {
+                    return None;
+                }
+            }
+            Some(())
+        })
+        .await;
+    }
+
     /// Starts a new node that joins through the first running node; returns its slot as soon
     /// as it is a member (its buckets may still be moving).
     pub async fn add_node_no_wait(&mut self) -> usize {

@@ -12,7 +12,8 @@ use shoal::mirror::Strategy;
 
 use crate::harness::{wait_for, TestCluster};
 
-/// Failure-detection pings (they carry the replication lag and count as mirror pings).
+/// Failure-detection pings: they carry what an owner says of its replica (a copy serves
+/// mirror reads only while its owner's latest report names it) and count as mirror pings.
 fn pings(config: &mut ServeConfig) {
     config.ping_interval = Duration::from_millis(200);
     config.node_timeout = Duration::from_secs(3);
@@ -26,20 +27,6 @@ fn nodeads(config: &mut ServeConfig) {
     config.ha_strategy = Strategy::NoDeads;
     config.ha_period_karma = Duration::from_secs(1);
     config.ha_ping_interval = Duration::from_millis(200);
-}
-
-/// Waits until every running node owns buckets and has every one attached to its replica.
-async fn wait_all_attached(c: &TestCluster) {
-    wait_for("every bucket attached to its replica", || async {
-        for s in c.running() {
-            let r = &c.json(s, "/v1/cluster").await["replication"];
-            if r["attached_buckets"] != r["owned_buckets"] || r["owned_buckets"] == 0 {
-                return None;
-            }
-        }
-        Some(())
-    })
-    .await;
 }
 
 /// A read through `slot` with `query`: status, value, the node that served it and the lag it
@@ -67,9 +54,9 @@ async fn mirrors_of(c: &TestCluster, slot: usize, key: &str) -> (u64, u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mirror_reads_are_served_by_the_owner_and_the_replica_and_never_older_than_an_acknowledged_write() {
-    let c = TestCluster::start(3).await;
+    let c = TestCluster::start_with(3, pings).await;
     c.wait_for_counts(&[333, 333, 334]).await;
-    wait_all_attached(&c).await;
+    c.wait_all_attached().await;
     let mut served_by: BTreeMap<&str, usize> = BTreeMap::new();
     for i in 0..300 {
         let key = format!("mirror-{i}");
@@ -140,7 +127,7 @@ async fn with_async_replication_a_replica_serves_only_within_the_staleness_the_r
     c.wait_for_counts(&[333, 333, 334]).await;
     let r = c.http.put(c.url(0, "/v1/cluster/config")).json(&json!({"replication": "async"})).send().await;
     assert_eq!(r.expect("config").status(), 200);
-    wait_all_attached(&c).await;
+    c.wait_all_attached().await;
     let keys: Vec<String> = (0..100).map(|i| format!("stale-{i}")).collect();
     for k in &keys {
         assert!(c.put(0, k, "v").await.is_success());
@@ -177,7 +164,7 @@ async fn with_async_replication_a_replica_serves_only_within_the_staleness_the_r
 async fn with_nodeads_a_stopped_mirror_gets_no_reads_and_serves_again_after_it_returns() {
     let mut c = TestCluster::start_with(3, nodeads).await;
     c.wait_for_counts(&[333, 333, 334]).await;
-    wait_all_attached(&c).await;
+    c.wait_all_attached().await;
     let down = c.id(2);
     // Keys whose replica node 3 holds: their owner (node 2) and node 3 are their mirrors.
     let mut keys = Vec::new();
@@ -212,7 +199,7 @@ async fn with_nodeads_a_stopped_mirror_gets_no_reads_and_serves_again_after_it_r
     assert_eq!(served_by(&c, &keys, down).await, 0);
     c.restart(2).await.expect("restart");
     // Back: alive again once it answers a ping, and its copy, sent again whole, serves reads.
-    wait_all_attached(&c).await;
+    c.wait_all_attached().await;
     wait_for("node 3 serves mirror reads again", || async { (served_by(&c, &keys, down).await > 0).then_some(()) })
         .await;
     c.shutdown().await;
@@ -222,15 +209,15 @@ async fn with_nodeads_a_stopped_mirror_gets_no_reads_and_serves_again_after_it_r
 async fn with_nodeads_a_slow_mirror_gets_a_share_of_reads_by_its_latency_weight() {
     let mut c = TestCluster::start_with(2, nodeads).await;
     // The third member: the others reach its API (forwards, mirror reads) through a link that
-    // holds every chunk 15 ms each way.
+    // holds every chunk 50 ms each way (far slower than anything two busy cores add).
     let target = Arc::new(OnceLock::new());
-    let proxy = delaying_proxy(target.clone(), Duration::from_millis(15)).await;
+    let proxy = delaying_proxy(target.clone(), Duration::from_millis(50)).await;
     c.add_node_configured(|config| {
         let _ = target.set(config.listen);
         config.advertise = Some(proxy.to_string());
     })
     .await;
-    wait_all_attached(&c).await;
+    c.wait_all_attached().await;
     let (fast, slow) = (c.id(1), c.id(2));
     // Keys node 2 owns: their mirrors are node 2 and node 3 (its replica holder), both remote
     // from node 1, through which they are read.
@@ -257,19 +244,21 @@ async fn with_nodeads_a_slow_mirror_gets_a_share_of_reads_by_its_latency_weight(
         from_slow as f64 / (rounds * keys.len()) as f64
     }
     // Equal at first; the first karma blocks (1 s) measure the slow link and weigh it down.
-    let first = shares(&c, &keys, slow, 2).await;
+    let first = shares(&c, &keys, slow, 1).await;
     wait_for("the slow mirror weighed down", || async {
+        // Reads go on meanwhile: the statistics come from them.
+        shares(&c, &keys, slow, 1).await;
         let agents = c.json(0, "/v1/cluster/agents").await;
         let p = |id: u64| {
             agents["agents"].as_array()?.iter().find(|a| a["node_id"] == id).and_then(|a| a["probability"].as_f64())
         };
-        (p(slow)? * 4.0 < p(fast)?).then_some(())
+        (p(slow)? * 9.0 < p(fast)?).then_some(())
     })
     .await;
     let after = shares(&c, &keys, slow, 5).await;
     let agents = c.json(0, "/v1/cluster/agents").await;
     eprintln!("share of the slow mirror: {first:.2} at first, {after:.2} weighed; {agents}");
-    assert!(after < 0.2, "the slow mirror still serves {after:.2} of the reads");
+    assert!(after < 0.25, "the slow mirror still serves {after:.2} of the reads");
     let latency = |id: u64| {
         agents["agents"].as_array().expect("agents").iter().find(|a| a["node_id"] == id).expect("agent")["blocks"]
             .as_array()
@@ -277,7 +266,7 @@ async fn with_nodeads_a_slow_mirror_gets_a_share_of_reads_by_its_latency_weight(
             .iter()
             .find_map(|b| b["avg_latency_ms"].as_f64())
     };
-    assert!(latency(slow).expect("measured") > 10.0 * latency(fast).expect("measured"), "{agents}");
+    assert!(latency(slow).expect("measured") > 3.0 * latency(fast).expect("measured"), "{agents}");
     c.shutdown().await;
 }
 
