@@ -172,7 +172,10 @@ impl NodeApi {
                 .map(|k| {
                     let bucket = bucket_of(k.as_bytes());
                     match &behind {
-                        Some(_) => Err(DataError::ReplicaNotFresh { bucket, why: crate::bucket::NotFresh::NotMirror }),
+                        Some(DataError::ReplicaNotFresh { why, .. }) => {
+                            Err(DataError::ReplicaNotFresh { bucket, why: *why })
+                        }
+                        Some(e) => Err(e.clone()),
                         None => self.local_mirror_get(k, bucket, staleness),
                     }
                     .map_err(ApiError::from)

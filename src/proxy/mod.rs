@@ -51,6 +51,9 @@ use crate::transfer::progress::Progress;
 
 /// How long a node waits to catch up with a newer map version before answering.
 const MAP_CATCH_UP: Duration = Duration::from_secs(2);
+/// How long a mirror waits to apply the map version its sender routed by before it refuses
+/// (the sender waits a second for a mirror).
+const MIRROR_CATCH_UP: Duration = Duration::from_millis(300);
 /// How many times a key operation is routed again after `not_owner`.
 const ROUTE_ATTEMPTS: usize = 3;
 /// How long a write waits for a bucket frozen by a handover before answering 503.
@@ -292,8 +295,13 @@ impl NodeApi {
     /// by; a node still behind refuses (`replica_not_fresh`): its copy may be one the sender
     /// already knows is no mirror.
     async fn mirror_state(&self, ctx: RouteContext, bucket: BucketId) -> Result<(), DataError> {
-        let state = self.state_for(ctx).await?;
-        if state.map.version < ctx.forwarded_map_version.unwrap_or(0) {
+        let want = ctx.forwarded_map_version.unwrap_or(0);
+        if self.control.state().map.version < want {
+            // Well within the sender's wait for a mirror: a refusal, not a timeout, tells it
+            // to ask the owner (a timeout would count this node dead).
+            self.control.wait_for_state(MIRROR_CATCH_UP, |s| s.map.version >= want).await;
+        }
+        if self.control.state().map.version < want {
             return Err(DataError::ReplicaNotFresh { bucket, why: crate::bucket::NotFresh::NotMirror });
         }
         Ok(())

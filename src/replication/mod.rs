@@ -570,7 +570,8 @@ impl Replicator {
         let sending = *self.sending_since.lock();
         let oldest = [queued, sending].into_iter().flatten().min();
         let lag_ms = oldest.map_or(0, |at| at.elapsed().as_millis() as u64);
-        Some(ReplicaReport { holder, period, lag_ms })
+        let sync = state.settings.replication == ReplicationMode::Sync;
+        Some(ReplicaReport { holder, period, lag_ms, sync })
     }
 
     /// Records what owner `from` said of its replica (None: nothing that lets a copy serve).
@@ -709,8 +710,8 @@ impl Replicator {
 
 /// How far behind its owner this node's (`me`'s) replica copy may be, from the owner's latest
 /// `report` received `since_ms` ago: None unless the report names `me` in its current holding
-/// `period`; with sync replication 0 unless the owner still drained a queue; otherwise what the
-/// owner said plus the time since, at least a millisecond more.
+/// `period`; with sync replication on both sides 0 unless the owner still drained a queue;
+/// otherwise what the owner said plus the time since, at least a millisecond more.
 pub fn reported_lag(
     report: ReplicaReport,
     me: NodeId,
@@ -722,7 +723,7 @@ pub fn reported_lag(
         return None;
     }
     match mode {
-        ReplicationMode::Sync if report.lag_ms == 0 => Some(0),
+        ReplicationMode::Sync if report.sync && report.lag_ms == 0 => Some(0),
         _ => Some(report.lag_ms.saturating_add(since_ms.max(1))),
     }
 }
@@ -743,7 +744,7 @@ mod tests {
 
     #[test]
     fn a_copy_is_as_fresh_as_its_owner_says_only_when_the_owner_names_it_in_its_period() {
-        let report = ReplicaReport { holder: 3, period: 7, lag_ms: 0 };
+        let report = ReplicaReport { holder: 3, period: 7, lag_ms: 0, sync: true };
         let sync = ReplicationMode::Sync;
         let asynchronous = ReplicationMode::Async;
         assert_eq!(reported_lag(report, 3, Some(7), sync, 500), Some(0), "sync: nothing behind");
@@ -755,5 +756,7 @@ mod tests {
         let draining = ReplicaReport { lag_ms: 25, ..report };
         assert_eq!(reported_lag(draining, 3, Some(7), sync, 10), Some(35), "sync, a queue still drains");
         assert_eq!(reported_lag(draining, 3, Some(7), asynchronous, 10), Some(35));
+        let owner_still_async = ReplicaReport { sync: false, ..report };
+        assert_eq!(reported_lag(owner_still_async, 3, Some(7), sync, 5), Some(5), "the owner's own mode counts");
     }
 }

@@ -270,6 +270,9 @@ pub struct ReplicaReport {
     pub period: u64,
     /// The age of the sender's oldest change not yet acknowledged there, in milliseconds.
     pub lag_ms: u64,
+    /// Whether the sender replicates synchronously (its own applied setting: a holder that
+    /// applied a switch to sync before its owner must not take the owner's writes for sync).
+    pub sync: bool,
 }
 
 /// The answer to a ping.
