@@ -110,6 +110,17 @@ pub enum DataError {
         /// What happened.
         cause: ReplicaError,
     },
+    /// The previous owner, which keeps a copy of the bucket until the running transfer ends,
+    /// did not take the write; the write was taken back.
+    #[error("node {shadow}, which keeps a copy of bucket {bucket} until the running transfer ends, did not take the write: {cause}; nothing was stored")]
+    ShadowFailed {
+        /// The bucket.
+        bucket: BucketId,
+        /// The node keeping the shadow copy.
+        shadow: NodeId,
+        /// What happened.
+        cause: CallError,
+    },
     /// A mirror read reached a replica copy that may not serve it.
     #[error("{}", not_fresh(*bucket, *why))]
     ReplicaNotFresh {
@@ -154,7 +165,9 @@ impl From<DataError> for ApiError {
             DataError::NodeLeaving => unavailable(Unavailable::NodeLeaving, &e),
             DataError::NodeDraining => unavailable(Unavailable::NodeDraining, &e),
             DataError::NoQuorum { .. } => unavailable(Unavailable::NoQuorum, &e),
-            DataError::ReplicationFailed { .. } => unavailable(Unavailable::ReplicationFailed, &e),
+            DataError::ReplicationFailed { .. } | DataError::ShadowFailed { .. } => {
+                unavailable(Unavailable::ReplicationFailed, &e)
+            }
             DataError::ReplicaNotFresh { .. } => unavailable(Unavailable::ReplicaNotFresh, &e),
             DataError::Store(CacheError::ConditionFailed { current }) => {
                 ApiError::PreconditionFailed { current_version: current }
@@ -182,6 +195,10 @@ mod tests {
                     holder: 2,
                     cause: ReplicaError::Call(crate::transport::CallError::Timeout),
                 },
+                "replication_failed",
+            ),
+            (
+                DataError::ShadowFailed { bucket: b, shadow: 2, cause: crate::transport::CallError::Timeout },
                 "replication_failed",
             ),
             (DataError::NodeDraining, "node_draining"),

@@ -10,6 +10,8 @@
 //! under a new version (so every copy orders it after the write), and the bucket is sent whole
 //! to its replica before its next change, in case the replica applied the write after all.
 
+use std::time::Duration;
+
 use bytes::{Bytes, BytesMut};
 use tokio::sync::{MutexGuard, RwLockWriteGuard};
 
@@ -86,10 +88,14 @@ impl<'a> WritePermit<'a> {
         Ok(deleted)
     }
 
-    /// Makes the writes count: the node still holds its lease, the shadow has them (a shadow
-    /// that cannot be reached is logged: it only matters if the owner dies too), and the replica
-    /// has them (sync) or they are queued for it (async). Otherwise every write is taken back
-    /// and the error says why.
+    /// Makes the writes count: the node still holds its lease, the shadow has them, and the
+    /// replica has them (sync) or they are queued for it (async). Otherwise every write is
+    /// taken back and the error says why.
+    ///
+    /// The shadow matters when the new owner dies before its replica holder has the bucket:
+    /// the bucket is then restored from the shadow, which must have every write acknowledged.
+    /// A shadow that did not take a write is excused only once this node's map no longer
+    /// names it (the transfer ended, or the cluster failed that node).
     pub async fn commit(mut self) -> Result<(), DataError> {
         let core = self.core;
         // The lease again, after the writes: a node paused between the decision and the write
@@ -100,15 +106,31 @@ impl<'a> WritePermit<'a> {
         }
         if !self.done.is_empty() {
             let changes: Vec<Change> = self.done.iter().map(|d| d.change.clone()).collect();
-            if let Some(shadow) = &self.plan.shadow {
-                if let Err(e) = core.peers.shadow(&shadow.peer_addr, self.plan.bucket, change_body(&changes)).await {
-                    tracing::warn!(bucket = self.plan.bucket.0, shadow = shadow.node, error = %e, "shadow write-through failed");
+            let bucket = self.plan.bucket;
+            let shadow = self.plan.shadow.clone();
+            if let Some(shadow) = &shadow {
+                if let Err(cause) = core.peers.shadow(&shadow.peer_addr, bucket, change_body(&changes)).await {
+                    let gone = |s: &shoal_raft::ClusterState| s.shadow_of(bucket) != Some(shadow.node);
+                    if !core.control.wait_for_state(SHADOW_SETTLE, gone).await {
+                        tracing::warn!(bucket = bucket.0, shadow = shadow.node, error = %cause, "shadow write-through failed; the write is taken back");
+                        self.undo();
+                        return Err(DataError::ShadowFailed { bucket, shadow: shadow.node, cause });
+                    }
+                    tracing::debug!(bucket = bucket.0, shadow = shadow.node, error = %cause, "shadow write-through failed after the shadow was dropped");
                 }
             }
             if let Some(holder) = core.replicator.holder_for(&self.plan) {
                 let next = core.replicator.next_holder_for(&self.plan);
-                if let Err(e) = core.replicator.replicate(self.plan.bucket, &holder, next.as_ref(), &changes).await {
-                    self.undo();
+                if let Err(e) = core.replicator.replicate(bucket, &holder, next.as_ref(), &changes).await {
+                    let taken_back = self.undo();
+                    if let Some(shadow) = &shadow {
+                        // The shadow has the writes: it takes them back too, as far as it can
+                        // be reached (its copy only counts if this node dies before the
+                        // transfer ends).
+                        if let Err(e) = core.peers.shadow(&shadow.peer_addr, bucket, change_body(&taken_back)).await {
+                            tracing::warn!(bucket = bucket.0, shadow = shadow.node, error = %e, "the shadow keeps writes that were taken back");
+                        }
+                    }
                     return Err(e);
                 }
             }
@@ -119,17 +141,30 @@ impl<'a> WritePermit<'a> {
         Ok(())
     }
 
-    /// Takes every write of this permit back, newest first.
-    fn undo(&mut self) {
+    /// Takes every write of this permit back, newest first; answers the changes that bring a
+    /// copy which had them to the same items.
+    fn undo(&mut self) -> Vec<Change> {
         let core = self.core;
         let bucket = self.plan.bucket;
+        let mut taken_back = Vec::with_capacity(self.done.len());
         for d in self.done.drain(..).rev() {
             core.store.restore(bucket, &d.key, d.written, d.previous.as_ref());
             core.replicator.count_undone(1);
+            let change = match (core.store.export_item(bucket, &d.key), d.written) {
+                (Some(item), _) => Some(Change::Put(item)),
+                (None, Some(version)) => Some(Change::Delete { key: d.key, version }),
+                (None, None) => None,
+            };
+            taken_back.extend(change);
         }
         core.replicator.detach(bucket);
+        taken_back
     }
 }
+
+/// How long a write whose shadow did not answer waits for this node's map to drop that
+/// shadow (the transfer just ended, or the cluster failed the node) before it is taken back.
+const SHADOW_SETTLE: Duration = Duration::from_millis(500);
 
 /// A body of framed changes, as shadows and replicas take them.
 pub fn change_body(changes: &[Change]) -> Bytes {
