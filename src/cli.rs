@@ -4,7 +4,9 @@ use std::io::{Read, Write};
 
 use reqwest::{Method, Url};
 use serde_json::Value;
-use shoal_http_api::types::{AgentsView, ClusterView, MaintenanceView, MapView, ReadFrom, TransferView};
+use shoal_http_api::types::{
+    AgentsView, BucketsView, ClusterView, MaintenanceView, MapView, ReadFrom, RebalancePlan, TransferView,
+};
 use shoal_http_api::Problem;
 
 use crate::config::{ClientArgs, Command, LostCommand, NodeCommand, Output};
@@ -145,6 +147,45 @@ pub async fn run(command: Command) -> Result<(), String> {
                     Ok(())
                 }
                 Output::Json => print_json(&m),
+            }
+        }
+        Command::Buckets(a) => {
+            let mut query = vec![("sort", a.sort.clone()), ("limit", a.top.to_string())];
+            if let Some(node) = &a.node {
+                let view: ClusterView =
+                    json(send(&a.client, Method::GET, &["v1", "cluster"], &[], None).await?).await?;
+                query.push(("node", member_id(&view, node)?.to_string()));
+            }
+            let query: Vec<(&str, &str)> = query.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            let view: BucketsView =
+                json(send(&a.client, Method::GET, &["v1", "cluster", "buckets"], &query, None).await?).await?;
+            match a.client.output {
+                Output::Table => {
+                    print!("{}", buckets_table(&view));
+                    Ok(())
+                }
+                Output::Json => print_json(&view),
+            }
+        }
+        Command::Rebalance(a) => {
+            let mut query = Vec::new();
+            if let Some(node) = &a.node {
+                let view: ClusterView =
+                    json(send(&a.client, Method::GET, &["v1", "cluster"], &[], None).await?).await?;
+                query.push(("node", member_id(&view, node)?.to_string()));
+            }
+            if a.dry_run {
+                query.push(("dry_run", "true".to_string()));
+            }
+            let query: Vec<(&str, &str)> = query.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            let plan: RebalancePlan =
+                json(send(&a.client, Method::POST, &["v1", "cluster", "rebalance"], &query, None).await?).await?;
+            match a.client.output {
+                Output::Table => {
+                    print!("{}", plan_table(&plan));
+                    Ok(())
+                }
+                Output::Json => print_json(&plan),
             }
         }
         Command::Leave(a) | Command::Node(NodeCommand::Leave(a)) => {
@@ -342,6 +383,116 @@ pub fn map_table(map: &MapView) -> String {
     for node in &map.nodes {
         let mine: Vec<usize> = (0..map.owners.len()).filter(|&b| map.owners[b] == node.id).collect();
         out.push_str(&format!("{:>4}  {:>7}  {}\n", node.id, mine.len(), ranges(&mine)));
+    }
+    out
+}
+
+/// Bytes in the largest unit that keeps a whole number in front (1.5 MiB).
+fn human_bytes(bytes: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < units.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.1} {}", units[unit])
+    }
+}
+
+/// `shoal buckets` as a table: each member's share, then the buckets asked for.
+pub fn buckets_table(view: &BucketsView) -> String {
+    let ratio = if view.balance_ratio >= 1e9 { "inf".to_string() } else { format!("{:.2}", view.balance_ratio) };
+    let mut out = format!(
+        "leader {}, map version {}, {} in {} items, fullest/emptiest {ratio}, auto balance {}\n",
+        view.leader,
+        view.map_version,
+        human_bytes(view.total_bytes),
+        view.total_items,
+        if view.auto_balance { "on" } else { "off" }
+    );
+    if !view.missing.is_empty() {
+        out.push_str(&format!("no recent report from members {:?}\n", view.missing));
+    }
+    out.push_str(&format!(
+        "{:>6}  {:>7}  {:>10}  {:>12}  {:>9}  {:>9}  {:>9}\n",
+        "NODE", "BUCKETS", "ITEMS", "BYTES", "READS/S", "WRITES/S", "REPORTED"
+    ));
+    for n in &view.nodes {
+        let ago = n.reported_ms_ago.map_or_else(|| "never".to_string(), |ms| format!("{:.1}s ago", ms as f64 / 1000.0));
+        out.push_str(&format!(
+            "{:>6}  {:>7}  {:>10}  {:>12}  {:>9.1}  {:>9.1}  {:>9}\n",
+            n.node_id,
+            n.buckets,
+            n.items,
+            human_bytes(n.bytes),
+            n.reads_per_sec,
+            n.writes_per_sec,
+            ago
+        ));
+    }
+    out.push_str(&format!(
+        "\n{:>6}  {:>6}  {:>10}  {:>12}  {:>9}  {:>9}\n",
+        "BUCKET", "OWNER", "ITEMS", "BYTES", "READS/S", "WRITES/S"
+    ));
+    for b in &view.buckets {
+        out.push_str(&format!(
+            "{:>6}  {:>6}  {:>10}  {:>12}  {:>9.1}  {:>9.1}\n",
+            b.bucket,
+            b.owner,
+            b.items,
+            human_bytes(b.bytes),
+            b.reads_per_sec,
+            b.writes_per_sec
+        ));
+    }
+    out
+}
+
+/// `shoal rebalance` as text: what moves, each member before and after, how long.
+pub fn plan_table(plan: &RebalancePlan) -> String {
+    let ratio = |r: f64| if r >= 1e9 { "inf".to_string() } else { format!("{r:.2}") };
+    let what = match plan.node_id {
+        Some(n) => format!("node {n} to the average"),
+        None => "every member".to_string(),
+    };
+    let mut out = if plan.moves.is_empty() {
+        format!("balancing {what}: nothing to move (fullest/emptiest {})\n", ratio(plan.ratio_before))
+    } else {
+        format!(
+            "balancing {what}{}: {} buckets, {} (at least {} must move), fullest/emptiest {} -> {}\n",
+            if plan.dry_run { " (dry run: nothing changed)" } else { "" },
+            plan.moves.len(),
+            human_bytes(plan.bytes_moved),
+            human_bytes(plan.lower_bound_bytes),
+            ratio(plan.ratio_before),
+            ratio(plan.ratio_after)
+        )
+    };
+    match (plan.estimated_seconds, plan.transfer_rate_bytes_per_sec) {
+        (Some(s), Some(r)) => out.push_str(&format!("about {s:.0} s at {}/s\n", human_bytes(r as u64))),
+        _ if !plan.moves.is_empty() => out.push_str("no transfer rate measured yet: no estimate\n"),
+        _ => {}
+    }
+    if let Some(v) = plan.to_version {
+        out.push_str(&format!("started: map version {v}; follow it with `shoal status`\n"));
+    }
+    out.push_str(&format!(
+        "{:>6}  {:>12}  {:>12}  {:>8}  {:>8}\n",
+        "NODE", "BYTES NOW", "BYTES AFTER", "BUCKETS", "AFTER"
+    ));
+    for n in &plan.nodes {
+        out.push_str(&format!(
+            "{:>6}  {:>12}  {:>12}  {:>8}  {:>8}\n",
+            n.node_id,
+            human_bytes(n.bytes_before),
+            human_bytes(n.bytes_after),
+            n.buckets_before,
+            n.buckets_after
+        ));
     }
     out
 }

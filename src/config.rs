@@ -36,6 +36,12 @@ pub enum Command {
     /// Show the mirrors the node reads from: alive or dead, probability, and per karma block
     /// requests, errors, latency and pings (like Manticore's SHOW AGENT STATUS).
     Agents(AgentsArgs),
+    /// Show the buckets with the most bytes (or items, reads, writes) as the leader last heard
+    /// of them, and each member's share.
+    Buckets(BucketsArgs),
+    /// Balance the map by data: every member gets nearly the same bytes (or NAME the average);
+    /// `--dry-run` shows the plan and changes nothing.
+    Rebalance(RebalanceArgs),
     /// Make a member leave the cluster (its buckets are spread over the others).
     Leave(LeaveArgs),
     /// Member commands: `shoal node leave NAME|ID`.
@@ -57,6 +63,36 @@ pub struct AgentsArgs {
     /// How many karma blocks to show per mirror, newest first (at most 15 are kept).
     #[arg(long, default_value_t = 2)]
     pub blocks: usize,
+}
+
+/// `shoal buckets`.
+#[derive(Debug, Clone, Args)]
+pub struct BucketsArgs {
+    /// The client options.
+    #[command(flatten)]
+    pub client: ClientArgs,
+    /// How many buckets to show.
+    #[arg(long, default_value_t = 20)]
+    pub top: usize,
+    /// The order: bytes, items, reads, writes or bucket.
+    #[arg(long, default_value = "bytes")]
+    pub sort: String,
+    /// Only this member's buckets (its name or id).
+    #[arg(long)]
+    pub node: Option<String>,
+}
+
+/// `shoal rebalance`.
+#[derive(Debug, Clone, Args)]
+pub struct RebalanceArgs {
+    /// Bring only this member (its name or id) to the average.
+    pub node: Option<String>,
+    /// Show the plan; change nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// The client options.
+    #[command(flatten)]
+    pub client: ClientArgs,
 }
 
 /// How `shoal serve` runs a node.
@@ -182,6 +218,16 @@ pub struct ServeConfig {
     /// statistics and dead flag current (failure-detection pings count too); `0` never.
     #[arg(long, env = "SHOAL_HA_PING_INTERVAL", default_value = "1000ms", value_parser = parse_duration)]
     pub ha_ping_interval: Duration,
+
+    /// How often every node reports its buckets' items, bytes, reads and writes per second to
+    /// the leader (`GET /v1/cluster/buckets`, balancing by data).
+    #[arg(long, env = "SHOAL_STATS_INTERVAL", default_value = "10s", value_parser = parse_duration)]
+    pub stats_interval: Duration,
+
+    /// The least time between two balancings the leader starts by itself (when
+    /// `auto_balance` is on in `PUT /v1/cluster/config`).
+    #[arg(long, env = "SHOAL_AUTO_BALANCE_INTERVAL", default_value = "10m", value_parser = parse_duration)]
+    pub auto_balance_interval: Duration,
 
     /// Buckets pulled at once during state transfer.
     #[arg(long, env = "SHOAL_TRANSFER_PARALLELISM", default_value_t = 1)]
@@ -316,6 +362,15 @@ impl ServeConfig {
         }
     }
 
+    /// How statistics and balancing run.
+    pub fn balance_config(&self) -> crate::balance::BalanceConfig {
+        crate::balance::BalanceConfig {
+            stats_interval: self.stats_interval,
+            auto_interval: self.auto_balance_interval,
+            transfer_rate: self.transfer_rate,
+        }
+    }
+
     /// How failure detection runs.
     pub fn health_config(&self) -> crate::health::HealthConfig {
         crate::health::HealthConfig { ping_interval: self.ping_interval, node_timeout: self.node_timeout }
@@ -367,6 +422,9 @@ impl ServeConfig {
             if let Some(problem) = secret.as_ref().and_then(|s| s.problem()) {
                 return Err(format!("{flag} {problem}"));
             }
+        }
+        if self.stats_interval < Duration::from_millis(100) {
+            return Err("--stats-interval must be at least 100ms".into());
         }
         if self.ha_period_karma < Duration::from_secs(1) {
             return Err("--ha-period-karma must be at least 1s".into());

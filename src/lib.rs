@@ -20,6 +20,7 @@
 //!   promotions, replicas, hand-over, drops), planned by a pure function.
 //! - [`replication`]: replicas, sync and async replication, promotion on failover.
 //! - [`health`]: ping/pong failure detection (pfail, fail by majority).
+//! - [`balance`]: bucket statistics, the leader's view of them, balancing the map by data.
 //! - [`transfer`]: state transfer: acknowledging transitions, moving buckets with their data.
 //! - [`identity`]: the node's id in its data dir.
 //! - [`join`]: the joiner's side of the join protocol.
@@ -30,6 +31,7 @@
 //! - [`bench`]: `shoal bench`, the load generator.
 
 pub mod auth;
+pub mod balance;
 pub mod bench;
 pub mod bucket;
 pub mod cache;

@@ -458,6 +458,14 @@ pub async fn start_in(
         peers.clone(),
         env.probe.clone(),
     ));
+    let balancer = crate::balance::Balancer::new(
+        control.clone(),
+        core.clone(),
+        cache.clone(),
+        progress.clone(),
+        peers.clone(),
+        config.balance_config(),
+    );
     let parts = NodeParts {
         metrics: metrics.clone(),
         progress: progress.clone(),
@@ -467,6 +475,7 @@ pub async fn start_in(
         peers: peers.clone(),
         bodies: Arc::new(crate::memory::BodyBudget::new(config.body_budget())),
         mirrors: mirrors.clone(),
+        balancer: balancer.clone(),
     };
     let api = Arc::new(NodeApi::new(control.clone(), cache.clone(), limits, parts));
     let (shutdown, _) = watch::channel(false);
@@ -510,6 +519,7 @@ pub async fn start_in(
     handle.tasks.push(tokio::spawn(metrics_upkeep(metrics.clone())));
     handle.tasks.push(tokio::spawn(replicate_evictions(core.clone())));
     handle.tasks.push(tokio::spawn(health.clone().run()));
+    handle.tasks.push(tokio::spawn(balancer.run()));
     handle.tasks.push(tokio::spawn(mirrors.ping_idle(control.clone(), peers.clone(), config.ping_interval)));
     let reconciler = Reconciler::new(crate::reconcile::Parts {
         core,

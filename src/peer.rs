@@ -9,10 +9,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use shoal_http_api::types::{ClusterView, GetOk, KeyList, MaintenanceView, NodeStats, PutOk, Removed, TransferStatus};
+use shoal_http_api::types::{
+    BucketsQuery, BucketsView, ClusterView, GetOk, KeyList, MaintenanceView, NodeStats, PutOk, RebalancePlan,
+    RebalanceRequest, Removed, TransferStatus,
+};
 use shoal_http_api::{ApiError, PutItem, Unavailable};
 use shoal_raft::{BucketId, NodeId};
 
+use crate::balance::BucketReport;
 use crate::transport::http::FORWARD_TIMEOUT;
 use crate::transport::{
     unexpected, CallError, FrameStream, PeerAnswer, PeerRequest, Ping, Pong, ReplicaAnswer, Replicate, StreamRequest,
@@ -21,6 +25,8 @@ use crate::transport::{
 
 /// How long the figures of one member may take in `GET /v1/cluster`.
 const STATS_TIMEOUT: Duration = Duration::from_secs(2);
+/// A balancing commits through Raft at the leader: the change timeout (30 s) and a margin.
+const REBALANCE_TIMEOUT: Duration = Duration::from_secs(35);
 /// How long a mirror may take to answer a read before it goes to the owner instead.
 const MIRROR_TIMEOUT: Duration = Duration::from_secs(1);
 /// How long an owner may take to install a lost bucket given back and commit that it serves again.
@@ -218,6 +224,32 @@ impl Peers {
                 Unavailable::Unavailable,
                 format!("the member at {peer_addr} did not answer ({e}): a member goes into maintenance itself, so it must run"),
             )),
+        }
+    }
+
+    /// This node's bucket statistics, to the leader's peer listener.
+    pub async fn report_buckets(&self, peer_addr: &str, report: &BucketReport) -> Result<(), CallError> {
+        let request = PeerRequest::ReportBuckets(Box::new(report.clone()));
+        match self.transport.call(peer_addr, request, STATS_TIMEOUT).await? {
+            PeerAnswer::Reported => Ok(()),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// The leader's view of the buckets.
+    pub async fn buckets(&self, peer_addr: &str, query: BucketsQuery) -> Result<BucketsView, CallError> {
+        match self.transport.call(peer_addr, PeerRequest::Buckets(query), STATS_TIMEOUT).await? {
+            PeerAnswer::Buckets(view) => Ok(*view),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// A balancing, planned (and unless a dry run, started) by the leader: it commits
+    /// through Raft, so it may take the control plane's change timeout.
+    pub async fn rebalance(&self, peer_addr: &str, request: RebalanceRequest) -> Result<RebalancePlan, CallError> {
+        match self.transport.call(peer_addr, PeerRequest::Rebalance(request), REBALANCE_TIMEOUT).await? {
+            PeerAnswer::Rebalance(plan) => Ok(*plan),
+            other => Err(unexpected(&other)),
         }
     }
 

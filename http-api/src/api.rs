@@ -9,8 +9,9 @@ use shoal_raft::NodeId;
 
 use crate::error::ApiError;
 use crate::types::{
-    AgentsView, Check, ClearLost, ClusterConfig, ClusterView, GetOk, KeyList, LeaveOk, LostCleared, MaintenanceView,
-    MapView, NodeStats, PutOk, PutOptions, Removed, RouteContext, Scope, TransferView,
+    AgentsView, BucketsQuery, BucketsView, Check, ClearLost, ClusterConfig, ClusterView, GetOk, KeyList, LeaveOk,
+    LostCleared, MaintenanceView, MapView, NodeStats, PutOk, PutOptions, RebalancePlan, RebalanceRequest, Removed,
+    RouteContext, Scope, TransferView,
 };
 
 /// A validated write of one item (from `PUT /v1/kv/{key}` or one entry of a bulk put).
@@ -156,6 +157,13 @@ pub trait ShoalApi: Send + Sync + 'static {
 
     /// Acknowledges lost buckets: they serve (empty) again.
     fn clear_lost(&self, clear: ClearLost) -> impl Future<Output = Result<LostCleared, ApiError>> + Send;
+
+    /// `GET /v1/cluster/buckets`: the leader's view of the buckets (a member asks the leader).
+    fn buckets(&self, query: BucketsQuery) -> impl Future<Output = Result<BucketsView, ApiError>> + Send;
+
+    /// `POST /v1/cluster/rebalance`: a map balanced by data, planned (and unless a dry run,
+    /// started) by the leader.
+    fn rebalance(&self, request: RebalanceRequest) -> impl Future<Output = Result<RebalancePlan, ApiError>> + Send;
 
     /// `GET /v1/cluster/agents`: the mirrors this node reads from.
     fn agents(&self) -> AgentsView;

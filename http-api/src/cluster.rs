@@ -1,5 +1,6 @@
-//! Cluster and health routes: `/v1/cluster`, `/v1/cluster/map`, `/v1/cluster/nodes/{id}/leave`,
-//! `/v1/cluster/nodes/{id}/maintenance`, `/v1/node`, `/livez`, `/readyz`, `/metrics`.
+//! Cluster and health routes: `/v1/cluster`, `/v1/cluster/map`, `/v1/cluster/buckets`,
+//! `/v1/cluster/rebalance`, `/v1/cluster/nodes/{id}/leave`, `/v1/cluster/nodes/{id}/maintenance`,
+//! `/v1/node`, `/livez`, `/readyz`, `/metrics`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,7 +15,7 @@ use shoal_raft::NodeId;
 use crate::api::ShoalApi;
 use crate::error::ApiError;
 use crate::kv::{flag, query};
-use crate::types::{ClearLost, ClusterConfig, MaintenanceRequest};
+use crate::types::{BucketSort, BucketsQuery, ClearLost, ClusterConfig, MaintenanceRequest, RebalanceRequest};
 
 pub(crate) async fn cluster<N: ShoalApi>(State(node): State<Arc<N>>) -> Response {
     match node.cluster().await {
@@ -39,6 +40,80 @@ pub(crate) async fn transfer<N: ShoalApi>(State(node): State<Arc<N>>) -> Respons
 
 pub(crate) async fn agents<N: ShoalApi>(State(node): State<Arc<N>>) -> Response {
     Json(node.agents()).into_response()
+}
+
+/// Query of `GET /v1/cluster/buckets`.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct BucketsParams {
+    sort: Option<String>,
+    limit: Option<String>,
+    node: Option<String>,
+}
+
+/// The most buckets `GET /v1/cluster/buckets` lists without `limit`: all of them.
+pub const BUCKETS_DEFAULT_LIMIT: usize = shoal_raft::BUCKET_COUNT;
+
+fn buckets_query(p: BucketsParams) -> Result<BucketsQuery, ApiError> {
+    let sort = match p.sort.as_deref() {
+        None | Some("bytes") => BucketSort::Bytes,
+        Some("items") => BucketSort::Items,
+        Some("reads") => BucketSort::Reads,
+        Some("writes") => BucketSort::Writes,
+        Some("bucket") => BucketSort::Bucket,
+        Some(other) => {
+            return Err(ApiError::BadRequest(format!(
+                "sort must be bytes, items, reads, writes or bucket, not {other:?}"
+            )))
+        }
+    };
+    let limit = match p.limit.as_deref() {
+        None => BUCKETS_DEFAULT_LIMIT,
+        Some(text) => crate::kv::number("limit", text)?,
+    };
+    let node = p.node.as_deref().map(|n| crate::kv::number("node", n)).transpose()?;
+    Ok(BucketsQuery { sort, limit, node })
+}
+
+pub(crate) async fn buckets<N: ShoalApi>(
+    State(node): State<Arc<N>>,
+    q: Result<Query<BucketsParams>, QueryRejection>,
+) -> Response {
+    let asked = match query(q).and_then(buckets_query) {
+        Ok(a) => a,
+        Err(e) => return e.into_response(),
+    };
+    match node.buckets(asked).await {
+        Ok(view) => Json(view).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Query of `POST /v1/cluster/rebalance`.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RebalanceParams {
+    node: Option<String>,
+    dry_run: Option<String>,
+}
+
+pub(crate) async fn rebalance<N: ShoalApi>(
+    State(node): State<Arc<N>>,
+    q: Result<Query<RebalanceParams>, QueryRejection>,
+) -> Response {
+    let asked = query(q).and_then(|p| {
+        let dry_run = flag("dry_run", p.dry_run.as_deref())?;
+        let node = p.node.as_deref().map(|n| crate::kv::number("node", n)).transpose()?;
+        Ok(RebalanceRequest { node, dry_run })
+    });
+    let asked = match asked {
+        Ok(a) => a,
+        Err(e) => return e.into_response(),
+    };
+    match node.rebalance(asked).await {
+        Ok(plan) => Json(plan).into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 pub(crate) async fn node_stats<N: ShoalApi>(State(node): State<Arc<N>>) -> Response {
@@ -154,6 +229,9 @@ pub(crate) async fn set_config<N: ShoalApi>(State(node): State<Arc<N>>, body: ax
         Ok(b) => b,
         Err(e) => return e.into_response(),
     };
+    if config == ClusterConfig::default() {
+        return ApiError::BadRequest("name a setting to change: replication or auto_balance".into()).into_response();
+    }
     match node.set_config(config).await {
         Ok(ok) => Json(ok).into_response(),
         Err(e) => e.into_response(),

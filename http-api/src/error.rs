@@ -74,11 +74,14 @@ pub enum Unavailable {
     /// A mirror read reached a replica copy that is not fresh enough (not attached, moving,
     /// or further behind than the read allows); the sender reads at the owner instead.
     ReplicaNotFresh,
+    /// The leader has no recent bucket statistics from every member yet (a new leader, or a
+    /// member that has not reported); they arrive every `--stats-interval`.
+    StatsPending,
 }
 
 impl Unavailable {
     /// Every code, for documentation and tests.
-    pub const ALL: [Unavailable; 18] = [
+    pub const ALL: [Unavailable; 19] = [
         Unavailable::NoLeader,
         Unavailable::NotReady,
         Unavailable::Starting,
@@ -97,6 +100,7 @@ impl Unavailable {
         Unavailable::Expired,
         Unavailable::Overloaded,
         Unavailable::ReplicaNotFresh,
+        Unavailable::StatsPending,
     ];
 
     /// The stable machine code.
@@ -120,6 +124,7 @@ impl Unavailable {
             Unavailable::Expired => "expired",
             Unavailable::Overloaded => "overloaded",
             Unavailable::ReplicaNotFresh => "replica_not_fresh",
+            Unavailable::StatsPending => "stats_pending",
         }
     }
 }

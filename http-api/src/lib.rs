@@ -78,6 +78,8 @@ pub fn router<N: ShoalApi>(node: Arc<N>) -> Router {
         .route("/v1/cluster/map", get(cluster::map::<N>))
         .route("/v1/cluster/transfer", get(cluster::transfer::<N>))
         .route("/v1/cluster/agents", get(cluster::agents::<N>))
+        .route("/v1/cluster/buckets", get(cluster::buckets::<N>))
+        .route("/v1/cluster/rebalance", post(cluster::rebalance::<N>))
         .route("/v1/cluster/nodes/{id}/leave", post(cluster::leave::<N>))
         .route(
             "/v1/cluster/nodes/{id}/maintenance",

@@ -25,13 +25,14 @@ use crate::types::*;
     ),
     paths(
         get_key, put_key, delete_key, list_keys, bulk_get, bulk_put, bulk_delete, get_tag, delete_tag,
-        cluster, cluster_map, cluster_transfer, cluster_agents, leave, enter_maintenance, end_maintenance, set_config, clear_lost, node, livez, readyz, metrics, openapi
+        cluster, cluster_map, cluster_transfer, cluster_agents, cluster_buckets, rebalance, leave, enter_maintenance, end_maintenance, set_config, clear_lost, node, livez, readyz, metrics, openapi
     ),
     components(schemas(
         Problem, PutOk, BulkKeys, BulkPut, BulkPutItem, BulkResults, KeyResult, KeyError, KeyList, FoundKey,
         NodeFailure, Removed, ClusterView, MemberView, TransitionView, TransferSummary, TransferView, TransferStatus, MapView, MapNode, NodeStats, LeaveOk,
         PeerHealth, ReplicationView, ClusterConfig, ClearLost, LostCleared, MaintenanceRequest, MaintenanceView,
-        AgentsView, AgentView, KarmaBlockView, AgentErrors, ReadFrom
+        AgentsView, AgentView, KarmaBlockView, AgentErrors, ReadFrom, BucketsView, NodeLoad, BucketFigures,
+        RebalancePlan, PlannedMove, NodeBalance, BucketSort
     )),
     tags(
         (name = "keys", description = "Key operations, served by the owner of the key's bucket (any node forwards)"),
@@ -301,6 +302,29 @@ fn cluster_transfer() {}
 #[utoipa::path(get, path = "/v1/cluster/agents", tag = "cluster", summary = "The mirrors this node reads from (agent status)",
     responses((status = 200, description = "Per member: alive or dead, probability, and the counters of the kept karma blocks", body = AgentsView)))]
 fn cluster_agents() {}
+
+#[utoipa::path(get, path = "/v1/cluster/buckets", tag = "cluster", summary = "Every bucket's items, bytes, reads and writes (the leader's view)",
+    description = "Members report their buckets' figures to the leader every `--stats-interval`; any member answers by asking the leader.",
+    params(("sort" = Option<BucketSort>, Query, description = "bytes (default), items, reads, writes or bucket"),
+           ("limit" = Option<usize>, Query, description = "At most this many buckets (default: all)"),
+           ("node" = Option<u64>, Query, description = "Only this member's buckets")),
+    responses((status = 200, description = "Per member and per bucket", body = BucketsView),
+              (status = 400, description = "bad_request: unknown sort, bad limit or node", body = Problem, content_type = "application/problem+json"),
+              (status = 503, description = "no_leader or unavailable", body = Problem, content_type = "application/problem+json")))]
+fn cluster_buckets() {}
+
+#[utoipa::path(post, path = "/v1/cluster/rebalance", tag = "cluster", summary = "Balance the map by data (or plan it)",
+    description = "The leader plans a map in which every member holds nearly the same bytes (or, with `node`, in which that member holds the average), \
+                   moving as few bytes as possible, from the members' last bucket statistics. With `dry_run=true` it answers the plan and changes nothing; \
+                   otherwise the plan goes through a transition and state transfer like a join.",
+    params(("node" = Option<u64>, Query, description = "Bring only this member to the average"),
+           ("dry_run" = Option<bool>, Query, description = "Plan only")),
+    responses((status = 200, description = "The plan (and the map version it goes to)", body = RebalancePlan),
+              (status = 400, description = "bad_request", body = Problem, content_type = "application/problem+json"),
+              (status = 404, description = "unknown_resource: not a member", body = Problem, content_type = "application/problem+json"),
+              (status = 409, description = "membership_change_in_progress (a transition, transfer or maintenance runs) or conflict (the map changed meanwhile)", body = Problem, content_type = "application/problem+json"),
+              (status = 503, description = "stats_pending: a member has not reported yet; no_leader", body = Problem, content_type = "application/problem+json")))]
+fn rebalance() {}
 
 #[utoipa::path(post, path = "/v1/cluster/nodes/{id}/leave", tag = "cluster", summary = "Make a member leave",
     params(("id" = u64, Path, description = "The member's id"),

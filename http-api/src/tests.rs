@@ -175,10 +175,53 @@ impl ShoalApi for FakeNode {
     }
 
     async fn set_config(&self, config: ClusterConfig) -> Result<ClusterConfig, ApiError> {
-        match config.replication.as_str() {
-            "sync" | "async" => Ok(config),
-            other => Err(ApiError::BadRequest(format!("unknown replication mode {other:?}"))),
+        match config.replication.as_deref() {
+            None | Some("sync") | Some("async") => Ok(config),
+            Some(other) => Err(ApiError::BadRequest(format!("unknown replication mode {other:?}"))),
         }
+    }
+
+    async fn buckets(&self, query: BucketsQuery) -> Result<BucketsView, ApiError> {
+        let figures = |b: u16| BucketFigures {
+            bucket: b,
+            owner: ME,
+            items: 1,
+            bytes: u64::from(b),
+            reads_per_sec: 0.0,
+            writes_per_sec: 0.0,
+        };
+        Ok(BucketsView {
+            leader: ME,
+            map_version: 1,
+            stats_interval_ms: 10_000,
+            balance_ratio: 1.0,
+            auto_balance: false,
+            total_items: 3,
+            total_bytes: 3,
+            nodes: Vec::new(),
+            missing: Vec::new(),
+            buckets: (0..3).map(figures).take(query.limit).collect(),
+        })
+    }
+
+    async fn rebalance(&self, request: RebalanceRequest) -> Result<RebalancePlan, ApiError> {
+        if request.node.is_some_and(|n| n != ME) {
+            return Err(ApiError::UnknownResource("not a member".into()));
+        }
+        Ok(RebalancePlan {
+            dry_run: request.dry_run,
+            node_id: request.node,
+            map_version: 1,
+            to_version: None,
+            moves: Vec::new(),
+            bytes_moved: 0,
+            lower_bound_bytes: 0,
+            nodes: Vec::new(),
+            ratio_before: 1.0,
+            ratio_after: 1.0,
+            transfer_rate_bytes_per_sec: None,
+            estimated_seconds: None,
+        })
     }
 
     async fn clear_lost(&self, clear: ClearLost) -> Result<LostCleared, ApiError> {

@@ -430,13 +430,177 @@ pub struct ReplicationView {
     pub replica_bytes: u64,
 }
 
-/// Body of `PUT /v1/cluster/config`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+/// Body of `PUT /v1/cluster/config`: the settings to change (at least one); the answer has
+/// every setting as it is now.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ClusterConfig {
     /// `sync` or `async`.
     #[schema(pattern = "^(sync|async)$")]
-    pub replication: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replication: Option<String>,
+    /// Whether the leader balances the map by data by itself when the fullest member holds
+    /// more than 1.5 times what the emptiest holds (at most once per
+    /// `--auto-balance-interval`, never during a transfer). Off by default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auto_balance: Option<bool>,
+}
+
+/// `GET /v1/cluster/buckets`: the leader's view of every bucket's figures, as the members
+/// last reported them (every `--stats-interval`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct BucketsView {
+    /// The leader that answered.
+    pub leader: NodeId,
+    /// The serving map's version.
+    pub map_version: u64,
+    /// How often members report, in milliseconds.
+    pub stats_interval_ms: u64,
+    /// Bytes of the fullest member over the emptiest's (1.0: balanced or no data).
+    pub balance_ratio: f64,
+    /// Whether the leader balances by itself (`auto_balance`).
+    pub auto_balance: bool,
+    /// Items and bytes of all reported buckets.
+    pub total_items: u64,
+    /// Bytes of all reported buckets.
+    pub total_bytes: u64,
+    /// Per member: what it owns and when it last reported.
+    pub nodes: Vec<NodeLoad>,
+    /// Members without a report younger than three intervals (a plan waits for them).
+    pub missing: Vec<NodeId>,
+    /// The buckets, in the order asked for (`sort`), at most `limit` of them.
+    pub buckets: Vec<BucketFigures>,
+}
+
+/// One member in [`BucketsView`] and [`RebalancePlan`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct NodeLoad {
+    /// The member.
+    pub node_id: NodeId,
+    /// Buckets it owns.
+    pub buckets: usize,
+    /// Items in them.
+    pub items: u64,
+    /// Bytes in them.
+    pub bytes: u64,
+    /// Reads per second of its buckets, over the last interval.
+    pub reads_per_sec: f64,
+    /// Writes per second.
+    pub writes_per_sec: f64,
+    /// Milliseconds since its last report; absent if none came.
+    pub reported_ms_ago: Option<u64>,
+}
+
+/// One bucket's figures, as its owner reported them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct BucketFigures {
+    /// The bucket.
+    pub bucket: u16,
+    /// Its owner.
+    pub owner: NodeId,
+    /// Items.
+    pub items: u64,
+    /// Charged bytes (keys, values, tags and per-item overhead).
+    pub bytes: u64,
+    /// Reads per second, over the owner's last interval.
+    pub reads_per_sec: f64,
+    /// Writes per second.
+    pub writes_per_sec: f64,
+}
+
+/// `POST /v1/cluster/rebalance`: the plan, and with `dry_run` nothing else.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct RebalancePlan {
+    /// Only planned (`dry_run=true`): nothing changed.
+    pub dry_run: bool,
+    /// The member brought to the average (`node=`); absent: every member.
+    pub node_id: Option<NodeId>,
+    /// The serving map the plan was made on.
+    pub map_version: u64,
+    /// The map the transition goes to (absent for a dry run, or when nothing moves).
+    pub to_version: Option<u64>,
+    /// Buckets that move, with their bytes.
+    pub moves: Vec<PlannedMove>,
+    /// Bytes that move.
+    pub bytes_moved: u64,
+    /// The least bytes any plan reaching the tolerance (5% of the average) must move.
+    pub lower_bound_bytes: u64,
+    /// Each member before and after.
+    pub nodes: Vec<NodeBalance>,
+    /// Fullest over emptiest member, in bytes, before.
+    pub ratio_before: f64,
+    /// And after.
+    pub ratio_after: f64,
+    /// The transfer rate the estimate uses: the slowest rate members measured in their
+    /// last transfer, capped by `--transfer-rate`; absent when none was measured yet.
+    pub transfer_rate_bytes_per_sec: Option<f64>,
+    /// `bytes_moved` at that rate, in seconds.
+    pub estimated_seconds: Option<f64>,
+}
+
+/// A bucket a [`RebalancePlan`] moves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct PlannedMove {
+    /// The bucket.
+    pub bucket: u16,
+    /// Its owner now.
+    pub from: NodeId,
+    /// Its owner after.
+    pub to: NodeId,
+    /// Its bytes.
+    pub bytes: u64,
+}
+
+/// A member in a [`RebalancePlan`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct NodeBalance {
+    /// The member.
+    pub node_id: NodeId,
+    /// Bytes it owns now.
+    pub bytes_before: u64,
+    /// After the plan.
+    pub bytes_after: u64,
+    /// Buckets it owns now.
+    pub buckets_before: usize,
+    /// After the plan.
+    pub buckets_after: usize,
+}
+
+/// How `GET /v1/cluster/buckets` orders buckets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum BucketSort {
+    /// Largest first.
+    #[default]
+    Bytes,
+    /// Most items first.
+    Items,
+    /// Most reads per second first.
+    Reads,
+    /// Most writes per second first.
+    Writes,
+    /// By bucket number.
+    Bucket,
+}
+
+/// What `GET /v1/cluster/buckets` asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BucketsQuery {
+    /// The order.
+    pub sort: BucketSort,
+    /// At most this many buckets.
+    pub limit: usize,
+    /// Only this member's buckets.
+    pub node: Option<NodeId>,
+}
+
+/// What `POST /v1/cluster/rebalance` asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RebalanceRequest {
+    /// Bring only this member to the average.
+    pub node: Option<NodeId>,
+    /// Plan only.
+    pub dry_run: bool,
 }
 
 /// Body of `POST /v1/cluster/lost/clear`.

@@ -38,6 +38,21 @@ pub enum ClusterCommand {
         /// The new mode.
         mode: ReplicationMode,
     },
+    /// Turns automatic balancing by data on or off.
+    SetAutoBalance {
+        /// On or off.
+        enabled: bool,
+    },
+    /// Starts a transition to a map balanced by data, planned by the leader from the
+    /// members' bucket statistics on the serving map of `from_version`. Refused unless that
+    /// is still the serving map, no transition, transfer or maintenance runs, and every
+    /// owner is a member that stays.
+    Rebalance {
+        /// The serving map's version the plan was made on.
+        from_version: u64,
+        /// The new owner of every bucket.
+        owners: Vec<NodeId>,
+    },
     /// A majority of the members reported `node_id` unreachable: it is failed. Its buckets are
     /// served at once by the member holding its replica (promotion), its id is never used
     /// again, and a transition rebalances the map without it.

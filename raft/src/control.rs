@@ -409,6 +409,21 @@ impl ControlPlane {
                 self.write(ClusterCommand::SetReplication { mode }).await?;
                 Ok(AdminResponse::Done)
             }
+            AdminRequest::SetAutoBalance { enabled } => {
+                self.write(ClusterCommand::SetAutoBalance { enabled }).await?;
+                Ok(AdminResponse::Done)
+            }
+            AdminRequest::Rebalance { from_version, owners } => {
+                // One membership change at a time: a join, leave or failure does not interleave.
+                let _guard = self.lock_membership().await?;
+                match self.write(ClusterCommand::Rebalance { from_version, owners }).await? {
+                    CommandResponse::MapChanged { map_version } => {
+                        tracing::info!(from_version, map_version, "balancing by data: a transition starts");
+                        Ok(AdminResponse::Moved { map_version })
+                    }
+                    other => Err(unexpected(other)),
+                }
+            }
             AdminRequest::HandOver { node_id, heir } => {
                 match self.write(ClusterCommand::HandOver { node_id, heir }).await? {
                     CommandResponse::MapChanged { map_version } => Ok(AdminResponse::Moved { map_version }),

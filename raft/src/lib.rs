@@ -40,7 +40,10 @@ mod storage_suite;
 
 pub use command::{ClusterCommand, CommandResponse};
 pub use control::{ControlConfig, ControlPlane, Storage};
-pub use distribution::{bucket_of, BucketId, DistributionMap, NodeId, BUCKET_COUNT};
+pub use distribution::{
+    balance, balance_lower_bound, balance_node, balance_ratio, bucket_of, loads, moves_between, BalanceMove, BucketId,
+    DistributionMap, NodeId, BALANCE_TOLERANCE, BUCKET_COUNT,
+};
 pub use error::ControlError;
 pub use network::{
     AdminClient, AdminRequest, AdminResponse, BoxFuture, ControlRpc, ControlTransport, LostBucket, MemberStatus,

@@ -211,6 +211,7 @@ pub struct BucketCore {
     replicator: Arc<Replicator>,
     peers: Peers,
     probe: Option<Arc<dyn Probe>>,
+    activity: crate::balance::BucketActivity,
 }
 
 impl BucketCore {
@@ -224,12 +225,18 @@ impl BucketCore {
         peers: Peers,
         probe: Option<Arc<dyn Probe>>,
     ) -> Self {
-        BucketCore { me: control.node_id(), control, store, facts, health, replicator, peers, probe }
+        let activity = crate::balance::BucketActivity::default();
+        BucketCore { me: control.node_id(), control, store, facts, health, replicator, peers, probe, activity }
     }
 
     /// This node's facts about its buckets.
     pub fn facts(&self) -> &Arc<LocalFacts> {
         &self.facts
+    }
+
+    /// Reads and writes of each bucket served here, for the bucket statistics.
+    pub fn activity(&self) -> &crate::balance::BucketActivity {
+        &self.activity
     }
 
     /// What sees acknowledged writes and emptied buckets (the simulation).

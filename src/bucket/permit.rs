@@ -60,6 +60,7 @@ impl<'a> WritePermit<'a> {
     pub fn put(&mut self, write: &Write<'_>) -> Result<u64, DataError> {
         let store = &self.core.store;
         let bucket = self.plan.bucket;
+        self.core.activity.wrote(bucket);
         if !self.plan.has_copies() {
             return store.put(bucket, write).map_err(DataError::from);
         }
@@ -76,6 +77,7 @@ impl<'a> WritePermit<'a> {
     pub fn delete(&mut self, key: &[u8], expected: Option<u64>) -> Result<bool, DataError> {
         let store = &self.core.store;
         let bucket = self.plan.bucket;
+        self.core.activity.wrote(bucket);
         if !self.plan.has_copies() {
             return store.delete(bucket, key, expected).map_err(DataError::from);
         }

@@ -1,8 +1,8 @@
 //! Random histories of the replicated state, for the property tests of the bucket core and
 //! the reconciler: every state is reached by `ClusterState::apply` from a bootstrap, through
 //! joins, leaves, transitions, bucket moves and aborts, failures, hand-overs, promotion
-//! reports, replica moves and maintenance, as the control plane would commit them (commands the state refuses change
-//! nothing, as in Raft).
+//! reports, replica moves, maintenance and balancing by data, as the control plane would
+//! commit them (commands the state refuses change nothing, as in Raft).
 
 use proptest::prelude::*;
 use shoal_raft::{BucketId, ClusterCommand, ClusterState, NodeId, ReplicationMode};
@@ -36,6 +36,9 @@ pub enum Step {
     Return,
     /// The maintenance ends before the member is back (an operator, or its time ran out).
     EndMaintenance,
+    /// A map balanced by data: every bucket whose number this picks (modulo 7) goes to
+    /// another member that stays.
+    Rebalance(u64),
 }
 
 /// A strategy for steps.
@@ -54,6 +57,7 @@ pub fn step() -> impl Strategy<Value = Step> {
         1 => Just(Step::Away),
         1 => Just(Step::Return),
         1 => Just(Step::EndMaintenance),
+        1 => any::<u64>().prop_map(Step::Rebalance),
     ]
 }
 
@@ -164,6 +168,18 @@ pub fn apply(s: &mut ClusterState, step: &Step) {
         Step::EndMaintenance => {
             if let Some(m) = s.maintenance.clone() {
                 s.apply(&ClusterCommand::EndMaintenance { node_id: m.node, reason: "test".into() });
+            }
+        }
+        Step::Rebalance(seed) => {
+            let stay = s.active_ids();
+            if stay.len() > 1 && !s.map.is_empty() {
+                let mut owners = s.map.owners.clone();
+                for (b, owner) in owners.iter_mut().enumerate() {
+                    if (b as u64 ^ seed) % 7 == 0 {
+                        *owner = stay[(b + *seed as usize % stay.len()) % stay.len()];
+                    }
+                }
+                s.apply(&ClusterCommand::Rebalance { from_version: s.map.version, owners });
             }
         }
     }

@@ -5,14 +5,18 @@ use std::time::Duration;
 
 use futures::future::join_all;
 use shoal_http_api::types::{
-    Check, ClearLost, ClusterConfig, ClusterView, LeaveOk, LostCleared, MaintenanceView, MapNode, MapView, MemberView,
-    NodeFailure, NodeStats, ReplicationView, TransferSummary, TransferView, TransitionView,
+    BucketsQuery, BucketsView, Check, ClearLost, ClusterConfig, ClusterView, LeaveOk, LostCleared, MaintenanceView,
+    MapNode, MapView, MemberView, NodeFailure, NodeStats, RebalancePlan, RebalanceRequest, ReplicationView,
+    TransferSummary, TransferView, TransitionView,
 };
 use shoal_http_api::{ApiError, Unavailable};
 use shoal_raft::{AdminRequest, AdminResponse, ClusterState, ControlError, NodeId, ReplicationMode};
 
 use super::NodeApi;
+use crate::balance::plan::Refusal;
+use crate::balance::BalanceError;
 use crate::maintenance::{EnterError, HandOff};
+use crate::transport::CallError;
 use shoal_raft::state::MaintenanceRefusal;
 
 impl NodeApi {
@@ -272,7 +276,7 @@ impl NodeApi {
         g.raft_last_log_index.set(raft.last_log_index.unwrap_or(0) as f64);
         g.raft_applied_index.set(raft.last_applied.map(|l| l.index).unwrap_or(0) as f64);
         g.raft_commit_index.set(self.control.commit_index() as f64);
-        g.balance_ratio.set(balance_ratio(&state));
+        g.balance_ratio.set(self.balancer.balance_ratio());
         g.raft_storage_bytes.set(self.control.storage_bytes() as f64);
         let replica = self.replicator.replica().stats();
         g.replica_items.set(replica.items as f64);
@@ -317,12 +321,45 @@ impl NodeApi {
     }
 
     pub(super) async fn change_config(&self, config: ClusterConfig) -> Result<ClusterConfig, ApiError> {
-        let mode: ReplicationMode = config.replication.parse().map_err(|_| {
-            ApiError::BadRequest(format!("replication must be sync or async, not {:?}", config.replication))
-        })?;
-        self.control.admin(AdminRequest::SetReplication { mode }).await.map_err(control_error)?;
-        self.control.wait_for_state(Duration::from_secs(5), |s| s.settings.replication == mode).await;
-        Ok(ClusterConfig { replication: mode.to_string() })
+        let mode: Option<ReplicationMode> = config
+            .replication
+            .as_deref()
+            .map(|r| {
+                r.parse().map_err(|_| ApiError::BadRequest(format!("replication must be sync or async, not {r:?}")))
+            })
+            .transpose()?;
+        if let Some(mode) = mode {
+            self.control.admin(AdminRequest::SetReplication { mode }).await.map_err(control_error)?;
+        }
+        if let Some(enabled) = config.auto_balance {
+            self.control.admin(AdminRequest::SetAutoBalance { enabled }).await.map_err(control_error)?;
+        }
+        self.control
+            .wait_for_state(Duration::from_secs(5), |s| {
+                mode.is_none_or(|m| s.settings.replication == m)
+                    && config.auto_balance.is_none_or(|a| s.settings.auto_balance == a)
+            })
+            .await;
+        let settings = self.control.state().settings.clone();
+        Ok(ClusterConfig {
+            replication: Some(settings.replication.to_string()),
+            auto_balance: Some(settings.auto_balance),
+        })
+    }
+
+    /// Keeps a member's bucket statistics (the leader's side of the report).
+    pub fn receive_bucket_report(&self, report: crate::balance::BucketReport) {
+        self.balancer.receive(report);
+    }
+
+    /// The leader's view of the buckets, asked by another member.
+    pub fn buckets_here(&self, query: BucketsQuery) -> Result<BucketsView, ApiError> {
+        self.balancer.buckets_here(query).map_err(balance_error)
+    }
+
+    /// A balancing asked of the leader by another member.
+    pub async fn rebalance_here(&self, request: RebalanceRequest) -> Result<RebalancePlan, ApiError> {
+        self.balancer.rebalance_here(request).await.map_err(balance_error)
     }
 
     pub(super) async fn acknowledge_lost(&self, clear: ClearLost) -> Result<LostCleared, ApiError> {
@@ -345,15 +382,26 @@ impl NodeApi {
     }
 }
 
-/// Buckets of the member that owns the most, over an even share: 1.0 when balanced, 0 with
-/// no members.
-fn balance_ratio(state: &ClusterState) -> f64 {
-    let owners: Vec<NodeId> = state.members.iter().filter(|m| !m.leaving).map(|m| m.id).collect();
-    if owners.is_empty() {
-        return 0.0;
+/// Why a bucket view or a balancing was not had, as the client sees it; a leader's answer
+/// keeps its status and code.
+pub(super) fn balance_error(e: BalanceError) -> ApiError {
+    match e {
+        BalanceError::Refused(Refusal::Busy(reason)) => ApiError::MembershipChangeInProgress(reason),
+        BalanceError::Refused(Refusal::NotMember(id)) => {
+            ApiError::UnknownResource(format!("node {id} is not a member that stays"))
+        }
+        BalanceError::Refused(Refusal::StatsPending(missing)) => ApiError::unavailable(
+            Unavailable::StatsPending,
+            format!("no recent bucket statistics from members {missing:?} yet: they report every --stats-interval"),
+        ),
+        BalanceError::NotLeader => ApiError::unavailable(Unavailable::NoLeader, "this node is no longer the leader"),
+        BalanceError::NoLeader => ApiError::unavailable(Unavailable::NoLeader, "no leader is known"),
+        BalanceError::Control(e) => control_error(e),
+        BalanceError::Call(CallError::Api(e)) => e,
+        BalanceError::Call(e) => {
+            ApiError::unavailable(Unavailable::Unavailable, format!("the leader did not answer: {e}"))
+        }
     }
-    let most = owners.iter().map(|&id| state.map.buckets_of(id).len()).max().unwrap_or(0);
-    most as f64 / (shoal_raft::BUCKET_COUNT as f64 / owners.len() as f64)
 }
 
 fn control_error(e: ControlError) -> ApiError {

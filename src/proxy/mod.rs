@@ -33,8 +33,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use shoal_http_api::types::{
-    AgentsView, Check, ClearLost, ClusterConfig, ClusterView, GetOk, KeyList, LeaveOk, LostCleared, MaintenanceView,
-    MapView, NodeStats, PutOk, ReadFrom, Removed, RouteContext, Scope, TransferView, WriteCondition,
+    AgentsView, BucketsQuery, BucketsView, Check, ClearLost, ClusterConfig, ClusterView, GetOk, KeyList, LeaveOk,
+    LostCleared, MaintenanceView, MapView, NodeStats, PutOk, ReadFrom, RebalancePlan, RebalanceRequest, Removed,
+    RouteContext, Scope, TransferView, WriteCondition,
 };
 use shoal_http_api::{ApiError, Limits, PutItem, ShoalApi};
 use shoal_raft::{bucket_of, BucketId, ClusterState, ControlPlane, NodeId};
@@ -90,6 +91,8 @@ pub struct NodeParts {
     pub bodies: Arc<crate::memory::BodyBudget>,
     /// Mirror choice and statistics.
     pub mirrors: Arc<Mirrors>,
+    /// Bucket statistics and balancing by data.
+    pub balancer: Arc<crate::balance::Balancer>,
 }
 
 /// The node's implementation of the public API.
@@ -106,6 +109,7 @@ pub struct NodeApi {
     health: Arc<Health>,
     bodies: Arc<crate::memory::BodyBudget>,
     mirrors: Arc<Mirrors>,
+    balancer: Arc<crate::balance::Balancer>,
 }
 
 /// How a request reached this node, as the bucket core sees it.
@@ -164,6 +168,7 @@ impl NodeApi {
             health: parts.health,
             bodies: parts.bodies,
             mirrors: parts.mirrors,
+            balancer: parts.balancer,
         }
     }
 
@@ -273,6 +278,7 @@ impl NodeApi {
         if let Some(probe) = self.core.probe() {
             probe.served(self.node_id, bucket, self.control.state().epoch_of(bucket));
         }
+        self.core.activity().read(bucket);
         match self.cache.get(bucket, key.as_bytes()) {
             Some(item) => {
                 self.metrics.hits.increment(1);
@@ -585,6 +591,14 @@ impl ShoalApi for NodeApi {
 
     async fn clear_lost(&self, clear: ClearLost) -> Result<LostCleared, ApiError> {
         self.acknowledge_lost(clear).await
+    }
+
+    async fn buckets(&self, query: BucketsQuery) -> Result<BucketsView, ApiError> {
+        self.balancer.buckets(query).await.map_err(admin::balance_error)
+    }
+
+    async fn rebalance(&self, request: RebalanceRequest) -> Result<RebalancePlan, ApiError> {
+        self.balancer.rebalance(request).await.map_err(admin::balance_error)
     }
 
     fn agents(&self) -> AgentsView {

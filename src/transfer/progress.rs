@@ -6,6 +6,9 @@ use tokio::time::Instant;
 use parking_lot::Mutex;
 use shoal_http_api::types::TransferStatus;
 
+/// A round that received less than this says little about the transfer rate.
+const MEASURABLE_BYTES: u64 = 1 << 20;
+
 /// Progress counters, shared by the puller, the exporter and the status endpoint.
 #[derive(Debug)]
 pub struct Progress {
@@ -32,6 +35,8 @@ struct Counters {
     last_activity: Instant,
     /// Whether a round of pulls is running.
     active: bool,
+    /// Bytes per second of the last round that moved enough to tell (a mebibyte or more).
+    last_rate: Option<f64>,
 }
 
 impl Default for Progress {
@@ -47,6 +52,7 @@ impl Default for Progress {
                 round_started: None,
                 last_activity: Instant::now(),
                 active: false,
+                last_rate: None,
             }),
         }
     }
@@ -66,7 +72,17 @@ impl Progress {
 
     /// The round is over (nothing left to pull).
     pub fn end_round(&self) {
-        self.inner.lock().active = false;
+        let mut c = self.inner.lock();
+        c.active = false;
+        let elapsed = c.round_started.map(|s| s.elapsed().as_secs_f64()).unwrap_or(0.0);
+        if c.bytes_in >= MEASURABLE_BYTES && elapsed > 0.0 {
+            c.last_rate = Some(c.bytes_in as f64 / elapsed);
+        }
+    }
+
+    /// The receive rate of the last round of pulls that moved a mebibyte or more.
+    pub fn measured_rate(&self) -> Option<f64> {
+        self.inner.lock().last_rate
     }
 
     /// Bytes received.

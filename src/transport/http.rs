@@ -190,6 +190,34 @@ impl HttpTransport {
         self.api_json(Method::POST, api_addr, path, headers, Bytes::from(body), timeout).await
     }
 
+    /// A JSON body posted to a peer listener.
+    async fn post_body<T: Serialize + ?Sized>(
+        &self,
+        peer_addr: &str,
+        path: &str,
+        body: &T,
+        timeout: Duration,
+    ) -> Result<Answer, CallError> {
+        let body = serde_json::to_vec(body).map_err(|e| CallError::Broken(e.to_string()))?;
+        let headers = [(CONTENT_TYPE.as_str(), "application/json".to_string())];
+        self.peer(Method::POST, format!("http://{peer_addr}{path}"), &headers, body.into(), timeout).await
+    }
+
+    /// [`Self::post_body`], answered with JSON; an error answer comes back as it was given.
+    async fn peer_json<T: Serialize, R: DeserializeOwned>(
+        &self,
+        peer_addr: &str,
+        path: &str,
+        body: &T,
+        timeout: Duration,
+    ) -> Result<R, CallError> {
+        let answer = self.post_body(peer_addr, path, body, timeout).await?;
+        if !answer.status.is_success() {
+            return Err(CallError::Api(error_of(&answer, peer_addr)));
+        }
+        json(&answer.body)
+    }
+
     async fn send(&self, addr: &str, request: PeerRequest, timeout: Duration) -> Result<PeerAnswer, CallError> {
         match request {
             PeerRequest::Replicate(r) => {
@@ -324,16 +352,22 @@ impl HttpTransport {
                 Ok(PeerAnswer::Cluster(Box::new(view)))
             }
             PeerRequest::EnterMaintenance { period } => {
-                let body = serde_json::to_vec(&MaintenanceAsk { period_ms: period.as_millis() as u64 })
-                    .map_err(|e| CallError::Broken(e.to_string()))?;
-                let headers = [(CONTENT_TYPE.as_str(), "application/json".to_string())];
-                let uri = format!("http://{addr}/internal/maintenance");
-                let answer = self.peer(Method::POST, uri, &headers, body.into(), timeout).await?;
+                let ask = MaintenanceAsk { period_ms: period.as_millis() as u64 };
+                Ok(PeerAnswer::Maintenance(self.peer_json(addr, "/internal/maintenance", &ask, timeout).await?))
+            }
+            PeerRequest::ReportBuckets(report) => {
+                let answer = self.post_body(addr, "/internal/buckets/report", &*report, timeout).await?;
                 if !answer.status.is_success() {
                     return Err(CallError::Api(error_of(&answer, addr)));
                 }
-                Ok(PeerAnswer::Maintenance(json(&answer.body)?))
+                Ok(PeerAnswer::Reported)
             }
+            PeerRequest::Buckets(query) => {
+                Ok(PeerAnswer::Buckets(Box::new(self.peer_json(addr, "/internal/buckets", &query, timeout).await?)))
+            }
+            PeerRequest::Rebalance(request) => Ok(PeerAnswer::Rebalance(Box::new(
+                self.peer_json(addr, "/internal/rebalance", &request, timeout).await?,
+            ))),
         }
     }
 

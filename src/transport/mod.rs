@@ -34,7 +34,10 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures::Stream;
 use serde::{Deserialize, Serialize};
-use shoal_http_api::types::{ClusterView, GetOk, KeyList, MaintenanceView, NodeStats, PutOk, Removed, TransferStatus};
+use shoal_http_api::types::{
+    BucketsQuery, BucketsView, ClusterView, GetOk, KeyList, MaintenanceView, NodeStats, PutOk, RebalancePlan,
+    RebalanceRequest, Removed, TransferStatus,
+};
 use shoal_http_api::{ApiError, PutItem};
 use shoal_raft::{BoxFuture, BucketId, ControlTransport, MemberStatus, NodeId};
 
@@ -145,6 +148,12 @@ pub enum PeerRequest {
         /// How long it may stay away.
         period: Duration,
     },
+    /// A member's bucket statistics, to the leader's peer address.
+    ReportBuckets(Box<crate::balance::BucketReport>),
+    /// The leader's view of the buckets (a member asks the leader for `GET /v1/cluster/buckets`).
+    Buckets(BucketsQuery),
+    /// A balancing planned (and started) by the leader (`POST /v1/cluster/rebalance`).
+    Rebalance(RebalanceRequest),
 }
 
 /// The answer to a [`PeerRequest`], in the same order of variants.
@@ -182,6 +191,12 @@ pub enum PeerAnswer {
     Cluster(Box<ClusterView>),
     /// The receiver is in maintenance.
     Maintenance(MaintenanceView),
+    /// The leader kept the report.
+    Reported,
+    /// The leader's view of the buckets.
+    Buckets(Box<BucketsView>),
+    /// The leader's plan.
+    Rebalance(Box<RebalancePlan>),
 }
 
 /// A request that answers with a stream of frames.
@@ -361,6 +376,9 @@ fn answer_name(answer: &PeerAnswer) -> &'static str {
         PeerAnswer::NodeStats(_) => "node stats",
         PeerAnswer::Cluster(_) => "cluster",
         PeerAnswer::Maintenance(_) => "maintenance",
+        PeerAnswer::Reported => "reported",
+        PeerAnswer::Buckets(_) => "buckets",
+        PeerAnswer::Rebalance(_) => "rebalance",
     }
 }
 

@@ -12,7 +12,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures::StreamExt;
-use shoal_http_api::types::RouteContext;
+use shoal_http_api::types::{BucketsQuery, RebalanceRequest, RouteContext};
 use shoal_http_api::ShoalApi;
 use shoal_raft::{BucketId, ControlPlane, ControlRpc, NodeId, ServeError, BUCKET_COUNT};
 
@@ -108,6 +108,14 @@ impl PeerService {
                 let wait = crate::maintenance::PREPARE_WAIT + crate::maintenance::SYNC_WAIT;
                 PeerAnswer::Maintenance(api.maintenance_here(period, wait).await.map_err(failed)?)
             }
+            PeerRequest::ReportBuckets(report) => {
+                api.receive_bucket_report(*report);
+                PeerAnswer::Reported
+            }
+            PeerRequest::Buckets(query) => PeerAnswer::Buckets(Box::new(api.buckets_here(query).map_err(failed)?)),
+            PeerRequest::Rebalance(request) => {
+                PeerAnswer::Rebalance(Box::new(api.rebalance_here(request).await.map_err(failed)?))
+            }
         })
     }
 
@@ -150,6 +158,9 @@ pub fn peer_routes(service: Arc<PeerService>) -> Router {
         .route("/internal/shadow/{bucket}", post(shadow))
         .route("/internal/found/{bucket}", post(found))
         .route("/internal/maintenance", post(maintenance))
+        .route("/internal/buckets/report", post(report_buckets))
+        .route("/internal/buckets", post(buckets))
+        .route("/internal/rebalance", post(rebalance))
         .route("/internal/ping", post(ping))
         .route("/internal/transfer/status", get(transfer_status))
         .route("/internal/transfer/{bucket}", get(stream_bucket))
@@ -268,6 +279,28 @@ async fn maintenance(State(s): State<Arc<PeerService>>, Json(ask): Json<Maintena
     let wait = crate::maintenance::PREPARE_WAIT + crate::maintenance::SYNC_WAIT;
     match s.api.maintenance_here(std::time::Duration::from_millis(ask.period_ms), wait).await {
         Ok(view) => Json(view).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn report_buckets(
+    State(s): State<Arc<PeerService>>,
+    Json(report): Json<crate::balance::BucketReport>,
+) -> Response {
+    s.api.receive_bucket_report(report);
+    StatusCode::NO_CONTENT.into_response()
+}
+
+async fn buckets(State(s): State<Arc<PeerService>>, Json(query): Json<BucketsQuery>) -> Response {
+    match s.api.buckets_here(query) {
+        Ok(view) => Json(view).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn rebalance(State(s): State<Arc<PeerService>>, Json(request): Json<RebalanceRequest>) -> Response {
+    match s.api.rebalance_here(request).await {
+        Ok(plan) => Json(plan).into_response(),
         Err(e) => e.into_response(),
     }
 }

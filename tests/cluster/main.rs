@@ -2,6 +2,7 @@
 //! with real HTTP on loopback ports the OS picks and real sled in temp dirs.
 
 mod answers;
+mod balance;
 mod crash;
 mod failover;
 mod faults;

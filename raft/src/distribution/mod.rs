@@ -2,18 +2,25 @@
 //!
 //! Every key lives in one of [`BUCKET_COUNT`] buckets ([`bucket_of`]); the
 //! [`DistributionMap`] says which node owns each bucket; [`rebalance`] makes the next map
-//! when membership changes. Nothing here knows about Raft, sockets or the cache: the control
-//! plane commits maps made by these functions, and the data plane looks owners up in them.
+//! when membership changes, [`balance`] when the data is uneven. Nothing here knows about
+//! Raft, sockets or the cache: the control plane commits maps made by these functions, and
+//! the data plane looks owners up in them.
 //!
 //! # Layout
 //! - `hash.rs`: [`bucket_of`] and the `{tag}` affinity rule.
 //! - `map.rs`: [`DistributionMap`], owners by bucket, counts by node.
 //! - `rebalance.rs`: [`rebalance`], the equal split that moves as few buckets as possible.
+//! - `balance.rs`: [`balance`] and [`balance_node`], maps balanced by the bytes each bucket
+//!   holds (the members report them), moving as few bytes as possible.
 
+mod balance;
 mod hash;
 mod map;
 mod rebalance;
 
+pub use balance::{
+    balance, balance_lower_bound, balance_node, balance_ratio, loads, moves_between, BalanceMove, BALANCE_TOLERANCE,
+};
 pub use hash::{bucket_of, routing_key_of};
 pub use map::DistributionMap;
 pub use rebalance::{minimum_moves, rebalance, target_counts};

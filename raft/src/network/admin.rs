@@ -80,6 +80,18 @@ pub enum AdminRequest {
         /// The new mode.
         mode: ReplicationMode,
     },
+    /// Turns automatic balancing by data on or off.
+    SetAutoBalance {
+        /// On or off.
+        enabled: bool,
+    },
+    /// Starts a transition to a map balanced by data (see `ClusterCommand::Rebalance`).
+    Rebalance {
+        /// The serving map's version the plan was made on.
+        from_version: u64,
+        /// The new owner of every bucket.
+        owners: Vec<NodeId>,
+    },
     /// A leaving member's replica is in sync: its replica holder serves its buckets now.
     HandOver {
         /// The leaving member.

@@ -2,7 +2,7 @@
 
 use super::{rejected, ClusterState, Member, Registration, ReplicationMode, Transition};
 use crate::command::CommandResponse;
-use crate::distribution::{rebalance, DistributionMap, NodeId};
+use crate::distribution::{rebalance, DistributionMap, NodeId, BUCKET_COUNT};
 
 impl ClusterState {
     pub(super) fn bootstrap(
@@ -92,12 +92,44 @@ impl ClusterState {
     pub(super) fn begin_transition(&mut self) -> CommandResponse {
         self.maintenance = None;
         let base = self.transition.as_ref().map(|t| &t.to).or(self.target.as_ref()).unwrap_or(&self.map);
-        let mut to = rebalance(base, &self.active_ids());
+        let to = rebalance(base, &self.active_ids());
         // Pending maps get versions above every map seen, so a version names one map.
-        to.version = self.map.version.max(base.version) + 1;
-        self.transition =
-            Some(Transition { from_version: self.map.version, to: to.clone(), acked: Default::default() });
+        let version = self.map.version.max(base.version) + 1;
+        self.transition_to(DistributionMap { version, owners: to.owners })
+    }
+
+    fn transition_to(&mut self, to: DistributionMap) -> CommandResponse {
+        let map_version = to.version;
+        self.transition = Some(Transition { from_version: self.map.version, to, acked: Default::default() });
         self.transfer_flag = true;
-        CommandResponse::MapChanged { map_version: to.version }
+        CommandResponse::MapChanged { map_version }
+    }
+
+    /// Starts a transition to a map balanced by data (planned by the leader on the serving
+    /// map of `from_version`).
+    pub(super) fn rebalance_to(&mut self, from_version: u64, owners: &[NodeId]) -> CommandResponse {
+        if self.cluster_id.is_none() {
+            return rejected("the cluster is not bootstrapped");
+        }
+        if let Some(reason) = self.balance_busy() {
+            return CommandResponse::Busy { reason };
+        }
+        if from_version != self.map.version {
+            return rejected(&format!(
+                "the plan was made on map version {from_version}; the map is at version {} now",
+                self.map.version
+            ));
+        }
+        if owners.len() != BUCKET_COUNT {
+            return rejected(&format!("a map names {BUCKET_COUNT} owners, not {}", owners.len()));
+        }
+        let active = self.active_ids();
+        if let Some(o) = owners.iter().find(|o| !active.contains(o)) {
+            return rejected(&format!("node {o} is not a member that stays"));
+        }
+        if owners == self.map.owners.as_slice() {
+            return rejected("the plan moves nothing");
+        }
+        self.transition_to(DistributionMap { version: self.map.version + 1, owners: owners.to_vec() })
     }
 }

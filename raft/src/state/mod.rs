@@ -103,6 +103,10 @@ pub struct ClusterSettings {
     /// How writes reach replicas.
     #[serde(default)]
     pub replication: ReplicationMode,
+    /// Whether the leader balances the map by data by itself when the fullest member holds
+    /// more than 1.5 times what the emptiest holds. Off unless turned on.
+    #[serde(default)]
+    pub auto_balance: bool,
 }
 
 /// A membership change waiting for every member to apply its pending map.
@@ -240,6 +244,14 @@ impl ClusterState {
                 self.settings.replication = *mode;
                 CommandResponse::Done
             }
+            ClusterCommand::SetAutoBalance { enabled } => {
+                if self.cluster_id.is_none() {
+                    return rejected("the cluster is not bootstrapped");
+                }
+                self.settings.auto_balance = *enabled;
+                CommandResponse::Done
+            }
+            ClusterCommand::Rebalance { from_version, owners } => self.rebalance_to(*from_version, owners),
             ClusterCommand::NodeFailed { node_id } => self.node_failed(*node_id),
             ClusterCommand::HandOver { node_id, heir } => self.hand_over(*node_id, *heir),
             ClusterCommand::Promoted { node_id, buckets, lost } => self.promoted(*node_id, buckets, lost),
@@ -381,6 +393,19 @@ impl ClusterState {
         let ring: Vec<NodeId> = self.member_ids().into_iter().filter(|id| voters.contains(id)).collect();
         let pos = ring.iter().position(|&id| id == leader).unwrap_or(ring.len());
         (1..=ring.len()).map(|k| ring[(pos + k) % ring.len()]).find(|&id| id != leader && !self.draining.contains(&id))
+    }
+
+    /// Why the map cannot be balanced now, if it cannot: a membership change, a transfer
+    /// (even one whose flag the stuck detector cleared) or a maintenance runs.
+    pub fn balance_busy(&self) -> Option<String> {
+        if let Some(busy) = self.membership_busy() {
+            return Some(busy);
+        }
+        if self.transition.is_some() || self.target.is_some() {
+            let left = self.target.as_ref().map_or(0, |t| self.map.moved_buckets(t).len());
+            return Some(format!("state transfer is moving {left} buckets"));
+        }
+        None
     }
 
     /// Whether a membership change must wait: the state-transfer flag is set (a transition

@@ -733,3 +733,55 @@ fn a_failure_or_an_end_before_the_member_returns_ends_the_maintenance_and_spares
     assert!(matches!(s.apply(&ClusterCommand::Remove { node_id: 3, force: true }), CommandResponse::MapChanged { .. }));
     assert_eq!(s.maintenance, None);
 }
+
+#[test]
+fn a_balanced_map_moves_through_a_transition_and_a_transfer_like_a_join() {
+    let mut s = three_nodes();
+    let from_version = s.map.version;
+    // Node 1 gives its first 100 buckets to node 2.
+    let mut owners = s.map.owners.clone();
+    let given: Vec<usize> = (0..BUCKET_COUNT).filter(|&b| owners[b] == 1).take(100).collect();
+    for &b in &given {
+        owners[b] = 2;
+    }
+    let stale = ClusterCommand::Rebalance { from_version: from_version - 1, owners: owners.clone() };
+    assert!(matches!(s.apply(&stale), CommandResponse::Rejected { .. }), "a plan made on an older map");
+    let short = ClusterCommand::Rebalance { from_version, owners: owners[..10].to_vec() };
+    assert!(matches!(s.apply(&short), CommandResponse::Rejected { .. }));
+    let mut stranger = owners.clone();
+    stranger[0] = 99;
+    assert!(matches!(
+        s.apply(&ClusterCommand::Rebalance { from_version, owners: stranger }),
+        CommandResponse::Rejected { .. }
+    ));
+    let same = ClusterCommand::Rebalance { from_version, owners: s.map.owners.clone() };
+    assert!(matches!(s.apply(&same), CommandResponse::Rejected { .. }), "nothing to move");
+    let before = s.clone();
+    let r = s.apply(&ClusterCommand::Rebalance { from_version, owners: owners.clone() });
+    assert_eq!(r, CommandResponse::MapChanged { map_version: from_version + 1 });
+    assert_eq!(s.map, before.map, "the serving map waits for the transition");
+    assert!(s.transfer_flag);
+    // A second plan, or a join, waits for it.
+    let again = ClusterCommand::Rebalance { from_version, owners: owners.clone() };
+    assert!(matches!(s.apply(&again), CommandResponse::Busy { .. }));
+    settle_transition(&mut s);
+    assert_eq!(s.incoming_of(2).len(), 100);
+    assert!(matches!(s.apply(&again), CommandResponse::Busy { .. }), "never during a transfer");
+    move_everything(&mut s);
+    assert_eq!(s.map.owners, owners);
+    assert!(s.target.is_none() && !s.transfer_flag);
+    assert_eq!(s.map.version, from_version + 100, "one version per bucket moved");
+    // The next join splits by count again.
+    join(&mut s, 4);
+    assert!(counts(&s).iter().all(|&c| c == 250), "{:?}", counts(&s));
+}
+
+#[test]
+fn automatic_balancing_is_off_until_turned_on() {
+    let mut s = three_nodes();
+    assert!(!s.settings.auto_balance);
+    assert_eq!(s.apply(&ClusterCommand::SetAutoBalance { enabled: true }), CommandResponse::Done);
+    assert!(s.settings.auto_balance);
+    let fresh = ClusterState::default();
+    assert!(!fresh.clone().settings.auto_balance);
+}
