@@ -264,7 +264,7 @@ impl NodeMetrics {
             raft_commit_index: gauge("shoal_raft_commit_index", "Last committed Raft log index this node knows of."),
             balance_ratio: gauge(
                 "shoal_balance_ratio",
-                "Buckets of the member that owns the most, over an even share (1: balanced).",
+                "Bytes of the fullest member over the emptiest's, from the members' bucket statistics (1: balanced or no data); the Raft leader reports it, other members 0.",
             ),
             memory_limit_bytes: gauge(
                 "shoal_memory_limit_bytes",
