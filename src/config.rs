@@ -219,6 +219,13 @@ pub struct ServeConfig {
     #[arg(long, env = "SHOAL_HA_PING_INTERVAL", default_value = "1000ms", value_parser = parse_duration)]
     pub ha_ping_interval: Duration,
 
+    /// What the store evicts when it is full: `lru` (least recently used), `lfu` (least
+    /// frequently used, a counter that decays by the minute) or `priority` (the items' eviction
+    /// priority, lowest first, least recently used within a level). Under every policy,
+    /// `priority=not_removable` items are never evicted.
+    #[arg(long, env = "SHOAL_EVICTION", default_value = "lru", value_enum)]
+    pub eviction: crate::cache::EvictionPolicy,
+
     /// How often every node reports its buckets' items, bytes, reads and writes per second to
     /// the leader (`GET /v1/cluster/buckets`, balancing by data).
     #[arg(long, env = "SHOAL_STATS_INTERVAL", default_value = "10s", value_parser = parse_duration)]

@@ -173,6 +173,7 @@ impl From<DataError> for ApiError {
                 ApiError::PreconditionFailed { current_version: current }
             }
             DataError::Store(CacheError::TooLarge { .. }) => ApiError::ItemTooLarge(e.to_string()),
+            DataError::Store(CacheError::Full { .. }) => ApiError::InsufficientStorage(e.to_string()),
             DataError::Store(CacheError::Frozen) => unavailable(Unavailable::BucketMoving, &e),
         }
     }

@@ -61,6 +61,7 @@ fn outcome_of(result: Result<(), &ApiError>) -> usize {
             | ApiError::KeyTooLarge { .. }
             | ApiError::ValueTooLarge { .. }
             | ApiError::ItemTooLarge(_)
+            | ApiError::InsufficientStorage(_)
             | ApiError::AnswerTooLarge { .. }
             | ApiError::Conflict(_)
             | ApiError::MembershipChangeInProgress(_)

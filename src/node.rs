@@ -417,7 +417,7 @@ pub async fn start_in(
     control_config.election_timeout = config.raft_election_timeout;
     let control = ControlPlane::open(control_config).await?;
 
-    let cache = Arc::new(CacheStore::new(config.cache_size, Clock::new()));
+    let cache = Arc::new(CacheStore::new(config.cache_size, Clock::new()).with_policy(config.eviction));
     let metrics = Arc::new(NodeMetrics::new());
     metrics.state.memory_limit_bytes.set(config.memory_limit.unwrap_or(0) as f64);
     let limits = Limits {

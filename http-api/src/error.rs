@@ -152,6 +152,10 @@ pub enum ApiError {
     /// The item alone would not fit in the node's cache.
     #[error("{0}")]
     ItemTooLarge(String),
+    /// The cache is too full of `not_removable` items for this write to fit (nothing evictable
+    /// is left to make room).
+    #[error("{0}")]
+    InsufficientStorage(String),
     /// A bulk read's values would make an answer larger than one may be.
     #[error("the values asked for take {bytes} bytes, over the {limit} one answer may carry; ask for fewer keys")]
     AnswerTooLarge {
@@ -258,6 +262,7 @@ impl ApiError {
             | ApiError::ValueTooLarge { .. }
             | ApiError::ItemTooLarge(_)
             | ApiError::AnswerTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::InsufficientStorage(_) => StatusCode::INSUFFICIENT_STORAGE,
             ApiError::NotFound | ApiError::UnknownResource(_) => StatusCode::NOT_FOUND,
             ApiError::PreconditionFailed { .. } => StatusCode::PRECONDITION_FAILED,
             ApiError::NotOwner { .. } => StatusCode::MISDIRECTED_REQUEST,
@@ -282,6 +287,7 @@ impl ApiError {
             ApiError::KeyTooLarge { .. } => "key_too_large",
             ApiError::ValueTooLarge { .. } => "value_too_large",
             ApiError::ItemTooLarge(_) => "item_too_large",
+            ApiError::InsufficientStorage(_) => "insufficient_storage",
             ApiError::AnswerTooLarge { .. } => "answer_too_large",
             ApiError::NotFound => "not_found",
             ApiError::UnknownResource(_) => "unknown_resource",
@@ -398,6 +404,7 @@ mod tests {
             ApiError::KeyTooLarge { len: 5000, limit: 4096 },
             ApiError::ValueTooLarge { limit: 10 },
             ApiError::ItemTooLarge("too big".into()),
+            ApiError::InsufficientStorage("full of not_removable items".into()),
             ApiError::AnswerTooLarge { bytes: 100, limit: 10 },
             ApiError::NotFound,
             ApiError::UnknownResource("no such node".into()),

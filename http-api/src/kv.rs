@@ -22,8 +22,8 @@ use crate::api::{Limits, PutItem, ShoalApi};
 use crate::error::{ApiError, Unavailable};
 use crate::json;
 use crate::types::{
-    BulkKeys, BulkPut, BulkPutItem, BulkResults, GetOk, KeyError, KeyResult, PutOptions, ReadFrom, RouteContext, Scope,
-    WriteCondition,
+    BulkKeys, BulkPut, BulkPutItem, BulkResults, GetOk, KeyError, KeyResult, Priority, PutOptions, ReadFrom,
+    RouteContext, Scope, WriteCondition,
 };
 use crate::{
     HEADER_BUCKET, HEADER_FORWARDED_MAP_VERSION, HEADER_FORWARD_DEADLINE, HEADER_MIRROR_READ, HEADER_NODE,
@@ -56,6 +56,7 @@ pub(crate) struct PutQuery {
     tags: Option<String>,
     cas: Option<String>,
     mode: Option<String>,
+    priority: Option<String>,
     redirect: Option<String>,
 }
 
@@ -166,7 +167,19 @@ pub fn put_options(
         }
         (None, None) => WriteCondition::Always,
     };
-    Ok(PutOptions { ttl, sliding, tags, condition })
+    Ok(PutOptions { ttl, sliding, tags, condition, priority: Priority::Normal })
+}
+
+/// An eviction priority by name (`normal` when absent).
+pub fn priority(text: Option<&str>) -> Result<Priority, ApiError> {
+    match text {
+        None => Ok(Priority::Normal),
+        Some(name) => Priority::from_name(name).ok_or_else(|| {
+            ApiError::BadRequest(format!(
+                "priority must be low, below_normal, normal, above_normal, high or not_removable, not {name:?}"
+            ))
+        }),
+    }
 }
 
 fn parse_cas(text: Option<&str>) -> Result<Option<u64>, ApiError> {
@@ -353,8 +366,9 @@ pub(crate) async fn put_key<N: ShoalApi>(
         let limits = node.limits();
         check_key(&key, &limits)?;
         let cas = parse_cas(q.cas.as_deref())?;
-        let options =
+        let mut options =
             put_options(q.ttl.as_deref(), q.sliding.as_deref(), split_tags(q.tags.as_deref()), cas, q.mode.as_deref())?;
+        options.priority = priority(q.priority.as_deref())?;
         let ctx = route_context(&parts.headers, q.redirect.as_deref())?;
         let (value, _admitted) = admitted_body(&*node, &parts.headers, body, limits.max_value_bytes).await?;
         let ok = node.put(PutItem { key, value, options }, ctx).await?;
@@ -525,8 +539,10 @@ fn put_item(item: BulkPutItem, limits: &Limits) -> Result<PutItem, (String, ApiE
     if value.len() > limits.max_value_bytes {
         return Err(fail(ApiError::ValueTooLarge { limit: limits.max_value_bytes }));
     }
-    let options = put_options(item.ttl.as_deref(), item.sliding.as_deref(), item.tags, item.cas, item.mode.as_deref())
-        .map_err(fail)?;
+    let mut options =
+        put_options(item.ttl.as_deref(), item.sliding.as_deref(), item.tags, item.cas, item.mode.as_deref())
+            .map_err(fail)?;
+    options.priority = priority(item.priority.as_deref()).map_err(fail)?;
     Ok(PutItem { key, value, options })
 }
 

@@ -32,7 +32,7 @@ use crate::types::*;
         NodeFailure, Removed, ClusterView, MemberView, TransitionView, TransferSummary, TransferView, TransferStatus, MapView, MapNode, NodeStats, LeaveOk,
         PeerHealth, ReplicationView, ClusterConfig, ClearLost, LostCleared, MaintenanceRequest, MaintenanceView,
         AgentsView, AgentView, KarmaBlockView, AgentErrors, ReadFrom, BucketsView, NodeLoad, BucketFigures,
-        RebalancePlan, PlannedMove, NodeBalance, BucketSort
+        RebalancePlan, PlannedMove, NodeBalance, BucketSort, Priority
     )),
     tags(
         (name = "keys", description = "Key operations, served by the owner of the key's bucket (any node forwards)"),
@@ -75,6 +75,7 @@ fn complete(doc: &mut Value) {
     schemas["BulkPutItem"]["properties"]["cas"] =
         json!({"type": ["integer", "null"], "minimum": 0, "maximum": u64::MAX});
     schemas["ClusterConfig"]["properties"]["replication"] = json!({"type": "string", "enum": ["sync", "async"]});
+    schemas["ClusterConfig"]["minProperties"] = json!(1);
     schemas["ClearLost"]["properties"]["buckets"]["items"] = json!({"type": "integer", "minimum": 0, "maximum": 999});
     // The duration grammar; the range (10 s to 1 h) is said in words and answered 400.
     schemas["MaintenanceRequest"]["properties"]["for"] = json!({
@@ -124,6 +125,10 @@ fn complete(doc: &mut Value) {
                     ("ttl" | "sliding", "query") => ttl.clone(),
                     ("tags", "query") => json!({"type": "string", "pattern": "^[^,]{1,256}(,[^,]{1,256})*$"}),
                     ("mode", "query") => json!({"type": "string", "enum": ["add", "replace"]}),
+                    ("priority", "query") => json!({"type": "string", "enum": Priority::ALL.map(Priority::name)}),
+                    ("sort", "query") => {
+                        json!({"type": "string", "enum": ["bytes", "items", "reads", "writes", "bucket"]})
+                    }
                     ("max_staleness", "query") => {
                         let p = duration_pattern();
                         json!({"type": "string", "pattern": format!("^(?:0|{})$", &p[1..p.len() - 1])})
@@ -217,6 +222,7 @@ fn get_key() {}
         ("tags" = Option<String>, Query, description = "Comma-separated tags"),
         ("cas" = Option<u64>, Query, description = "Only if the current version is this; 0: only if absent"),
         ("mode" = Option<String>, Query, description = "add (only if absent) or replace (only if present)"),
+        ("priority" = Option<String>, Query, description = "Eviction priority: low, below_normal, normal (default), above_normal, high, not_removable"),
         ("redirect" = Option<bool>, Query, description = "Answer 307 to the owner instead of forwarding"),
     ),
     request_body(content = String, content_type = "application/octet-stream", description = "The raw value"),
@@ -225,6 +231,7 @@ fn get_key() {}
         (status = 400, description = "bad_request", body = Problem, content_type = "application/problem+json"),
         (status = 412, description = "precondition_failed, with current_version", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "key_too_large, value_too_large, item_too_large", body = Problem, content_type = "application/problem+json"),
+        (status = 507, description = "insufficient_storage: the cache is full of not_removable items", body = Problem, content_type = "application/problem+json"),
         (status = 503, description = "Retry after Retry-After", body = Problem, content_type = "application/problem+json"),
     ))]
 fn put_key() {}

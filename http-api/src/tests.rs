@@ -321,6 +321,8 @@ async fn malformed_requests_get_problem_json_and_change_nothing() {
         ("/v1/kv/k?ttl=1s&ttl=2s", "bad_request"),
         ("/v1/kv/k?cas=x", "bad_request"),
         ("/v1/kv/k?mode=upsert", "bad_request"),
+        ("/v1/kv/k?priority=urgent", "bad_request"),
+        ("/v1/kv/k?priority=", "bad_request"),
         ("/v1/kv/k?cas=1&mode=add", "bad_request"),
         ("/v1/kv/k?tll=30s", "bad_request"),
         ("/v1/kv/k?redirect=maybe", "bad_request"),

@@ -86,6 +86,70 @@ pub struct PutOptions {
     pub tags: Vec<String>,
     /// Precondition.
     pub condition: WriteCondition,
+    /// Eviction priority.
+    pub priority: Priority,
+}
+
+/// An item's eviction priority (NCache's levels): with `--eviction priority` lower levels are
+/// evicted first (least recently used first within a level); `not_removable` items are never
+/// evicted under any policy, and a write that cannot fit beside them is refused (507).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize, utoipa::ToSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Priority {
+    /// Evicted first.
+    Low,
+    /// Before normal items.
+    BelowNormal,
+    /// The default.
+    #[default]
+    Normal,
+    /// After normal items.
+    AboveNormal,
+    /// Evicted last.
+    High,
+    /// Never evicted.
+    NotRemovable,
+}
+
+impl Priority {
+    /// Every level, lowest first.
+    pub const ALL: [Priority; 6] = [
+        Priority::Low,
+        Priority::BelowNormal,
+        Priority::Normal,
+        Priority::AboveNormal,
+        Priority::High,
+        Priority::NotRemovable,
+    ];
+
+    /// Its name in a query or JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Priority::Low => "low",
+            Priority::BelowNormal => "below_normal",
+            Priority::Normal => "normal",
+            Priority::AboveNormal => "above_normal",
+            Priority::High => "high",
+            Priority::NotRemovable => "not_removable",
+        }
+    }
+
+    /// The level named `name`.
+    pub fn from_name(name: &str) -> Option<Priority> {
+        Priority::ALL.into_iter().find(|p| p.name() == name)
+    }
+
+    /// Its rank, 0 (low) to 5 (not removable).
+    pub fn rank(self) -> u8 {
+        self as u8
+    }
+
+    /// The level of rank `rank` (anything above 5 is not removable).
+    pub fn of_rank(rank: u8) -> Priority {
+        Priority::ALL[usize::from(rank.min(5))]
+    }
 }
 
 /// A stored value and where it lives.
@@ -153,6 +217,10 @@ pub struct BulkPutItem {
     /// `mode=`: `add` or `replace`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mode: Option<String>,
+    /// `priority=`: `low`, `below_normal`, `normal` (default), `above_normal`, `high` or
+    /// `not_removable`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<String>,
 }
 
 /// `POST /v1/bulk/put` request.

@@ -23,6 +23,10 @@ pub struct Bucket {
     index: HashTable<u32>,
     /// Sum of the items' charged bytes.
     bytes: u64,
+    /// Items per eviction priority (by rank).
+    levels: [u32; 6],
+    /// Charged bytes of the `not_removable` items.
+    pinned: u64,
     /// The version the next write in this bucket gets. Versions increase across all keys of
     /// the bucket, so a key deleted and written again never reuses an old version, and the
     /// counter travels with the bucket when it moves.
@@ -45,6 +49,32 @@ impl Bucket {
     /// Charged bytes of all items.
     pub fn bytes(&self) -> u64 {
         self.bytes
+    }
+
+    /// Items per eviction priority, by rank.
+    pub fn levels(&self) -> [u32; 6] {
+        self.levels
+    }
+
+    /// Charged bytes of the items eviction must leave alone.
+    pub fn pinned_bytes(&self) -> u64 {
+        self.pinned
+    }
+
+    fn count_in(&mut self, item: &Item) {
+        self.bytes += item.charged_bytes();
+        self.levels[usize::from(item.priority().rank())] += 1;
+        if item.is_pinned() {
+            self.pinned += item.charged_bytes();
+        }
+    }
+
+    fn count_out(&mut self, item: &Item) {
+        self.bytes -= item.charged_bytes();
+        self.levels[usize::from(item.priority().rank())] -= 1;
+        if item.is_pinned() {
+            self.pinned -= item.charged_bytes();
+        }
     }
 
     /// Allocates the next version of this bucket.
@@ -77,10 +107,10 @@ impl Bucket {
 
     /// Stores `item`, returning the item it replaced.
     pub fn insert(&mut self, hasher: &IndexHasher, hash: u64, item: Item) -> Option<Item> {
-        self.bytes += item.charged_bytes();
+        self.count_in(&item);
         if let Some(i) = self.position(hash, item.key()) {
             let old = self.slab.replace(i, item);
-            self.bytes -= old.charged_bytes();
+            self.count_out(&old);
             return Some(old);
         }
         let pos = self.slab.len() as u32;
@@ -110,7 +140,7 @@ impl Bucket {
             }
         }
         let item = self.slab.swap_remove(pos);
-        self.bytes -= item.charged_bytes();
+        self.count_out(&item);
         if self.index.capacity() > 64 && self.slab.len() < self.index.capacity() / 4 {
             let slab = &self.slab;
             self.index.shrink_to(slab.len() * 2, |&i| hasher.hash_one(key_at(slab, i)));

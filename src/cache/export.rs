@@ -13,7 +13,7 @@
 use bytes::Bytes;
 use shoal_raft::BucketId;
 
-use super::item::{Item, ItemMeta};
+use super::item::{Item, ItemMeta, Priority};
 use super::{CacheError, CacheStore};
 
 /// An item as it travels between nodes.
@@ -31,6 +31,8 @@ pub struct ExportedItem {
     pub sliding_ms: u64,
     /// Tags.
     pub tags: Vec<String>,
+    /// Eviction priority.
+    pub priority: Priority,
 }
 
 impl ExportedItem {
@@ -42,6 +44,7 @@ impl ExportedItem {
             expires_at_ms: item.expires_at_ms(),
             sliding_ms: item.meta.as_ref().map_or(0, |m| m.sliding_ms),
             tags: item.tags().iter().map(|t| t.to_string()).collect(),
+            priority: item.priority(),
         }
     }
 
@@ -164,6 +167,16 @@ impl CacheStore {
         let _ = tokio::time::timeout(std::time::Duration::from_millis(100), self.thawed.notified()).await;
     }
 
+    /// A new item (version 0) holding what `e` says.
+    fn item_of(&self, e: &ExportedItem, now: u64) -> Item {
+        let meta = (!e.tags.is_empty() || e.sliding_ms > 0).then(|| ItemMeta {
+            tags: e.tags.iter().map(|t| t.as_str().into()).collect(),
+            sliding_ms: e.sliding_ms,
+            large_value: None,
+        });
+        self.new_item(Item::new(&e.key, &e.value, 0, e.expires_at_ms, now, meta), e.priority, now)
+    }
+
     /// Applies an imported change: a put lands unless the bucket holds a newer version of
     /// the key; a delete removes the key unless the bucket holds a newer version. Applying the
     /// same change twice is harmless.
@@ -172,12 +185,7 @@ impl CacheStore {
         let now = self.clock.now_ms();
         match change {
             Change::Put(item) => {
-                let meta = (!item.tags.is_empty() || item.sliding_ms > 0).then(|| ItemMeta {
-                    tags: item.tags.iter().map(|t| t.as_str().into()).collect(),
-                    sliding_ms: item.sliding_ms,
-                    large_value: None,
-                });
-                let mut new = Item::new(&item.key, &item.value, 0, item.expires_at_ms, now, meta);
+                let mut new = self.item_of(item, now);
                 new.set_version(item.version);
                 let hash = self.hasher.hash_one(&item.key[..]);
                 self.mutate(bucket, |b, hasher| {
@@ -215,12 +223,7 @@ impl CacheStore {
             }
             match previous {
                 Some(p) => {
-                    let meta = (!p.tags.is_empty() || p.sliding_ms > 0).then(|| ItemMeta {
-                        tags: p.tags.iter().map(|t| t.as_str().into()).collect(),
-                        sliding_ms: p.sliding_ms,
-                        large_value: None,
-                    });
-                    let mut item = Item::new(&p.key, &p.value, 0, p.expires_at_ms, now, meta);
+                    let mut item = self.item_of(p, now);
                     item.set_version(b.next_version());
                     if let Some(export) = b.export.as_mut() {
                         export.record(Change::Put(ExportedItem::of(&item)));

@@ -10,6 +10,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
+pub use shoal_http_api::types::Priority;
 
 /// Bytes charged per item on top of its key, value and tags: the slab record, its index slot
 /// and allocator rounding, as measured (see `tests/perf/README.md`), so that `--cache-size`
@@ -38,15 +39,29 @@ pub const MAX_VERSION: u64 = (1 << 44) - 1;
 /// with 24 bits). Idle times are computed modulo the wrap.
 const CLOCK_BITS: u32 = 20;
 const CLOCK_MASK: u64 = (1 << CLOCK_BITS) - 1;
-/// Expiry is a 48-bit Unix millisecond time (good until the year 10889; later times are kept as
+/// Expiry is a 45-bit Unix millisecond time (good until the year 3084; later times are kept as
 /// the largest one, never wrapped).
-const EXPIRY_MASK: u64 = (1 << 48) - 1;
+const EXPIRY_MASK: u64 = (1 << 45) - 1;
+/// The eviction priority's rank sits in the 3 bits between the expiry and the key length.
+const PRIORITY_SHIFT: u32 = 45;
+const PRIORITY_MASK: u64 = 0b111 << PRIORITY_SHIFT;
+
+/// With LFU eviction the 20 clock bits hold an 8-bit logarithmic access counter (Redis's) and
+/// the minute it was last decayed (12 bits, wrapping every 68 hours).
+const LFU_COUNTER_BITS: u32 = 8;
+const LFU_COUNTER_MASK: u64 = (1 << LFU_COUNTER_BITS) - 1;
+const LFU_MINUTES_MASK: u64 = (1 << (CLOCK_BITS - LFU_COUNTER_BITS)) - 1;
+/// A new item's counter: it is not evicted before it had a chance to be read again.
+pub const LFU_INIT: u8 = 5;
+/// How much harder each increment gets as the counter grows (Redis's `lfu-log-factor`).
+const LFU_LOG_FACTOR: f64 = 10.0;
 
 /// A cached item: a 40-byte record.
 ///
 /// Two words pack small fields: `version_clock` holds the version (44 high bits, immutable)
-/// and the LRU clock (20 low bits); `keylen_expiry` holds the key length (16 high bits,
-/// immutable) and the expiry (48 low bits). Both are atomics so that a read under the
+/// and the LRU clock (20 low bits; with LFU eviction the access counter and its minute);
+/// `keylen_expiry` holds the key length (16 high bits, immutable), the eviction priority
+/// (3 bits) and the expiry (45 low bits). Both are atomics so that a read under the
 /// bucket's shared lock can record the access and extend a sliding expiry.
 #[derive(Debug)]
 pub struct Item {
@@ -126,6 +141,53 @@ impl Item {
         }
     }
 
+    /// The eviction priority.
+    pub fn priority(&self) -> Priority {
+        Priority::of_rank(((self.keylen_expiry.load(Ordering::Relaxed) & PRIORITY_MASK) >> PRIORITY_SHIFT) as u8)
+    }
+
+    /// Sets the eviction priority (only before the item is shared).
+    pub fn set_priority(&mut self, priority: Priority) {
+        let word = self.keylen_expiry.get_mut();
+        *word = (*word & !PRIORITY_MASK) | (u64::from(priority.rank()) << PRIORITY_SHIFT);
+    }
+
+    /// Whether eviction must leave it alone.
+    pub fn is_pinned(&self) -> bool {
+        self.priority() == Priority::NotRemovable
+    }
+
+    /// Starts the LFU counter (a new item under LFU eviction; only before it is shared).
+    pub fn start_lfu(&mut self, now_ms: u64) {
+        let word = self.version_clock.get_mut();
+        *word = (*word & !CLOCK_MASK) | lfu_word(minutes(now_ms), LFU_INIT);
+    }
+
+    /// The LFU counter now: what it was at the last access, less one per minute since.
+    pub fn lfu_count(&self, now_ms: u64) -> u8 {
+        let word = self.version_clock.load(Ordering::Relaxed) & CLOCK_MASK;
+        decayed(word, now_ms)
+    }
+
+    /// Records an access under LFU eviction: the counter decays, then grows with a
+    /// probability that falls as it grows (`chance` is a uniform draw in [0, 1)); sliding
+    /// expiry moves as on any access.
+    pub fn touch_lfu(&self, now_ms: u64, chance: f64) {
+        let word = self.version_clock.load(Ordering::Relaxed);
+        let mut count = decayed(word & CLOCK_MASK, now_ms);
+        if count < u8::MAX {
+            let base = f64::from(count.saturating_sub(LFU_INIT));
+            if chance < 1.0 / (base * LFU_LOG_FACTOR + 1.0) {
+                count += 1;
+            }
+        }
+        let next = (word & !CLOCK_MASK) | lfu_word(minutes(now_ms), count);
+        if next != word {
+            self.version_clock.store(next, Ordering::Relaxed);
+        }
+        self.slide(now_ms);
+    }
+
     /// Absolute expiry in Unix ms, 0 for none.
     pub fn expires_at_ms(&self) -> u64 {
         self.keylen_expiry.load(Ordering::Relaxed) & EXPIRY_MASK
@@ -153,6 +215,11 @@ impl Item {
         if word & CLOCK_MASK != now {
             self.version_clock.store(word & !CLOCK_MASK | now, Ordering::Relaxed);
         }
+        self.slide(now_ms);
+    }
+
+    /// Pushes a sliding expiry forward.
+    fn slide(&self, now_ms: u64) {
         if let Some(meta) = &self.meta {
             if meta.sliding_ms > 0 {
                 let key_bits = self.keylen_expiry.load(Ordering::Relaxed) & !EXPIRY_MASK;
@@ -183,6 +250,23 @@ impl Item {
 /// The LRU clock at `ms`.
 fn clock(ms: u64) -> u64 {
     (ms / 1000) & CLOCK_MASK
+}
+
+/// The LFU minute at `ms`.
+fn minutes(ms: u64) -> u64 {
+    (ms / 60_000) & LFU_MINUTES_MASK
+}
+
+fn lfu_word(minute: u64, count: u8) -> u64 {
+    minute << LFU_COUNTER_BITS | u64::from(count)
+}
+
+/// An LFU word's counter at `now_ms`: one less per minute since it was last decayed.
+fn decayed(word: u64, now_ms: u64) -> u8 {
+    let count = (word & LFU_COUNTER_MASK) as u8;
+    let last = word >> LFU_COUNTER_BITS;
+    let elapsed = minutes(now_ms).wrapping_sub(last) & LFU_MINUTES_MASK;
+    count.saturating_sub(u8::try_from(elapsed).unwrap_or(u8::MAX))
 }
 
 #[cfg(test)]
@@ -222,6 +306,36 @@ mod packing_tests {
         assert_eq!(item.idle_seconds(now + 7_500), 0);
         assert_eq!(item.version(), MAX_VERSION, "touching keeps the version");
         assert_eq!(item.expires_at_ms(), now + 5_000, "and the expiry of a non-sliding item");
+    }
+
+    #[test]
+    fn the_priority_sits_beside_the_key_length_and_the_expiry() {
+        let now = 1_700_000_123_456;
+        for p in Priority::ALL {
+            let mut item = Item::new(b"some key", b"v", 7, now + 5_000, now, None);
+            item.set_priority(p);
+            assert_eq!((item.priority(), item.key(), item.expires_at_ms()), (p, &b"some key"[..], now + 5_000));
+            assert_eq!(item.is_pinned(), p == Priority::NotRemovable);
+        }
+    }
+
+    #[test]
+    fn the_lfu_counter_grows_ever_slower_and_decays_by_the_minute() {
+        let now = 1_700_000_000_000;
+        let mut item = Item::new(b"k", b"v", 3, 0, now, None);
+        item.start_lfu(now);
+        assert_eq!(item.lfu_count(now), LFU_INIT);
+        item.touch_lfu(now, 0.0);
+        assert_eq!(item.lfu_count(now), LFU_INIT + 1, "a sure draw counts");
+        item.touch_lfu(now, 0.5);
+        assert_eq!(item.lfu_count(now), LFU_INIT + 1, "at 6 an access counts with probability 1/11");
+        for _ in 0..300 {
+            item.touch_lfu(now, 0.0);
+        }
+        assert_eq!(item.lfu_count(now), u8::MAX, "it saturates");
+        assert_eq!(item.version(), 3, "the version stays");
+        assert_eq!(item.lfu_count(now + 10 * 60_000), u8::MAX - 10, "one less per idle minute");
+        assert_eq!(item.lfu_count(now + 600 * 60_000), 0);
     }
 
     #[test]

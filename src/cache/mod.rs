@@ -6,9 +6,14 @@
 //! proxy decides which node serves a key; the store keeps whatever it is given.
 //!
 //! Memory: every item is charged its key, value and tag bytes plus a fixed
-//! [`ITEM_OVERHEAD_BYTES`]; when the total exceeds the limit, writes evict by sampling
-//! (approximate LRU, as Redis does): five random items, the expired or least recently used
-//! one goes. Expired items vanish on read and through [`CacheStore::sweep_expired`].
+//! [`ITEM_OVERHEAD_BYTES`]; when the total exceeds the limit, writes evict by sampling, as
+//! Redis does: five random items, the expired one goes, else the one the [`EvictionPolicy`]
+//! picks — least recently used (LRU), least frequently used (LFU: a logarithmic counter in the
+//! item's clock bits that decays by the minute), or, under priority eviction, the least
+//! recently used of the lowest eviction priority any item has (the store counts items per
+//! level; a rare level is found by a scan). `not_removable` items are never evicted, under
+//! any policy; a write that cannot fit beside them is refused ([`CacheError::Full`]).
+//! Expired items vanish on read and through [`CacheStore::sweep_expired`].
 //!
 //! # Layout
 //! - `item.rs`: [`Item`], key and value in one allocation, version, expiry, tags.
@@ -36,7 +41,21 @@ use shoal_raft::{BucketId, BUCKET_COUNT};
 pub use bucket::{Bucket, IndexHasher};
 pub use clock::Clock;
 pub use export::{Change, ExportedItem};
-pub use item::{Item, ItemMeta, ITEM_OVERHEAD_BYTES, LARGE_VALUE_BYTES, MAX_VERSION};
+pub use item::{Item, ItemMeta, Priority, ITEM_OVERHEAD_BYTES, LARGE_VALUE_BYTES, MAX_VERSION};
+
+/// How the store picks what to evict when it is over its size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum EvictionPolicy {
+    /// The least recently used of a few sampled items (as Redis's `allkeys-lru`).
+    #[default]
+    Lru,
+    /// The least frequently used of a few sampled items: a logarithmic access counter that
+    /// decays by one per idle minute (as Redis's `allkeys-lfu`).
+    Lfu,
+    /// The lowest eviction priority first, the least recently used within it (NCache's
+    /// priority eviction).
+    Priority,
+}
 
 /// A write's precondition.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -67,6 +86,8 @@ pub struct Write<'a> {
     pub tags: &'a [String],
     /// Precondition.
     pub condition: Condition,
+    /// Eviction priority.
+    pub priority: Priority,
 }
 
 /// What a read returns.
@@ -97,6 +118,16 @@ pub enum CacheError {
     TooLarge {
         /// What the item would be charged.
         charged: u64,
+        /// The cache size.
+        limit: u64,
+    },
+    /// The item does not fit beside the `not_removable` items, which eviction leaves alone.
+    #[error("the cache holds {pinned} bytes of not_removable items of its {limit}: an item of {charged} bytes does not fit; remove some or lower their priority")]
+    Full {
+        /// What the item would be charged.
+        charged: u64,
+        /// Bytes of `not_removable` items (after this write).
+        pinned: u64,
         /// The cache size.
         limit: u64,
     },
@@ -131,6 +162,12 @@ pub struct CacheStore {
     thawed: tokio::sync::Notify,
     /// Evicted items (bucket, key, version), kept for the replica when enabled.
     evicted: parking_lot::Mutex<Option<Vec<(BucketId, Bytes, u64)>>>,
+    /// How victims are chosen.
+    policy: EvictionPolicy,
+    /// Items per eviction priority (by rank), over all buckets.
+    levels: [AtomicU64; 6],
+    /// Charged bytes of `not_removable` items.
+    pinned_bytes: AtomicU64,
 }
 
 /// How many evictions wait for the replica at most; beyond, the oldest are dropped (the
@@ -154,7 +191,30 @@ impl CacheStore {
             expirations: AtomicU64::new(0),
             thawed: tokio::sync::Notify::new(),
             evicted: parking_lot::Mutex::new(None),
+            policy: EvictionPolicy::Lru,
+            levels: Default::default(),
+            pinned_bytes: AtomicU64::new(0),
         }
+    }
+
+    /// The store with `policy` choosing what to evict.
+    pub fn with_policy(mut self, policy: EvictionPolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// The eviction policy.
+    pub fn policy(&self) -> EvictionPolicy {
+        self.policy
+    }
+
+    /// `item`, with its priority, and its access counter started under LFU eviction.
+    fn new_item(&self, mut item: Item, priority: Priority, now: u64) -> Item {
+        item.set_priority(priority);
+        if self.policy == EvictionPolicy::Lfu {
+            item.start_lfu(now);
+        }
+        item
     }
 
     /// Starts keeping evicted items for [`Self::take_evicted`] (the active store does, so
@@ -171,7 +231,7 @@ impl CacheStore {
     /// An empty store with the same clock and index hasher, so that whole buckets can move
     /// between the two ([`Self::take_bucket`], [`Self::install_bucket`]): the replica store.
     pub fn sibling(&self, limit_bytes: u64) -> Self {
-        let mut store = CacheStore::new(limit_bytes, self.clock);
+        let mut store = CacheStore::new(limit_bytes, self.clock).with_policy(self.policy);
         store.hasher = self.hasher.clone();
         store
     }
@@ -196,12 +256,21 @@ impl CacheStore {
     /// Applies a bucket mutation and keeps the store-wide item and byte totals in step.
     fn mutate<R>(&self, bucket: BucketId, f: impl FnOnce(&mut Bucket, &IndexHasher) -> R) -> R {
         let mut b = self.bucket(bucket).write();
-        let (items, bytes) = (b.len() as i64, b.bytes() as i64);
+        let (items, bytes, levels, pinned) = (b.len() as i64, b.bytes() as i64, b.levels(), b.pinned_bytes() as i64);
         let r = f(&mut b, &self.hasher);
         let (d_items, d_bytes) = (b.len() as i64 - items, b.bytes() as i64 - bytes);
+        let (after, d_pinned) = (b.levels(), b.pinned_bytes() as i64 - pinned);
         drop(b);
         add_signed(&self.items, d_items);
         add_signed(&self.used_bytes, d_bytes);
+        if levels != after {
+            for (counter, (a, b)) in self.levels.iter().zip(after.iter().zip(levels.iter())) {
+                add_signed(counter, i64::from(*a) - i64::from(*b));
+            }
+        }
+        if d_pinned != 0 {
+            add_signed(&self.pinned_bytes, d_pinned);
+        }
         r
     }
 
@@ -213,7 +282,10 @@ impl CacheStore {
             let b = self.bucket(bucket).read();
             let item = b.get(hash, key)?;
             if !item.is_expired(now) {
-                item.touch(now);
+                match self.policy {
+                    EvictionPolicy::Lfu => item.touch_lfu(now, rand::rng().random::<f64>()),
+                    _ => item.touch(now),
+                }
                 return Some(view_of(item));
             }
         }
@@ -260,10 +332,20 @@ impl CacheStore {
             if !holds {
                 return Err(CacheError::ConditionFailed { current });
             }
-            let mut item = Item::new(write.key, write.value, 0, expires_at_ms, now, meta);
+            let mut item =
+                self.new_item(Item::new(write.key, write.value, 0, expires_at_ms, now, meta), write.priority, now);
             let limit = self.limit_bytes.load(Ordering::Relaxed);
-            if item.charged_bytes() > limit {
-                return Err(CacheError::TooLarge { charged: item.charged_bytes(), limit });
+            let charged = item.charged_bytes();
+            if charged > limit {
+                return Err(CacheError::TooLarge { charged, limit });
+            }
+            // Everything but the not_removable items can be evicted to make room: the write
+            // fits if they and it do.
+            let replaced = b.get(hash, write.key).filter(|i| i.is_pinned()).map_or(0, Item::charged_bytes);
+            let pinned = self.pinned_bytes.load(Ordering::Relaxed).saturating_sub(replaced)
+                + if item.is_pinned() { charged } else { 0 };
+            if pinned + if item.is_pinned() { 0 } else { charged } > limit {
+                return Err(CacheError::Full { charged, pinned, limit });
             }
             let version = b.next_version();
             item.set_version(version);
@@ -415,40 +497,40 @@ impl CacheStore {
         }
     }
 
-    /// One eviction round: among a few random items, removes an expired one or else the least
-    /// recently used. Returns false if the store is empty.
+    /// One eviction round: the victim the policy picks (an expired item always goes first)
+    /// is removed. Returns false if nothing can be evicted (the store is empty, or holds
+    /// only `not_removable` items).
     fn evict_one(&self) -> bool {
         if self.items.load(Ordering::Relaxed) == 0 {
             return false;
         }
-        let now = self.clock.now_ms();
-        let mut rng = rand::rng();
-        let mut victim: Option<(BucketId, Vec<u8>, u64, u64)> = None; // bucket, key, version, score
-        let mut tries = 0;
-        let mut sampled = 0;
-        while sampled < EVICTION_SAMPLES && tries < BUCKET_COUNT * 2 {
-            tries += 1;
-            let bucket = BucketId(rng.random_range(0..BUCKET_COUNT as u16));
-            let b = self.bucket(bucket).read();
-            if b.is_empty() {
-                continue;
-            }
-            let Some(item) = b.at(rng.random_range(0..b.len())) else { continue };
-            sampled += 1;
-            // Expired items go first, then the longest idle.
-            let score = if item.is_expired(now) { u64::MAX } else { item.idle_seconds(now) };
-            if victim.as_ref().is_none_or(|v| score > v.3) {
-                victim = Some((bucket, item.key().to_vec(), item.version(), score));
-            }
+        let evictable: u64 = self.levels[..5].iter().map(|l| l.load(Ordering::Relaxed)).sum();
+        if evictable == 0 {
+            return false;
         }
-        let Some((bucket, key, version, score)) = victim else { return false };
+        let now = self.clock.now_ms();
+        // Under priority eviction only the lowest level that has items is sampled.
+        let level = match self.policy {
+            EvictionPolicy::Priority => {
+                let lowest = Priority::ALL[..5]
+                    .iter()
+                    .copied()
+                    .find(|p| self.levels[usize::from(p.rank())].load(Ordering::Relaxed) > 0);
+                match lowest {
+                    Some(p) => Some(p),
+                    None => return false,
+                }
+            }
+            _ => None,
+        };
+        let Some((bucket, key, version, expired)) = self.pick_victim(now, level) else { return false };
         let hash = self.hasher.hash_one(&key);
         let removed = self.mutate(bucket, |b, hasher| {
             let same = b.get(hash, &key).is_some_and(|i| i.version() == version);
             same.then(|| b.remove(hasher, hash, &key)).flatten()
         });
         if removed.is_some() {
-            let counter = if score == u64::MAX { &self.expirations } else { &self.evictions };
+            let counter = if expired { &self.expirations } else { &self.evictions };
             counter.fetch_add(1, Ordering::Relaxed);
             if let Some(log) = self.evicted.lock().as_mut() {
                 if log.len() >= EVICTION_LOG_LIMIT {
@@ -458,6 +540,54 @@ impl CacheStore {
             }
         }
         true
+    }
+
+    /// Among a few random evictable items (of `level` only, when given), the one the policy
+    /// evicts first: expired, else the longest idle (LRU, priority) or least used (LFU).
+    /// A rare level may not turn up by chance: then the buckets are scanned for it.
+    fn pick_victim(&self, now: u64, level: Option<Priority>) -> Option<(BucketId, Vec<u8>, u64, bool)> {
+        let mut rng = rand::rng();
+        let mut victim: Option<(BucketId, Vec<u8>, u64, u64)> = None; // bucket, key, version, score
+        let score = |item: &Item| -> u64 {
+            if item.is_expired(now) {
+                u64::MAX
+            } else if self.policy == EvictionPolicy::Lfu {
+                u64::from(u8::MAX - item.lfu_count(now))
+            } else {
+                item.idle_seconds(now)
+            }
+        };
+        let wanted = |item: &Item| !item.is_pinned() && level.is_none_or(|l| item.priority() == l);
+        let mut consider = |bucket: BucketId, item: &Item| {
+            let s = score(item);
+            if victim.as_ref().is_none_or(|v| s > v.3) {
+                victim = Some((bucket, item.key().to_vec(), item.version(), s));
+            }
+        };
+        let (mut tries, mut sampled) = (0, 0);
+        while sampled < EVICTION_SAMPLES && tries < BUCKET_COUNT * 2 {
+            tries += 1;
+            let bucket = BucketId(rng.random_range(0..BUCKET_COUNT as u16));
+            let b = self.bucket(bucket).read();
+            if b.is_empty() {
+                continue;
+            }
+            let Some(item) = b.at(rng.random_range(0..b.len())).filter(|i| wanted(i)) else { continue };
+            sampled += 1;
+            consider(bucket, item);
+        }
+        if sampled == 0 {
+            let start = rng.random_range(0..BUCKET_COUNT);
+            for i in 0..BUCKET_COUNT {
+                let bucket = BucketId(((start + i) % BUCKET_COUNT) as u16);
+                let b = self.bucket(bucket).read();
+                if let Some(item) = b.iter().filter(|i| wanted(i)).max_by_key(|i| score(i)) {
+                    consider(bucket, item);
+                    break;
+                }
+            }
+        }
+        victim.map(|(bucket, key, version, score)| (bucket, key, version, score == u64::MAX))
     }
 }
 

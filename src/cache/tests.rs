@@ -266,3 +266,102 @@ fn tags_and_prefixes_find_live_items() {
     assert_eq!(s.remove_tagged("red", &all), 3);
     assert_eq!(keys(s.keys_with_prefix(b"", &all, 10)), ["a3"]);
 }
+
+fn put_with(s: &CacheStore, key: &str, value: &[u8], priority: Priority) -> Result<u64, CacheError> {
+    s.put(bucket_of(key.as_bytes()), &Write { key: key.as_bytes(), value, priority, ..Default::default() })
+}
+
+/// The keys the store holds, with their priority.
+fn held(s: &CacheStore, keys: &[(String, Priority)]) -> Vec<(String, Priority)> {
+    keys.iter()
+        .filter(|(k, _)| s.bucket(bucket_of(k.as_bytes())).read().iter().any(|i| i.key() == k.as_bytes()))
+        .cloned()
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// Priority eviction against its model: an evicted item never had an item of a lower
+    /// level beside it, and not_removable items are never evicted; a write that cannot fit
+    /// beside them is refused and changes nothing.
+    #[test]
+    fn priority_eviction_takes_lower_levels_first_and_never_a_not_removable_item(
+        levels in proptest::collection::vec(0u8..6, 50..300),
+    ) {
+        let per_item = ITEM_OVERHEAD_BYTES + 6 + 100;
+        let s = store(per_item * 40).with_policy(EvictionPolicy::Priority);
+        let mut written: Vec<(String, Priority)> = Vec::new();
+        for (i, &rank) in levels.iter().enumerate() {
+            let (key, priority) = (format!("k{i:05}"), Priority::of_rank(rank));
+            let before = held(&s, &written);
+            match put_with(&s, &key, &[b'v'; 100], priority) {
+                Ok(_) => written.push((key, priority)),
+                Err(CacheError::Full { .. }) => {
+                    prop_assert_eq!(&held(&s, &written), &before, "a refused write changes nothing");
+                    let pinned = before.iter().filter(|(_, p)| *p == Priority::NotRemovable).count() as u64;
+                    prop_assert!((pinned + 1) * per_item > per_item * 40, "refused only when it cannot fit");
+                    continue;
+                }
+                Err(e) => return Err(TestCaseError::fail(format!("{e}"))),
+            }
+            let after = held(&s, &written);
+            let evicted: Vec<Priority> =
+                before.iter().filter(|b| !after.contains(b)).map(|(_, p)| *p).collect();
+            let lowest_left = after.iter().map(|(_, p)| *p).filter(|p| *p != Priority::NotRemovable).min();
+            for p in &evicted {
+                prop_assert!(*p != Priority::NotRemovable, "a not_removable item was evicted");
+                prop_assert!(lowest_left.is_none_or(|l| *p <= l), "evicted {:?} while {:?} was left", p, lowest_left);
+            }
+            prop_assert!(s.stats().bytes <= per_item * 40);
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn lfu_keeps_the_often_read_items_through_a_scan_that_lru_lets_evict_them() {
+    let per_item = ITEM_OVERHEAD_BYTES + 8 + 100;
+    let value = [b'x'; 100];
+    let mut survivors = Vec::new();
+    for policy in [EvictionPolicy::Lfu, EvictionPolicy::Lru] {
+        let s = store(per_item * 300).with_policy(policy);
+        for i in 0..100 {
+            put_with(&s, &format!("hot{i:05}"), &value, Priority::Normal).expect("put");
+        }
+        for _ in 0..50 {
+            for i in 0..100 {
+                get(&s, &format!("hot{i:05}"));
+            }
+        }
+        tokio::time::advance(Duration::from_secs(30)).await;
+        // A scan: one-off items, each more recent than every read of the hot ones.
+        for i in 0..1000 {
+            put_with(&s, &format!("scan{i:05}"), &value, Priority::Normal).expect("put");
+            tokio::time::advance(Duration::from_millis(10)).await;
+        }
+        survivors.push((0..100).filter(|i| get(&s, &format!("hot{i:05}")).is_some()).count());
+    }
+    let (lfu, lru) = (survivors[0], survivors[1]);
+    assert!(lfu >= 80, "LFU keeps what is read often: {lfu}/100");
+    assert!(lru <= 20, "LRU lets the scan push it out: {lru}/100");
+}
+
+#[test]
+fn a_write_that_does_not_fit_beside_not_removable_items_is_refused_under_every_policy() {
+    let per_item = ITEM_OVERHEAD_BYTES + 5 + 100;
+    for policy in [EvictionPolicy::Lru, EvictionPolicy::Lfu, EvictionPolicy::Priority] {
+        let s = store(per_item * 10).with_policy(policy);
+        for i in 0..10 {
+            put_with(&s, &format!("p{i:04}"), &[b'v'; 100], Priority::NotRemovable).expect("fits");
+        }
+        let err = put_with(&s, "n0000", &[b'v'; 100], Priority::High).expect_err("no room");
+        assert!(matches!(err, CacheError::Full { .. }), "{policy:?}: {err}");
+        assert_eq!(s.stats().items, 10);
+        // Replacing a pinned item by one as large fits; lowering its priority frees its room.
+        put_with(&s, "p0000", &[b'w'; 100], Priority::NotRemovable).expect("a replacement fits");
+        put_with(&s, "p0001", &[b'w'; 100], Priority::Low).expect("lowered");
+        put_with(&s, "n0000", &[b'v'; 100], Priority::Normal).expect("now it fits");
+        assert!(get(&s, "p0001").is_none() || get(&s, "n0000").is_none(), "one of the two made room");
+        assert!((2..10).all(|i| get(&s, &format!("p{i:04}")).is_some()), "{policy:?}: pinned items stay");
+    }
+}

@@ -143,6 +143,7 @@ fn write_of(item: &PutItem) -> Write<'_> {
         ttl: o.ttl,
         sliding: o.sliding,
         tags: &o.tags,
+        priority: o.priority,
         condition: match o.condition {
             WriteCondition::Always => Condition::Always,
             WriteCondition::Absent => Condition::Absent,

@@ -7,6 +7,7 @@
 //!  frame   = kind:u8 len:u32 payload[len] crc32(kind, len, payload):u32      (big-endian)
 //!  ITEM    = key_len:u16 key version:u64 expires_at_ms:u64 sliding_ms:u64
 //!            tag_count:u16 (tag_len:u16 tag)* value_len:u64 value_head
+//!  ITEM_P  = priority:u8 ITEM       (an item whose eviction priority is not normal)
 //!  CHUNK   = the next bytes of the current item's value
 //!  DELETE  = key_len:u16 key version:u64
 //!  END     = version_counter:u64 items:u64
@@ -21,7 +22,7 @@
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
-use crate::cache::{Change, ExportedItem};
+use crate::cache::{Change, ExportedItem, Priority};
 
 /// The stream's magic and format version.
 pub const HEADER: &[u8; 8] = b"SHOALXF\x01";
@@ -39,6 +40,9 @@ const CHUNK: u8 = 2;
 const DELETE: u8 = 3;
 const END: u8 = 4;
 const ERROR: u8 = 5;
+/// An ITEM whose eviction priority is not `normal`: its rank, then an ITEM's payload.
+/// (Normal items go as plain ITEMs, as before priorities existed.)
+const ITEM_WITH_PRIORITY: u8 = 6;
 
 /// Why a stream could not be read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -73,6 +77,12 @@ fn frame(kind: u8, payload: &[u8]) -> Bytes {
 /// The frames of one item: an ITEM frame with the value's head, then CHUNK frames.
 pub fn item_frames(item: &ExportedItem) -> Vec<Bytes> {
     let mut head = BytesMut::new();
+    let kind = if item.priority == Priority::Normal {
+        ITEM
+    } else {
+        head.put_u8(item.priority.rank());
+        ITEM_WITH_PRIORITY
+    };
     head.put_u16(item.key.len() as u16);
     head.put_slice(&item.key);
     head.put_u64(item.version);
@@ -86,7 +96,7 @@ pub fn item_frames(item: &ExportedItem) -> Vec<Bytes> {
     head.put_u64(item.value.len() as u64);
     let first = item.value.len().min(CHUNK_BYTES);
     head.put_slice(&item.value[..first]);
-    let mut frames = vec![frame(ITEM, &head)];
+    let mut frames = vec![frame(kind, &head)];
     frames.extend(item.value[first..].chunks(CHUNK_BYTES).map(|c| frame(CHUNK, c)));
     frames
 }
@@ -152,6 +162,10 @@ fn take<'a>(p: &mut &'a [u8], n: usize) -> Result<&'a [u8], FrameError> {
     Ok(head)
 }
 
+fn u8_of(p: &mut &[u8]) -> Result<u8, FrameError> {
+    Ok(take(p, 1)?.get_u8())
+}
+
 fn u16_of(p: &mut &[u8]) -> Result<u16, FrameError> {
     Ok(take(p, 2)?.get_u16())
 }
@@ -208,7 +222,8 @@ impl Decoder {
             return Err(FrameError::Malformed("value cut short"));
         }
         match kind {
-            ITEM => {
+            ITEM | ITEM_WITH_PRIORITY => {
+                let priority = if kind == ITEM { Priority::Normal } else { Priority::of_rank(u8_of(p)?) };
                 let key_len = usize::from(u16_of(p)?);
                 let key = Bytes::copy_from_slice(take(p, key_len)?);
                 let version = u64_of(p)?;
@@ -232,7 +247,8 @@ impl Decoder {
                 let mut value = BytesMut::with_capacity(value_len.min(PREALLOCATE));
                 value.put_slice(p);
                 let missing = value_len - p.len();
-                let item = ExportedItem { key, value: Bytes::new(), version, expires_at_ms, sliding_ms, tags };
+                let item =
+                    ExportedItem { key, value: Bytes::new(), version, expires_at_ms, sliding_ms, tags, priority };
                 self.complete_or_wait(item, value, missing)
             }
             CHUNK => {
@@ -285,6 +301,8 @@ mod tests {
             expires_at_ms: 123,
             sliding_ms: 0,
             tags: vec!["a".into(), "bé".into()],
+            // Both item frames: plain for normal items, with the rank for the others.
+            priority: if key.len() % 2 == 0 { Priority::Normal } else { Priority::NotRemovable },
         }
     }
 

@@ -22,7 +22,9 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use shoal_http_api::types::{BulkKeys, BulkPut, BulkPutItem, BulkResults, GetOk, KeyError, KeyResult, WriteCondition};
+use shoal_http_api::types::{
+    BulkKeys, BulkPut, BulkPutItem, BulkResults, GetOk, KeyError, KeyResult, Priority, WriteCondition,
+};
 use shoal_http_api::{
     ApiError, Problem, PutItem, Unavailable, HEADER_BUCKET, HEADER_FORWARDED_MAP_VERSION, HEADER_FORWARD_DEADLINE,
     HEADER_MIRROR_READ, HEADER_NODE, HEADER_REPLICA_LAG, HEADER_SCOPE,
@@ -579,6 +581,9 @@ fn put_query(item: &PutItem) -> Vec<(&'static str, String)> {
         WriteCondition::Present => q.push(("mode", "replace".into())),
         WriteCondition::Version(v) => q.push(("cas", v.to_string())),
     }
+    if o.priority != Priority::Normal {
+        q.push(("priority", o.priority.name().to_string()));
+    }
     q
 }
 
@@ -604,5 +609,6 @@ fn bulk_item(item: &PutItem) -> BulkPutItem {
         tags: o.tags.clone(),
         cas,
         mode,
+        priority: (o.priority != Priority::Normal).then(|| o.priority.name().to_string()),
     }
 }

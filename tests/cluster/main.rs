@@ -4,6 +4,7 @@
 mod answers;
 mod balance;
 mod crash;
+mod eviction;
 mod failover;
 mod faults;
 mod harness;
