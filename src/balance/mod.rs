@@ -7,8 +7,8 @@
 //!  leader: GET /v1/cluster/buckets (any member asks the leader)
 //!          POST /v1/cluster/rebalance[?node=][&dry_run=]: plan::plan ─▶ Raft Rebalance ─▶ a
 //!            transition and state transfer like a join
-//!          auto_balance on, fullest > 1.5 × emptiest, nothing running, the interval passed:
-//!            the same, by itself
+//!          auto_balance on, fullest > 1.5 × emptiest on two rounds in a row, nothing
+//!            running, the interval passed: the same, by itself
 //! ```
 //!
 //! Statistics become a Raft entry only when they change a decision: the balanced map itself
@@ -50,6 +50,10 @@ pub struct BucketReport {
     /// The receive rate of its last transfer that moved enough to tell, bytes per second.
     #[serde(default)]
     pub transfer_rate: Option<f64>,
+    /// Buckets it owns but does not hold yet (being restored after a restart, or promoted
+    /// and not installed): its figures are incomplete until they are back.
+    #[serde(default)]
+    pub pending: u32,
 }
 
 /// One bucket in a [`BucketReport`].
@@ -146,6 +150,10 @@ pub struct Balancer {
     previous: Mutex<Option<(Instant, Totals)>>,
     /// When this node, as leader, last started a balancing by itself.
     last_auto: Mutex<Option<Instant>>,
+    /// Whether the previous round found the data past 60/40: the leader acts only on two
+    /// rounds in a row (one round's reports are not one moment's: a burst of writes can
+    /// look like skew).
+    over_before: Mutex<bool>,
 }
 
 impl Balancer {
@@ -169,6 +177,7 @@ impl Balancer {
             reports: Mutex::new(BTreeMap::new()),
             previous: Mutex::new(None),
             last_auto: Mutex::new(None),
+            over_before: Mutex::new(false),
         })
     }
 
@@ -207,6 +216,9 @@ impl Balancer {
             Some(before) if elapsed > 0.0 => now_total.saturating_sub(before) as f64 / elapsed,
             _ => 0.0,
         };
+        let pending = BucketId::all()
+            .filter(|&b| matches!(self.core.phase(&state, b), Phase::Restoring | Phase::AwaitingPromotion))
+            .count() as u32;
         let buckets = BucketId::all()
             .filter(|&b| self.core.phase(&state, b) == Phase::Serving)
             .map(|b| {
@@ -231,6 +243,7 @@ impl Balancer {
             map_version: state.map.version,
             buckets,
             transfer_rate: self.progress.measured_rate(),
+            pending,
         }
     }
 
@@ -329,7 +342,9 @@ impl Balancer {
     async fn auto_balance(&self) {
         let state = self.control.state();
         let reports = self.received();
-        if !plan::auto_balance_due(&state, &reports, self.config.stats_interval) {
+        let due = plan::auto_balance_due(&state, &reports, self.config.stats_interval);
+        let twice = std::mem::replace(&mut *self.over_before.lock(), due) && due;
+        if !twice {
             return;
         }
         if self.last_auto.lock().is_some_and(|at| at.elapsed() < self.config.auto_interval) {
@@ -349,13 +364,17 @@ impl Balancer {
     }
 
     /// Bytes of the fullest member over the emptiest's, as the leader's latest reports say;
-    /// 0 on a node that is not the leader (only the leader has every report).
+    /// 0 on a node that is not the leader (only the leader has every report), and until
+    /// every member reported on the current map.
     pub fn balance_ratio(&self) -> f64 {
         if self.control.leader() != Some(self.me) {
             return 0.0;
         }
         let state = self.control.state();
         let reports = self.received();
+        if !plan::missing(&state, &reports, self.config.stats_interval).is_empty() {
+            return 0.0;
+        }
         let sizes = plan::sizes(&plan::figures(&state, &reports));
         plan::finite(shoal_raft::balance_ratio(&shoal_raft::loads(&state.map, &state.active_ids(), &sizes)))
     }

@@ -26,6 +26,12 @@ pub struct Received {
 /// How many intervals a report stays fresh: a plan needs one this young from every member.
 pub const FRESH_INTERVALS: u32 = 3;
 
+/// Why the map cannot be balanced now, if it cannot: a transition, transfer or maintenance
+/// runs, or a member is stopping (a plan must not give it buckets).
+pub fn busy(state: &ClusterState) -> Option<String> {
+    state.balance_busy().or_else(|| state.draining.iter().next().map(|id| format!("node {id} is stopping")))
+}
+
 /// Why no plan can be made now.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Refusal {
@@ -63,12 +69,13 @@ pub fn sizes(figures: &[Option<BucketFigures>]) -> Vec<u64> {
     figures.iter().map(|f| f.as_ref().map_or(0, |f| f.bytes)).collect()
 }
 
-/// The members that stay and have no report younger than [`FRESH_INTERVALS`] intervals made
-/// on the serving map (a report from before a bucket moved leaves the bucket out, or counts
-/// it at its old owner).
+/// The members that stay and have no complete report younger than [`FRESH_INTERVALS`]
+/// intervals made on the serving map (a report from before a bucket moved leaves the bucket
+/// out, or counts it at its old owner; one made while buckets are still coming back leaves
+/// them out).
 pub fn missing(state: &ClusterState, reports: &BTreeMap<NodeId, Received>, interval: Duration) -> Vec<NodeId> {
     let fresh = interval * FRESH_INTERVALS;
-    let stale = |r: &Received| r.age > fresh || r.report.map_version < state.map.version;
+    let stale = |r: &Received| r.age > fresh || r.report.map_version < state.map.version || r.report.pending > 0;
     state.active_ids().into_iter().filter(|id| reports.get(id).is_none_or(stale)).collect()
 }
 
@@ -150,7 +157,7 @@ pub fn plan(
     if let Some(node) = request.node.filter(|n| !members.contains(n)) {
         return Err(Refusal::NotMember(node));
     }
-    if let Some(busy) = state.balance_busy() {
+    if let Some(busy) = busy(state) {
         return Err(Refusal::Busy(busy));
     }
     let missing = missing(state, reports, interval);
@@ -207,7 +214,7 @@ pub fn transfer_rate(reports: &BTreeMap<NodeId, Received>, limit: u64) -> Option
 /// reported, and the fullest member holds more than 1.5 times what the emptiest holds, and
 /// at least [`AUTO_BALANCE_MIN_GAP`] more (a nearly empty cluster is not worth moving).
 pub fn auto_balance_due(state: &ClusterState, reports: &BTreeMap<NodeId, Received>, interval: Duration) -> bool {
-    if !state.settings.auto_balance || state.balance_busy().is_some() || !missing(state, reports, interval).is_empty() {
+    if !state.settings.auto_balance || busy(state).is_some() || !missing(state, reports, interval).is_empty() {
         return false;
     }
     let sizes = sizes(&figures(state, reports));
@@ -283,6 +290,7 @@ mod tests {
                     map_version: state.map.version,
                     buckets,
                     transfer_rate: Some(1e6 * id as f64),
+                    pending: 0,
                 };
                 (id, Received { report, age })
             })
@@ -322,6 +330,10 @@ mod tests {
             Refusal::StatsPending(vec![1]),
             "made before a move"
         );
+        let mut r = reports(&s, |_| 10, Duration::from_secs(1));
+        r.get_mut(&3).expect("present").report.pending = 7;
+        let refusal = plan(&s, &r, INTERVAL, asked, None).expect_err("a refusal");
+        assert_eq!(refusal, Refusal::StatsPending(vec![3]), "buckets still coming back after a restart");
         let r = reports(&s, |_| 10, Duration::from_secs(1));
         let not_member = RebalanceRequest { node: Some(9), dry_run: true };
         assert_eq!(plan(&s, &r, INTERVAL, not_member, None).expect_err("a refusal"), Refusal::NotMember(9));

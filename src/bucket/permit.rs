@@ -115,7 +115,14 @@ impl<'a> WritePermit<'a> {
                     let gone = |s: &shoal_raft::ClusterState| s.shadow_of(bucket) != Some(shadow.node);
                     if !core.control.wait_for_state(SHADOW_SETTLE, gone).await {
                         tracing::warn!(bucket = bucket.0, shadow = shadow.node, error = %cause, "shadow write-through failed; the write is taken back");
-                        self.undo();
+                        let taken_back = self.undo();
+                        // No answer is not no write: the shadow may have applied them. It
+                        // takes them back as far as it can be reached, in the background
+                        // (changes apply by version, so later writes cannot be undone by it).
+                        let (peers, addr) = (core.peers.clone(), shadow.peer_addr.clone());
+                        tokio::spawn(async move {
+                            let _ = peers.shadow(&addr, bucket, change_body(&taken_back)).await;
+                        });
                         return Err(DataError::ShadowFailed { bucket, shadow: shadow.node, cause });
                     }
                     tracing::debug!(bucket = bucket.0, shadow = shadow.node, error = %cause, "shadow write-through failed after the shadow was dropped");
@@ -143,18 +150,35 @@ impl<'a> WritePermit<'a> {
         Ok(())
     }
 
-    /// Takes every write of this permit back, newest first; answers the changes that bring a
-    /// copy which had them to the same items.
+    /// Takes every write of this permit back: each key gets the item it held before the
+    /// permit's first write of it (under a new version). Answers the changes that bring a copy
+    /// which had the writes to the same items.
     fn undo(&mut self) -> Vec<Change> {
         let core = self.core;
         let bucket = self.plan.bucket;
-        let mut taken_back = Vec::with_capacity(self.done.len());
-        for d in self.done.drain(..).rev() {
-            core.store.restore(bucket, &d.key, d.written, d.previous.as_ref());
+        // Per key, in the order first written: what it held before the permit, what the
+        // permit's last write left, and the highest version the permit wrote.
+        let mut keys: Vec<KeyUndo> = Vec::new();
+        let mut at: std::collections::HashMap<Bytes, usize> = std::collections::HashMap::new();
+        for d in self.done.drain(..) {
+            match at.get(&d.key) {
+                Some(&i) => {
+                    keys[i].2 = d.written;
+                    keys[i].3 = keys[i].3.max(d.written);
+                }
+                None => {
+                    at.insert(d.key.clone(), keys.len());
+                    keys.push((d.key, d.previous, d.written, d.written));
+                }
+            }
             core.replicator.count_undone(1);
-            let change = match (core.store.export_item(bucket, &d.key), d.written) {
+        }
+        let mut taken_back = Vec::with_capacity(keys.len());
+        for (key, previous, last, highest) in keys {
+            core.store.restore(bucket, &key, last, previous.as_ref());
+            let change = match (core.store.export_item(bucket, &key), highest) {
                 (Some(item), _) => Some(Change::Put(item)),
-                (None, Some(version)) => Some(Change::Delete { key: d.key, version }),
+                (None, Some(version)) => Some(Change::Delete { key, version }),
                 (None, None) => None,
             };
             taken_back.extend(change);
@@ -163,6 +187,10 @@ impl<'a> WritePermit<'a> {
         taken_back
     }
 }
+
+/// One key of a permit taken back: the key, what it held before the permit, the version the
+/// permit's last write of it left (`None`: deleted), the highest version the permit wrote.
+type KeyUndo = (Bytes, Option<ExportedItem>, Option<u64>, Option<u64>);
 
 /// How long a write whose shadow did not answer waits for this node's map to drop that
 /// shadow (the transfer just ended, or the cluster failed the node) before it is taken back.

@@ -7,7 +7,8 @@
 //!  frame   = kind:u8 len:u32 payload[len] crc32(kind, len, payload):u32      (big-endian)
 //!  ITEM    = key_len:u16 key version:u64 expires_at_ms:u64 sliding_ms:u64
 //!            tag_count:u16 (tag_len:u16 tag)* value_len:u64 value_head
-//!  ITEM_P  = priority:u8 ITEM       (an item whose eviction priority is not normal)
+//!  ITEM_P  = priority:u8 ITEM       (an item whose eviction priority is not normal: rank 0-5;
+//!            a node of an older version refuses a stream that holds one)
 //!  CHUNK   = the next bytes of the current item's value
 //!  DELETE  = key_len:u16 key version:u64
 //!  END     = version_counter:u64 items:u64
@@ -223,7 +224,13 @@ impl Decoder {
         }
         match kind {
             ITEM | ITEM_WITH_PRIORITY => {
-                let priority = if kind == ITEM { Priority::Normal } else { Priority::of_rank(u8_of(p)?) };
+                let priority = match kind {
+                    ITEM => Priority::Normal,
+                    _ => match u8_of(p)? {
+                        rank @ 0..=5 => Priority::of_rank(rank),
+                        _ => return Err(FrameError::Malformed("priority")),
+                    },
+                };
                 let key_len = usize::from(u16_of(p)?);
                 let key = Bytes::copy_from_slice(take(p, key_len)?);
                 let version = u64_of(p)?;
