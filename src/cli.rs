@@ -151,42 +151,21 @@ pub async fn run(command: Command) -> Result<(), String> {
         }
         Command::Buckets(a) => {
             let mut query = vec![("sort", a.sort.clone()), ("limit", a.top.to_string())];
-            if let Some(node) = &a.node {
-                let view: ClusterView =
-                    json(send(&a.client, Method::GET, &["v1", "cluster"], &[], None).await?).await?;
-                query.push(("node", member_id(&view, node)?.to_string()));
-            }
+            query.extend(node_param(&a.client, a.node.as_deref()).await?);
             let query: Vec<(&str, &str)> = query.iter().map(|(k, v)| (*k, v.as_str())).collect();
             let view: BucketsView =
                 json(send(&a.client, Method::GET, &["v1", "cluster", "buckets"], &query, None).await?).await?;
-            match a.client.output {
-                Output::Table => {
-                    print!("{}", buckets_table(&view));
-                    Ok(())
-                }
-                Output::Json => print_json(&view),
-            }
+            show(a.client.output, &view, buckets_table)
         }
         Command::Rebalance(a) => {
-            let mut query = Vec::new();
-            if let Some(node) = &a.node {
-                let view: ClusterView =
-                    json(send(&a.client, Method::GET, &["v1", "cluster"], &[], None).await?).await?;
-                query.push(("node", member_id(&view, node)?.to_string()));
-            }
+            let mut query: Vec<(&str, String)> = node_param(&a.client, a.node.as_deref()).await?.into_iter().collect();
             if a.dry_run {
                 query.push(("dry_run", "true".to_string()));
             }
             let query: Vec<(&str, &str)> = query.iter().map(|(k, v)| (*k, v.as_str())).collect();
             let plan: RebalancePlan =
                 json(send(&a.client, Method::POST, &["v1", "cluster", "rebalance"], &query, None).await?).await?;
-            match a.client.output {
-                Output::Table => {
-                    print!("{}", plan_table(&plan));
-                    Ok(())
-                }
-                Output::Json => print_json(&plan),
-            }
+            show(a.client.output, &plan, plan_table)
         }
         Command::Leave(a) | Command::Node(NodeCommand::Leave(a)) => {
             let view: ClusterView = json(send(&a.client, Method::GET, &["v1", "cluster"], &[], None).await?).await?;
@@ -237,6 +216,24 @@ async fn send(
 }
 
 /// The id of the member named `node` (its name, or its id).
+/// `node=ID` for a member given by name or id, if one is given.
+async fn node_param(client: &ClientArgs, node: Option<&str>) -> Result<Option<(&'static str, String)>, String> {
+    let Some(node) = node else { return Ok(None) };
+    let view: ClusterView = json(send(client, Method::GET, &["v1", "cluster"], &[], None).await?).await?;
+    Ok(Some(("node", member_id(&view, node)?.to_string())))
+}
+
+/// Prints `value` as the table `table` makes of it, or as JSON.
+fn show<T: serde::Serialize>(output: Output, value: &T, table: fn(&T) -> String) -> Result<(), String> {
+    match output {
+        Output::Table => {
+            print!("{}", table(value));
+            Ok(())
+        }
+        Output::Json => print_json(value),
+    }
+}
+
 fn member_id(view: &ClusterView, node: &str) -> Result<u64, String> {
     if let Some(m) = view.members.iter().find(|m| crate::discover::name_of(m).as_deref() == Some(node)) {
         return Ok(m.id);

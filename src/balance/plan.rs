@@ -232,38 +232,17 @@ pub const AUTO_BALANCE_MIN_GAP: u64 = 1 << 20;
 
 #[cfg(test)]
 mod tests {
-    use shoal_raft::{ClusterCommand, ReplicationMode};
+    use shoal_raft::ClusterCommand;
 
     use super::super::ReportedBucket;
     use super::*;
 
     fn three_nodes() -> ClusterState {
-        let mut s = ClusterState::default();
-        s.apply(&ClusterCommand::Bootstrap {
-            cluster_id: "c".into(),
-            node_id: 1,
-            api_addr: "a1".into(),
-            peer_addr: "p1".into(),
-            name: None,
-            voters: 3,
-            replication: ReplicationMode::Sync,
-        });
-        for n in 2..=3 {
-            let register =
-                ClusterCommand::Register { api_addr: format!("a{n}"), peer_addr: format!("p{n}"), name: None };
-            let shoal_raft::CommandResponse::Registered { node_id } = s.apply(&register) else { panic!() };
-            s.apply(&ClusterCommand::Admit { node_id, force: false });
-            let to_version = s.transition.as_ref().expect("present").to.version;
-            for id in s.member_ids() {
-                s.apply(&ClusterCommand::AckTransition { node_id: id, to_version });
-            }
-            s.apply(&ClusterCommand::EndTransition { to_version });
-            for id in s.member_ids() {
-                for (b, from, epoch) in s.incoming_of(id) {
-                    s.apply(&ClusterCommand::BucketMoved { bucket: b.0, from, to: id, epoch });
-                }
-            }
-        }
+        use crate::bucket::testing::{states, Step};
+        let steps = [Step::Join, Step::EndTransition, Step::Move(8), Step::Join, Step::EndTransition, Step::Move(8)];
+        let s = states(&steps).pop().expect("a state");
+        assert_eq!(s.member_ids(), vec![1, 2, 3]);
+        assert!(s.target.is_none() && s.transition.is_none(), "settled");
         s
     }
 

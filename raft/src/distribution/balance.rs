@@ -360,7 +360,7 @@ mod tests {
             }
             let before = loads(&map, &members, &sizes);
             let next = balance(&map, &members, &sizes);
-            next.check(&members).unwrap();
+            next.check(&members).expect("a valid map");
             prop_assert_eq!(next.version, map.version + 1);
             prop_assert_eq!(&next, &balance(&map, &members, &sizes), "deterministic");
             let after = loads(&next, &members, &sizes);
@@ -390,7 +390,7 @@ mod tests {
             let map = split(&members);
             let node = members[pick % n];
             let next = balance_node(&map, &members, &sizes, node);
-            next.check(&members).unwrap();
+            next.check(&members).expect("a valid map");
             let before = loads(&map, &members, &sizes);
             let after = loads(&next, &members, &sizes);
             let avg = sizes.iter().sum::<u64>() as f64 / n as f64;
