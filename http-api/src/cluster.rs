@@ -67,9 +67,10 @@ fn buckets_query(p: BucketsParams) -> Result<BucketsQuery, ApiError> {
             )))
         }
     };
+    // The same grammar as every `limit` (1 to 100,000); without one, every bucket.
     let limit = match p.limit.as_deref() {
         None => BUCKETS_DEFAULT_LIMIT,
-        Some(text) => crate::kv::number("limit", text)?,
+        text => crate::kv::list_limit(text)?,
     };
     let node = p.node.as_deref().map(|n| crate::kv::number("node", n)).transpose()?;
     Ok(BucketsQuery { sort, limit, node })

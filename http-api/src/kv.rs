@@ -606,7 +606,7 @@ pub(crate) async fn bulk_delete<N: ShoalApi>(State(node): State<Arc<N>>, headers
     result.unwrap_or_else(|e: ApiError| e.into_response())
 }
 
-fn list_limit(text: Option<&str>) -> Result<usize, ApiError> {
+pub(crate) fn list_limit(text: Option<&str>) -> Result<usize, ApiError> {
     match text {
         None => Ok(DEFAULT_LIST_LIMIT),
         Some(t) => match number::<usize>("limit", t) {

@@ -76,6 +76,7 @@ fn complete(doc: &mut Value) {
         json!({"type": ["integer", "null"], "minimum": 0, "maximum": u64::MAX});
     schemas["ClusterConfig"]["properties"]["replication"] = json!({"type": "string", "enum": ["sync", "async"]});
     schemas["ClusterConfig"]["minProperties"] = json!(1);
+    schemas["ClusterConfig"]["additionalProperties"] = json!(false);
     schemas["ClearLost"]["properties"]["buckets"]["items"] = json!({"type": "integer", "minimum": 0, "maximum": 999});
     // The duration grammar; the range (10 s to 1 h) is said in words and answered 400.
     schemas["MaintenanceRequest"]["properties"]["for"] = json!({
@@ -134,7 +135,7 @@ fn complete(doc: &mut Value) {
                         json!({"type": "string", "pattern": format!("^(?:0|{})$", &p[1..p.len() - 1])})
                     }
                     ("limit", "query") => json!({"type": "integer", "minimum": 1, "maximum": 100000}),
-                    ("cas", "query") => json!({"type": "integer", "minimum": 0, "maximum": u64::MAX}),
+                    ("cas" | "node", "query") => json!({"type": "integer", "minimum": 0, "maximum": u64::MAX}),
                     ("id", "path") => {
                         p["example"] = json!(1);
                         json!({"type": "integer", "minimum": 0, "maximum": u64::MAX})
@@ -313,7 +314,7 @@ fn cluster_agents() {}
 #[utoipa::path(get, path = "/v1/cluster/buckets", tag = "cluster", summary = "Every bucket's items, bytes, reads and writes (the leader's view)",
     description = "Members report their buckets' figures to the leader every `--stats-interval`; any member answers by asking the leader.",
     params(("sort" = Option<BucketSort>, Query, description = "bytes (default), items, reads, writes or bucket"),
-           ("limit" = Option<usize>, Query, description = "At most this many buckets (default: all)"),
+           ("limit" = Option<usize>, Query, description = "At most this many buckets, 1 to 100000 (default: all)"),
            ("node" = Option<u64>, Query, description = "Only this member's buckets")),
     responses((status = 200, description = "Per member and per bucket", body = BucketsView),
               (status = 400, description = "bad_request: unknown sort, bad limit or node", body = Problem, content_type = "application/problem+json"),

@@ -50,7 +50,7 @@ async fn settled_view(c: &TestCluster, slot: usize, at_least: u64) -> Value {
     wait_for("every member's statistics at the leader", || {
         let last = &last;
         async move {
-            let view = c.json(slot, "/v1/cluster/buckets?limit=0").await;
+            let view = c.json(slot, "/v1/cluster/buckets?limit=1").await;
             let total = view["total_bytes"].as_u64()?;
             let previous = last.replace(total);
             let quiet = view["nodes"].as_array()?.iter().all(|n| n["writes_per_sec"].as_f64() == Some(0.0));

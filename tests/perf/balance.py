@@ -63,9 +63,9 @@ def rebalance_run(shoal, small):
             # Every member reported on the settled data: the plan is stable.
             end = time.time() + 60
             while True:
-                a = get_json(first, "/v1/cluster/buckets?limit=0")
+                a = get_json(first, "/v1/cluster/buckets?limit=1")
                 time.sleep(1.5)
-                b = get_json(first, "/v1/cluster/buckets?limit=0")
+                b = get_json(first, "/v1/cluster/buckets?limit=1")
                 if not b["missing"] and a["total_bytes"] == b["total_bytes"]:
                     break
                 if time.time() > end:
