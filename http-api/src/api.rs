@@ -9,7 +9,7 @@ use shoal_raft::NodeId;
 
 use crate::error::ApiError;
 use crate::types::{
-    AgentsView, BucketsQuery, BucketsView, Check, ClearLost, ClusterConfig, ClusterView, GetOk, KeyList, LeaveOk,
+    AgentsView, BucketsQuery, BucketsView, Check, ClearLost, ClusterConfig, ClusterView, EventsView, GetOk, KeyList, LeaveOk,
     LostCleared, MaintenanceView, MapView, NodeStats, PutOk, PutOptions, RebalancePlan, RebalanceRequest, Removed,
     RouteContext, Scope, TransferView,
 };
@@ -131,6 +131,19 @@ pub trait ShoalApi: Send + Sync + 'static {
 
     /// The distribution map.
     fn map(&self) -> Result<MapView, ApiError>;
+
+    /// The map once its version is above `after`, or the map as it is when `timeout` passes
+    /// first.
+    fn watch_map(&self, after: u64, timeout: Duration) -> impl Future<Output = Result<MapView, ApiError>> + Send;
+
+    /// At most `limit` events of the cluster's event log after Raft index `since`; when there
+    /// is none yet, waits up to `wait` for one.
+    fn events(
+        &self,
+        since: u64,
+        limit: usize,
+        wait: Duration,
+    ) -> impl Future<Output = Result<EventsView, ApiError>> + Send;
 
     /// The state transfer as every member reports it.
     fn transfer(&self) -> impl Future<Output = Result<TransferView, ApiError>> + Send;

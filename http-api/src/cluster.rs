@@ -8,6 +8,7 @@ use std::time::Duration;
 use axum::extract::rejection::{PathRejection, QueryRejection};
 use axum::extract::{Path, Query, RawQuery, State};
 use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use shoal_raft::NodeId;
@@ -15,7 +16,9 @@ use shoal_raft::NodeId;
 use crate::api::ShoalApi;
 use crate::error::ApiError;
 use crate::kv::{flag, query};
-use crate::types::{BucketSort, BucketsQuery, ClearLost, ClusterConfig, MaintenanceRequest, RebalanceRequest};
+use crate::types::{
+    BucketSort, BucketsQuery, ClearLost, ClusterConfig, EventsView, MaintenanceRequest, RebalanceRequest,
+};
 
 pub(crate) async fn cluster<N: ShoalApi>(State(node): State<Arc<N>>) -> Response {
     match node.cluster().await {
@@ -24,11 +27,128 @@ pub(crate) async fn cluster<N: ShoalApi>(State(node): State<Arc<N>>) -> Response
     }
 }
 
-pub(crate) async fn map<N: ShoalApi>(State(node): State<Arc<N>>) -> Response {
-    match node.map() {
+/// Query of `GET /v1/cluster/map`.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct MapParams {
+    wait_version: Option<String>,
+    timeout: Option<String>,
+}
+
+/// Without `timeout`, how long `GET /v1/cluster/map?wait_version=N` waits for a newer map.
+pub const MAP_WAIT_DEFAULT: Duration = Duration::from_secs(30);
+/// The longest a map watch waits.
+pub const MAP_WAIT_MAX: Duration = Duration::from_secs(300);
+
+/// How long a watch waits: `timeout` (a duration up to 5 minutes), else 30 seconds.
+fn wait_timeout(text: Option<&str>) -> Result<Duration, ApiError> {
+    let Some(text) = text else { return Ok(MAP_WAIT_DEFAULT) };
+    let timeout = crate::kv::parse_duration("timeout", text)?;
+    if timeout > MAP_WAIT_MAX {
+        return Err(ApiError::BadRequest(format!("timeout must be at most 5m, not {text:?}")));
+    }
+    Ok(timeout)
+}
+
+pub(crate) async fn map<N: ShoalApi>(
+    State(node): State<Arc<N>>,
+    q: Result<Query<MapParams>, QueryRejection>,
+) -> Response {
+    let asked = query(q).and_then(|p| {
+        let after = p.wait_version.as_deref().map(|v| crate::kv::number::<u64>("wait_version", v)).transpose()?;
+        let timeout = wait_timeout(p.timeout.as_deref())?;
+        if after.is_none() && p.timeout.is_some() {
+            return Err(ApiError::BadRequest("timeout goes with wait_version".into()));
+        }
+        Ok((after, timeout))
+    });
+    let answer = match asked {
+        Ok((None, _)) => node.map(),
+        Ok((Some(after), timeout)) => node.watch_map(after, timeout).await,
+        Err(e) => Err(e),
+    };
+    match answer {
         Ok(view) => Json(view).into_response(),
         Err(e) => e.into_response(),
     }
+}
+
+/// Query of `GET /v1/cluster/events`.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct EventsParams {
+    since: Option<String>,
+    limit: Option<String>,
+    follow: Option<String>,
+}
+
+/// Without `limit`, the most events one answer of `GET /v1/cluster/events` holds.
+pub const EVENTS_DEFAULT_LIMIT: usize = 1000;
+/// How long a followed stream waits for an event before it sends a keep-alive comment.
+const FOLLOW_ROUND: Duration = Duration::from_secs(15);
+
+pub(crate) async fn events<N: ShoalApi>(
+    State(node): State<Arc<N>>,
+    headers: axum::http::HeaderMap,
+    q: Result<Query<EventsParams>, QueryRejection>,
+) -> Response {
+    let asked = query(q).and_then(|p| {
+        let mut since = p.since.as_deref().map(|v| crate::kv::number::<u64>("since", v)).transpose()?;
+        let limit = match p.limit.as_deref() {
+            None => EVENTS_DEFAULT_LIMIT,
+            text => crate::kv::list_limit(text)?,
+        };
+        let follow = flag("follow", p.follow.as_deref())?;
+        // A reconnecting event-stream client says where it was.
+        if let Some(last) = headers.get("last-event-id").filter(|_| follow && since.is_none()) {
+            let text = last.to_str().unwrap_or("");
+            since = Some(crate::kv::number::<u64>("Last-Event-ID", text)?);
+        }
+        Ok((since.unwrap_or(0), limit, follow))
+    });
+    let (since, limit, follow) = match asked {
+        Ok(a) => a,
+        Err(e) => return e.into_response(),
+    };
+    if !follow {
+        return match node.events(since, limit, Duration::ZERO).await {
+            Ok(view) => Json(view).into_response(),
+            Err(e) => e.into_response(),
+        };
+    }
+    // The first page answers now, so that a node that cannot serve says so with its status.
+    let first = match node.events(since, limit, Duration::ZERO).await {
+        Ok(view) => view,
+        Err(e) => return e.into_response(),
+    };
+    let stream = futures_stream(node, first, limit);
+    Sse::new(stream).keep_alive(KeepAlive::new().interval(FOLLOW_ROUND)).into_response()
+}
+
+/// The events of `first`, then every later one as it is applied, as server-sent events (the
+/// id is the event's Raft index, the data its JSON). Ends when the node cannot serve.
+fn futures_stream<N: ShoalApi>(
+    node: Arc<N>,
+    first: EventsView,
+    limit: usize,
+) -> impl futures_util::Stream<Item = Result<SseEvent, std::convert::Infallible>> + Send {
+    let state = (node, Some(first), std::collections::VecDeque::<SseEvent>::new(), 0u64);
+    futures_util::stream::unfold(state, move |(node, mut page, mut queue, mut next)| async move {
+        loop {
+            if let Some(event) = queue.pop_front() {
+                return Some((Ok(event), (node, page, queue, next)));
+            }
+            let view = match page.take() {
+                Some(view) => view,
+                None => node.events(next, limit, FOLLOW_ROUND).await.ok()?,
+            };
+            next = view.next;
+            for e in view.events {
+                let data = serde_json::to_string(&e).unwrap_or_default();
+                queue.push_back(SseEvent::default().id(e.index.to_string()).event("cluster_event").data(data));
+            }
+        }
+    })
 }
 
 pub(crate) async fn transfer<N: ShoalApi>(State(node): State<Arc<N>>) -> Response {

@@ -33,7 +33,10 @@ use axum::routing::{get, post};
 use axum::Router;
 
 pub use api::{BodyPermit, Limits, PutItem, ShoalApi};
-pub use cluster::{maintenance_period, MAINTENANCE_DEFAULT, MAINTENANCE_MAX, MAINTENANCE_MIN};
+pub use cluster::{
+    maintenance_period, EVENTS_DEFAULT_LIMIT, MAINTENANCE_DEFAULT, MAINTENANCE_MAX, MAINTENANCE_MIN, MAP_WAIT_DEFAULT,
+    MAP_WAIT_MAX,
+};
 pub use error::{ApiError, Problem, Unavailable, PROBLEM_JSON};
 pub use kv::{format_duration, parse_duration, put_options, unix_ms, value_response, MAX_EXPIRY};
 
@@ -76,6 +79,7 @@ pub fn router<N: ShoalApi>(node: Arc<N>) -> Router {
         .route("/v1/tags/{tag}", get(kv::get_tag::<N>).delete(kv::delete_tag::<N>))
         .route("/v1/cluster", get(cluster::cluster::<N>))
         .route("/v1/cluster/map", get(cluster::map::<N>))
+        .route("/v1/cluster/events", get(cluster::events::<N>))
         .route("/v1/cluster/transfer", get(cluster::transfer::<N>))
         .route("/v1/cluster/agents", get(cluster::agents::<N>))
         .route("/v1/cluster/buckets", get(cluster::buckets::<N>))

@@ -25,11 +25,11 @@ use crate::types::*;
     ),
     paths(
         get_key, put_key, delete_key, list_keys, bulk_get, bulk_put, bulk_delete, get_tag, delete_tag,
-        cluster, cluster_map, cluster_transfer, cluster_agents, cluster_buckets, rebalance, leave, enter_maintenance, end_maintenance, set_config, clear_lost, node, livez, readyz, metrics, openapi
+        cluster, cluster_map, cluster_events, cluster_transfer, cluster_agents, cluster_buckets, rebalance, leave, enter_maintenance, end_maintenance, set_config, clear_lost, node, livez, readyz, metrics, openapi
     ),
     components(schemas(
         Problem, PutOk, BulkKeys, BulkPut, BulkPutItem, BulkResults, KeyResult, KeyError, KeyList, FoundKey,
-        NodeFailure, Removed, ClusterView, MemberView, TransitionView, TransferSummary, TransferView, TransferStatus, MapView, MapNode, NodeStats, LeaveOk,
+        NodeFailure, Removed, EventsView, ClusterView, MemberView, TransitionView, TransferSummary, TransferView, TransferStatus, MapView, MapNode, NodeStats, LeaveOk,
         PeerHealth, ReplicationView, ClusterConfig, ClearLost, LostCleared, MaintenanceRequest, MaintenanceView,
         AgentsView, AgentView, KarmaBlockView, AgentErrors, ReadFrom, BucketsView, NodeLoad, BucketFigures,
         RebalancePlan, PlannedMove, NodeBalance, BucketSort, Priority
@@ -135,6 +135,11 @@ fn complete(doc: &mut Value) {
                         json!({"type": "string", "pattern": format!("^(?:0|{})$", &p[1..p.len() - 1])})
                     }
                     ("limit", "query") => json!({"type": "integer", "minimum": 1, "maximum": 100000}),
+                    ("timeout", "query") => {
+                        json!({"type": "string", "pattern": "^(?:(?:[1-9][0-9]?|[12][0-9]{2}|300)s?|(?:[1-9][0-9]{0,4}|[12][0-9]{5}|300000)ms|[1-5]m)$"})
+                    }
+                    ("follow", "query") => json!({"type": "boolean"}),
+                    ("since" | "wait_version", "query") => json!({"type": "integer", "minimum": 0, "maximum": u64::MAX}),
                     ("cas" | "node", "query") => json!({"type": "integer", "minimum": 0, "maximum": u64::MAX}),
                     ("id", "path") => {
                         p["example"] = json!(1);
@@ -299,9 +304,26 @@ fn delete_tag() {}
               (status = 503, description = "not_ready", body = Problem, content_type = "application/problem+json")))]
 fn cluster() {}
 
-#[utoipa::path(get, path = "/v1/cluster/map", tag = "cluster", summary = "The distribution map",
+#[utoipa::path(get, path = "/v1/cluster/map", tag = "cluster", summary = "The distribution map (or a watch for the next one)",
+    description = "With `wait_version=N` the answer waits until the map's version is above N (a transition, a move, a failover) \
+                   or `timeout` passes (then it is the map as it is): a client learns of every change without polling.",
+    params(("wait_version" = Option<u64>, Query, description = "Answer once the map's version is above this"),
+           ("timeout" = Option<String>, Query, description = "With wait_version: how long to wait at most, up to 5m (default 30s)")),
     responses((status = 200, description = "owners[b] owns bucket b", body = MapView)))]
 fn cluster_map() {}
+
+#[utoipa::path(get, path = "/v1/cluster/events", tag = "cluster", summary = "The cluster's event log (or a stream of it)",
+    description = "What happened to the cluster, derived from the Raft log, so every member answers the same: joins, leaves, \
+                   transitions, bucket moves (in batches), failures and promotions, lost buckets, maintenance, settings, rebalances. \
+                   Each event has the Raft index of its entry, the time its proposer stamped, and the map version after it. \
+                   The last 10,000 events are kept. With `follow=true` the answer is a `text/event-stream`: the events after \
+                   `since` (or after `Last-Event-ID`), then every new one as it is applied, each with its index as id.",
+    params(("since" = Option<u64>, Query, description = "Only events with a Raft index above this (default 0: all kept)"),
+           ("limit" = Option<usize>, Query, description = "At most this many events per answer, 1 to 100000 (default 1000); an entry's events are never split"),
+           ("follow" = Option<bool>, Query, description = "Stream the events as server-sent events")),
+    responses((status = 200, description = "The events, and the `since` to ask with next (with follow=true: a text/event-stream of them)",
+               content((EventsView = "application/json"), (String = "text/event-stream")))))]
+fn cluster_events() {}
 
 #[utoipa::path(get, path = "/v1/cluster/transfer", tag = "cluster", summary = "State transfer progress, per node",
     responses((status = 200, description = "Buckets done and total, bytes, rate, idle time of every member", body = TransferView)))]

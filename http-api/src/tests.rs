@@ -147,6 +147,32 @@ impl ShoalApi for FakeNode {
         Ok(MapView { version: 1, owners: vec![ME; 1000], nodes: vec![] })
     }
 
+    async fn watch_map(&self, after: u64, timeout: Duration) -> Result<MapView, ApiError> {
+        // The fake's map is version 1 for ever: a watch past it waits out its timeout.
+        if after >= 1 {
+            tokio::time::sleep(timeout).await;
+        }
+        self.map()
+    }
+
+    async fn events(&self, since: u64, limit: usize, _wait: Duration) -> Result<crate::types::EventsView, ApiError> {
+        let event = |index: u64| shoal_raft::Event {
+            index,
+            time_ms: 1000 * index,
+            map_version: 1,
+            kind: shoal_raft::EventKind::NodeJoined,
+            node: Some(index),
+            peer: None,
+            buckets: vec![],
+            moves: vec![],
+            first_index: None,
+            message: format!("node {index} joined"),
+        };
+        let events: Vec<_> = (since + 1..=3).take(limit).map(event).collect();
+        let next = events.last().map_or(since.max(3), |e| e.index);
+        Ok(crate::types::EventsView { events, next, oldest: Some(1) })
+    }
+
     fn node_stats(&self) -> NodeStats {
         NodeStats { node_id: ME, items: 0, bytes: 0, limit_bytes: 0, map_version: 1 }
     }
@@ -548,4 +574,56 @@ async fn maintenance_takes_a_bounded_period_and_defaults_to_ten_minutes() {
     assert_eq!(status, StatusCode::BAD_REQUEST);
     let (status, p) = problem(call(&node, Method::DELETE, path, "").await).await;
     assert_eq!((status, p["code"].as_str()), (StatusCode::CONFLICT, Some("conflict")));
+}
+
+#[tokio::test]
+async fn the_event_log_pages_by_index_and_follows_as_server_sent_events() {
+    let node = FakeNode::new();
+    let page: Value = serde_json::from_slice(&body_bytes(call(&node, Method::GET, "/v1/cluster/events", Body::empty()).await).await)
+        .expect("json");
+    assert_eq!(page["events"].as_array().map(Vec::len), Some(3));
+    assert_eq!(page["events"][0]["type"], "node_joined");
+    assert_eq!(page["next"], 3);
+    let page: Value = serde_json::from_slice(
+        &body_bytes(call(&node, Method::GET, "/v1/cluster/events?since=1&limit=1", Body::empty()).await).await,
+    )
+    .expect("json");
+    assert_eq!(page["events"][0]["index"], 2);
+    assert_eq!(page["next"], 2);
+    for bad in ["since=-1", "limit=0", "follow=maybe", "since=x", "other=1"] {
+        let (status, _) = problem(call(&node, Method::GET, &format!("/v1/cluster/events?{bad}"), Body::empty()).await).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{bad}");
+    }
+    // Followed: an event stream, each event with its index as id, from Last-Event-ID on.
+    let request = Request::builder()
+        .uri("/v1/cluster/events?follow=true")
+        .header("last-event-id", "1")
+        .body(Body::empty())
+        .expect("request");
+    let response = router(node.clone()).oneshot(request).await.expect("infallible");
+    assert_eq!(response.headers()[header::CONTENT_TYPE], "text/event-stream");
+    let mut body = response.into_body().into_data_stream();
+    let mut text = String::new();
+    while !text.contains("id: 3") {
+        use futures_util::StreamExt;
+        let chunk = tokio::time::timeout(Duration::from_secs(5), body.next()).await.expect("an event").expect("more");
+        text.push_str(&String::from_utf8_lossy(&chunk.expect("chunk")));
+    }
+    assert!(text.contains("id: 2") && !text.contains("id: 1\n"), "{text}");
+    assert!(text.contains("event: cluster_event"), "{text}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_map_watch_answers_a_newer_map_at_once_and_the_current_one_after_its_timeout() {
+    let node = FakeNode::new();
+    let map = call(&node, Method::GET, "/v1/cluster/map?wait_version=0", Body::empty()).await;
+    assert_eq!(map.status(), StatusCode::OK);
+    let started = tokio::time::Instant::now();
+    let map = call(&node, Method::GET, "/v1/cluster/map?wait_version=1&timeout=2s", Body::empty()).await;
+    assert_eq!(map.status(), StatusCode::OK);
+    assert!(started.elapsed() >= Duration::from_secs(2));
+    for bad in ["wait_version=x", "wait_version=1&timeout=6m", "timeout=1s", "wait_version=1&timeout=0s"] {
+        let (status, _) = problem(call(&node, Method::GET, &format!("/v1/cluster/map?{bad}"), Body::empty()).await).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{bad}");
+    }
 }

@@ -733,6 +733,19 @@ pub struct MapView {
     pub nodes: Vec<MapNode>,
 }
 
+/// `GET /v1/cluster/events`: a page of the cluster's event log, oldest first.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct EventsView {
+    /// The events after `since`, oldest first.
+    pub events: Vec<shoal_raft::Event>,
+    /// The `since` to ask with next: nothing up to it is left unseen.
+    pub next: u64,
+    /// The oldest Raft index the log still holds (older events were dropped; absent while
+    /// the log is empty).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oldest: Option<u64>,
+}
+
 /// `GET /v1/node`: the answering node's own figures.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct NodeStats {

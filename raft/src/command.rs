@@ -9,6 +9,26 @@ use serde::{Deserialize, Serialize};
 use crate::distribution::NodeId;
 use crate::state::ReplicationMode;
 
+/// What a log entry carries: a command, and when its proposer made it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Proposal {
+    /// The command.
+    #[serde(flatten)]
+    pub command: ClusterCommand,
+    /// The proposer's wall-clock time, in milliseconds since the Unix epoch: the time of the
+    /// events the entry produces. Entries of earlier versions have none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub at_ms: Option<u64>,
+}
+
+impl Proposal {
+    /// `command`, stamped with the time now.
+    pub fn now(command: ClusterCommand) -> Self {
+        let at_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+        Proposal { command, at_ms: Some(at_ms) }
+    }
+}
+
 /// A change to the control-plane state.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]

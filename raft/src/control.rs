@@ -28,7 +28,7 @@ use openraft::{ChangeMembers, ServerState};
 use tokio::sync::Mutex;
 use tokio::task::JoinHandle;
 
-use crate::command::{ClusterCommand, CommandResponse};
+use crate::command::{ClusterCommand, CommandResponse, Proposal};
 use crate::disk::{Disk, MemoryDisk};
 use crate::distribution::NodeId;
 use crate::error::ControlError;
@@ -614,7 +614,7 @@ impl ControlPlane {
     /// Commits `command` (this node must be the leader) and returns its response; a
     /// `Rejected` response becomes an error.
     pub async fn write(&self, command: ClusterCommand) -> Result<CommandResponse, ControlError> {
-        let response = self.bounded("the Raft log to commit", self.inner.raft.client_write(command)).await?;
+        let response = self.bounded("the Raft log to commit", self.inner.raft.client_write(Proposal::now(command))).await?;
         match response.data {
             CommandResponse::Rejected { reason } => Err(ControlError::Rejected { reason }),
             CommandResponse::Busy { reason } => Err(ControlError::MembershipChangeInProgress { reason }),

@@ -8,6 +8,7 @@
 //! # Layout
 //! - [`distribution`]: pure code: buckets, the map, `bucket_of`, `rebalance`.
 //! - [`command`]: the Raft commands ([`ClusterCommand`]) and their responses.
+//! - [`events`]: the cluster's event log, derived from the applied entries.
 //! - [`state`]: [`ClusterState`], the replicated state, and the pure `apply`.
 //! - [`disk`]: where the Raft state lives: sled, or memory for the simulation.
 //! - [`log_store`], [`state_machine`]: openraft's storage traits on a [`disk::Disk`].
@@ -28,6 +29,7 @@ pub mod control;
 pub mod disk;
 pub mod distribution;
 pub mod error;
+pub mod events;
 pub mod log_store;
 pub mod network;
 pub mod runtime;
@@ -38,7 +40,8 @@ pub mod types;
 #[cfg(test)]
 mod storage_suite;
 
-pub use command::{ClusterCommand, CommandResponse};
+pub use command::{ClusterCommand, CommandResponse, Proposal};
+pub use events::{Event, EventKind, MoveGroup};
 pub use control::{ControlConfig, ControlPlane, Storage};
 pub use distribution::{
     balance, balance_lower_bound, balance_node, balance_ratio, bucket_of, loads, moves_between, BalanceMove, BucketId,
@@ -50,4 +53,4 @@ pub use network::{
     ServeError, TransportError,
 };
 pub use state::{ClusterState, Member, ReplicationMode};
-pub use state_machine::StateView;
+pub use state_machine::{EventPage, StateView};

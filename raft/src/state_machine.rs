@@ -9,7 +9,13 @@
 //! two parts of the value are kept encoded in memory, so an apply encodes only the state, not
 //! the snapshot again. (No sled batches or transactions: they take sled's process-wide write
 //! lock, which can deadlock against a concurrent flush in sled 0.34.)
+//!
+//! The event log ([`crate::events`]) lives beside it in its own tree, one key per event
+//! (Raft index, then position within the entry). An apply writes its events before the
+//! value, so a crash between the two leaves events past the last applied entry: opening drops
+//! them, and the replay derives them again. A snapshot carries the retained events.
 
+use std::collections::VecDeque;
 use std::io::Cursor;
 use std::sync::Arc;
 
@@ -21,10 +27,12 @@ use tokio::sync::watch;
 
 use crate::command::CommandResponse;
 use crate::disk::{Disk, Tree};
+use crate::events::{Event, EventRecorder, EVENT_RETENTION};
 use crate::state::ClusterState;
 use crate::types::{Entry, LogId, SnapshotMeta, StorageError, StoredMembership, TypeConfig};
 
 const KEY_STORED: &str = "stored";
+const EVENTS_TREE: &str = "events";
 
 /// What is persisted: the state plus the Raft positions that must survive with it.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -32,6 +40,105 @@ struct PersistedMachine {
     last_applied: Option<LogId>,
     last_membership: StoredMembership,
     state: ClusterState,
+    /// The bucket moves gathered for the next `buckets_moved` event.
+    #[serde(default)]
+    events: EventRecorder,
+}
+
+/// What a snapshot holds: the machine and the retained events. Snapshots of earlier versions
+/// are the machine alone.
+#[derive(Serialize, Deserialize)]
+struct SnapshotData {
+    machine: PersistedMachine,
+    events: Vec<Event>,
+}
+
+fn decode_snapshot(data: &[u8]) -> Result<SnapshotData, StorageError> {
+    match serde_json::from_slice::<SnapshotData>(data) {
+        Ok(s) => Ok(s),
+        Err(_) => {
+            let machine = serde_json::from_slice(data).map_err(|e| sm_err(ErrorVerb::Read, &e))?;
+            Ok(SnapshotData { machine, events: Vec::new() })
+        }
+    }
+}
+
+/// An event and its position within its entry (its key is the index, then the position).
+type Retained = VecDeque<(u16, Event)>;
+
+fn event_key(index: u64, seq: u16) -> [u8; 10] {
+    let mut key = [0u8; 10];
+    key[..8].copy_from_slice(&index.to_be_bytes());
+    key[8..].copy_from_slice(&seq.to_be_bytes());
+    key
+}
+
+/// The retained events: in memory for readers, in their tree for restarts.
+struct EventStore {
+    tree: Tree,
+    retained: Arc<parking_lot::RwLock<Retained>>,
+}
+
+impl EventStore {
+    /// Loads the events of applied entries; drops any past `last_applied` (written by an
+    /// apply that crashed before its state was).
+    fn open(disk: &Disk, last_applied: u64) -> Result<Self, StorageError> {
+        let tree = disk.tree(EVENTS_TREE).map_err(|e| sm_err(ErrorVerb::Read, &e))?;
+        let mut retained = Retained::new();
+        for (key, value) in tree.range(&[], None).map_err(|e| sm_err(ErrorVerb::Read, &e))? {
+            let event: Event = serde_json::from_slice(&value).map_err(|e| sm_err(ErrorVerb::Read, &e))?;
+            if event.index > last_applied {
+                tree.remove(&key).map_err(|e| sm_err(ErrorVerb::Write, &e))?;
+                continue;
+            }
+            let seq = key.get(8..10).map_or(0, |b| u16::from_be_bytes([b[0], b[1]]));
+            retained.push_back((seq, event));
+        }
+        Ok(EventStore { tree, retained: Arc::new(parking_lot::RwLock::new(retained)) })
+    }
+
+    /// Appends the events of one apply batch and forgets the oldest beyond the retention.
+    /// The caller flushes.
+    fn append(&self, events: Vec<(u16, Event)>) -> Result<(), StorageError> {
+        if events.is_empty() {
+            return Ok(());
+        }
+        for (seq, event) in &events {
+            let value = encode(event)?;
+            self.tree.insert(&event_key(event.index, *seq), value).map_err(|e| sm_err(ErrorVerb::Write, &e))?;
+        }
+        let mut retained = self.retained.write();
+        retained.extend(events);
+        while retained.len() > EVENT_RETENTION {
+            if let Some((seq, old)) = retained.pop_front() {
+                self.tree.remove(&event_key(old.index, seq)).map_err(|e| sm_err(ErrorVerb::Write, &e))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Replaces every event (a snapshot was installed).
+    fn replace(&self, events: Vec<Event>) -> Result<(), StorageError> {
+        for (key, _) in self.tree.range(&[], None).map_err(|e| sm_err(ErrorVerb::Read, &e))? {
+            self.tree.remove(&key).map_err(|e| sm_err(ErrorVerb::Write, &e))?;
+        }
+        let mut numbered = Vec::with_capacity(events.len());
+        let mut last: Option<(u64, u16)> = None;
+        for event in events {
+            let seq = match last {
+                Some((index, seq)) if index == event.index => seq + 1,
+                _ => 0,
+            };
+            last = Some((event.index, seq));
+            numbered.push((seq, event));
+        }
+        self.retained.write().clear();
+        self.append(numbered)
+    }
+
+    fn all(&self) -> Vec<Event> {
+        self.retained.read().iter().map(|(_, e)| e.clone()).collect()
+    }
 }
 
 #[derive(Clone, Serialize, Deserialize)]
@@ -114,11 +221,49 @@ impl StoredValue {
 pub struct StateView {
     current: Arc<ArcSwap<ClusterState>>,
     applied: watch::Sender<u64>,
+    events: Arc<parking_lot::RwLock<Retained>>,
+}
+
+/// Events after some index, as [`StateView::events_since`] finds them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EventPage {
+    /// The events, oldest first.
+    pub events: Vec<Event>,
+    /// The index to ask from next: the last event's, or the last applied index when every
+    /// event after `since` was returned (a batch of moves being gathered takes the index of
+    /// the entry that closes it, which is later).
+    pub next: u64,
+    /// The oldest index still retained (`None` while the log is empty): a `since` below it
+    /// may have missed events that were dropped.
+    pub oldest: Option<u64>,
 }
 
 impl StateView {
-    fn new(state: ClusterState) -> Self {
-        StateView { current: Arc::new(ArcSwap::from_pointee(state)), applied: watch::Sender::new(0) }
+    fn new(state: ClusterState, events: Arc<parking_lot::RwLock<Retained>>) -> Self {
+        StateView { current: Arc::new(ArcSwap::from_pointee(state)), applied: watch::Sender::new(0), events }
+    }
+
+    /// At most `limit` events with an index above `since`, oldest first.
+    pub fn events_since(&self, since: u64, limit: usize) -> EventPage {
+        let applied = *self.applied.borrow();
+        let retained = self.events.read();
+        let start = retained.partition_point(|(_, e)| e.index <= since);
+        let mut events: Vec<Event> = retained.iter().skip(start).take(limit).map(|(_, e)| e.clone()).collect();
+        // Never stop within an entry's events: `next` is an index.
+        if let Some(last) = events.last().map(|e| e.index) {
+            let more = retained.iter().skip(start + events.len()).take_while(|(_, e)| e.index == last);
+            let more: Vec<Event> = more.map(|(_, e)| e.clone()).collect();
+            events.extend(more);
+        }
+        let complete = start + events.len() == retained.len();
+        let last = events.last().map_or(since, |e| e.index);
+        let next = if complete { applied.max(last).max(since) } else { last };
+        EventPage { events, next, oldest: retained.front().map(|(_, e)| e.index) }
+    }
+
+    /// The last applied index.
+    pub fn applied_index(&self) -> u64 {
+        *self.applied.borrow()
     }
 
     /// The last applied state.
@@ -141,6 +286,7 @@ impl StateView {
 pub struct DiskStateMachine {
     stored: StoredValue,
     machine: PersistedMachine,
+    events: EventStore,
     view: StateView,
     snapshot_seq: u64,
 }
@@ -153,8 +299,10 @@ impl DiskStateMachine {
         let stored = decode_stored(bytes.as_deref())?;
         let parts = Parts { machine: encode(&stored.machine)?, snapshot: encode(&stored.snapshot)? };
         let stored_value = StoredValue { disk: disk.clone(), tree, parts: Arc::new(tokio::sync::Mutex::new(parts)) };
-        let view = StateView::new(stored.machine.state.clone());
-        Ok(DiskStateMachine { stored: stored_value, machine: stored.machine, view, snapshot_seq: 0 })
+        let last_applied = stored.machine.last_applied.map_or(0, |l| l.index);
+        let events = EventStore::open(disk, last_applied)?;
+        let view = StateView::new(stored.machine.state.clone(), events.retained.clone());
+        Ok(DiskStateMachine { stored: stored_value, machine: stored.machine, events, view, snapshot_seq: 0 })
     }
 
     /// The read handle on the applied state.
@@ -182,12 +330,14 @@ fn sm_err(verb: ErrorVerb, e: &(impl std::error::Error + 'static)) -> StorageErr
 pub struct SnapshotBuilder {
     stored: StoredValue,
     machine: PersistedMachine,
+    events: Vec<Event>,
     seq: u64,
 }
 
 impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
     async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError> {
-        let data = serde_json::to_vec(&self.machine).map_err(|e| sm_err(ErrorVerb::Read, &e))?;
+        let snapshot = SnapshotData { machine: self.machine.clone(), events: std::mem::take(&mut self.events) };
+        let data = serde_json::to_vec(&snapshot).map_err(|e| sm_err(ErrorVerb::Read, &e))?;
         let snapshot_id = match self.machine.last_applied {
             Some(l) => format!("{}-{}-{}", l.leader_id, l.index, self.seq),
             None => format!("--{}", self.seq),
@@ -216,13 +366,21 @@ impl RaftStateMachine<TypeConfig> for DiskStateMachine {
         I::IntoIter: openraft::OptionalSend,
     {
         let mut responses = Vec::new();
+        let mut events = Vec::new();
         for entry in entries {
             self.machine.last_applied = Some(entry.log_id);
             let response = match entry.payload {
                 EntryPayload::Blank => CommandResponse::Done,
-                EntryPayload::Normal(ref command) => {
+                EntryPayload::Normal(ref proposal) => {
+                    let before = self.machine.state.clone();
+                    let command = &proposal.command;
                     let response = self.machine.state.apply(command);
                     tracing::debug!(log_index = entry.log_id.index, ?command, ?response, "applied");
+                    let index = entry.log_id.index;
+                    let time_ms = proposal.at_ms.unwrap_or(0);
+                    let derived =
+                        self.machine.events.record(index, time_ms, &before, command, &response, &self.machine.state);
+                    events.extend(derived.into_iter().enumerate().map(|(seq, e)| (seq as u16, e)));
                     response
                 }
                 EntryPayload::Membership(ref membership) => {
@@ -232,6 +390,7 @@ impl RaftStateMachine<TypeConfig> for DiskStateMachine {
             };
             responses.push(response);
         }
+        self.events.append(events)?;
         self.persist(None).await?;
         self.publish();
         Ok(responses)
@@ -239,7 +398,12 @@ impl RaftStateMachine<TypeConfig> for DiskStateMachine {
 
     async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
         self.snapshot_seq += 1;
-        SnapshotBuilder { stored: self.stored.clone(), machine: self.machine.clone(), seq: self.snapshot_seq }
+        SnapshotBuilder {
+            stored: self.stored.clone(),
+            machine: self.machine.clone(),
+            events: self.events.all(),
+            seq: self.snapshot_seq,
+        }
     }
 
     async fn begin_receiving_snapshot(&mut self) -> Result<Box<Cursor<Vec<u8>>>, StorageError> {
@@ -252,13 +416,15 @@ impl RaftStateMachine<TypeConfig> for DiskStateMachine {
         snapshot: Box<Cursor<Vec<u8>>>,
     ) -> Result<(), StorageError> {
         let data = snapshot.into_inner();
-        let machine: PersistedMachine = serde_json::from_slice(&data).map_err(|e| sm_err(ErrorVerb::Read, &e))?;
+        let SnapshotData { machine, events } = decode_snapshot(&data)?;
         // Replace, never merge: the snapshot is the whole state.
         self.machine = PersistedMachine {
             last_applied: meta.last_log_id,
             last_membership: meta.last_membership.clone(),
             state: machine.state,
+            events: machine.events,
         };
+        self.events.replace(events)?;
         let stored = PersistedSnapshot { meta: meta.clone(), data };
         self.persist(Some(&stored)).await?;
         self.publish();

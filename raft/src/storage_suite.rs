@@ -82,3 +82,98 @@ async fn a_memory_disk_keeps_what_was_written_across_a_simulated_crash() {
     let crashed = memory.clone();
     assert_vote_and_watermark_survive(Disk::Memory(memory), || Disk::Memory(crashed.copy())).await;
 }
+
+fn entry(index: u64, command: crate::ClusterCommand) -> crate::types::Entry {
+    openraft::Entry {
+        log_id: openraft::LogId::new(openraft::CommittedLeaderId::new(1, 1), index),
+        payload: openraft::EntryPayload::Normal(crate::Proposal { command, at_ms: Some(index * 10) }),
+    }
+}
+
+/// A bootstrap, a registration and an admission: the events the state machine derives.
+fn joining() -> Vec<crate::types::Entry> {
+    use crate::ClusterCommand as C;
+    vec![
+        entry(
+            1,
+            C::Bootstrap {
+                cluster_id: "c".into(),
+                node_id: 1,
+                api_addr: "a1".into(),
+                peer_addr: "p1".into(),
+                name: None,
+                voters: 3,
+                replication: crate::ReplicationMode::Sync,
+            },
+        ),
+        entry(2, C::Register { api_addr: "a2".into(), peer_addr: "p2".into(), name: None }),
+        entry(3, C::Admit { node_id: 2, force: false }),
+    ]
+}
+
+#[tokio::test]
+async fn events_survive_a_reopen_and_travel_in_snapshots() {
+    use openraft::storage::RaftStateMachine;
+    use openraft::RaftSnapshotBuilder;
+    use crate::EventKind as K;
+
+    let memory = MemoryDisk::default();
+    let (_log, mut sm) = open(&Disk::Memory(memory.clone()));
+    sm.apply(joining()).await.expect("apply");
+    let page = sm.view().events_since(0, 100);
+    let kinds: Vec<K> = page.events.iter().map(|e| e.kind).collect();
+    assert_eq!(kinds, vec![K::ClusterCreated, K::NodeJoined, K::TransitionBegun]);
+    assert_eq!(page.events[1].time_ms, 30);
+    assert_eq!(page.oldest, Some(1));
+    // Asking from the admission's index: nothing newer; with a limit of one, `next` says where
+    // to go on from, and never splits an entry's events.
+    assert!(sm.view().events_since(3, 100).events.is_empty());
+    let first = sm.view().events_since(0, 1);
+    assert_eq!(first.events.len(), 1);
+    assert_eq!(first.next, 1);
+    let second = sm.view().events_since(first.next, 1);
+    assert_eq!(second.events.len(), 2, "both events of the admission");
+
+    // A crash and a restart on what the disk kept: the same events.
+    let (_log, mut reopened) = open(&Disk::Memory(memory.copy()));
+    assert_eq!(reopened.view().events_since(0, 100).events, page.events);
+
+    // A snapshot carries them to a node that has none.
+    let mut builder = reopened.get_snapshot_builder().await;
+    let snapshot = builder.build_snapshot().await.expect("snapshot");
+    let (_log, mut fresh) = open(&Disk::Memory(MemoryDisk::default()));
+    fresh.install_snapshot(&snapshot.meta, snapshot.snapshot).await.expect("install");
+    assert_eq!(fresh.view().events_since(0, 100).events, page.events);
+}
+
+#[tokio::test]
+async fn events_written_past_the_applied_state_are_dropped_at_open() {
+    let memory = MemoryDisk::default();
+    {
+        let (_log, mut sm) = open(&Disk::Memory(memory.clone()));
+        use openraft::storage::RaftStateMachine;
+        sm.apply(joining()).await.expect("apply");
+    }
+    // An event of entry 9, which the state never reached (a crash between the two writes).
+    let tree = Disk::Memory(memory.clone()).tree("events").expect("tree");
+    let late = serde_json::to_value(crate::Event {
+        index: 9,
+        time_ms: 0,
+        map_version: 0,
+        kind: crate::EventKind::NodeLeft,
+        node: Some(2),
+        peer: None,
+        buckets: vec![],
+        moves: vec![],
+        first_index: None,
+        message: "late".into(),
+    })
+    .expect("json");
+    let mut key = 9u64.to_be_bytes().to_vec();
+    key.extend_from_slice(&0u16.to_be_bytes());
+    tree.insert(&key, serde_json::to_vec(&late).expect("encode")).expect("insert");
+    let (_log, sm) = open(&Disk::Memory(memory.copy()));
+    let events = sm.view().events_since(0, 100).events;
+    assert_eq!(events.len(), 3);
+    assert!(events.iter().all(|e| e.index <= 3));
+}

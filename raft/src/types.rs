@@ -5,7 +5,7 @@ use std::io::Cursor;
 
 use serde::{Deserialize, Serialize};
 
-use crate::command::{ClusterCommand, CommandResponse};
+use crate::command::{CommandResponse, Proposal};
 use crate::distribution::NodeId;
 
 /// What Raft knows of a node: where to reach it. Kept in openraft's membership config.
@@ -24,10 +24,10 @@ impl fmt::Display for MemberNode {
 }
 
 openraft::declare_raft_types!(
-    /// shoal's Raft type configuration: commands are [`ClusterCommand`]s, nodes are
-    /// [`MemberNode`]s, ids are [`NodeId`]s.
+    /// shoal's Raft type configuration: entries carry [`Proposal`]s (a command and its time),
+    /// nodes are [`MemberNode`]s, ids are [`NodeId`]s.
     pub TypeConfig:
-        D = ClusterCommand,
+        D = Proposal,
         R = CommandResponse,
         NodeId = NodeId,
         Node = MemberNode,

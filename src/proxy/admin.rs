@@ -5,12 +5,12 @@ use std::time::Duration;
 
 use futures::future::join_all;
 use shoal_http_api::types::{
-    BucketsQuery, BucketsView, Check, ClearLost, ClusterConfig, ClusterView, LeaveOk, LostCleared, MaintenanceView,
+    BucketsQuery, BucketsView, Check, ClearLost, ClusterConfig, ClusterView, EventsView, LeaveOk, LostCleared, MaintenanceView,
     MapNode, MapView, MemberView, NodeFailure, NodeStats, RebalancePlan, RebalanceRequest, ReplicationView,
     TransferSummary, TransferView, TransitionView,
 };
 use shoal_http_api::{ApiError, Unavailable};
-use shoal_raft::{AdminRequest, AdminResponse, ClusterState, ControlError, NodeId, ReplicationMode};
+use shoal_raft::{AdminRequest, AdminResponse, ClusterState, ControlError, NodeId, ReplicationMode, StateView};
 
 use super::NodeApi;
 use crate::balance::plan::Refusal;
@@ -172,6 +172,37 @@ impl NodeApi {
             .map(|m| MapNode { id: m.id, api_addr: m.api_addr.clone(), replica_on: state.replica_of(m.id) })
             .collect();
         Ok(MapView { version: state.map.version, owners: state.map.owners.clone(), nodes })
+    }
+
+    /// The map once its version is above `after`, or as it is when `timeout` passes.
+    pub(super) async fn wait_for_map(&self, after: u64, timeout: Duration) -> Result<MapView, ApiError> {
+        let view = self.control.view().clone();
+        let _ = tokio::time::timeout(timeout, wait_applied(&view, |s| s.map.version > after)).await;
+        self.map_view()
+    }
+
+    /// Events after `since`; when there is none, waits up to `wait` for one.
+    pub(super) async fn event_page(&self, since: u64, limit: usize, wait: Duration) -> EventsView {
+        let view = self.control.view().clone();
+        let page = |v: &StateView| {
+            let p = v.events_since(since, limit);
+            EventsView { events: p.events, next: p.next, oldest: p.oldest }
+        };
+        let first = page(&view);
+        if !first.events.is_empty() || wait.is_zero() {
+            return first;
+        }
+        let _ = tokio::time::timeout(wait, async {
+            let mut applied = view.subscribe();
+            while view.events_since(since, 1).events.is_empty() {
+                if applied.changed().await.is_err() {
+                    // The node is stopping: answer what there is.
+                    std::future::pending::<()>().await;
+                }
+            }
+        })
+        .await;
+        page(&view)
     }
 
     pub(super) fn own_stats(&self) -> NodeStats {
@@ -414,5 +445,15 @@ fn control_error(e: ControlError) -> ApiError {
         }
         ControlError::Timeout { what } => ApiError::unavailable(Unavailable::Unavailable, format!("timed out: {what}")),
         ControlError::Fatal { detail } => ApiError::Internal(detail),
+    }
+}
+
+/// Waits until the applied state satisfies `done`.
+async fn wait_applied(view: &StateView, done: impl Fn(&shoal_raft::ClusterState) -> bool) {
+    let mut applied = view.subscribe();
+    while !done(&view.current()) {
+        if applied.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
     }
 }

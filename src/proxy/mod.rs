@@ -33,7 +33,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use shoal_http_api::types::{
-    AgentsView, BucketsQuery, BucketsView, Check, ClearLost, ClusterConfig, ClusterView, GetOk, KeyList, LeaveOk,
+    AgentsView, BucketsQuery, BucketsView, Check, ClearLost, ClusterConfig, ClusterView, EventsView, GetOk, KeyList, LeaveOk,
     LostCleared, MaintenanceView, MapView, NodeStats, PutOk, ReadFrom, RebalancePlan, RebalanceRequest, Removed,
     RouteContext, Scope, TransferView, WriteCondition,
 };
@@ -564,6 +564,14 @@ impl ShoalApi for NodeApi {
 
     fn map(&self) -> Result<MapView, ApiError> {
         self.map_view()
+    }
+
+    async fn watch_map(&self, after: u64, timeout: Duration) -> Result<MapView, ApiError> {
+        self.wait_for_map(after, timeout).await
+    }
+
+    async fn events(&self, since: u64, limit: usize, wait: Duration) -> Result<EventsView, ApiError> {
+        Ok(self.event_page(since, limit, wait).await)
     }
 
     async fn transfer(&self) -> Result<TransferView, ApiError> {
