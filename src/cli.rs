@@ -5,7 +5,7 @@ use std::io::{Read, Write};
 use reqwest::{Method, Url};
 use serde_json::Value;
 use shoal_http_api::types::{
-    AgentsView, BucketsView, ClusterView, MaintenanceView, MapView, ReadFrom, RebalancePlan, TransferView,
+    AgentsView, BucketsView, ClusterView, EventsView, MaintenanceView, MapView, ReadFrom, RebalancePlan, TransferView,
 };
 use shoal_http_api::Problem;
 
@@ -16,15 +16,16 @@ pub async fn run(command: Command) -> Result<(), String> {
     match command {
         Command::Serve(_) | Command::Bench(_) => Err("not a client command".into()),
         Command::Get(a) => {
-            let response = send(&a.client, Method::GET, &["v1", "kv", &a.key], &[], None).await?;
-            let version = header(&response, "etag").trim_matches('"').to_string();
-            let (bucket, node) = (header(&response, "x-shoal-bucket"), header(&response, "x-shoal-node"));
-            let value = response.bytes().await.map_err(|e| e.to_string())?;
+            let client = connect(&a.client).await?;
+            let value = client.get(&a.key).await.map_err(|e| e.to_string())?;
+            let Some(value) = value else {
+                return Err(format!("no value for {:?} (key_not_found, HTTP 404)", a.key));
+            };
             match a.client.output {
-                Output::Table => std::io::stdout().write_all(&value).map_err(|e| e.to_string()),
+                Output::Table => std::io::stdout().write_all(&value.bytes).map_err(|e| e.to_string()),
                 Output::Json => print_json(&serde_json::json!({
-                    "key": a.key, "value": String::from_utf8_lossy(&value),
-                    "version": version.parse::<u64>().ok(), "bucket": bucket.parse::<u64>().ok(), "node": node.parse::<u64>().ok(),
+                    "key": a.key, "value": String::from_utf8_lossy(&value.bytes),
+                    "version": value.version, "bucket": value.bucket, "node": value.node,
                 })),
             }
         }
@@ -37,24 +38,30 @@ pub async fn run(command: Command) -> Result<(), String> {
                     buf
                 }
             };
-            let query: Vec<(&str, &str)> = a.ttl.as_deref().map(|t| vec![("ttl", t)]).unwrap_or_default();
-            let response = send(&a.client, Method::PUT, &["v1", "kv", &a.key], &query, Some(value)).await?;
-            let body: Value = response.json().await.map_err(|e| e.to_string())?;
+            let ttl = a.ttl.as_deref().map(|t| shoal_http_api::parse_duration("--ttl", t)).transpose();
+            let ttl = ttl.map_err(|e| e.to_string())?;
+            let client = connect(&a.client).await?;
+            let options = crate::client::PutOptions { ttl, ..Default::default() };
+            let ok = client.put_with(&a.key, value, &options).await.map_err(|e| e.to_string())?;
             match a.client.output {
                 Output::Table => {
-                    println!("OK version={} bucket={} node={}", body["version"], body["bucket"], body["node"]);
+                    println!("OK version={} bucket={} node={}", ok.version, ok.bucket, ok.node);
                     Ok(())
                 }
-                Output::Json => print_json(&body),
+                Output::Json => print_json(&ok),
             }
         }
         Command::Del(a) => {
-            send(&a.client, Method::DELETE, &["v1", "kv", &a.key], &[], None).await?;
+            let client = connect(&a.client).await?;
+            if !client.delete(&a.key).await.map_err(|e| e.to_string())? {
+                return Err(format!("no value for {:?} (key_not_found, HTTP 404)", a.key));
+            }
             if a.client.output == Output::Table {
                 println!("deleted");
             }
             Ok(())
         }
+        Command::Events(a) => events(&a).await,
         Command::Status(a) => {
             let c = &a.client;
             loop {
@@ -215,6 +222,81 @@ async fn send(
     }
 }
 
+/// A client of the cluster `--addr` belongs to, for one command (no map watch).
+async fn connect(client: &ClientArgs) -> Result<crate::client::Client, String> {
+    let addr = client.addr.split_once("://").map_or(client.addr.as_str(), |(_, rest)| rest).trim_end_matches('/');
+    let mut builder = crate::client::Client::builder([addr]).watch_map(false);
+    if let Some(token) = &client.admin_token {
+        builder = builder.admin_token(token.expose());
+    }
+    builder.connect().await.map_err(|e| format!("cannot reach {}: {e}", client.addr))
+}
+
+/// `shoal events`: the last events (or those after `--since`), then, with `-f`, each new
+/// one as the cluster applies it.
+async fn events(a: &crate::config::EventsArgs) -> Result<(), String> {
+    let c = &a.client;
+    let mut since = a.since;
+    if since == 0 {
+        // The last `--last` events: find where they start.
+        let mut page: EventsView = json(send(c, Method::GET, &["v1", "cluster", "events"], &[], None).await?).await?;
+        let mut all = Vec::new();
+        loop {
+            let next = page.next;
+            let done = page.events.is_empty();
+            all.extend(page.events);
+            if done {
+                break;
+            }
+            let query = [("since", next.to_string())];
+            let query: Vec<(&str, &str)> = query.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            page = json(send(c, Method::GET, &["v1", "cluster", "events"], &query, None).await?).await?;
+        }
+        let skip = all.len().saturating_sub(a.last);
+        for event in &all[skip..] {
+            print_event(c.output, event)?;
+        }
+        since = page.next;
+    }
+    let since_text = since.to_string();
+    if !a.follow {
+        let page: EventsView =
+            json(send(c, Method::GET, &["v1", "cluster", "events"], &[("since", &since_text)], None).await?).await?;
+        for event in &page.events {
+            print_event(c.output, event)?;
+        }
+        return Ok(());
+    }
+    // Followed: the node streams server-sent events, one `data:` line of JSON each.
+    let query = [("since", since_text.as_str()), ("follow", "true")];
+    let mut response = send(c, Method::GET, &["v1", "cluster", "events"], &query, None).await?;
+    let mut pending = String::new();
+    while let Some(chunk) = response.chunk().await.map_err(|e| format!("the event stream broke: {e}"))? {
+        pending.push_str(&String::from_utf8_lossy(&chunk));
+        while let Some(end) = pending.find("\n\n") {
+            let message: String = pending.drain(..end + 2).collect();
+            for data in message.lines().filter_map(|l| l.strip_prefix("data:")) {
+                let event: shoal_raft::Event =
+                    serde_json::from_str(data.trim_start()).map_err(|e| format!("a bad event: {e}"))?;
+                print_event(c.output, &event)?;
+            }
+        }
+    }
+    Err("the node closed the event stream".into())
+}
+
+fn print_event(output: Output, e: &shoal_raft::Event) -> Result<(), String> {
+    match output {
+        Output::Json => println!("{}", serde_json::to_string(e).map_err(|e| e.to_string())?),
+        Output::Table => {
+            let when =
+                humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + std::time::Duration::from_millis(e.time_ms));
+            println!("{when}  #{:<7} map {:<6} {}", e.index, e.map_version, e.message);
+        }
+    }
+    std::io::stdout().flush().map_err(|e| e.to_string())
+}
+
 /// The id of the member named `node` (its name, or its id).
 /// `node=ID` for a member given by name or id, if one is given.
 async fn node_param(client: &ClientArgs, node: Option<&str>) -> Result<Option<(&'static str, String)>, String> {
@@ -246,10 +328,6 @@ fn member_id(view: &ClusterView, node: &str) -> Result<u64, String> {
             Err(format!("no member is named {node:?}; members: {}", known.join(", ")))
         }
     }
-}
-
-fn header(response: &reqwest::Response, name: &str) -> String {
-    response.headers().get(name).and_then(|v| v.to_str().ok()).unwrap_or_default().to_string()
 }
 
 async fn json<T: serde::de::DeserializeOwned>(response: reqwest::Response) -> Result<T, String> {

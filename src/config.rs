@@ -33,6 +33,8 @@ pub enum Command {
     Status(StatusArgs),
     /// Show the distribution map.
     Map(ClientArgs),
+    /// Show the cluster's event log (joins, leaves, moves, failovers...); `-f` follows it.
+    Events(EventsArgs),
     /// Show the mirrors the node reads from: alive or dead, probability, and per karma block
     /// requests, errors, latency and pings (like Manticore's SHOW AGENT STATUS).
     Agents(AgentsArgs),
@@ -52,6 +54,23 @@ pub enum Command {
     Lost(LostCommand),
     /// Measure throughput, latency and server CPU per operation against a node or cluster.
     Bench(crate::bench::BenchArgs),
+}
+
+/// `shoal events`.
+#[derive(Debug, Clone, Args)]
+pub struct EventsArgs {
+    /// The client options.
+    #[command(flatten)]
+    pub client: ClientArgs,
+    /// Only events after this Raft index.
+    #[arg(long, default_value_t = 0)]
+    pub since: u64,
+    /// Without --since: only the last this many events.
+    #[arg(long, default_value_t = 20)]
+    pub last: usize,
+    /// Keep printing new events as they happen, until Ctrl-C.
+    #[arg(short = 'f', long)]
+    pub follow: bool,
 }
 
 /// `shoal agents`.

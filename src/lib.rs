@@ -27,6 +27,8 @@
 //! - [`metrics`]: the node's Prometheus metrics.
 //! - `sim` (feature `sim`, on in the tests): the deterministic simulation: whole clusters on a
 //!   simulated network and clock.
+//! - [`client`]: [`client::Client`], the client library: routes each key to its owner, follows
+//!   the map, forwards and queues around unreachable nodes (the CLI and `shoal bench` use it).
 //! - [`cli`]: the command-line client.
 //! - [`bench`]: `shoal bench`, the load generator.
 
@@ -36,6 +38,7 @@ pub mod bench;
 pub mod bucket;
 pub mod cache;
 pub mod cli;
+pub mod client;
 pub mod config;
 pub mod discover;
 pub mod error;

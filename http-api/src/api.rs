@@ -9,9 +9,9 @@ use shoal_raft::NodeId;
 
 use crate::error::ApiError;
 use crate::types::{
-    AgentsView, BucketsQuery, BucketsView, Check, ClearLost, ClusterConfig, ClusterView, EventsView, GetOk, KeyList, LeaveOk,
-    LostCleared, MaintenanceView, MapView, NodeStats, PutOk, PutOptions, RebalancePlan, RebalanceRequest, Removed,
-    RouteContext, Scope, TransferView,
+    AgentsView, BucketsQuery, BucketsView, Check, ClearLost, ClusterConfig, ClusterView, EventsView, GetOk, KeyList,
+    LeaveOk, LostCleared, MaintenanceView, MapView, NodeStats, PutOk, PutOptions, RebalancePlan, RebalanceRequest,
+    Removed, RouteContext, Scope, TransferView,
 };
 
 /// A validated write of one item (from `PUT /v1/kv/{key}` or one entry of a bulk put).

@@ -139,7 +139,9 @@ fn complete(doc: &mut Value) {
                         json!({"type": "string", "pattern": "^(?:(?:[1-9][0-9]?|[12][0-9]{2}|300)s?|(?:[1-9][0-9]{0,4}|[12][0-9]{5}|300000)ms|[1-5]m)$"})
                     }
                     ("follow", "query") => json!({"type": "boolean"}),
-                    ("since" | "wait_version", "query") => json!({"type": "integer", "minimum": 0, "maximum": u64::MAX}),
+                    ("since" | "wait_version", "query") => {
+                        json!({"type": "integer", "minimum": 0, "maximum": u64::MAX})
+                    }
                     ("cas" | "node", "query") => json!({"type": "integer", "minimum": 0, "maximum": u64::MAX}),
                     ("id", "path") => {
                         p["example"] = json!(1);

@@ -579,8 +579,9 @@ async fn maintenance_takes_a_bounded_period_and_defaults_to_ten_minutes() {
 #[tokio::test]
 async fn the_event_log_pages_by_index_and_follows_as_server_sent_events() {
     let node = FakeNode::new();
-    let page: Value = serde_json::from_slice(&body_bytes(call(&node, Method::GET, "/v1/cluster/events", Body::empty()).await).await)
-        .expect("json");
+    let page: Value =
+        serde_json::from_slice(&body_bytes(call(&node, Method::GET, "/v1/cluster/events", Body::empty()).await).await)
+            .expect("json");
     assert_eq!(page["events"].as_array().map(Vec::len), Some(3));
     assert_eq!(page["events"][0]["type"], "node_joined");
     assert_eq!(page["next"], 3);
@@ -591,7 +592,8 @@ async fn the_event_log_pages_by_index_and_follows_as_server_sent_events() {
     assert_eq!(page["events"][0]["index"], 2);
     assert_eq!(page["next"], 2);
     for bad in ["since=-1", "limit=0", "follow=maybe", "since=x", "other=1"] {
-        let (status, _) = problem(call(&node, Method::GET, &format!("/v1/cluster/events?{bad}"), Body::empty()).await).await;
+        let (status, _) =
+            problem(call(&node, Method::GET, &format!("/v1/cluster/events?{bad}"), Body::empty()).await).await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{bad}");
     }
     // Followed: an event stream, each event with its index as id, from Last-Event-ID on.
@@ -623,7 +625,8 @@ async fn a_map_watch_answers_a_newer_map_at_once_and_the_current_one_after_its_t
     assert_eq!(map.status(), StatusCode::OK);
     assert!(started.elapsed() >= Duration::from_secs(2));
     for bad in ["wait_version=x", "wait_version=1&timeout=6m", "timeout=1s", "wait_version=1&timeout=0s"] {
-        let (status, _) = problem(call(&node, Method::GET, &format!("/v1/cluster/map?{bad}"), Body::empty()).await).await;
+        let (status, _) =
+            problem(call(&node, Method::GET, &format!("/v1/cluster/map?{bad}"), Body::empty()).await).await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{bad}");
     }
 }

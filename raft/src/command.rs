@@ -24,7 +24,8 @@ pub struct Proposal {
 impl Proposal {
     /// `command`, stamped with the time now.
     pub fn now(command: ClusterCommand) -> Self {
-        let at_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+        let at_ms =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
         Proposal { command, at_ms: Some(at_ms) }
     }
 }

@@ -614,7 +614,8 @@ impl ControlPlane {
     /// Commits `command` (this node must be the leader) and returns its response; a
     /// `Rejected` response becomes an error.
     pub async fn write(&self, command: ClusterCommand) -> Result<CommandResponse, ControlError> {
-        let response = self.bounded("the Raft log to commit", self.inner.raft.client_write(Proposal::now(command))).await?;
+        let response =
+            self.bounded("the Raft log to commit", self.inner.raft.client_write(Proposal::now(command))).await?;
         match response.data {
             CommandResponse::Rejected { reason } => Err(ControlError::Rejected { reason }),
             CommandResponse::Busy { reason } => Err(ControlError::MembershipChangeInProgress { reason }),

@@ -335,7 +335,8 @@ fn command_events(
             if buckets.is_empty() {
                 return Vec::new();
             }
-            let mut d = draft(K::LostCleared, None, format!("lost buckets {} cleared: they serve again, empty", list(buckets)));
+            let mut d =
+                draft(K::LostCleared, None, format!("lost buckets {} cleared: they serve again, empty", list(buckets)));
             d.buckets = buckets.clone();
             vec![d]
         }

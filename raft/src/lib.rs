@@ -41,13 +41,13 @@ pub mod types;
 mod storage_suite;
 
 pub use command::{ClusterCommand, CommandResponse, Proposal};
-pub use events::{Event, EventKind, MoveGroup};
 pub use control::{ControlConfig, ControlPlane, Storage};
 pub use distribution::{
     balance, balance_lower_bound, balance_node, balance_ratio, bucket_of, loads, moves_between, BalanceMove, BucketId,
     DistributionMap, NodeId, BALANCE_TOLERANCE, BUCKET_COUNT,
 };
 pub use error::ControlError;
+pub use events::{Event, EventKind, MoveGroup};
 pub use network::{
     AdminClient, AdminRequest, AdminResponse, BoxFuture, ControlRpc, ControlTransport, LostBucket, MemberStatus,
     ServeError, TransportError,

@@ -113,9 +113,9 @@ fn joining() -> Vec<crate::types::Entry> {
 
 #[tokio::test]
 async fn events_survive_a_reopen_and_travel_in_snapshots() {
+    use crate::EventKind as K;
     use openraft::storage::RaftStateMachine;
     use openraft::RaftSnapshotBuilder;
-    use crate::EventKind as K;
 
     let memory = MemoryDisk::default();
     let (_log, mut sm) = open(&Disk::Memory(memory.clone()));

@@ -26,6 +26,9 @@ pub enum Routing {
     Direct,
     /// Send each request to a random node, which forwards it.
     Any,
+    /// Use shoal's client library (`shoal::client`): owners from the map it follows, bulk
+    /// requests split per owner.
+    Client,
 }
 
 /// What the workers send.
@@ -202,6 +205,56 @@ pub async fn worker(work: std::sync::Arc<Workload>, seed: u64, deadline: Instant
                 }
                 stats.error(kind);
             }
+        }
+    }
+    stats
+}
+
+/// Runs one worker through the client library until `deadline`.
+pub async fn client_worker(
+    client: crate::client::Client,
+    work: std::sync::Arc<Workload>,
+    seed: u64,
+    deadline: Instant,
+) -> WorkerStats {
+    let mut stats = WorkerStats::new();
+    let mut rng = SmallRng::seed_from_u64(seed);
+    while Instant::now() < deadline {
+        let get = rng.random_bool(work.get_share.clamp(0.0, 1.0));
+        let names: Vec<String> = (0..work.batch).map(|_| key_name(rng.random_range(0..work.keys))).collect();
+        let started = Instant::now();
+        let outcome = if work.batch <= 1 {
+            if get {
+                client.get(&names[0]).await.map(|v| v.is_some())
+            } else {
+                client.put(&names[0], work.value.clone()).await.map(|_| true)
+            }
+        } else {
+            let keys: Vec<&str> = names.iter().map(String::as_str).collect();
+            let results = if get {
+                client.get_many(&keys).await
+            } else {
+                let value = String::from_utf8_lossy(&work.value).into_owned();
+                let items: Vec<_> = names
+                    .iter()
+                    .map(|k| shoal_http_api::types::BulkPutItem {
+                        key: k.clone(),
+                        value: Some(value.clone()),
+                        ..Default::default()
+                    })
+                    .collect();
+                client.put_many(&items).await
+            };
+            Ok(results.iter().all(|r| r.error.is_none() && r.found != Some(false)))
+        };
+        match outcome {
+            Ok(true) => {
+                stats.requests += 1;
+                stats.keys += work.batch as u64;
+                let _ = stats.latency_us.record(started.elapsed().as_micros().max(1) as u64);
+            }
+            Ok(false) => stats.error("bulk_miss_or_error"),
+            Err(e) => stats.error(e.code().unwrap_or("connection").to_string()),
         }
     }
     stats

@@ -58,7 +58,8 @@ pub struct BenchArgs {
     /// Keys per request: 1 uses the single-key endpoints, more the bulk endpoints.
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
-    /// Send each key to its owner (direct) or to a random node (any).
+    /// Send each key to its owner (direct), to a random node that forwards it (any), or through
+    /// shoal's client library (client: follows the map, splits bulk requests per owner).
     #[arg(long, value_enum, default_value = "direct")]
     pub routing: Routing,
     /// Where gets may be served: `owner`, or `mirrors` (`?read=mirrors`: the owner or the
@@ -209,8 +210,20 @@ async fn run_async(args: BenchArgs) -> Result<BenchReport, String> {
     let started = Instant::now();
     let deadline = started + args.duration;
     let mut tasks = tokio::task::JoinSet::new();
+    let client = match args.routing {
+        Routing::Client => Some(
+            crate::client::Client::connect(args.addr.iter().cloned())
+                .await
+                .map_err(|e| format!("the client cannot connect: {e}"))?,
+        ),
+        _ => None,
+    };
     for i in 0..args.connections.max(1) {
-        tasks.spawn(load::worker(work.clone(), 0x5eed + i as u64, deadline));
+        let seed = 0x5eed + i as u64;
+        match &client {
+            Some(c) => tasks.spawn(load::client_worker(c.clone(), work.clone(), seed, deadline)),
+            None => tasks.spawn(load::worker(work.clone(), seed, deadline)),
+        };
     }
     let mut stats = WorkerStats::empty();
     while let Some(done) = tasks.join_next().await {

@@ -5,9 +5,9 @@ use std::time::Duration;
 
 use futures::future::join_all;
 use shoal_http_api::types::{
-    BucketsQuery, BucketsView, Check, ClearLost, ClusterConfig, ClusterView, EventsView, LeaveOk, LostCleared, MaintenanceView,
-    MapNode, MapView, MemberView, NodeFailure, NodeStats, RebalancePlan, RebalanceRequest, ReplicationView,
-    TransferSummary, TransferView, TransitionView,
+    BucketsQuery, BucketsView, Check, ClearLost, ClusterConfig, ClusterView, EventsView, LeaveOk, LostCleared,
+    MaintenanceView, MapNode, MapView, MemberView, NodeFailure, NodeStats, RebalancePlan, RebalanceRequest,
+    ReplicationView, TransferSummary, TransferView, TransitionView,
 };
 use shoal_http_api::{ApiError, Unavailable};
 use shoal_raft::{AdminRequest, AdminResponse, ClusterState, ControlError, NodeId, ReplicationMode, StateView};

@@ -33,9 +33,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use shoal_http_api::types::{
-    AgentsView, BucketsQuery, BucketsView, Check, ClearLost, ClusterConfig, ClusterView, EventsView, GetOk, KeyList, LeaveOk,
-    LostCleared, MaintenanceView, MapView, NodeStats, PutOk, ReadFrom, RebalancePlan, RebalanceRequest, Removed,
-    RouteContext, Scope, TransferView, WriteCondition,
+    AgentsView, BucketsQuery, BucketsView, Check, ClearLost, ClusterConfig, ClusterView, EventsView, GetOk, KeyList,
+    LeaveOk, LostCleared, MaintenanceView, MapView, NodeStats, PutOk, ReadFrom, RebalancePlan, RebalanceRequest,
+    Removed, RouteContext, Scope, TransferView, WriteCondition,
 };
 use shoal_http_api::{ApiError, Limits, PutItem, ShoalApi};
 use shoal_raft::{bucket_of, BucketId, ClusterState, ControlPlane, NodeId};

@@ -3,6 +3,7 @@
 
 mod answers;
 mod balance;
+mod client;
 mod crash;
 mod eviction;
 mod failover;

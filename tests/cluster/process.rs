@@ -74,6 +74,17 @@ impl NodeProcess {
         }
     }
 
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends `signal` (`-STOP`, `-CONT`...) to the process.
+    pub fn signal(&self, signal: &str) {
+        let sent = Command::new("kill").args([signal, &self.pid().to_string()]).status().expect("kill");
+        assert!(sent.success(), "kill {signal}");
+    }
+
     /// Kills the process with SIGKILL and reaps it.
     pub fn kill9(&mut self) {
         let _ = self.child.kill();

@@ -13,7 +13,8 @@ struct Log {
 
 impl Log {
     fn new() -> Self {
-        let mut log = Log { state: ClusterState::default(), recorder: EventRecorder::default(), index: 0, events: vec![] };
+        let mut log =
+            Log { state: ClusterState::default(), recorder: EventRecorder::default(), index: 0, events: vec![] };
         log.apply(ClusterCommand::Bootstrap {
             cluster_id: "c".into(),
             node_id: 1,
@@ -82,12 +83,9 @@ fn a_join_is_joined_transition_moves_in_batches_and_transfer_end() {
     log.events.clear();
     let node = log.join(2);
     // 500 buckets move to the joiner: five full batches, the last closed with the transfer.
-    let expected = [
-        vec![K::NodeJoined, K::TransitionBegun, K::TransitionEnded],
-        vec![K::BucketsMoved; 5],
-        vec![K::TransferEnded],
-    ]
-    .concat();
+    let expected =
+        [vec![K::NodeJoined, K::TransitionBegun, K::TransitionEnded], vec![K::BucketsMoved; 5], vec![K::TransferEnded]]
+            .concat();
     assert_eq!(log.kinds(), expected);
     assert_eq!(log.events[0].node, Some(node));
     assert_eq!(log.moved(), 500);
