@@ -39,11 +39,14 @@ async fn round(client: &Client, tag: &str, n: usize) {
     }
 }
 
+/// The keys a writer had acknowledged (with their versions), and its failures.
+type Written = (Vec<(String, u64)>, Vec<ClientError>);
+
 /// Keeps writing `w-N` keys through the client until told to stop: what was acknowledged,
 /// and every failure.
 struct Writer {
     stop: Arc<AtomicBool>,
-    task: tokio::task::JoinHandle<(Vec<(String, u64)>, Vec<ClientError>)>,
+    task: tokio::task::JoinHandle<Written>,
 }
 
 impl Writer {
@@ -68,7 +71,7 @@ impl Writer {
         Writer { stop, task }
     }
 
-    async fn finish(self) -> (Vec<(String, u64)>, Vec<ClientError>) {
+    async fn finish(self) -> Written {
         self.stop.store(true, Ordering::Relaxed);
         self.task.await.expect("writer")
     }
