@@ -99,10 +99,11 @@ pub(crate) async fn events<N: ShoalApi>(
             text => crate::kv::list_limit(text)?,
         };
         let follow = flag("follow", p.follow.as_deref())?;
-        // A reconnecting event-stream client says where it was.
-        if let Some(last) = headers.get("last-event-id").filter(|_| follow && since.is_none()) {
-            let text = last.to_str().unwrap_or("");
-            since = Some(crate::kv::number::<u64>("Last-Event-ID", text)?);
+        // A reconnecting event-stream client says where it was (it asks the same URL again,
+        // `since` included).
+        if let Some(last) = headers.get("last-event-id").filter(|_| follow) {
+            let seen = crate::kv::number::<u64>("Last-Event-ID", last.to_str().unwrap_or(""))?;
+            since = Some(since.unwrap_or(0).max(seen));
         }
         Ok((since.unwrap_or(0), limit, follow))
     });
@@ -143,9 +144,16 @@ fn futures_stream<N: ShoalApi>(
                 None => node.events(next, limit, FOLLOW_ROUND).await.ok()?,
             };
             next = view.next;
-            for e in view.events {
+            // The id (what a reconnecting client resumes after) goes on an entry's last event
+            // only: a page never splits an entry, so resuming never skips part of one.
+            let mut events = view.events.into_iter().peekable();
+            while let Some(e) = events.next() {
                 let data = serde_json::to_string(&e).unwrap_or_default();
-                queue.push_back(SseEvent::default().id(e.index.to_string()).event("cluster_event").data(data));
+                let mut event = SseEvent::default().event("cluster_event").data(data);
+                if events.peek().is_none_or(|n| n.index != e.index) {
+                    event = event.id(e.index.to_string());
+                }
+                queue.push_back(event);
             }
         }
     })

@@ -13,7 +13,9 @@
 //! The event log ([`crate::events`]) lives beside it in its own tree, one key per event
 //! (Raft index, then position within the entry). An apply writes its events before the
 //! value, so a crash between the two leaves events past the last applied entry: opening drops
-//! them, and the replay derives them again. A snapshot carries the retained events.
+//! them, and the replay derives them again. A snapshot carries the retained events (up to a few
+//! MiB): they are stored under the snapshot's id in a tree of their own, written before the
+//! value that names that snapshot, so the value an apply rewrites stays small.
 
 use std::collections::VecDeque;
 use std::io::Cursor;
@@ -33,6 +35,7 @@ use crate::types::{Entry, LogId, SnapshotMeta, StorageError, StoredMembership, T
 
 const KEY_STORED: &str = "stored";
 const EVENTS_TREE: &str = "events";
+const SNAPSHOT_EVENTS_TREE: &str = "snapshot_events";
 
 /// What is persisted: the state plus the Raft positions that must survive with it.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -56,10 +59,11 @@ struct SnapshotData {
 fn decode_snapshot(data: &[u8]) -> Result<SnapshotData, StorageError> {
     match serde_json::from_slice::<SnapshotData>(data) {
         Ok(s) => Ok(s),
-        Err(_) => {
-            let machine = serde_json::from_slice(data).map_err(|e| sm_err(ErrorVerb::Read, &e))?;
-            Ok(SnapshotData { machine, events: Vec::new() })
-        }
+        Err(e) => match serde_json::from_slice(data) {
+            Ok(machine) => Ok(SnapshotData { machine, events: Vec::new() }),
+            // Neither form: say what is wrong with the current one.
+            Err(_) => Err(sm_err(ErrorVerb::Read, &e)),
+        },
     }
 }
 
@@ -132,8 +136,13 @@ impl EventStore {
             last = Some((event.index, seq));
             numbered.push((seq, event));
         }
-        self.retained.write().clear();
-        self.append(numbered)
+        for (seq, event) in &numbered {
+            let value = encode(event)?;
+            self.tree.insert(&event_key(event.index, *seq), value).map_err(|e| sm_err(ErrorVerb::Write, &e))?;
+        }
+        // Readers see the old log or the new one, never an empty one in between.
+        *self.retained.write() = numbered.into_iter().collect();
+        Ok(())
     }
 
     fn all(&self) -> Vec<Event> {
@@ -175,6 +184,9 @@ struct StoredValue {
     disk: Disk,
     tree: Tree,
     parts: Arc<tokio::sync::Mutex<Parts>>,
+    /// The events of the current snapshot, under its id, apart from the value an apply
+    /// rewrites (they are up to a few MiB).
+    snapshot_events: Tree,
 }
 
 fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, StorageError> {
@@ -210,6 +222,44 @@ impl StoredValue {
     async fn snapshot(&self) -> Result<Option<PersistedSnapshot>, StorageError> {
         let parts = self.parts.lock().await;
         serde_json::from_slice(&parts.snapshot).map_err(|e| sm_err(ErrorVerb::Read, &e))
+    }
+
+    /// Stores the events of snapshot `id` (before the snapshot itself is written).
+    fn put_snapshot_events(&self, id: &str, events: &[Event]) -> Result<(), StorageError> {
+        let value = encode(&events)?;
+        self.snapshot_events.insert(id.as_bytes(), value).map_err(|e| sm_err(ErrorVerb::Write, &e))
+    }
+
+    /// The events of snapshot `id` (none for snapshots of earlier versions).
+    fn snapshot_events(&self, id: &str) -> Result<Vec<Event>, StorageError> {
+        match self.snapshot_events.get(id.as_bytes()).map_err(|e| sm_err(ErrorVerb::Read, &e))? {
+            Some(bytes) => serde_json::from_slice(&bytes).map_err(|e| sm_err(ErrorVerb::Read, &e)),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// Forgets the events of every snapshot but `id` (once `id` is the stored snapshot).
+    fn keep_snapshot_events(&self, id: &str) -> Result<(), StorageError> {
+        for (key, _) in self.snapshot_events.range(&[], None).map_err(|e| sm_err(ErrorVerb::Read, &e))? {
+            if key != id.as_bytes() {
+                self.snapshot_events.remove(&key).map_err(|e| sm_err(ErrorVerb::Write, &e))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The bytes a snapshot is sent as: its machine with the snapshot's events.
+    fn snapshot_bytes(&self, stored: &PersistedSnapshot) -> Result<Vec<u8>, StorageError> {
+        // A stored snapshot holds the machine alone; its events are kept apart.
+        let events = self.snapshot_events(&stored.meta.snapshot_id)?;
+        let events = encode(&events)?;
+        let mut data = Vec::with_capacity(stored.data.len() + events.len() + 32);
+        data.extend_from_slice(br#"{"machine":"#);
+        data.extend_from_slice(&stored.data);
+        data.extend_from_slice(br#","events":"#);
+        data.extend_from_slice(&events);
+        data.push(b'}');
+        Ok(data)
     }
 }
 
@@ -298,7 +348,9 @@ impl DiskStateMachine {
         let bytes = tree.get(KEY_STORED.as_bytes()).map_err(|e| sm_err(ErrorVerb::Read, &e))?;
         let stored = decode_stored(bytes.as_deref())?;
         let parts = Parts { machine: encode(&stored.machine)?, snapshot: encode(&stored.snapshot)? };
-        let stored_value = StoredValue { disk: disk.clone(), tree, parts: Arc::new(tokio::sync::Mutex::new(parts)) };
+        let snapshot_events = disk.tree(SNAPSHOT_EVENTS_TREE).map_err(|e| sm_err(ErrorVerb::Read, &e))?;
+        let stored_value =
+            StoredValue { disk: disk.clone(), tree, parts: Arc::new(tokio::sync::Mutex::new(parts)), snapshot_events };
         let last_applied = stored.machine.last_applied.map_or(0, |l| l.index);
         let events = EventStore::open(disk, last_applied)?;
         let view = StateView::new(stored.machine.state.clone(), events.retained.clone());
@@ -336,8 +388,7 @@ pub struct SnapshotBuilder {
 
 impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
     async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError> {
-        let snapshot = SnapshotData { machine: self.machine.clone(), events: std::mem::take(&mut self.events) };
-        let data = serde_json::to_vec(&snapshot).map_err(|e| sm_err(ErrorVerb::Read, &e))?;
+        let machine = serde_json::to_vec(&self.machine).map_err(|e| sm_err(ErrorVerb::Read, &e))?;
         let snapshot_id = match self.machine.last_applied {
             Some(l) => format!("{}-{}-{}", l.leader_id, l.index, self.seq),
             None => format!("--{}", self.seq),
@@ -347,8 +398,11 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
             last_membership: self.machine.last_membership.clone(),
             snapshot_id,
         };
-        let stored = PersistedSnapshot { meta: meta.clone(), data: data.clone() };
+        self.stored.put_snapshot_events(&meta.snapshot_id, &self.events)?;
+        let stored = PersistedSnapshot { meta: meta.clone(), data: machine };
         self.stored.write(None, Some(&stored)).await?;
+        self.stored.keep_snapshot_events(&meta.snapshot_id)?;
+        let data = self.stored.snapshot_bytes(&stored)?;
         Ok(Snapshot { meta, snapshot: Box::new(Cursor::new(data)) })
     }
 }
@@ -424,9 +478,11 @@ impl RaftStateMachine<TypeConfig> for DiskStateMachine {
             state: machine.state,
             events: machine.events,
         };
+        self.stored.put_snapshot_events(&meta.snapshot_id, &events)?;
         self.events.replace(events)?;
-        let stored = PersistedSnapshot { meta: meta.clone(), data };
+        let stored = PersistedSnapshot { meta: meta.clone(), data: encode(&self.machine)? };
         self.persist(Some(&stored)).await?;
+        self.stored.keep_snapshot_events(&meta.snapshot_id)?;
         self.publish();
         Ok(())
     }
@@ -435,6 +491,7 @@ impl RaftStateMachine<TypeConfig> for DiskStateMachine {
         let Some(stored) = self.stored.snapshot().await? else {
             return Ok(None);
         };
-        Ok(Some(Snapshot { meta: stored.meta, snapshot: Box::new(Cursor::new(stored.data)) }))
+        let data = self.stored.snapshot_bytes(&stored)?;
+        Ok(Some(Snapshot { meta: stored.meta, snapshot: Box::new(Cursor::new(data)) }))
     }
 }

@@ -54,7 +54,7 @@ use tokio::time::Instant;
 
 pub use error::ClientError;
 pub use routes::Routes;
-pub use shoal_http_api::types::{BulkPutItem as PutItem, FoundKey, Priority, PutOk};
+pub use shoal_http_api::types::{BulkPutItem as PutItem, FoundKey, Priority, PutOk, ReadFrom};
 
 /// The default request timeout: how long an operation may take in all, retries, queueing and
 /// the grace window included.
@@ -65,6 +65,12 @@ pub const GRACE_SHARE: f64 = 0.6;
 
 /// How often a lost node is tried again during its grace window.
 const RECONNECT_EVERY: Duration = Duration::from_millis(200);
+
+/// How often a node whose grace window ended is tried again (until a new map).
+const DOWN_PROBE_EVERY: Duration = Duration::from_secs(2);
+
+/// Less of the owner's window than this left: no use forwarding, wait in its queue.
+const WINDOW_FLOOR: Duration = Duration::from_millis(100);
 
 /// How long the map watch waits at a node for a newer map before asking again.
 const WATCH_ROUND: Duration = Duration::from_secs(30);
@@ -145,6 +151,7 @@ impl ClientBuilder {
             epoch,
             next_other: AtomicUsize::new(0),
             stats: Counters::default(),
+            installing: Mutex::new(()),
         });
         let mut last = None;
         for seed in &self.seeds {
@@ -229,6 +236,7 @@ struct Inner {
     epoch: watch::Sender<u64>,
     next_other: AtomicUsize,
     stats: Counters,
+    installing: Mutex<()>,
 }
 
 /// Stops the map watch when the last handle of a client is dropped.
@@ -277,6 +285,30 @@ pub struct PutOptions {
     pub tags: Vec<String>,
     /// The eviction priority.
     pub priority: Option<Priority>,
+}
+
+/// How [`Client::get_with`] reads.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReadOptions {
+    /// Where the value may come from (default: the node's `--read-from`).
+    pub read: Option<ReadFrom>,
+    /// With async replication, how far behind its owner a replica copy may be.
+    pub max_staleness: Option<Duration>,
+}
+
+impl ReadOptions {
+    fn query(&self) -> Vec<(&'static str, String)> {
+        let mut q = Vec::new();
+        match self.read {
+            Some(ReadFrom::Mirrors) => q.push(("read", "mirrors".to_string())),
+            Some(ReadFrom::Owner) => q.push(("read", "owner".to_string())),
+            None => {}
+        }
+        if let Some(s) = self.max_staleness {
+            q.push(("max_staleness", if s.is_zero() { "0".to_string() } else { millis(s) }));
+        }
+        q
+    }
 }
 
 /// A conditional write's mode.
@@ -344,6 +376,8 @@ impl Inner {
 
     /// Takes `map` if it is newer than the one held.
     fn install(&self, map: MapView) {
+        // One install at a time: the watch and `refresh_map` never put an older map back.
+        let _installing = self.installing.lock();
         let current = self.routes.load();
         if map.version <= current.version {
             return;
@@ -458,7 +492,7 @@ impl Inner {
                     Kind::Write => self.config.request_timeout,
                 };
                 (target, false, self.attempt(&addr, build, deadline, timeout).await)
-            } else if let Some(other) = self.other_node(&routes, target) {
+            } else if let Some(other) = self.other_node(&routes, target).filter(|_| self.window_left(link)) {
                 // The owner is lost: another node forwards the operation, for at most what is
                 // left of the owner's grace window (the forwarder may wait on it too).
                 self.stats.through_other.fetch_add(1, Ordering::Relaxed);
@@ -500,7 +534,9 @@ impl Inner {
                 Attempt::NotSent(detail) => {
                     tracing::debug!(node, detail, "cannot connect");
                     self.lose(node);
-                    if !via_other {
+                    // The owner (or the forwarder) is lost now: go round it (through the next
+                    // other node), or wait in its queue when there is none.
+                    if node != target || !via_other {
                         continue;
                     }
                     self.wait_for(target, &mut epoch, deadline).await?;
@@ -515,6 +551,48 @@ impl Inner {
                     self.wait_for(target, &mut epoch, deadline).await?;
                 }
             }
+        }
+    }
+
+    /// Runs an operation at `node` itself, never through another node (a keyless request's
+    /// part, which only that node can answer): a node the client cannot reach is an error.
+    async fn at_node(
+        self: &Arc<Self>,
+        node: NodeId,
+        kind: Kind,
+        build: &(dyn Fn(&reqwest::Client, &str) -> reqwest::RequestBuilder + Send + Sync),
+    ) -> Result<reqwest::Response, ClientError> {
+        let unreachable =
+            |detail: String, maybe_applied| ClientError::Connection { node: Some(node), detail, maybe_applied };
+        if self.link(node) != Link::Up {
+            return Err(unreachable(format!("node {node} is unreachable; its part is missing"), false));
+        }
+        let routes = self.routes.load_full();
+        let addr = routes.addr_of(node).unwrap_or_default().to_string();
+        let deadline = Instant::now() + self.config.request_timeout;
+        let timeout = match kind {
+            Kind::Read => self.config.read_attempt_timeout,
+            Kind::Write => self.config.request_timeout,
+        };
+        self.stats.direct.fetch_add(1, Ordering::Relaxed);
+        match self.attempt(&addr, build, deadline, timeout).await {
+            Attempt::Answer(response) => Ok(response),
+            Attempt::NotSent(detail) => {
+                self.lose(node);
+                Err(unreachable(detail, false))
+            }
+            Attempt::MaybeSent(detail) => {
+                self.lose(node);
+                Err(unreachable(detail, kind == Kind::Write))
+            }
+        }
+    }
+
+    /// Whether enough of a lost owner's window is left to try another node.
+    fn window_left(&self, link: Link) -> bool {
+        match link {
+            Link::Lost(until) => until.saturating_duration_since(Instant::now()) >= WINDOW_FLOOR,
+            _ => true,
         }
     }
 
@@ -563,7 +641,9 @@ impl Inner {
     }
 }
 
-/// Tries `node` until it answers or `until` passes; then marks it up, or down.
+/// Tries `node` every [`RECONNECT_EVERY`] until it answers or `until` passes (then it is
+/// down), and after that every [`DOWN_PROBE_EVERY`], until it answers, a new map names it
+/// afresh, or it leaves the map.
 async fn reconnect(inner: std::sync::Weak<Inner>, node: NodeId, until: Instant) {
     loop {
         let Some(client) = inner.upgrade() else { return };
@@ -571,6 +651,10 @@ async fn reconnect(inner: std::sync::Weak<Inner>, node: NodeId, until: Instant) 
             client.links.lock().remove(&node);
             return;
         };
+        if client.links.lock().get(&node).is_none_or(|l| *l == Link::Up) {
+            // A new map gave it a fresh start; a new loss starts a new task.
+            return;
+        }
         let probe =
             client.http.get(format!("http://{addr}/livez")).timeout(RECONNECT_EVERY.max(Duration::from_secs(1)));
         if probe.send().await.is_ok_and(|r| r.status().is_success()) {
@@ -578,12 +662,16 @@ async fn reconnect(inner: std::sync::Weak<Inner>, node: NodeId, until: Instant) 
             client.set_link(node, Link::Up);
             return;
         }
-        if Instant::now() >= until {
-            client.set_link(node, Link::Down);
-            return;
-        }
+        let pause = if Instant::now() >= until {
+            if client.links.lock().get(&node).is_some_and(|l| matches!(l, Link::Lost(_))) {
+                client.set_link(node, Link::Down);
+            }
+            DOWN_PROBE_EVERY
+        } else {
+            RECONNECT_EVERY
+        };
         drop(client);
-        tokio::time::sleep(RECONNECT_EVERY).await;
+        tokio::time::sleep(pause).await;
     }
 }
 
@@ -597,7 +685,10 @@ async fn follow_map(inner: std::sync::Weak<Inner>, seeds: Vec<String>) {
         addrs.extend(seeds.iter().cloned());
         let addr = addrs[turn % addrs.len()].clone();
         match client.fetch_map(&addr, Some((routes.version, WATCH_ROUND))).await {
-            Ok(map) => client.install(map),
+            Ok(map) if map.version > routes.version => client.install(map),
+            // A round with nothing new: ask another node next, so that a node cut off from
+            // the cluster (answering its old map) cannot keep the client on it.
+            Ok(_) => turn += 1,
             Err(e) => {
                 tracing::debug!(addr, error = %e, "map watch: trying another node");
                 turn += 1;
@@ -691,7 +782,17 @@ impl Client {
 
     /// The value of `key`, or `None` if it has none.
     pub async fn get(&self, key: &str) -> Result<Option<Value>, ClientError> {
-        let response = self.key_op(Kind::Read, key, |http, addr| http.get(path_url(addr, &["v1", "kv", key]))).await?;
+        self.get_with(key, &ReadOptions::default()).await
+    }
+
+    /// The value of `key` read as `options` allow: from its owner, or from either of its
+    /// mirrors (the owner, or the holder of its replica when that copy is fresh enough; the
+    /// owner's node picks by its `--ha-strategy`).
+    pub async fn get_with(&self, key: &str, options: &ReadOptions) -> Result<Option<Value>, ClientError> {
+        let query = options.query();
+        let response = self
+            .key_op(Kind::Read, key, |http, addr| http.get(path_url(addr, &["v1", "kv", key])).query(&query))
+            .await?;
         if response.status() == StatusCode::NOT_FOUND {
             let problem = error::problem(response).await;
             return match problem.code() {
@@ -853,10 +954,11 @@ impl Client {
         let routes = self.routes();
         let calls = routes.node_ids().map(|node| {
             let method = method.clone();
+            let kind = if method == Method::GET { Kind::Read } else { Kind::Write };
             async move {
                 let answer = self
                     .inner
-                    .execute(Kind::Read, &move |_: &Routes| Some(node), &|http, addr| {
+                    .at_node(node, kind, &|http, addr| {
                         http.request(method.clone(), path_url(addr, segments))
                             .query(query)
                             .header("x-shoal-scope", "local")

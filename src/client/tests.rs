@@ -58,3 +58,11 @@ fn errors_keep_the_server_code_and_status() {
     assert_eq!((e.code(), e.status()), (None, None));
     assert!(e.to_string().contains("may have been applied"), "{e}");
 }
+
+#[test]
+fn read_options_ask_for_mirrors_and_staleness() {
+    let options = ReadOptions { read: Some(ReadFrom::Mirrors), max_staleness: Some(Duration::from_secs(2)) };
+    assert_eq!(options.query(), vec![("read", "mirrors".into()), ("max_staleness", "2000ms".into())]);
+    let fresh = ReadOptions { read: Some(ReadFrom::Owner), max_staleness: Some(Duration::ZERO) };
+    assert_eq!(fresh.query(), vec![("read", "owner".into()), ("max_staleness", "0".into())]);
+}

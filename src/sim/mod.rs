@@ -483,7 +483,30 @@ fn converged(cluster: &SimCluster) -> Option<String> {
             ));
         }
     }
+    if let Some(differ) = histories_differ(&running) {
+        return Some(differ);
+    }
     settled(cluster)
+}
+
+/// Where two running nodes' event logs tell different histories, over the indices both hold.
+fn histories_differ(running: &[(HostId, NodeId, Arc<crate::transport::PeerService>)]) -> Option<String> {
+    let logs: Vec<(HostId, Vec<shoal_raft::Event>)> =
+        running.iter().map(|(h, _, service)| (*h, service.control.view().events_since(0, usize::MAX).events)).collect();
+    let first = logs.iter().filter_map(|(_, l)| l.first().map(|e| e.index)).max()?;
+    let last = logs.iter().filter_map(|(_, l)| l.last().map(|e| e.index)).min()?;
+    let window = |l: &[shoal_raft::Event]| -> Vec<shoal_raft::Event> {
+        l.iter().filter(|e| e.index >= first && e.index <= last).cloned().collect()
+    };
+    let (h0, reference) = (logs[0].0, window(&logs[0].1));
+    for (h, log) in &logs[1..] {
+        let mine = window(log);
+        if mine != reference {
+            let at = mine.iter().zip(&reference).find(|(a, b)| a != b).map(|(a, _)| a.index);
+            return Some(format!("host {h}'s event log differs from host {h0}'s (at index {at:?})"));
+        }
+    }
+    None
 }
 
 /// Reads every key through the running nodes, trying again while they answer 503.
