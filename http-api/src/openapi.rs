@@ -84,6 +84,17 @@ fn complete(doc: &mut Value) {
         "pattern": duration_pattern(),
         "description": "How long the member may stay away: 10s to 1h (400 outside); default 10m"
     });
+    // A followed event log: each server-sent event carries one event's JSON as its data, and
+    // the last event of each Raft entry its index as id.
+    doc["paths"]["/v1/cluster/events"]["get"]["responses"]["200"]["content"]["text/event-stream"]["schema"] = json!({
+        "type": "object",
+        "properties": {
+            "event": {"type": "string", "enum": ["cluster_event"]},
+            "data": {"type": "string", "contentMediaType": "application/json"},
+            "id": {"type": "string", "pattern": "^[0-9]+$"}
+        },
+        "required": ["event", "data"]
+    });
     let Some(paths) = doc["paths"].as_object_mut() else { return };
     for (path, item) in paths.iter_mut() {
         let Some(item) = item.as_object_mut() else { continue };

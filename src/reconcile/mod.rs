@@ -44,6 +44,10 @@ use crate::transfer::stuck::StuckDetector;
 use crate::transfer::TransferConfig;
 use plan::{plan, Action, Facts, Running};
 
+/// How long a node that left keeps serving before it stops: long enough for every member to
+/// apply its retirement (and stop sending it replica and shadow writes) under load.
+const LEFT_LINGER: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// How often the loop plans even when nothing woke it.
 const TICK: Duration = Duration::from_millis(500);
 /// How long a job that could not finish its work waits before the loop plans it again.
@@ -391,7 +395,14 @@ impl Reconciler {
                     tracing::error!(error = %e, "could not record that this node left");
                 }
                 tracing::info!(node_id = self.me, "this node has left the cluster; stopping");
-                self.shutdown.send_replace(true);
+                // Members that have not applied the retirement yet still send this node their
+                // replica and shadow writes for a moment: it keeps answering them a little
+                // while, so that a leave fails no write.
+                let shutdown = self.shutdown.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(LEFT_LINGER).await;
+                    shutdown.send_replace(true);
+                });
                 return true;
             }
             Action::SetLimit { bytes } => {

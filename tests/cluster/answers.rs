@@ -17,12 +17,12 @@ fn client() -> reqwest::Client {
     reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(15)).build().expect("client")
 }
 
-async fn view(http: &reqwest::Client, addr: &str) -> Option<Value> {
+pub(crate) async fn view(http: &reqwest::Client, addr: &str) -> Option<Value> {
     http.get(format!("http://{addr}/v1/cluster")).send().await.ok()?.json().await.ok()
 }
 
 /// The member id of the node at `api`.
-async fn id_of(http: &reqwest::Client, via: &str, api: &str) -> u64 {
+pub(crate) async fn id_of(http: &reqwest::Client, via: &str, api: &str) -> u64 {
     let v = view(http, via).await.expect("view");
     v["members"].as_array().expect("members").iter().find(|m| m["api_addr"] == api).expect("a member")["id"]
         .as_u64()
@@ -43,7 +43,7 @@ async fn keys_of(http: &reqwest::Client, via: &str, owner: u64, n: usize) -> Vec
 }
 
 /// Waits until the node at `addr` sees `members` members, settled, every replica attached.
-async fn settled(http: &reqwest::Client, addr: &str, members: usize) {
+pub(crate) async fn settled(http: &reqwest::Client, addr: &str, members: usize) {
     wait_for(&format!("{addr} to see {members} settled members"), || async {
         let v = view(http, addr).await?;
         let n = v["members"].as_array()?.len();

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use shoal::client::{Client, ClientError};
 
+use crate::answers::{id_of, settled};
 use crate::harness::{wait_for, TestCluster};
 use crate::process::NodeProcess;
 
@@ -123,22 +124,6 @@ async fn the_client_follows_a_join_and_a_leave_and_needs_no_forward_once_settled
 
 const FAST: [&str; 4] = ["--ping-interval", "200ms", "--node-timeout", "1s"];
 
-async fn view(http: &reqwest::Client, addr: &str) -> Option<Value> {
-    http.get(format!("http://{addr}/v1/cluster")).send().await.ok()?.json().await.ok()
-}
-
-/// Waits until `addr` sees `members` members, settled, every replica attached.
-async fn settled(http: &reqwest::Client, addr: &str, members: usize) {
-    wait_for(&format!("{addr} to see {members} settled members"), || async {
-        let v = view(http, addr).await?;
-        let n = v["members"].as_array()?.len();
-        let r = &v["replication"];
-        let calm = v["transition"].is_null() && v["transfer"].is_null() && v["leader"].is_u64();
-        (n == members && calm && r["attached_buckets"] == r["owned_buckets"]).then_some(())
-    })
-    .await;
-}
-
 fn http() -> reqwest::Client {
     reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(15)).build().expect("client")
 }
@@ -154,14 +139,6 @@ async fn processes(dir: &std::path::Path, n: usize, extra: &[&str]) -> Vec<NodeP
         settled(&http, &seed, i).await;
     }
     nodes
-}
-
-/// The member id of the node at `api`.
-async fn id_of(http: &reqwest::Client, via: &str, api: &str) -> u64 {
-    let v = view(http, via).await.expect("view");
-    v["members"].as_array().expect("members").iter().find(|m| m["api_addr"] == api).expect("a member")["id"]
-        .as_u64()
-        .expect("id")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
