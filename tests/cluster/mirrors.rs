@@ -187,7 +187,9 @@ async fn with_nodeads_a_stopped_mirror_gets_no_reads_and_serves_again_after_it_r
         }
         n
     }
-    assert!(served_by(&c, &keys, down).await > 0, "before: both mirrors serve");
+    // Both mirrors serve once the owner's next ping names node 3 as its complete holder (the
+    // attachment alone is not enough for a replica copy to serve).
+    wait_for("before: both mirrors serve", || async { (served_by(&c, &keys, down).await > 0).then_some(()) }).await;
     c.stop(2).await;
     // Within about a ping interval node 1 holds it dead (no answer to a read or a ping).
     wait_for("node 3 dead in node 1's agent status", || async {
