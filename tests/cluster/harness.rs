@@ -117,6 +117,27 @@ impl TestCluster {
         .await;
     }
 
+    /// Waits until every member's replica is held where join order places it (`replica_on` in
+    /// the map), as the event log tells: the last `replica_moved` of each member names that
+    /// holder. Until then a member's complete replica may still be at its previous holder,
+    /// which is the one that inherits and serves mirror reads.
+    pub async fn wait_replicas_placed(&self) {
+        let slot = self.running().next().expect("a running node");
+        wait_for("every replica at the holder join order names", || async {
+            let map = self.json(slot, "/v1/cluster/map").await;
+            let events = self.json(slot, "/v1/cluster/events?limit=100000").await;
+            let events = events["events"].as_array()?;
+            for node in map["nodes"].as_array()? {
+                let last = events.iter().rev().find(|e| e["type"] == "replica_moved" && e["node"] == node["id"])?;
+                if last["peer"] != node["replica_on"] {
+                    return None;
+                }
+            }
+            Some(())
+        })
+        .await;
+    }
+
     /// Starts a new node that joins through the first running node; returns its slot as soon
     /// as it is a member (its buckets may still be moving).
     pub async fn add_node_no_wait(&mut self) -> usize {

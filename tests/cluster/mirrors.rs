@@ -57,6 +57,7 @@ async fn mirror_reads_are_served_by_the_owner_and_the_replica_and_never_older_th
     let c = TestCluster::start_with(3, pings).await;
     c.wait_for_counts(&[333, 333, 334]).await;
     c.wait_all_attached().await;
+    c.wait_replicas_placed().await;
     let mut served_by: BTreeMap<&str, usize> = BTreeMap::new();
     for i in 0..300 {
         let key = format!("mirror-{i}");
@@ -128,6 +129,7 @@ async fn with_async_replication_a_replica_serves_only_within_the_staleness_the_r
     let r = c.http.put(c.url(0, "/v1/cluster/config")).json(&json!({"replication": "async"})).send().await;
     assert_eq!(r.expect("config").status(), 200);
     c.wait_all_attached().await;
+    c.wait_replicas_placed().await;
     let keys: Vec<String> = (0..100).map(|i| format!("stale-{i}")).collect();
     for k in &keys {
         assert!(c.put(0, k, "v").await.is_success());
@@ -165,6 +167,7 @@ async fn with_nodeads_a_stopped_mirror_gets_no_reads_and_serves_again_after_it_r
     let mut c = TestCluster::start_with(3, nodeads).await;
     c.wait_for_counts(&[333, 333, 334]).await;
     c.wait_all_attached().await;
+    c.wait_replicas_placed().await;
     let down = c.id(2);
     // Keys whose replica node 3 holds: their owner (node 2) and node 3 are their mirrors.
     let mut keys = Vec::new();
@@ -202,6 +205,7 @@ async fn with_nodeads_a_stopped_mirror_gets_no_reads_and_serves_again_after_it_r
     c.restart(2).await.expect("restart");
     // Back: alive again once it answers a ping, and its copy, sent again whole, serves reads.
     c.wait_all_attached().await;
+    c.wait_replicas_placed().await;
     wait_for("node 3 serves mirror reads again", || async { (served_by(&c, &keys, down).await > 0).then_some(()) })
         .await;
     c.shutdown().await;
@@ -220,6 +224,7 @@ async fn with_nodeads_a_slow_mirror_gets_a_share_of_reads_by_its_latency_weight(
     })
     .await;
     c.wait_all_attached().await;
+    c.wait_replicas_placed().await;
     let (fast, slow) = (c.id(1), c.id(2));
     // Keys node 2 owns: their mirrors are node 2 and node 3 (its replica holder), both remote
     // from node 1, through which they are read.
