@@ -39,6 +39,8 @@ async fn assert_all_readable(c: &TestCluster, slot: usize, keys: &[String], valu
 async fn sync_writes_are_in_the_replica_before_the_answer_and_deletes_follow() {
     let c = TestCluster::start(3).await;
     c.wait_for_counts(&[333, 333, 334]).await;
+    // While a replica moves to the holder join order names, writes reach both holders.
+    c.wait_replicas_placed().await;
     let keys: Vec<String> = (0..300).map(|i| format!("r{i}")).collect();
     put_all(&c, 0, &keys, "v1").await;
     // Sync mode: every acknowledged item is in exactly one replica store, now.
