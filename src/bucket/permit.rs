@@ -18,7 +18,7 @@ use tokio::sync::{MutexGuard, RwLockWriteGuard};
 use super::phase::{write_refusal, WritePlan};
 use super::BucketCore;
 use crate::cache::{Change, ExportedItem, Write};
-use crate::error::DataError;
+use crate::error::{DataError, ReplicaError};
 use crate::transport::frame::{change_frames, end_frame, HEADER};
 
 /// One write done under a permit, and how to take it back.
@@ -140,7 +140,7 @@ impl<'a> WritePermit<'a> {
                             tracing::warn!(bucket = bucket.0, shadow = shadow.node, error = %e, "the shadow keeps writes that were taken back");
                         }
                     }
-                    return Err(e);
+                    return Err(no_longer_owner(e, core.control.state().map.version));
                 }
             }
         }
@@ -185,6 +185,19 @@ impl<'a> WritePermit<'a> {
         }
         core.replicator.detach(bucket);
         taken_back
+    }
+}
+
+/// A write the replica refused because this node's map, caught up, no longer gives it the
+/// bucket (it moved on while the write was on its way) is `NotOwner`: every write of the permit
+/// was taken back, so the caller routes it again to the new owner, as it does when the map
+/// moved before the write. A join or leave then fails no write.
+fn no_longer_owner(e: DataError, map_version: u64) -> DataError {
+    match e {
+        DataError::ReplicationFailed { cause: ReplicaError::NoLongerOwner { bucket, .. }, .. } => {
+            DataError::NotOwner { bucket, map_version }
+        }
+        other => other,
     }
 }
 

@@ -225,7 +225,7 @@ async fn write_and_count(
             Ok(r) => {
                 let status = r.status();
                 let p: serde_json::Value = r.json().await.unwrap_or_default();
-                fail(format!("single {status} {}", p["code"]));
+                fail(format!("single {status} {} ({})", p["code"], p["detail"]));
             }
             Err(e) => fail(format!("single {e}")),
         }
@@ -239,7 +239,7 @@ async fn write_and_count(
                 let body: serde_json::Value = r.json().await.unwrap_or_default();
                 for item in body["results"].as_array().into_iter().flatten() {
                     match item.get("error") {
-                        Some(e) if !e.is_null() => fail(format!("bulk item {}", e["code"])),
+                        Some(e) if !e.is_null() => fail(format!("bulk item {} ({})", e["code"], e["detail"])),
                         _ => written += 1,
                     }
                 }
