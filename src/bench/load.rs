@@ -262,29 +262,14 @@ pub async fn client_worker(
 
 /// Sends one request and reads the whole answer; `Err` names the kind of failure.
 async fn send(conn: &mut Conn, op: &Op, timeout: Duration) -> Result<(), String> {
-    let request = Request::builder()
-        .method(op.method.clone())
-        .uri(&op.path)
-        .header(hyper::header::HOST, &conn.host)
-        .body(Full::new(op.body.clone()))
-        .map_err(|e| format!("request: {e}"))?;
-    let exchange = async {
-        conn.sender.ready().await.map_err(|_| "connection".to_string())?;
-        let response = conn.sender.send_request(request).await.map_err(|_| "connection".to_string())?;
-        let status = response.status();
-        let body = response.into_body().collect().await.map_err(|_| "connection".to_string())?.to_bytes();
-        if !status.is_success() {
-            return Err(format!("http_{}", status.as_u16()));
-        }
-        if op.method == Method::POST && memchr_error(&body) {
-            return Err("bulk_miss_or_error".to_string());
-        }
-        Ok(())
-    };
-    match tokio::time::timeout(timeout, exchange).await {
-        Ok(result) => result,
-        Err(_) => Err("timeout".to_string()),
+    let (status, body) = exchange(conn, op.method.clone(), &op.path, op.body.clone(), timeout).await?;
+    if !status.is_success() {
+        return Err(format!("http_{}", status.as_u16()));
     }
+    if op.method == Method::POST && memchr_error(&body) {
+        return Err("bulk_miss_or_error".to_string());
+    }
+    Ok(())
 }
 
 /// Whether a bulk answer reports a per-key error (or a missing key).
@@ -294,9 +279,22 @@ fn memchr_error(body: &[u8]) -> bool {
     body.windows(needle.len()).any(|w| w == needle) || body.windows(missing.len()).any(|w| w == missing)
 }
 
+/// How long the fill keeps sending a chunk whose keys answer retryably (503: a bucket moving,
+/// a replica not attached yet, no quorum for a moment) before it gives up.
+const FILL_PATIENCE: Duration = Duration::from_secs(60);
+
+/// What the fill did.
+pub struct Filled {
+    /// How long it took.
+    pub took: Duration,
+    /// Keys sent again because their first answer was retryable.
+    pub retries: u64,
+}
+
 /// Writes every key once (bulk puts of 100 through the first node), with `parallel` requests
-/// at a time. Returns how long it took.
-pub async fn fill(work: &Workload, parallel: usize) -> Result<Duration, String> {
+/// at a time. Keys answered retryably (503) are sent again, for at most [`FILL_PATIENCE`] per
+/// chunk, and counted; any other failure ends the fill.
+pub async fn fill(work: &Workload, parallel: usize) -> Result<Filled, String> {
     let started = Instant::now();
     let chunks: Vec<(u32, u32)> = (0..work.keys).step_by(100).map(|s| (s, (s + 100).min(work.keys))).collect();
     let value = String::from_utf8_lossy(&work.value).into_owned();
@@ -308,23 +306,91 @@ pub async fn fill(work: &Workload, parallel: usize) -> Result<Duration, String> 
         let addr = work.nodes[0].clone();
         tasks.spawn(async move {
             let mut conn = connect(&addr).await?;
+            let mut retries = 0u64;
             for (start, end) in part {
-                let items: Vec<_> =
-                    (start..end).map(|k| serde_json::json!({"key": key_name(k), "value": value})).collect();
-                let op = Op {
-                    node: 0,
-                    method: Method::POST,
-                    path: "/v1/bulk/put".into(),
-                    body: Bytes::from(serde_json::json!({ "items": items }).to_string()),
-                    keys: 0,
-                };
-                send(&mut conn, &op, Duration::from_secs(30)).await.map_err(|e| format!("fill: {e}"))?;
+                let mut keys: Vec<u32> = (start..end).collect();
+                let give_up = Instant::now() + FILL_PATIENCE;
+                loop {
+                    let items: Vec<_> =
+                        keys.iter().map(|&k| serde_json::json!({"key": key_name(k), "value": value})).collect();
+                    let body = Bytes::from(serde_json::json!({ "items": items }).to_string());
+                    let again =
+                        match exchange(&mut conn, Method::POST, "/v1/bulk/put", body, Duration::from_secs(30)).await {
+                            Ok((status, body)) if status.is_success() => retryable_items(&keys, &body)?,
+                            Ok((status, _)) if status == hyper::StatusCode::SERVICE_UNAVAILABLE => keys.clone(),
+                            Ok((status, body)) => {
+                                return Err(format!("fill: {status}: {}", String::from_utf8_lossy(&body)));
+                            }
+                            Err(kind) if kind == "connection" || kind == "timeout" => {
+                                conn = connect(&addr).await?;
+                                keys.clone()
+                            }
+                            Err(kind) => return Err(format!("fill: {kind}")),
+                        };
+                    if again.is_empty() {
+                        break;
+                    }
+                    if Instant::now() >= give_up {
+                        return Err(format!("fill: {} keys still answered 503 after {FILL_PATIENCE:?}", again.len()));
+                    }
+                    retries += again.len() as u64;
+                    keys = again;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
             }
-            Ok::<(), String>(())
+            Ok::<u64, String>(retries)
         });
     }
+    let mut retries = 0;
     while let Some(done) = tasks.join_next().await {
-        done.map_err(|e| e.to_string())??;
+        retries += done.map_err(|e| e.to_string())??;
     }
-    Ok(started.elapsed())
+    Ok(Filled { took: started.elapsed(), retries })
+}
+
+/// The keys of a bulk put's answer that failed retryably (status 503); an item that failed
+/// otherwise is an error.
+fn retryable_items(keys: &[u32], body: &[u8]) -> Result<Vec<u32>, String> {
+    let answer: serde_json::Value = serde_json::from_slice(body).map_err(|e| format!("fill: the answer: {e}"))?;
+    let results = answer["results"].as_array().ok_or("fill: the answer has no results")?;
+    if results.len() != keys.len() {
+        return Err(format!("fill: {} results for {} keys", results.len(), keys.len()));
+    }
+    let mut again = Vec::new();
+    for (&key, result) in keys.iter().zip(results) {
+        match result.get("error").filter(|e| !e.is_null()) {
+            None => {}
+            Some(e) if e["status"] == 503 => again.push(key),
+            Some(e) => return Err(format!("fill: {}: {e}", key_name(key))),
+        }
+    }
+    Ok(again)
+}
+
+/// Sends one request and reads the whole answer, whatever its status; `Err` names the kind of
+/// failure ("connection", "timeout").
+async fn exchange(
+    conn: &mut Conn,
+    method: Method,
+    path: &str,
+    body: Bytes,
+    timeout: Duration,
+) -> Result<(hyper::StatusCode, Bytes), String> {
+    let request = Request::builder()
+        .method(method)
+        .uri(path)
+        .header(hyper::header::HOST, &conn.host)
+        .body(Full::new(body))
+        .map_err(|e| format!("request: {e}"))?;
+    let exchange = async {
+        conn.sender.ready().await.map_err(|_| "connection".to_string())?;
+        let response = conn.sender.send_request(request).await.map_err(|_| "connection".to_string())?;
+        let status = response.status();
+        let body = response.into_body().collect().await.map_err(|_| "connection".to_string())?.to_bytes();
+        Ok((status, body))
+    };
+    match tokio::time::timeout(timeout, exchange).await {
+        Ok(result) => result,
+        Err(_) => Err("timeout".to_string()),
+    }
 }

@@ -146,6 +146,10 @@ pub struct BenchReport {
     pub server_us_per_key: Option<f64>,
     /// Seconds the fill took.
     pub fill_seconds: Option<f64>,
+    /// Keys the fill sent again because they answered 503 the first time (a bucket moving, a
+    /// replica attaching).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fill_retries: Option<u64>,
 }
 
 /// Runs the benchmark (blocking: it builds its own runtime).
@@ -205,7 +209,7 @@ async fn workload(args: &BenchArgs) -> Result<Workload, String> {
 
 async fn run_async(args: BenchArgs) -> Result<BenchReport, String> {
     let work = Arc::new(workload(&args).await?);
-    let fill_seconds = if args.no_fill { None } else { Some(load::fill(&work, 16).await?.as_secs_f64()) };
+    let filled = if args.no_fill { None } else { Some(load::fill(&work, 16).await?) };
     let start_cpu = CpuSample::take(&args.server_pid);
     let started = Instant::now();
     let deadline = started + args.duration;
@@ -256,7 +260,8 @@ async fn run_async(args: BenchArgs) -> Result<BenchReport, String> {
         cpu,
         server_us_per_request: per(stats.requests),
         server_us_per_key: per(stats.keys),
-        fill_seconds,
+        fill_seconds: filled.as_ref().map(|f| f.took.as_secs_f64()),
+        fill_retries: filled.map(|f| f.retries),
     })
 }
 
@@ -273,7 +278,12 @@ pub fn table(r: &BenchReport) -> String {
         }
         _ => "server ? (give --server-pid)".to_string(),
     };
-    format!(
+    let fill = match (r.fill_seconds, r.fill_retries) {
+        (Some(s), Some(0)) => format!("fill        {s:.1}s\n"),
+        (Some(s), Some(n)) => format!("fill        {s:.1}s, {n} keys sent again after a 503\n"),
+        _ => String::new(),
+    };
+    let table = format!(
         "shoal bench: {} nodes, {} connections, {:.1}s, get:put {}, batch {}, routing {:?}, read {:?}\n\
          throughput  {:.0} requests/s, {:.0} keys/s ({} requests)\n\
          latency     p50 {:.3} ms  p90 {:.3} ms  p99 {:.3} ms  p99.9 {:.3} ms  max {:.3} ms\n\
@@ -298,5 +308,6 @@ pub fn table(r: &BenchReport) -> String {
         server,
         r.cpu.client_cores,
         r.cpu.foreign_cores,
-    )
+    );
+    fill + &table
 }

@@ -12,32 +12,13 @@ cluster has settled (no transition, no transfer, every replica attached) before 
 """
 
 import argparse
-import json
 import os
 import shutil
 import sys
 import tempfile
-import time
-import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare import Processes, measured, median, shoal_bench, start_shoal  # noqa: E402
-
-
-def settled(addr, members, deadline=120):
-    end = time.time() + deadline
-    while time.time() < end:
-        try:
-            with urllib.request.urlopen(f"http://{addr}/v1/cluster", timeout=5) as r:
-                v = json.load(r)
-            rep = v.get("replication") or {}
-            if (len(v["members"]) == members and v.get("transition") is None and v.get("transfer") is None
-                    and rep.get("attached_buckets") == rep.get("owned_buckets")):
-                return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{addr} did not settle with {members} members")
+from compare import Processes, measured, median, settled, shoal_bench, start_shoal  # noqa: E402
 
 
 def main():
@@ -53,11 +34,11 @@ def main():
     tmp = tempfile.mkdtemp(prefix="shoal-client-perf-")
     try:
         p1, a1 = start_shoal(procs, args, os.path.join(tmp, "n1"))
-        settled(a1, 1)
+        settled([a1])
         p2, a2 = start_shoal(procs, args, os.path.join(tmp, "n2"), join=a1)
-        settled(a1, 2)
+        settled([a1, a2])
         p3, a3 = start_shoal(procs, args, os.path.join(tmp, "n3"), join=a1)
-        settled(a1, 3)
+        settled([a1, a2, a3])
         pids = [p1.pid, p2.pid, p3.pid]
         shoal_bench([a1], pids, args, ratio="0:1", fill=True, pin=None)
         rows = []

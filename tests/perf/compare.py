@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 TICKS = os.sysconf("SC_CLK_TCK")
 FOREIGN_LIMIT = 0.1
@@ -197,6 +198,29 @@ def start_shoal(procs, args, data, pin=None, join=None):
     return p, addr
 
 
+def settled(addrs, deadline=180):
+    """Waits until every node in `addrs` sees all of them as members, with no transition, no
+    transfer and every replica attached: before that, writes may answer 503 and the figures
+    measure the join, not the cluster."""
+    end = time.time() + deadline
+    pending = list(addrs)
+    while pending:
+        addr = pending[0]
+        try:
+            with urllib.request.urlopen(f"http://{addr}/v1/cluster", timeout=5) as r:
+                v = json.load(r)
+            rep = v.get("replication") or {}
+            if (len(v["members"]) == len(addrs) and v.get("transition") is None and v.get("transfer") is None
+                    and rep.get("attached_buckets") == rep.get("owned_buckets")):
+                pending.pop(0)
+                continue
+        except (OSError, ValueError, KeyError):
+            pass
+        if time.time() > end:
+            raise RuntimeError(f"{addr} did not settle with {len(addrs)} members")
+        time.sleep(0.2)
+
+
 def shoal_bench(addrs, pids, args, ratio="1:0", batch=1, routing="direct", fill=False, pin=1, keys=None):
     cmd = [args.shoal, "bench", "--addr", ",".join(addrs), "--server-pid", ",".join(str(p) for p in pids),
            "--duration", f"{args.duration}s", "--connections", str(args.connections),
@@ -206,7 +230,12 @@ def shoal_bench(addrs, pids, args, ratio="1:0", batch=1, routing="direct", fill=
         cmd.append("--no-fill")
     if pin is not None:
         cmd = ["taskset", "-c", str(pin)] + cmd
-    r = json.loads(subprocess.run(["timeout", "600"] + cmd, capture_output=True, text=True, check=True).stdout)
+    done = subprocess.run(["timeout", "600"] + cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"shoal bench failed ({done.returncode}): {done.stderr.strip()}")
+    r = json.loads(done.stdout)
+    if r.get("fill_retries"):
+        print(f"  shoal bench fill: {r['fill_retries']} keys sent again after a 503", file=sys.stderr)
     if r["errors"]:
         print(f"  shoal bench errors: {r['errors']}", file=sys.stderr)
     return {
@@ -258,6 +287,7 @@ def cluster_figures(args, procs, tmp):
     p2, a2 = start_shoal(procs, args, os.path.join(tmp, "n2"), join=a1)
     p3, a3 = start_shoal(procs, args, os.path.join(tmp, "n3"), join=a1)
     pids = [p1.pid, p2.pid, p3.pid]
+    settled([a1, a2, a3])
     shoal_bench([a1], pids, args, ratio="0:1", fill=True, pin=None)
     out["direct"] = measured(lambda: shoal_bench([a1], pids, args, pin=None), args.runs, "3 nodes direct")
     out["any"] = measured(lambda: shoal_bench([a1, a2, a3], pids, args, routing="any", pin=None), args.runs,
