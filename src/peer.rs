@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use shoal_http_api::types::{
-    BucketsQuery, BucketsView, ClusterView, GetOk, KeyList, MaintenanceView, NodeStats, PutOk, RebalancePlan,
+    BucketsQuery, BucketsView, ClusterView, GetOk, KeyList, MaintenanceView, NodeStats, Page, PutOk, RebalancePlan,
     RebalanceRequest, Removed, TransferStatus,
 };
 use shoal_http_api::{ApiError, PutItem, Unavailable};
@@ -172,16 +172,16 @@ impl Peers {
     }
 
     /// Asks one member for its own keys with `prefix`.
-    pub async fn keys(&self, api_addr: &str, prefix: &str, limit: usize) -> Result<KeyList, ApiError> {
-        match self.forward(api_addr, PeerRequest::Keys { prefix: prefix.to_string(), limit }).await? {
+    pub async fn keys(&self, api_addr: &str, prefix: &str, page: &Page) -> Result<KeyList, ApiError> {
+        match self.forward(api_addr, PeerRequest::Keys { prefix: prefix.to_string(), page: page.clone() }).await? {
             PeerAnswer::Keys(list) => Ok(list),
             other => Err(api_error(api_addr, unexpected(&other))),
         }
     }
 
     /// Asks one member for its own keys tagged `tag`.
-    pub async fn tagged(&self, api_addr: &str, tag: &str, limit: usize) -> Result<KeyList, ApiError> {
-        match self.forward(api_addr, PeerRequest::Tagged { tag: tag.to_string(), limit }).await? {
+    pub async fn tagged(&self, api_addr: &str, tag: &str, page: &Page) -> Result<KeyList, ApiError> {
+        match self.forward(api_addr, PeerRequest::Tagged { tag: tag.to_string(), page: page.clone() }).await? {
             PeerAnswer::Keys(list) => Ok(list),
             other => Err(api_error(api_addr, unexpected(&other))),
         }

@@ -10,8 +10,8 @@ use shoal_raft::NodeId;
 use crate::error::ApiError;
 use crate::types::{
     AgentsView, BucketsQuery, BucketsView, Check, ClearLost, ClusterConfig, ClusterView, EventsView, GetOk, KeyList,
-    LeaveOk, LostCleared, MaintenanceView, MapView, NodeStats, PutOk, PutOptions, RebalancePlan, RebalanceRequest,
-    Removed, RouteContext, Scope, TransferView,
+    LeaveOk, LostCleared, MaintenanceView, MapView, NodeStats, Page, PutOk, PutOptions, RebalancePlan,
+    RebalanceRequest, Removed, RouteContext, Scope, TransferView,
 };
 
 /// A validated write of one item (from `PUT /v1/kv/{key}` or one entry of a bulk put).
@@ -111,17 +111,11 @@ pub trait ShoalApi: Send + Sync + 'static {
         ctx: RouteContext,
     ) -> impl Future<Output = Result<Vec<Result<bool, ApiError>>, ApiError>> + Send;
 
-    /// Keys starting with `prefix`, sorted, at most `limit`.
-    fn keys(
-        &self,
-        prefix: String,
-        limit: usize,
-        scope: Scope,
-    ) -> impl Future<Output = Result<KeyList, ApiError>> + Send;
+    /// Keys starting with `prefix`, sorted, the `page` of them.
+    fn keys(&self, prefix: String, page: Page, scope: Scope) -> impl Future<Output = Result<KeyList, ApiError>> + Send;
 
-    /// Keys tagged `tag`, sorted, at most `limit`.
-    fn tagged(&self, tag: String, limit: usize, scope: Scope)
-        -> impl Future<Output = Result<KeyList, ApiError>> + Send;
+    /// Keys tagged `tag`, sorted, the `page` of them.
+    fn tagged(&self, tag: String, page: Page, scope: Scope) -> impl Future<Output = Result<KeyList, ApiError>> + Send;
 
     /// Removes every item tagged `tag`.
     fn remove_tagged(&self, tag: String, scope: Scope) -> impl Future<Output = Result<Removed, ApiError>> + Send;

@@ -22,7 +22,7 @@ use crate::api::{Limits, PutItem, ShoalApi};
 use crate::error::{ApiError, Unavailable};
 use crate::json;
 use crate::types::{
-    BulkKeys, BulkPut, BulkPutItem, BulkResults, GetOk, KeyError, KeyResult, Priority, PutOptions, ReadFrom,
+    BulkKeys, BulkPut, BulkPutItem, BulkResults, GetOk, KeyError, KeyResult, Page, Priority, PutOptions, ReadFrom,
     RouteContext, Scope, WriteCondition,
 };
 use crate::{
@@ -74,6 +74,14 @@ pub(crate) struct DeleteQuery {
 pub(crate) struct ListQuery {
     prefix: Option<String>,
     limit: Option<String>,
+    start_after: Option<String>,
+}
+
+impl ListQuery {
+    /// The page asked for.
+    fn page(&self) -> Result<Page, ApiError> {
+        Ok(Page { limit: list_limit(self.limit.as_deref())?, start_after: self.start_after.clone() })
+    }
 }
 
 /// Default and largest `limit` of a key listing.
@@ -184,6 +192,73 @@ pub fn priority(text: Option<&str>) -> Result<Priority, ApiError> {
 
 fn parse_cas(text: Option<&str>) -> Result<Option<u64>, ApiError> {
     text.map(|t| number("cas", t)).transpose()
+}
+
+/// A header's value as text, or 400.
+fn header_text<'a>(headers: &'a HeaderMap, name: &header::HeaderName) -> Result<Option<&'a str>, ApiError> {
+    headers
+        .get(name)
+        .map(|v| v.to_str().map(str::trim).map_err(|_| ApiError::BadRequest(format!("{name} is not text"))))
+        .transpose()
+}
+
+/// The version in a strong entity tag, `"N"` (shoal's ETag is the item's version).
+fn strong_tag(name: &header::HeaderName, text: &str) -> Result<u64, ApiError> {
+    text.strip_prefix('"')
+        .and_then(|t| t.strip_suffix('"'))
+        .and_then(|digits| number::<u64>("version", digits).ok())
+        .ok_or_else(|| {
+            ApiError::BadRequest(format!(
+                "{name} must be * or one entity tag of a version, like \"42\" (weak tags and lists are not supported), not {text:?}"
+            ))
+        })
+}
+
+/// A write's condition given as HTTP headers, in the `cas`/`mode` terms of the query:
+/// `If-Match: "N"` is `cas=N`, `If-Match: *` is `mode=replace`, `If-None-Match: *` is
+/// `mode=add`. Given both ways, or both headers, the request is refused.
+fn header_condition<'a>(
+    headers: &HeaderMap,
+    cas: Option<u64>,
+    mode: Option<&'a str>,
+) -> Result<(Option<u64>, Option<&'a str>), ApiError> {
+    let if_match = header_text(headers, &header::IF_MATCH)?;
+    let if_none_match = header_text(headers, &header::IF_NONE_MATCH)?;
+    let from_headers = match (if_match, if_none_match) {
+        (None, None) => return Ok((cas, mode)),
+        (Some(_), Some(_)) => {
+            return Err(ApiError::BadRequest("give If-Match or If-None-Match, not both".into()));
+        }
+        (Some("*"), None) => (None, Some("replace")),
+        (Some(tag), None) => (Some(strong_tag(&header::IF_MATCH, tag)?), None),
+        (None, Some("*")) => (None, Some("add")),
+        (None, Some(other)) => {
+            return Err(ApiError::BadRequest(format!(
+                "on a write, If-None-Match can only be * (write only if absent), not {other:?}"
+            )));
+        }
+    };
+    if cas.is_some() || mode.is_some() {
+        return Err(ApiError::BadRequest("give the condition once: as If-Match/If-None-Match or as cas/mode".into()));
+    }
+    Ok(from_headers)
+}
+
+/// Whether a GET's `If-None-Match` names the version found (`*`, or a list of tags, weak or
+/// strong, compared weakly as RFC 9110 says): then the answer is 304 without the value.
+fn not_modified(headers: &HeaderMap, version: u64) -> bool {
+    let Some(text) = headers.get(header::IF_NONE_MATCH).and_then(|v| v.to_str().ok()) else {
+        return false;
+    };
+    text.split(',').map(str::trim).any(|tag| {
+        tag == "*"
+            || tag
+                .trim_start_matches("W/")
+                .strip_prefix('"')
+                .and_then(|t| t.strip_suffix('"'))
+                .and_then(|d| d.parse::<u64>().ok())
+                == Some(version)
+    })
 }
 
 /// The tags of `tags=a,b`, each exactly as written between the commas.
@@ -348,7 +423,14 @@ pub(crate) async fn get_key<N: ShoalApi>(
         let q: GetQuery = query_of(&parts.uri)?;
         check_key(&key, &node.limits())?;
         let ctx = read_context(&parts.headers, q.redirect.as_deref(), q.read.as_deref(), q.max_staleness.as_deref())?;
-        Ok(value_response(node.get(key, ctx).await?))
+        let ok = node.get(key, ctx).await?;
+        if not_modified(&parts.headers, ok.version) {
+            let mut response = value_response(GetOk { value: Bytes::new(), ..ok }).into_response();
+            *response.status_mut() = StatusCode::NOT_MODIFIED;
+            response.headers_mut().remove(header::CONTENT_TYPE);
+            return Ok(response);
+        }
+        Ok(value_response(ok))
     }
     .await;
     with_redirect(result, &parts.uri)
@@ -365,9 +447,9 @@ pub(crate) async fn put_key<N: ShoalApi>(
         let q: PutQuery = query_of(&parts.uri)?;
         let limits = node.limits();
         check_key(&key, &limits)?;
-        let cas = parse_cas(q.cas.as_deref())?;
+        let (cas, mode) = header_condition(&parts.headers, parse_cas(q.cas.as_deref())?, q.mode.as_deref())?;
         let mut options =
-            put_options(q.ttl.as_deref(), q.sliding.as_deref(), split_tags(q.tags.as_deref()), cas, q.mode.as_deref())?;
+            put_options(q.ttl.as_deref(), q.sliding.as_deref(), split_tags(q.tags.as_deref()), cas, mode)?;
         options.priority = priority(q.priority.as_deref())?;
         let ctx = route_context(&parts.headers, q.redirect.as_deref())?;
         let (value, _admitted) = admitted_body(&*node, &parts.headers, body, limits.max_value_bytes).await?;
@@ -390,7 +472,14 @@ pub(crate) async fn delete_key<N: ShoalApi>(
         let key = path(key)?;
         let q: DeleteQuery = query_of(&parts.uri)?;
         check_key(&key, &node.limits())?;
-        let cas = parse_cas(q.cas.as_deref())?;
+        let cas = match header_condition(&parts.headers, parse_cas(q.cas.as_deref())?, None)? {
+            (cas, None) => cas,
+            // `If-Match: *` (only if it exists): a delete of a missing key is 404 anyway.
+            (_, Some("replace")) => None,
+            (_, Some(_)) => {
+                return Err(ApiError::BadRequest("a delete takes If-Match (\"N\" or *), not If-None-Match".into()));
+            }
+        };
         let ctx = route_context(&parts.headers, q.redirect.as_deref())?;
         node.delete(key, cas, ctx).await?;
         Ok(StatusCode::NO_CONTENT.into_response())
@@ -623,8 +712,8 @@ pub(crate) async fn list_keys<N: ShoalApi>(
 ) -> Response {
     let result = async {
         let q = query(q)?;
-        let limit = list_limit(q.limit.as_deref())?;
-        Ok(Json(node.keys(q.prefix.unwrap_or_default(), limit, scope(&headers)).await?).into_response())
+        let page = q.page()?;
+        Ok(Json(node.keys(q.prefix.unwrap_or_default(), page, scope(&headers)).await?).into_response())
     }
     .await;
     result.unwrap_or_else(|e: ApiError| e.into_response())
@@ -642,8 +731,7 @@ pub(crate) async fn get_tag<N: ShoalApi>(
         if q.prefix.is_some() {
             return Err(ApiError::BadRequest("prefix is not a parameter of tag queries".into()));
         }
-        let limit = list_limit(q.limit.as_deref())?;
-        Ok(Json(node.tagged(tag, limit, scope(&headers)).await?).into_response())
+        Ok(Json(node.tagged(tag, q.page()?, scope(&headers)).await?).into_response())
     }
     .await;
     result.unwrap_or_else(|e: ApiError| e.into_response())

@@ -137,6 +137,8 @@ fn complete(doc: &mut Value) {
                     ("ttl" | "sliding", "query") => ttl.clone(),
                     ("tags", "query") => json!({"type": "string", "pattern": "^[^,]{1,256}(,[^,]{1,256})*$"}),
                     ("mode", "query") => json!({"type": "string", "enum": ["add", "replace"]}),
+                    ("If-Match", "header") => json!({"type": "string", "pattern": "^(\\*|\"[0-9]{1,19}\")$"}),
+                    ("If-None-Match", "header") if method != "get" => json!({"type": "string", "enum": ["*"]}),
                     ("priority", "query") => json!({"type": "string", "enum": Priority::ALL.map(Priority::name)}),
                     ("sort", "query") => {
                         json!({"type": "string", "enum": ["bytes", "items", "reads", "writes", "bucket"]})
@@ -218,6 +220,7 @@ fn at_most(n: u64) -> String {
         ("redirect" = Option<bool>, Query, description = "Answer 307 to the owner instead of forwarding"),
         ("read" = Option<ReadFrom>, Query, description = "owner (the node's --read-from default) or mirrors: any fresh copy of the bucket may serve it"),
         ("max_staleness" = Option<String>, Query, description = "With read=mirrors and async replication: how far behind its owner a replica copy may be (0, or 500ms, 2s, ...; default --max-staleness)"),
+        ("If-None-Match" = Option<String>, Header, description = "Entity tags (\"3\", W/\"3\", a list, or *): when one names the current version, the answer is 304 without the value"),
     ),
     responses(
         (status = 200, description = "The raw value", content_type = "application/octet-stream", body = String,
@@ -225,6 +228,8 @@ fn at_most(n: u64) -> String {
                     ("x-shoal-bucket" = u16, description = "The key's bucket"),
                     ("x-shoal-node" = u64, description = "The node that served it (the owner, or a mirror)"),
                     ("x-shoal-replica-lag-ms" = u64, description = "Served from a replica copy: at most how far behind its owner it was"))),
+        (status = 304, description = "If-None-Match named the current version: no value",
+            headers(("etag" = String, description = "\"<version>\""))),
         (status = 307, description = "redirect=true: the owner's URL in Location"),
         (status = 404, description = "not_found", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "key_too_large", body = Problem, content_type = "application/problem+json"),
@@ -243,6 +248,8 @@ fn get_key() {}
         ("mode" = Option<String>, Query, description = "add (only if absent) or replace (only if present)"),
         ("priority" = Option<String>, Query, description = "Eviction priority: low, below_normal, normal (default), above_normal, high, not_removable"),
         ("redirect" = Option<bool>, Query, description = "Answer 307 to the owner instead of forwarding"),
+        ("If-Match" = Option<String>, Header, description = "\"N\": as cas=N; *: as mode=replace (not with cas, mode or If-None-Match)"),
+        ("If-None-Match" = Option<String>, Header, description = "*: as mode=add (not with cas, mode or If-Match)"),
     ),
     request_body(content = String, content_type = "application/octet-stream", description = "The raw value"),
     responses(
@@ -261,6 +268,7 @@ fn put_key() {}
         ("key" = String, Path, description = "The key"),
         ("cas" = Option<u64>, Query, description = "Only if the current version is this"),
         ("redirect" = Option<bool>, Query, description = "Answer 307 to the owner instead of forwarding"),
+        ("If-Match" = Option<String>, Header, description = "\"N\": as cas=N; *: only if it exists (a missing key is 404 either way)"),
     ),
     responses(
         (status = 204, description = "Deleted"),
@@ -274,8 +282,9 @@ fn delete_key() {}
     params(
         ("prefix" = Option<String>, Query, description = "Key prefix (default: every key)"),
         ("limit" = Option<usize>, Query, description = "1 to 100000, default 1000"),
+        ("start_after" = Option<String>, Query, description = "Only keys sorting after this one: the previous page's next"),
     ),
-    responses((status = 200, description = "Sorted keys; incomplete when a member did not answer", body = KeyList)))]
+    responses((status = 200, description = "Sorted keys; more and next when it stopped at limit; incomplete when a member did not answer", body = KeyList)))]
 fn list_keys() {}
 
 #[utoipa::path(post, path = "/v1/bulk/get", tag = "keys", summary = "Read many keys",
@@ -302,8 +311,9 @@ fn bulk_delete() {}
 
 #[utoipa::path(get, path = "/v1/tags/{tag}", tag = "keys", summary = "List keys by tag (all members)",
     params(("tag" = String, Path, description = "The tag"),
-           ("limit" = Option<usize>, Query, description = "1 to 100000, default 1000")),
-    responses((status = 200, description = "Sorted keys", body = KeyList)))]
+           ("limit" = Option<usize>, Query, description = "1 to 100000, default 1000"),
+           ("start_after" = Option<String>, Query, description = "Only keys sorting after this one: the previous page's next")),
+    responses((status = 200, description = "Sorted keys; more and next when it stopped at limit", body = KeyList)))]
 fn get_tag() {}
 
 #[utoipa::path(delete, path = "/v1/tags/{tag}", tag = "keys", summary = "Remove every item with a tag (all members)",

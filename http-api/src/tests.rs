@@ -114,20 +114,19 @@ impl ShoalApi for FakeNode {
         Ok(keys.into_iter().map(|k| Ok(self.items.lock().remove(&k).is_some())).collect())
     }
 
-    async fn keys(&self, prefix: String, limit: usize, _scope: Scope) -> Result<KeyList, ApiError> {
-        let mut keys: Vec<FoundKey> = self
+    async fn keys(&self, prefix: String, page: Page, _scope: Scope) -> Result<KeyList, ApiError> {
+        let keys: Vec<FoundKey> = self
             .items
             .lock()
             .iter()
-            .filter(|(k, _)| k.starts_with(&prefix))
+            .filter(|(k, _)| k.starts_with(&prefix) && page.after(k.as_bytes()))
             .map(|(k, (_, v))| FoundKey { key: k.clone(), bucket: bucket_of(k.as_bytes()).0, version: *v, node: ME })
             .collect();
-        keys.sort();
-        keys.truncate(limit);
-        Ok(KeyList { keys, ..Default::default() })
+        let (keys, more, next) = page.cut(keys);
+        Ok(KeyList { keys, more, next, ..Default::default() })
     }
 
-    async fn tagged(&self, _tag: String, _limit: usize, _scope: Scope) -> Result<KeyList, ApiError> {
+    async fn tagged(&self, _tag: String, _page: Page, _scope: Scope) -> Result<KeyList, ApiError> {
         Ok(KeyList::default())
     }
 
@@ -374,6 +373,91 @@ async fn failed_conditions_are_412_with_the_current_version() {
     let (status, _) = problem(call(&node, Method::PUT, "/v1/kv/new?mode=replace", "b").await).await;
     assert_eq!(status, StatusCode::PRECONDITION_FAILED);
     assert_eq!(call(&node, Method::PUT, "/v1/kv/k?cas=1", "c").await.status(), StatusCode::OK);
+}
+
+async fn call_with(node: &Arc<FakeNode>, method: Method, uri: &str, headers: &[(&str, &str)], body: &str) -> Response {
+    let mut request = Request::builder().method(method).uri(uri);
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    router(node.clone())
+        .oneshot(request.body(Body::from(body.to_string())).expect("request"))
+        .await
+        .expect("infallible")
+}
+
+#[tokio::test]
+async fn if_match_and_if_none_match_are_cas_and_add_and_a_current_etag_is_304() {
+    let node = FakeNode::new();
+    // If-None-Match: * writes only what is absent.
+    let r = call_with(&node, Method::PUT, "/v1/kv/k", &[("if-none-match", "*")], "a").await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let (status, p) = problem(call_with(&node, Method::PUT, "/v1/kv/k", &[("if-none-match", "*")], "b").await).await;
+    assert_eq!((status, &p["current_version"]), (StatusCode::PRECONDITION_FAILED, &json!(1)));
+    // If-Match: "N" is cas=N; If-Match: * needs the key to exist.
+    let (status, p) = problem(call_with(&node, Method::PUT, "/v1/kv/k", &[("if-match", "\"7\"")], "b").await).await;
+    assert_eq!((status, &p["current_version"]), (StatusCode::PRECONDITION_FAILED, &json!(1)));
+    assert_eq!(call_with(&node, Method::PUT, "/v1/kv/k", &[("if-match", "\"1\"")], "b").await.status(), StatusCode::OK);
+    let (status, _) = problem(call_with(&node, Method::PUT, "/v1/kv/new", &[("if-match", "*")], "b").await).await;
+    assert_eq!(status, StatusCode::PRECONDITION_FAILED);
+    assert_eq!(call_with(&node, Method::PUT, "/v1/kv/k", &[("if-match", "*")], "c").await.status(), StatusCode::OK);
+    assert_eq!(node.items.lock()["k"], (Bytes::from("c"), 3));
+    // Conditions given twice, weak or listed tags on a write: 400, nothing written.
+    for headers in [
+        &[("if-match", "\"3\""), ("if-none-match", "*")][..],
+        &[("if-match", "W/\"3\"")],
+        &[("if-match", "\"3\", \"4\"")],
+        &[("if-match", "3")],
+        &[("if-none-match", "\"3\"")],
+    ] {
+        let (status, p) = problem(call_with(&node, Method::PUT, "/v1/kv/k", headers, "x").await).await;
+        assert_eq!((status, p["code"].as_str()), (StatusCode::BAD_REQUEST, Some("bad_request")), "{headers:?}");
+    }
+    let (status, _) =
+        problem(call_with(&node, Method::PUT, "/v1/kv/k?cas=3", &[("if-match", "\"3\"")], "x").await).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(node.items.lock()["k"].1, 3, "nothing was written");
+    // A GET with the current ETag answers 304 with the ETag and no value; another tag, 200.
+    for tag in ["\"3\"", "W/\"3\"", "\"1\", \"3\"", "*"] {
+        let r = call_with(&node, Method::GET, "/v1/kv/k", &[("if-none-match", tag)], "").await;
+        assert_eq!(r.status(), StatusCode::NOT_MODIFIED, "{tag}");
+        assert_eq!(r.headers()[header::ETAG], "\"3\"");
+        assert!(body_bytes(r).await.is_empty());
+    }
+    let r = call_with(&node, Method::GET, "/v1/kv/k", &[("if-none-match", "\"2\"")], "").await;
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(body_bytes(r).await, "c");
+    let (status, _) = problem(call_with(&node, Method::GET, "/v1/kv/gone", &[("if-none-match", "*")], "").await).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn a_listing_that_stops_at_its_limit_says_more_and_where_to_go_on() {
+    let node = FakeNode::new();
+    for k in ["a1", "a2", "a3", "a4", "a5", "b1"] {
+        call(&node, Method::PUT, &format!("/v1/kv/{k}"), "v").await;
+    }
+    let mut seen = Vec::new();
+    let mut uri = "/v1/kv?prefix=a&limit=2".to_string();
+    for _ in 0..5 {
+        let list: Value =
+            serde_json::from_slice(&body_bytes(call(&node, Method::GET, &uri, Body::empty()).await).await)
+                .expect("json");
+        seen.extend(list["keys"].as_array().expect("keys").iter().map(|k| k["key"].as_str().expect("key").to_string()));
+        if list["more"] != true {
+            assert!(list.get("next").is_none(), "{list}");
+            break;
+        }
+        assert_eq!(list["next"].as_str(), seen.last().map(String::as_str), "{list}");
+        uri = format!("/v1/kv?prefix=a&limit=2&start_after={}", list["next"].as_str().expect("next"));
+    }
+    assert_eq!(seen, ["a1", "a2", "a3", "a4", "a5"]);
+    // Exactly `limit` keys left: no `more`.
+    let list: Value = serde_json::from_slice(
+        &body_bytes(call(&node, Method::GET, "/v1/kv?prefix=a&limit=5", Body::empty()).await).await,
+    )
+    .expect("json");
+    assert_eq!((list["keys"].as_array().map(Vec::len), &list["more"]), (Some(5), &json!(false)));
 }
 
 #[tokio::test]

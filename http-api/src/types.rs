@@ -341,11 +341,51 @@ pub struct NodeFailure {
     pub detail: String,
 }
 
+/// Which part of a key listing to answer: at most `limit` keys, those sorting after
+/// `start_after` (the previous page's `next`).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Page {
+    /// At most this many keys.
+    pub limit: usize,
+    /// Only keys sorting after this one.
+    pub start_after: Option<String>,
+}
+
+impl Page {
+    /// The first `limit` keys.
+    pub fn first(limit: usize) -> Self {
+        Page { limit, start_after: None }
+    }
+
+    /// Whether `key` sorts after the page's start.
+    pub fn after(&self, key: &[u8]) -> bool {
+        self.start_after.as_deref().is_none_or(|s| key > s.as_bytes())
+    }
+
+    /// Sorts `keys`, keeps the page's `limit` of them and says whether more were found (then
+    /// `next` is the last key kept: the next page starts after it).
+    pub fn cut(&self, mut keys: Vec<FoundKey>) -> (Vec<FoundKey>, bool, Option<String>) {
+        keys.sort();
+        keys.dedup_by(|a, b| a.key == b.key);
+        let more = keys.len() > self.limit;
+        keys.truncate(self.limit);
+        let next = if more { keys.last().map(|k| k.key.clone()) } else { None };
+        (keys, more, next)
+    }
+}
+
 /// The answer to `GET /v1/kv?prefix=` and `GET /v1/tags/{tag}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default, utoipa::ToSchema)]
 pub struct KeyList {
     /// The keys, sorted, at most `limit`.
     pub keys: Vec<FoundKey>,
+    /// True when the listing stopped at `limit` and more keys match: ask again with
+    /// `start_after` set to `next`.
+    #[serde(default)]
+    pub more: bool,
+    /// With `more`: the last key of this page, the `start_after` of the next one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next: Option<String>,
     /// True when some member did not answer: the list may miss keys.
     pub incomplete: bool,
     /// The members that did not answer.

@@ -36,6 +36,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use parking_lot::RwLock;
 use rand::Rng;
+use shoal_http_api::types::Page;
 use shoal_raft::{BucketId, BUCKET_COUNT};
 
 pub use bucket::{Bucket, IndexHasher};
@@ -385,19 +386,19 @@ impl CacheStore {
 
     /// Keys (with bucket and version) of live items whose key starts with `prefix`, in the
     /// given buckets, at most `limit`, sorted by key.
-    pub fn keys_with_prefix(&self, prefix: &[u8], buckets: &[BucketId], limit: usize) -> Vec<(Vec<u8>, BucketId, u64)> {
-        self.collect(buckets, limit, |i| i.key().starts_with(prefix))
+    pub fn keys_with_prefix(&self, prefix: &[u8], buckets: &[BucketId], page: &Page) -> Vec<(Vec<u8>, BucketId, u64)> {
+        self.collect(buckets, page, |i| i.key().starts_with(prefix))
     }
 
     /// Keys (with bucket and version) of live items tagged `tag`, in the given buckets.
-    pub fn keys_with_tag(&self, tag: &str, buckets: &[BucketId], limit: usize) -> Vec<(Vec<u8>, BucketId, u64)> {
-        self.collect(buckets, limit, |i| i.has_tag(tag))
+    pub fn keys_with_tag(&self, tag: &str, buckets: &[BucketId], page: &Page) -> Vec<(Vec<u8>, BucketId, u64)> {
+        self.collect(buckets, page, |i| i.has_tag(tag))
     }
 
     fn collect(
         &self,
         buckets: &[BucketId],
-        limit: usize,
+        page: &Page,
         matches: impl Fn(&Item) -> bool,
     ) -> Vec<(Vec<u8>, BucketId, u64)> {
         let now = self.clock.now_ms();
@@ -405,11 +406,13 @@ impl CacheStore {
         for &bucket in buckets {
             let b = self.bucket(bucket).read();
             found.extend(
-                b.iter().filter(|i| !i.is_expired(now) && matches(i)).map(|i| (i.key().to_vec(), bucket, i.version())),
+                b.iter()
+                    .filter(|i| !i.is_expired(now) && page.after(i.key()) && matches(i))
+                    .map(|i| (i.key().to_vec(), bucket, i.version())),
             );
         }
         found.sort();
-        found.truncate(limit);
+        found.truncate(page.limit);
         found
     }
 

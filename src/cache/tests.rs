@@ -260,11 +260,14 @@ fn tags_and_prefixes_find_live_items() {
     let keys = |v: Vec<(Vec<u8>, BucketId, u64)>| {
         v.into_iter().map(|(k, _, _)| String::from_utf8(k).expect("utf8")).collect::<Vec<_>>()
     };
-    assert_eq!(keys(s.keys_with_prefix(b"a", &all, 10)), ["a1", "a2", "a3"]);
-    assert_eq!(keys(s.keys_with_prefix(b"a", &all, 2)), ["a1", "a2"]);
-    assert_eq!(keys(s.keys_with_tag("red", &all, 10)), ["a1", "a2", "b1"]);
+    assert_eq!(keys(s.keys_with_prefix(b"a", &all, &Page::first(10))), ["a1", "a2", "a3"]);
+    assert_eq!(keys(s.keys_with_prefix(b"a", &all, &Page::first(2))), ["a1", "a2"]);
+    let after_a1 = Page { limit: 10, start_after: Some("a1".into()) };
+    assert_eq!(keys(s.keys_with_prefix(b"a", &all, &after_a1)), ["a2", "a3"]);
+    assert_eq!(keys(s.keys_with_tag("red", &all, &after_a1)), ["a2", "b1"]);
+    assert_eq!(keys(s.keys_with_tag("red", &all, &Page::first(10))), ["a1", "a2", "b1"]);
     assert_eq!(s.remove_tagged("red", &all), 3);
-    assert_eq!(keys(s.keys_with_prefix(b"", &all, 10)), ["a3"]);
+    assert_eq!(keys(s.keys_with_prefix(b"", &all, &Page::first(10))), ["a3"]);
 }
 
 fn put_with(s: &CacheStore, key: &str, value: &[u8], priority: Priority) -> Result<u64, CacheError> {

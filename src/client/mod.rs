@@ -47,7 +47,9 @@ use futures::future::join_all;
 use parking_lot::Mutex;
 use reqwest::{Method, StatusCode};
 use serde::Serialize;
-use shoal_http_api::types::{BulkPutItem, EventsView, KeyError, KeyList, KeyResult, MapView, NodeFailure, Removed};
+use shoal_http_api::types::{
+    BulkPutItem, EventsView, KeyError, KeyList, KeyResult, MapView, NodeFailure, Page, Removed,
+};
 use shoal_raft::NodeId;
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -974,37 +976,42 @@ impl Client {
         join_all(calls).await
     }
 
-    async fn list(&self, segments: &[&str], query: &[(&str, String)], limit: usize) -> KeyList {
+    /// The `page` of keys every member lists under `segments` with `query` (each is asked for
+    /// one more key than the page holds, so that `more` is exact).
+    async fn list(&self, segments: &[&str], query: &[(&str, String)], page: &Page) -> KeyList {
+        let mut query = query.to_vec();
+        query.push(("limit", (page.limit + 1).to_string()));
+        query.extend(page.start_after.clone().map(|s| ("start_after", s)));
         let mut list = KeyList::default();
-        for (node, answer) in self.broadcast(Method::GET, segments, query).await {
+        let mut keys = Vec::new();
+        for (node, answer) in self.broadcast(Method::GET, segments, &query).await {
             let part = match answer {
                 Ok(r) => r.json::<KeyList>().await.map_err(|e| ClientError::Protocol(e.to_string())),
                 Err(e) => Err(e),
             };
             match part {
                 Ok(part) => {
-                    list.keys.extend(part.keys);
+                    keys.extend(part.keys);
                     list.incomplete |= part.incomplete;
                     list.errors.extend(part.errors);
                 }
                 Err(e) => list.errors.push(NodeFailure { node, detail: e.to_string() }),
             }
         }
-        list.keys.sort();
-        list.keys.truncate(limit);
+        (list.keys, list.more, list.next) = page.cut(keys);
         list.incomplete |= !list.errors.is_empty();
         list
     }
 
-    /// The keys starting with `prefix` (at most `limit`, sorted), from every member.
-    pub async fn keys(&self, prefix: &str, limit: usize) -> KeyList {
-        let query = [("prefix", prefix.to_string()), ("limit", limit.to_string())];
-        self.list(&["v1", "kv"], &query, limit).await
+    /// The keys starting with `prefix`, sorted, the `page` of them (`Page::first(100)`, then
+    /// `start_after` the answer's `next` while it says `more`), from every member.
+    pub async fn keys(&self, prefix: &str, page: &Page) -> KeyList {
+        self.list(&["v1", "kv"], &[("prefix", prefix.to_string())], page).await
     }
 
-    /// The keys tagged `tag` (at most `limit`, sorted), from every member.
-    pub async fn tagged(&self, tag: &str, limit: usize) -> KeyList {
-        self.list(&["v1", "tags", tag], &[("limit", limit.to_string())], limit).await
+    /// The keys tagged `tag`, sorted, the `page` of them, from every member.
+    pub async fn tagged(&self, tag: &str, page: &Page) -> KeyList {
+        self.list(&["v1", "tags", tag], &[], page).await
     }
 
     /// Removes every item tagged `tag`, at every member.

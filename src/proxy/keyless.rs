@@ -4,7 +4,7 @@ use std::future::Future;
 use std::time::Instant;
 
 use futures::future::join_all;
-use shoal_http_api::types::{FoundKey, KeyList, NodeFailure, Removed, Scope};
+use shoal_http_api::types::{FoundKey, KeyList, NodeFailure, Page, Removed, Scope};
 use shoal_http_api::ApiError;
 use shoal_raft::{BucketId, NodeId};
 
@@ -57,9 +57,11 @@ impl NodeApi {
             .collect()
     }
 
+    /// The page of keys `local` finds here and `remote` at every other member (asked for one
+    /// more than the page holds, so that `more` is known).
     async fn list<Fut>(
         &self,
-        limit: usize,
+        page: &Page,
         scope: Scope,
         local: impl FnOnce(&[BucketId]) -> Vec<(Vec<u8>, BucketId, u64)>,
         remote: impl Fn(String) -> Fut,
@@ -74,7 +76,8 @@ impl NodeApi {
             if let Some(e) = refusal {
                 return Err(e.into());
             }
-            return Ok(KeyList { keys: self.found_keys(local(&self.owned_buckets())), ..Default::default() });
+            let (keys, more, next) = page.cut(self.found_keys(local(&self.owned_buckets())));
+            return Ok(KeyList { keys, more, next, ..Default::default() });
         }
         let local_list = || match &refusal {
             Some(_) => KeyList::default(),
@@ -84,43 +87,40 @@ impl NodeApi {
         if let Some(e) = refusal {
             errors.push(NodeFailure { node: self.node_id, detail: ApiError::from(e).to_string() });
         }
-        let mut keys: Vec<FoundKey> = answers.into_iter().flat_map(|(_, list)| list.keys).collect();
-        keys.sort();
-        keys.truncate(limit);
-        Ok(KeyList { keys, incomplete: !errors.is_empty(), errors })
+        let keys: Vec<FoundKey> = answers.into_iter().flat_map(|(_, list)| list.keys).collect();
+        let (keys, more, next) = page.cut(keys);
+        Ok(KeyList { keys, more, next, incomplete: !errors.is_empty(), errors })
     }
 
-    pub(super) async fn keys_everywhere(
-        &self,
-        prefix: String,
-        limit: usize,
-        scope: Scope,
-    ) -> Result<KeyList, ApiError> {
+    pub(super) async fn keys_everywhere(&self, prefix: String, page: Page, scope: Scope) -> Result<KeyList, ApiError> {
         let started = Instant::now();
+        // Every member answers one more key than the page holds: then `more` is exact.
+        let ask = Page { limit: page.limit + 1, start_after: page.start_after.clone() };
         let list = self
             .list(
-                limit,
+                &page,
                 scope,
-                |buckets| self.cache.keys_with_prefix(prefix.as_bytes(), buckets, limit),
+                |buckets| self.cache.keys_with_prefix(prefix.as_bytes(), buckets, &ask),
                 |api| {
-                    let (peers, prefix) = (&self.peers, &prefix);
-                    async move { peers.keys(&api, prefix, limit).await }
+                    let (peers, prefix, ask) = (&self.peers, &prefix, &ask);
+                    async move { peers.keys(&api, prefix, ask).await }
                 },
             )
             .await;
         self.timed(Op::List, started, list)
     }
 
-    pub(super) async fn tagged_everywhere(&self, tag: String, limit: usize, scope: Scope) -> Result<KeyList, ApiError> {
+    pub(super) async fn tagged_everywhere(&self, tag: String, page: Page, scope: Scope) -> Result<KeyList, ApiError> {
         let started = Instant::now();
+        let ask = Page { limit: page.limit + 1, start_after: page.start_after.clone() };
         let list = self
             .list(
-                limit,
+                &page,
                 scope,
-                |buckets| self.cache.keys_with_tag(&tag, buckets, limit),
+                |buckets| self.cache.keys_with_tag(&tag, buckets, &ask),
                 |api| {
-                    let (peers, tag) = (&self.peers, &tag);
-                    async move { peers.tagged(&api, tag, limit).await }
+                    let (peers, tag, ask) = (&self.peers, &tag, &ask);
+                    async move { peers.tagged(&api, tag, ask).await }
                 },
             )
             .await;
@@ -159,7 +159,7 @@ impl NodeApi {
     /// frozen bucket and reach its replica and shadow, so a removed item does not come back
     /// after a failover or a move.
     async fn remove_tagged_here(&self, tag: &str) -> Result<Removed, ApiError> {
-        let found = self.cache.keys_with_tag(tag, &self.owned_buckets(), usize::MAX);
+        let found = self.cache.keys_with_tag(tag, &self.owned_buckets(), &Page::first(usize::MAX));
         let mut removed = 0;
         let mut failures = Vec::new();
         let keys: Vec<(String, Option<u64>)> = found

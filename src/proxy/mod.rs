@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 
 use shoal_http_api::types::{
     AgentsView, BucketsQuery, BucketsView, Check, ClearLost, ClusterConfig, ClusterView, EventsView, GetOk, KeyList,
-    LeaveOk, LostCleared, MaintenanceView, MapView, NodeStats, PutOk, ReadFrom, RebalancePlan, RebalanceRequest,
+    LeaveOk, LostCleared, MaintenanceView, MapView, NodeStats, Page, PutOk, ReadFrom, RebalancePlan, RebalanceRequest,
     Removed, RouteContext, Scope, TransferView, WriteCondition,
 };
 use shoal_http_api::{ApiError, Limits, PutItem, ShoalApi};
@@ -546,12 +546,12 @@ impl ShoalApi for NodeApi {
         self.bulk_delete_routed(keys, ctx).await
     }
 
-    async fn keys(&self, prefix: String, limit: usize, scope: Scope) -> Result<KeyList, ApiError> {
-        self.keys_everywhere(prefix, limit, scope).await
+    async fn keys(&self, prefix: String, page: Page, scope: Scope) -> Result<KeyList, ApiError> {
+        self.keys_everywhere(prefix, page, scope).await
     }
 
-    async fn tagged(&self, tag: String, limit: usize, scope: Scope) -> Result<KeyList, ApiError> {
-        self.tagged_everywhere(tag, limit, scope).await
+    async fn tagged(&self, tag: String, page: Page, scope: Scope) -> Result<KeyList, ApiError> {
+        self.tagged_everywhere(tag, page, scope).await
     }
 
     async fn remove_tagged(&self, tag: String, scope: Scope) -> Result<Removed, ApiError> {

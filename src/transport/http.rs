@@ -327,16 +327,20 @@ impl HttpTransport {
                         .collect(),
                 ))
             }
-            PeerRequest::Keys { prefix, limit } => {
-                let query = serde_urlencoded::to_string([("prefix", prefix.as_str()), ("limit", &limit.to_string())])
-                    .map_err(|e| CallError::Broken(e.to_string()))?;
+            PeerRequest::Keys { prefix, page } => {
+                let mut query = vec![("prefix", prefix), ("limit", page.limit.to_string())];
+                query.extend(page.start_after.map(|s| ("start_after", s)));
+                let query = serde_urlencoded::to_string(query).map_err(|e| CallError::Broken(e.to_string()))?;
                 let path = format!("/v1/kv?{query}");
                 Ok(PeerAnswer::Keys(
                     self.api_json(Method::GET, addr, &path, &local_scope(), Bytes::new(), timeout).await?,
                 ))
             }
-            PeerRequest::Tagged { tag, limit } => {
-                let path = format!("/v1/tags/{}?limit={limit}", utf8_percent_encode(&tag, SEGMENT));
+            PeerRequest::Tagged { tag, page } => {
+                let mut query = vec![("limit", page.limit.to_string())];
+                query.extend(page.start_after.map(|s| ("start_after", s)));
+                let query = serde_urlencoded::to_string(query).map_err(|e| CallError::Broken(e.to_string()))?;
+                let path = format!("/v1/tags/{}?{query}", utf8_percent_encode(&tag, SEGMENT));
                 Ok(PeerAnswer::Keys(
                     self.api_json(Method::GET, addr, &path, &local_scope(), Bytes::new(), timeout).await?,
                 ))

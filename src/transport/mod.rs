@@ -35,7 +35,7 @@ use bytes::Bytes;
 use futures::Stream;
 use serde::{Deserialize, Serialize};
 use shoal_http_api::types::{
-    BucketsQuery, BucketsView, ClusterView, GetOk, KeyList, MaintenanceView, NodeStats, PutOk, RebalancePlan,
+    BucketsQuery, BucketsView, ClusterView, GetOk, KeyList, MaintenanceView, NodeStats, Page, PutOk, RebalancePlan,
     RebalanceRequest, Removed, TransferStatus,
 };
 use shoal_http_api::{ApiError, PutItem};
@@ -123,15 +123,15 @@ pub enum PeerRequest {
     Keys {
         /// The prefix.
         prefix: String,
-        /// At most this many.
-        limit: usize,
+        /// Which of them.
+        page: Page,
     },
     /// A broadcast: the receiver's own keys with a tag.
     Tagged {
         /// The tag.
         tag: String,
-        /// At most this many.
-        limit: usize,
+        /// Which of them.
+        page: Page,
     },
     /// A broadcast: remove the receiver's own items with a tag.
     RemoveTagged {

@@ -93,11 +93,11 @@ impl PeerService {
             PeerRequest::BulkDelete { keys, map_version } => {
                 PeerAnswer::BulkDeleted(api.bulk_delete(keys, forwarded(map_version)).await.map_err(failed)?)
             }
-            PeerRequest::Keys { prefix, limit } => {
-                PeerAnswer::Keys(api.keys(prefix, limit, shoal_http_api::types::Scope::Local).await.map_err(failed)?)
+            PeerRequest::Keys { prefix, page } => {
+                PeerAnswer::Keys(api.keys(prefix, page, shoal_http_api::types::Scope::Local).await.map_err(failed)?)
             }
-            PeerRequest::Tagged { tag, limit } => {
-                PeerAnswer::Keys(api.tagged(tag, limit, shoal_http_api::types::Scope::Local).await.map_err(failed)?)
+            PeerRequest::Tagged { tag, page } => {
+                PeerAnswer::Keys(api.tagged(tag, page, shoal_http_api::types::Scope::Local).await.map_err(failed)?)
             }
             PeerRequest::RemoveTagged { tag } => {
                 PeerAnswer::Removed(api.remove_tagged(tag, shoal_http_api::types::Scope::Local).await.map_err(failed)?)

@@ -74,6 +74,26 @@ async fn tags_prefixes_and_bulk_operations_see_every_node() {
     let tagged = c.json(1, "/v1/tags/even").await;
     assert_eq!(tagged["keys"].as_array().expect("keys").len(), 15);
 
+    // Pages of a listing merged from every node: each key once, in order, `more` until the end.
+    for (path, expected) in [("/v1/kv?prefix=p:&limit=7", 30), ("/v1/tags/even?limit=4", 15)] {
+        let mut seen: Vec<String> = Vec::new();
+        let mut after = String::new();
+        for page in 0.. {
+            assert!(page < 10, "{path}: the pages end");
+            let list = c.json(page % 3, &format!("{path}&start_after={after}")).await;
+            seen.extend(list["keys"].as_array().expect("keys").iter().map(|k| k["key"].as_str().expect("key").into()));
+            if list["more"] == false {
+                break;
+            }
+            after = list["next"].as_str().expect("next").to_string();
+            assert_eq!(Some(&after), seen.last(), "{list}");
+        }
+        let mut sorted = seen.clone();
+        sorted.sort();
+        sorted.dedup();
+        assert_eq!((seen.len(), &sorted), (expected, &seen), "{path}");
+    }
+
     let keys: Vec<String> = (0..32).map(|i| format!("p:{i:02}")).collect();
     let got: Value = c
         .http
@@ -183,6 +203,25 @@ async fn oversized_and_conditional_writes_fail_whole_through_any_node() {
         assert_eq!(put(&format!("?cas={version}")).await.expect("put").status(), 200);
         assert_eq!(put("?mode=add").await.expect("put").status(), 412);
         assert_eq!(put("?mode=replace").await.expect("put").status(), 200);
+        // The same conditions as HTTP headers, and a GET that names the current ETag, through
+        // either node.
+        let etag = c.http.get(c.url(slot, &format!("/v1/kv/{key}"))).send().await.expect("get").headers()["etag"]
+            .to_str()
+            .expect("etag")
+            .to_string();
+        for via in 0..2 {
+            let r = c.http.get(c.url(via, &format!("/v1/kv/{key}"))).header("if-none-match", &etag).send().await;
+            let r = r.expect("get");
+            assert_eq!((r.status().as_u16(), r.headers()["etag"].to_str().ok()), (304, Some(etag.as_str())));
+        }
+        let with = |name: &'static str, value: String| {
+            c.http.put(c.url(1 - slot, &format!("/v1/kv/{key}"))).header(name, value).body("w").send()
+        };
+        let version: u64 = etag.trim_matches('"').parse().expect("version");
+        assert_eq!(with("if-match", format!("\"{}\"", version + 1)).await.expect("put").status(), 412);
+        assert_eq!(with("if-none-match", "*".into()).await.expect("put").status(), 412);
+        assert_eq!(with("if-match", etag.clone()).await.expect("put").status(), 200);
+        assert_eq!(c.get(slot, &key).await.as_deref(), Some("w"));
     }
     c.shutdown().await;
 }
