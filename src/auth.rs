@@ -5,7 +5,9 @@
 //!   must carry the cluster secret in `x-shoal-cluster-secret` when the node has one; a
 //!   missing or wrong secret gets 401 before any handler runs, so it changes nothing.
 //! - With `--admin-token`, the write endpoints under `/v1/cluster` (leave, config, clearing
-//!   lost buckets) need `Authorization: Bearer <token>`; reads and the key API stay open.
+//!   lost buckets) need `Authorization: Bearer <token>`; reads stay open.
+//! - With `--client-token`, the key API (`/v1/kv`, `/v1/bulk`, `/v1/tags`) needs it (or the
+//!   admin token) the same way; a node forwarding a key operation to another sends it.
 //!
 //! Secrets are compared in constant time (`subtle`), are never logged, and print as `***` in
 //! the configuration's debug output.
@@ -92,19 +94,51 @@ pub async fn require_secret(State(secret): State<Option<Secret>>, request: Reque
     next.run(request).await
 }
 
+/// The token of an `Authorization: Bearer <token>` header, if the request has one.
+fn bearer(request: &Request<Body>) -> Option<&[u8]> {
+    request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .map(|v| v.as_bytes())
+        .filter(|v| v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer "))
+        .map(|v| &v[7..])
+}
+
+/// The tokens of the client API, when the node has them.
+#[derive(Debug, Clone, Default)]
+pub struct Tokens {
+    /// `--admin-token`: the cluster's write endpoints (and the key API).
+    pub admin: Option<Secret>,
+    /// `--client-token`: the key API.
+    pub client: Option<Secret>,
+}
+
+/// Middleware of the client API: with `--client-token`, the key API (`/v1/kv`, `/v1/bulk`,
+/// `/v1/tags`) needs it, or the admin token, as `Authorization: Bearer <token>`. Other nodes
+/// forwarding a key operation carry the same client token.
+pub async fn require_client_token(State(tokens): State<Tokens>, request: Request<Body>, next: Next) -> Response {
+    if let Some(token) = &tokens.client {
+        if shoal_http_api::is_key_path(request.uri().path()) {
+            let given = bearer(&request);
+            let admin = tokens.admin.as_ref().is_some_and(|a| given.is_some_and(|g| a.matches(g)));
+            if !admin && !given.is_some_and(|g| token.matches(g)) {
+                return unauthorized(
+                    "client_token_required",
+                    "the key API of this cluster needs the client token: Authorization: Bearer <token>",
+                );
+            }
+        }
+    }
+    next.run(request).await
+}
+
 /// Middleware of the client API: the admin token on `/v1/cluster` writes, when set.
 pub async fn require_admin_token(State(token): State<Option<Secret>>, request: Request<Body>, next: Next) -> Response {
     let guarded = request.method() != Method::GET
         && request.method() != Method::HEAD
         && request.uri().path().starts_with("/v1/cluster");
     if let (true, Some(token)) = (guarded, &token) {
-        let given = request
-            .headers()
-            .get(header::AUTHORIZATION)
-            .map(|v| v.as_bytes())
-            .filter(|v| v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer "))
-            .map(|v| v[7..].to_vec());
-        if !given.is_some_and(|g| token.matches(&g)) {
+        if !bearer(&request).is_some_and(|g| token.matches(g)) {
             return unauthorized(
                 "admin_token_required",
                 "changing the cluster needs the admin token: Authorization: Bearer <token>",

@@ -5,28 +5,100 @@ use std::io::{Read, Write};
 use reqwest::{Method, Url};
 use serde_json::Value;
 use shoal_http_api::types::{
-    AgentsView, BucketsView, ClusterView, EventsView, MaintenanceView, MapView, ReadFrom, RebalancePlan, TransferView,
+    AgentsView, BucketsView, ClusterView, EventsView, KeyList, MaintenanceView, MapView, ReadFrom, RebalancePlan,
+    TransferView,
 };
 use shoal_http_api::Problem;
 
-use crate::config::{ClientArgs, Command, LostCommand, NodeCommand, Output};
+use crate::client::ClientError;
+use crate::config::{ClientArgs, Command, ConfigCommand, LostCommand, NodeCommand, Output};
 
-/// Runs a client command; the error is the message to print.
-pub async fn run(command: Command) -> Result<(), String> {
+/// The exit status of a client command that failed otherwise.
+pub const EXIT_OTHER: u8 = 1;
+/// The exit status of a bad command line, or a request the node refused as malformed (400).
+pub const EXIT_USAGE: u8 = 2;
+/// The exit status when the key or member does not exist.
+pub const EXIT_NOT_FOUND: u8 = 3;
+/// The exit status when no node answered, the node answered 503, or the cluster is not
+/// healthy (`status`).
+pub const EXIT_UNAVAILABLE: u8 = 4;
+
+/// Why a client command failed: the message to print and the exit status (see
+/// [`crate::config::EXIT_CODES`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CliError {
+    /// The exit status.
+    pub exit: u8,
+    /// What to print.
+    pub message: String,
+}
+
+impl CliError {
+    fn new(exit: u8, message: impl Into<String>) -> Self {
+        CliError { exit, message: message.into() }
+    }
+
+    /// The exit status of an HTTP status.
+    fn exit_of(status: u16) -> u8 {
+        match status {
+            400 => EXIT_USAGE,
+            404 => EXIT_NOT_FOUND,
+            503 => EXIT_UNAVAILABLE,
+            _ => EXIT_OTHER,
+        }
+    }
+}
+
+impl std::fmt::Display for CliError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl From<String> for CliError {
+    fn from(message: String) -> Self {
+        CliError::new(EXIT_OTHER, message)
+    }
+}
+
+impl From<ClientError> for CliError {
+    fn from(e: ClientError) -> Self {
+        let exit = match &e {
+            ClientError::Connection { .. } | ClientError::Timeout { .. } => EXIT_UNAVAILABLE,
+            other => other.status().map_or(EXIT_OTHER, CliError::exit_of),
+        };
+        CliError::new(exit, e.to_string())
+    }
+}
+
+/// Runs a client command; the error is the message to print and the exit status.
+pub async fn run(command: Command) -> Result<(), CliError> {
     match command {
-        Command::Serve(_) | Command::Bench(_) => Err("not a client command".into()),
+        Command::Serve(_) | Command::Bench(_) | Command::Completions(_) => {
+            Err("not a client command".to_string().into())
+        }
         Command::Get(a) => {
             let client = connect(&a.client).await?;
-            let value = client.get(&a.key).await.map_err(|e| e.to_string())?;
+            let value = client.get(&a.key).await?;
             let Some(value) = value else {
-                return Err(format!("no value for {:?} (key_not_found, HTTP 404)", a.key));
+                return Err(CliError::new(EXIT_NOT_FOUND, format!("no value for {:?} (not_found, HTTP 404)", a.key)));
             };
             match a.client.output {
-                Output::Table => std::io::stdout().write_all(&value.bytes).map_err(|e| e.to_string()),
-                Output::Json => print_json(&serde_json::json!({
-                    "key": a.key, "value": String::from_utf8_lossy(&value.bytes),
-                    "version": value.version, "bucket": value.bucket, "node": value.node,
-                })),
+                Output::Table => Ok(std::io::stdout().write_all(&value.bytes).map_err(|e| e.to_string())?),
+                Output::Json => {
+                    // Binary-safe, as the bulk API: text as `value`, anything else as `value_base64`.
+                    let mut out = serde_json::json!({
+                        "key": a.key, "version": value.version, "bucket": value.bucket, "node": value.node,
+                    });
+                    match std::str::from_utf8(&value.bytes) {
+                        Ok(text) => out["value"] = text.into(),
+                        Err(_) => {
+                            use base64::Engine;
+                            out["value_base64"] = base64::engine::general_purpose::STANDARD.encode(&value.bytes).into();
+                        }
+                    }
+                    print_json(&out)
+                }
             }
         }
         Command::Put(a) => {
@@ -38,11 +110,39 @@ pub async fn run(command: Command) -> Result<(), String> {
                     buf
                 }
             };
-            let ttl = a.ttl.as_deref().map(|t| shoal_http_api::parse_duration("--ttl", t)).transpose();
-            let ttl = ttl.map_err(|e| e.to_string())?;
+            let duration = |flag: &str, text: Option<&str>| {
+                text.map(|t| shoal_http_api::parse_duration(flag, t))
+                    .transpose()
+                    .map_err(|e| CliError::new(EXIT_USAGE, e.to_string()))
+            };
+            let priority = a
+                .priority
+                .as_deref()
+                .map(|p| {
+                    shoal_http_api::types::Priority::from_name(p).ok_or_else(|| {
+                        CliError::new(
+                            EXIT_USAGE,
+                            format!("--priority must be low, below_normal, normal, above_normal, high or not_removable, not {p:?}"),
+                        )
+                    })
+                })
+                .transpose()?;
+            let options = crate::client::PutOptions {
+                ttl: duration("--ttl", a.ttl.as_deref())?,
+                sliding: duration("--sliding", a.sliding.as_deref())?,
+                cas: a.cas,
+                mode: a.mode.as_deref().map(|m| {
+                    if m == "add" {
+                        crate::client::PutMode::Add
+                    } else {
+                        crate::client::PutMode::Replace
+                    }
+                }),
+                tags: a.tags.clone(),
+                priority,
+            };
             let client = connect(&a.client).await?;
-            let options = crate::client::PutOptions { ttl, ..Default::default() };
-            let ok = client.put_with(&a.key, value, &options).await.map_err(|e| e.to_string())?;
+            let ok = client.put_with(&a.key, value, &options).await?;
             match a.client.output {
                 Output::Table => {
                     println!("OK version={} bucket={} node={}", ok.version, ok.bucket, ok.node);
@@ -53,8 +153,8 @@ pub async fn run(command: Command) -> Result<(), String> {
         }
         Command::Del(a) => {
             let client = connect(&a.client).await?;
-            if !client.delete(&a.key).await.map_err(|e| e.to_string())? {
-                return Err(format!("no value for {:?} (key_not_found, HTTP 404)", a.key));
+            if !client.delete(&a.key).await? {
+                return Err(CliError::new(EXIT_NOT_FOUND, format!("no value for {:?} (not_found, HTTP 404)", a.key)));
             }
             if a.client.output == Output::Table {
                 println!("deleted");
@@ -62,10 +162,64 @@ pub async fn run(command: Command) -> Result<(), String> {
             Ok(())
         }
         Command::Events(a) => events(&a).await,
+        Command::Ls(a) => list(&a).await,
+        Command::Config(ConfigCommand::Get(c)) => {
+            let config: shoal_http_api::types::ClusterConfig =
+                json(send(&c, Method::GET, &["v1", "cluster", "config"], &[], None).await?).await?;
+            show(c.output, &config, config_table)
+        }
+        Command::Config(ConfigCommand::Set(a)) => {
+            let value: Value = match a.setting.as_str() {
+                "replication" => a.value.clone().into(),
+                "auto_balance" => match a.value.as_str() {
+                    "true" | "on" => true.into(),
+                    "false" | "off" => false.into(),
+                    other => {
+                        return Err(CliError::new(EXIT_USAGE, format!("auto_balance is true or false, not {other:?}")));
+                    }
+                },
+                other => {
+                    return Err(CliError::new(
+                        EXIT_USAGE,
+                        format!("no setting {other:?}: the settings are replication and auto_balance"),
+                    ));
+                }
+            };
+            let body =
+                serde_json::to_vec(&serde_json::json!({ a.setting.as_str(): value })).map_err(|e| e.to_string())?;
+            let config: shoal_http_api::types::ClusterConfig =
+                json(send(&a.client, Method::PUT, &["v1", "cluster", "config"], &[], Some(body)).await?).await?;
+            show(a.client.output, &config, config_table)
+        }
         Command::Status(a) => {
             let c = &a.client;
+            let deadline = tokio::time::Instant::now() + a.timeout;
             loop {
-                let view: ClusterView = json(send(c, Method::GET, &["v1", "cluster"], &[], None).await?).await?;
+                let view: ClusterView = match send(c, Method::GET, &["v1", "cluster"], &[], None).await {
+                    Ok(r) => json(r).await?,
+                    // Waiting, a node that does not answer yet is a cluster that is not healthy yet.
+                    Err(e) if a.wait && tokio::time::Instant::now() < deadline => {
+                        tracing::debug!(error = %e, "waiting for the node");
+                        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                };
+                let unhealthy = unhealthy(&view);
+                if a.wait && unhealthy.is_some() {
+                    if tokio::time::Instant::now() >= deadline {
+                        return Err(CliError::new(
+                            EXIT_UNAVAILABLE,
+                            format!(
+                                "the cluster is not healthy after {}: {}",
+                                humantime::format_duration(a.timeout),
+                                unhealthy.unwrap_or_default()
+                            ),
+                        ));
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                    continue;
+                }
                 let moving = view.transition.is_some() || view.transfer.is_some();
                 let transfer: Option<TransferView> = if moving {
                     Some(json(send(c, Method::GET, &["v1", "cluster", "transfer"], &[], None).await?).await?)
@@ -82,7 +236,11 @@ pub async fn run(command: Command) -> Result<(), String> {
                 };
                 if !a.watch {
                     print!("{frame}");
-                    return Ok(());
+                    // Scripts can trust the status: no leader, or lost buckets, is a failure.
+                    return match unavailable(&view) {
+                        Some(why) => Err(CliError::new(EXIT_UNAVAILABLE, why)),
+                        None => Ok(()),
+                    };
                 }
                 // On a terminal each frame replaces the last (cursor home, clear screen);
                 // into a pipe frames follow each other, one per second, until Ctrl-C.
@@ -199,42 +357,58 @@ async fn send(
     path: &[&str],
     query: &[(&str, &str)],
     body: Option<Vec<u8>>,
-) -> Result<reqwest::Response, String> {
+) -> Result<reqwest::Response, CliError> {
     let base = if client.addr.contains("://") { client.addr.clone() } else { format!("http://{}", client.addr) };
-    let mut url = Url::parse(&base).map_err(|e| format!("--addr {:?}: {e}", client.addr))?;
-    url.path_segments_mut().map_err(|_| format!("--addr {:?} cannot have a path", client.addr))?.clear().extend(path);
+    let usage = |m: String| CliError::new(EXIT_USAGE, m);
+    let mut url = Url::parse(&base).map_err(|e| usage(format!("--addr {:?}: {e}", client.addr)))?;
+    url.path_segments_mut()
+        .map_err(|_| usage(format!("--addr {:?} cannot have a path", client.addr)))?
+        .clear()
+        .extend(path);
     let http = reqwest::Client::builder().no_proxy().build().map_err(|e| e.to_string())?;
+    let key_api = shoal_http_api::is_key_path(url.path());
     let mut request = http.request(method, url).query(query);
-    if let Some(token) = &client.admin_token {
+    let token = match (&client.client_token, &client.admin_token) {
+        (Some(t), _) if key_api => Some(t),
+        (_, admin) => admin.as_ref(),
+    };
+    if let Some(token) = token {
         request = request.bearer_auth(token.expose());
     }
     if let Some(body) = body {
         request = request.body(body);
     }
-    let response = request.send().await.map_err(|e| format!("cannot reach {}: {e}", client.addr))?;
+    let response = request
+        .send()
+        .await
+        .map_err(|e| CliError::new(EXIT_UNAVAILABLE, format!("cannot reach {}: {e}", client.addr)))?;
     if response.status().is_success() {
         return Ok(response);
     }
     let status = response.status();
+    let exit = CliError::exit_of(status.as_u16());
     match response.json::<Problem>().await {
-        Ok(p) => Err(format!("{} ({}, HTTP {})", p.detail, p.code, p.status)),
-        Err(_) => Err(format!("HTTP {status}")),
+        Ok(p) => Err(CliError::new(exit, format!("{} ({}, HTTP {})", p.detail, p.code, p.status))),
+        Err(_) => Err(CliError::new(exit, format!("HTTP {status}"))),
     }
 }
 
 /// A client of the cluster `--addr` belongs to, for one command (no map watch).
-async fn connect(client: &ClientArgs) -> Result<crate::client::Client, String> {
+async fn connect(client: &ClientArgs) -> Result<crate::client::Client, CliError> {
     let addr = client.addr.split_once("://").map_or(client.addr.as_str(), |(_, rest)| rest).trim_end_matches('/');
     let mut builder = crate::client::Client::builder([addr]).watch_map(false);
     if let Some(token) = &client.admin_token {
         builder = builder.admin_token(token.expose());
     }
-    builder.connect().await.map_err(|e| format!("cannot reach {}: {e}", client.addr))
+    if let Some(token) = &client.client_token {
+        builder = builder.client_token(token.expose());
+    }
+    builder.connect().await.map_err(|e| CliError::new(EXIT_UNAVAILABLE, format!("cannot reach {}: {e}", client.addr)))
 }
 
 /// `shoal events`: the last events (or those after `--since`), then, with `-f`, each new
 /// one as the cluster applies it.
-async fn events(a: &crate::config::EventsArgs) -> Result<(), String> {
+async fn events(a: &crate::config::EventsArgs) -> Result<(), CliError> {
     let c = &a.client;
     let mut since = a.since;
     if since == 0 {
@@ -282,7 +456,7 @@ async fn events(a: &crate::config::EventsArgs) -> Result<(), String> {
             }
         }
     }
-    Err("the node closed the event stream".into())
+    Err(CliError::new(EXIT_UNAVAILABLE, "the node closed the event stream"))
 }
 
 fn print_event(output: Output, e: &shoal_raft::Event) -> Result<(), String> {
@@ -299,14 +473,14 @@ fn print_event(output: Output, e: &shoal_raft::Event) -> Result<(), String> {
 
 /// The id of the member named `node` (its name, or its id).
 /// `node=ID` for a member given by name or id, if one is given.
-async fn node_param(client: &ClientArgs, node: Option<&str>) -> Result<Option<(&'static str, String)>, String> {
+async fn node_param(client: &ClientArgs, node: Option<&str>) -> Result<Option<(&'static str, String)>, CliError> {
     let Some(node) = node else { return Ok(None) };
     let view: ClusterView = json(send(client, Method::GET, &["v1", "cluster"], &[], None).await?).await?;
     Ok(Some(("node", member_id(&view, node)?.to_string())))
 }
 
 /// Prints `value` as the table `table` makes of it, or as JSON.
-fn show<T: serde::Serialize>(output: Output, value: &T, table: fn(&T) -> String) -> Result<(), String> {
+fn show<T: serde::Serialize>(output: Output, value: &T, table: fn(&T) -> String) -> Result<(), CliError> {
     match output {
         Output::Table => {
             print!("{}", table(value));
@@ -316,7 +490,7 @@ fn show<T: serde::Serialize>(output: Output, value: &T, table: fn(&T) -> String)
     }
 }
 
-fn member_id(view: &ClusterView, node: &str) -> Result<u64, String> {
+fn member_id(view: &ClusterView, node: &str) -> Result<u64, CliError> {
     if let Some(m) = view.members.iter().find(|m| crate::discover::name_of(m).as_deref() == Some(node)) {
         return Ok(m.id);
     }
@@ -325,16 +499,108 @@ fn member_id(view: &ClusterView, node: &str) -> Result<u64, String> {
         Err(_) => {
             let known: Vec<String> =
                 view.members.iter().map(|m| format!("{} ({})", m.name.as_deref().unwrap_or("-"), m.id)).collect();
-            Err(format!("no member is named {node:?}; members: {}", known.join(", ")))
+            Err(CliError::new(EXIT_NOT_FOUND, format!("no member is named {node:?}; members: {}", known.join(", "))))
         }
     }
 }
 
-async fn json<T: serde::de::DeserializeOwned>(response: reqwest::Response) -> Result<T, String> {
-    response.json().await.map_err(|e| format!("unexpected answer: {e}"))
+async fn json<T: serde::de::DeserializeOwned>(response: reqwest::Response) -> Result<T, CliError> {
+    response.json().await.map_err(|e| CliError::from(format!("unexpected answer: {e}")))
 }
 
-fn print_json(value: &impl serde::Serialize) -> Result<(), String> {
+/// `shoal ls`: one page of keys, or with `--all` every page.
+async fn list(a: &crate::config::LsArgs) -> Result<(), CliError> {
+    let path: Vec<&str> = match &a.tag {
+        Some(tag) => vec!["v1", "tags", tag],
+        None => vec!["v1", "kv"],
+    };
+    let mut after = a.start_after.clone();
+    let mut all = KeyList::default();
+    loop {
+        let mut query = vec![("limit", a.limit.to_string())];
+        query.extend(a.prefix.clone().map(|p| ("prefix", p)));
+        query.extend(after.clone().map(|s| ("start_after", s)));
+        let query: Vec<(&str, &str)> = query.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let page: KeyList = json(send(&a.client, Method::GET, &path, &query, None).await?).await?;
+        all.keys.extend(page.keys);
+        all.incomplete |= page.incomplete;
+        all.errors.extend(page.errors);
+        (all.more, all.next) = (page.more, page.next);
+        match (&all.next, a.all && all.more) {
+            (Some(next), true) => after = Some(next.clone()),
+            _ => break,
+        }
+    }
+    show(a.client.output, &all, keys_table)?;
+    if all.incomplete {
+        return Err(CliError::new(EXIT_UNAVAILABLE, "some members did not answer: the list may miss keys"));
+    }
+    Ok(())
+}
+
+/// `shoal ls` as a table.
+fn keys_table(list: &KeyList) -> String {
+    let mut out = format!("{:<40}  {:>6}  {:>10}  {:>5}\n", "KEY", "BUCKET", "VERSION", "NODE");
+    for k in &list.keys {
+        out.push_str(&format!("{:<40}  {:>6}  {:>10}  {:>5}\n", k.key, k.bucket, k.version, k.node));
+    }
+    for e in &list.errors {
+        out.push_str(&format!("member {} did not answer: {}\n", e.node, e.detail));
+    }
+    if let Some(next) = list.next.as_ref().filter(|_| list.more) {
+        out.push_str(&format!("(more: shoal ls --start-after {next:?})\n"));
+    }
+    out
+}
+
+/// `shoal config get` as a table.
+fn config_table(config: &shoal_http_api::types::ClusterConfig) -> String {
+    format!(
+        "replication   {}\nauto_balance  {}\n",
+        config.replication.as_deref().unwrap_or("-"),
+        config.auto_balance.map_or("-".to_string(), |a| a.to_string())
+    )
+}
+
+/// Why the cluster `view` describes cannot serve every key: no leader, or lost buckets.
+fn unavailable(view: &ClusterView) -> Option<String> {
+    if view.leader.is_none() {
+        return Some(format!("node {} knows no leader", view.node_id));
+    }
+    if !view.lost_buckets.is_empty() {
+        return Some(format!("{} buckets are lost", view.lost_buckets.len()));
+    }
+    None
+}
+
+/// Why the cluster `view` describes is not healthy yet (for `status --wait`): unavailable, a
+/// member failed, suspected or in maintenance, a transition or transfer running, or replicas
+/// not attached.
+fn unhealthy(view: &ClusterView) -> Option<String> {
+    if let Some(why) = unavailable(view) {
+        return Some(why);
+    }
+    if !view.failed.is_empty() {
+        return Some(format!("members {:?} failed", view.failed));
+    }
+    if let Some(p) = view.peers.iter().find(|p| p.state != "ok") {
+        return Some(format!("node {} is {} in node {}'s view", p.node_id, p.state, view.node_id));
+    }
+    if view.maintenance.is_some() {
+        return Some("a member is in maintenance".into());
+    }
+    if view.transition.is_some() || view.transfer.is_some() {
+        return Some("buckets are moving".into());
+    }
+    match &view.replication {
+        Some(r) if r.attached_buckets < r.owned_buckets => {
+            Some(format!("{} of {} buckets have their replica attached", r.attached_buckets, r.owned_buckets))
+        }
+        _ => None,
+    }
+}
+
+fn print_json(value: &impl serde::Serialize) -> Result<(), CliError> {
     println!("{}", serde_json::to_string_pretty(value).map_err(|e| e.to_string())?);
     Ok(())
 }

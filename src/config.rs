@@ -9,12 +9,18 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 /// shoal: a distributed in-memory cache with a REST API.
 #[derive(Debug, Parser)]
-#[command(name = "shoal", version, about, propagate_version = true)]
+#[command(name = "shoal", version, about, propagate_version = true, after_help = EXIT_CODES)]
 pub struct Cli {
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
 }
+
+/// What the exit status of a client command means (shown by `shoal --help`).
+pub const EXIT_CODES: &str = "Exit status: 0 success; 1 any other failure; 2 usage (a bad flag or argument, \
+or a request the node refused as malformed); 3 not found (the key, or the member, does not exist; \
+like grep finding nothing); 4 unavailable (no node answered, the node answered 503, or \
+`status` found no leader or lost buckets, or `status --wait` timed out).";
 
 /// The subcommands.
 #[derive(Debug, Subcommand)]
@@ -29,6 +35,8 @@ pub enum Command {
     Put(PutArgs),
     /// Delete a key.
     Del(KeyArgs),
+    /// List keys by prefix (`--prefix`) or tag (`--tag`), sorted, from every member.
+    Ls(LsArgs),
     /// Show the cluster's members, roles, buckets, items and bytes (and transfer progress).
     Status(StatusArgs),
     /// Show the distribution map.
@@ -52,8 +60,65 @@ pub enum Command {
     /// Lost buckets: `shoal lost clear [BUCKET...]`.
     #[command(subcommand)]
     Lost(LostCommand),
+    /// Cluster settings: `shoal config get`, `shoal config set replication sync|async`,
+    /// `shoal config set auto_balance true|false`.
+    #[command(subcommand)]
+    Config(ConfigCommand),
+    /// Print a shell completion script: `shoal completions bash > /etc/bash_completion.d/shoal`.
+    Completions(CompletionsArgs),
     /// Measure throughput, latency and server CPU per operation against a node or cluster.
     Bench(crate::bench::BenchArgs),
+}
+
+/// `shoal completions SHELL`.
+#[derive(Debug, Clone, Args)]
+pub struct CompletionsArgs {
+    /// The shell: bash, zsh, fish, elvish or powershell.
+    pub shell: clap_complete::Shell,
+}
+
+/// `shoal config ...`.
+#[derive(Debug, Clone, Subcommand)]
+pub enum ConfigCommand {
+    /// Print every cluster setting.
+    Get(ClientArgs),
+    /// Change one cluster setting: `replication sync|async` or `auto_balance true|false`.
+    Set(ConfigSetArgs),
+}
+
+/// `shoal config set SETTING VALUE`.
+#[derive(Debug, Clone, Args)]
+pub struct ConfigSetArgs {
+    /// The setting: `replication` or `auto_balance`.
+    pub setting: String,
+    /// Its new value.
+    pub value: String,
+    /// Where to connect and how to print.
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+/// `shoal ls`.
+#[derive(Debug, Clone, Args)]
+pub struct LsArgs {
+    /// Keys starting with this (default: every key).
+    #[arg(long, conflicts_with = "tag")]
+    pub prefix: Option<String>,
+    /// Keys with this tag instead.
+    #[arg(long)]
+    pub tag: Option<String>,
+    /// At most this many keys (1 to 100000); `--all` pages through every key instead.
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub limit: u32,
+    /// Every matching key, page by page (`--limit` keys a page).
+    #[arg(long)]
+    pub all: bool,
+    /// Only keys sorting after this one (the `next` of an earlier page).
+    #[arg(long)]
+    pub start_after: Option<String>,
+    /// Where to connect and how to print.
+    #[command(flatten)]
+    pub client: ClientArgs,
 }
 
 /// `shoal events`.
@@ -287,6 +352,12 @@ pub struct ServeConfig {
     #[arg(long, env = "SHOAL_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<crate::auth::Secret>,
 
+    /// Token the key API (`/v1/kv`, `/v1/bulk`, `/v1/tags`) requires, as `Authorization: Bearer
+    /// <token>` (the admin token works too); give every node the same one. Without it the key
+    /// API is open.
+    #[arg(long, env = "SHOAL_CLIENT_TOKEN", hide_env_values = true)]
+    pub client_token: Option<crate::auth::Secret>,
+
     /// On SIGTERM of a member that does not leave (a restart, an upgrade): go into maintenance
     /// for this long first. The holder of its replica serves its buckets meanwhile, and the
     /// node, back with the same data dir, takes them back: no failover, no rebalance. Not back
@@ -444,7 +515,11 @@ impl ServeConfig {
                 ));
             }
         }
-        for (flag, secret) in [("--cluster-secret", &self.cluster_secret), ("--admin-token", &self.admin_token)] {
+        for (flag, secret) in [
+            ("--cluster-secret", &self.cluster_secret),
+            ("--admin-token", &self.admin_token),
+            ("--client-token", &self.client_token),
+        ] {
             if let Some(problem) = secret.as_ref().and_then(|s| s.problem()) {
                 return Err(format!("{flag} {problem}"));
             }
@@ -520,6 +595,9 @@ pub struct ClientArgs {
     /// The admin token, for commands that change the cluster (when nodes run with one).
     #[arg(long, env = "SHOAL_ADMIN_TOKEN", hide_env_values = true, global = true)]
     pub admin_token: Option<crate::auth::Secret>,
+    /// The client token, for the key commands (when nodes run with one).
+    #[arg(long, env = "SHOAL_CLIENT_TOKEN", hide_env_values = true, global = true)]
+    pub client_token: Option<crate::auth::Secret>,
 }
 
 /// `shoal get|del KEY`.
@@ -540,8 +618,23 @@ pub struct PutArgs {
     /// The value; `-` or missing reads standard input.
     pub value: Option<String>,
     /// Expire after this long (30s, 5m, 2h).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "sliding")]
     pub ttl: Option<String>,
+    /// Expire after this long without a read (every read extends it).
+    #[arg(long)]
+    pub sliding: Option<String>,
+    /// Write only if the current version is N (0: only if absent).
+    #[arg(long, conflicts_with = "mode")]
+    pub cas: Option<u64>,
+    /// Write only if absent (`add`) or only if present (`replace`).
+    #[arg(long, value_parser = ["add", "replace"])]
+    pub mode: Option<String>,
+    /// Tags, comma-separated (for `shoal ls --tag` and removal by tag).
+    #[arg(long, value_delimiter = ',')]
+    pub tags: Vec<String>,
+    /// Eviction priority: low, below_normal, normal, above_normal, high, not_removable.
+    #[arg(long)]
+    pub priority: Option<String>,
     /// Where to connect and how to print.
     #[command(flatten)]
     pub client: ClientArgs,
@@ -551,8 +644,16 @@ pub struct PutArgs {
 #[derive(Debug, Clone, Args)]
 pub struct StatusArgs {
     /// Redraw every second, in place on a terminal, until Ctrl-C.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "wait")]
     pub watch: bool,
+    /// Wait until the cluster is healthy (a leader, every member up, no lost bucket, no
+    /// transition or transfer running, every replica attached), then print it; exit 4 if it
+    /// is not by `--timeout`.
+    #[arg(long)]
+    pub wait: bool,
+    /// How long `--wait` waits (30s, 5m).
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    pub timeout: std::time::Duration,
     /// Where to connect and how to print.
     #[command(flatten)]
     pub client: ClientArgs,

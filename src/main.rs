@@ -3,7 +3,8 @@
 
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::{CommandFactory, Parser};
+use shoal::cli::CliError;
 use shoal::config::{Cli, Command, LogFormat, Output, ServeConfig};
 use shoal::node::StartError;
 use tracing_subscriber::EnvFilter;
@@ -14,23 +15,30 @@ use tracing_subscriber::EnvFilter;
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
+    // Usage errors exit with 2 (clap's convention, and the documented one).
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Serve(config) => serve(config),
+        Command::Serve(config) => serve(config).map_err(CliError::from),
         Command::Bench(args) => {
             let output = args.output;
-            shoal::bench::run(args).map(|report| match output {
-                Output::Table => print!("{}", shoal::bench::table(&report)),
-                Output::Json => println!("{}", serde_json::to_string_pretty(&report).unwrap_or_default()),
-            })
+            shoal::bench::run(args)
+                .map(|report| match output {
+                    Output::Table => print!("{}", shoal::bench::table(&report)),
+                    Output::Json => println!("{}", serde_json::to_string_pretty(&report).unwrap_or_default()),
+                })
+                .map_err(CliError::from)
         }
-        command => client_runtime().and_then(|rt| rt.block_on(shoal::cli::run(command))),
+        Command::Completions(args) => {
+            clap_complete::generate(args.shell, &mut Cli::command(), "shoal", &mut std::io::stdout());
+            Ok(())
+        }
+        command => client_runtime().map_err(CliError::from).and_then(|rt| rt.block_on(shoal::cli::run(command))),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(message) => {
-            eprintln!("error: {message}");
-            ExitCode::FAILURE
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(e.exit)
         }
     }
 }

@@ -296,7 +296,9 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
     let ip = config.listen.ip();
     let local_ip = (ip.is_loopback() && !ip.is_unspecified()).then_some(ip);
     let secret = config.cluster_secret.as_ref().map(|s| s.expose().to_string());
-    let transport = Arc::new(HttpTransport::new(local_ip, secret.as_deref(), config.reconnect_timeout));
+    let client_token = config.client_token.as_ref().map(|s| s.expose().to_string());
+    let transport =
+        Arc::new(HttpTransport::new(local_ip, secret.as_deref(), client_token.as_deref(), config.reconnect_timeout));
     let env = Environment {
         transport: transport.clone(),
         control_transport: transport,
@@ -347,12 +349,14 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
         }
     }
     let peer_listener = listeners.peer;
+    let tokens = crate::auth::Tokens { admin: config.admin_token.clone(), client: config.client_token.clone() };
     let (admin_token, cluster_secret) = (config.admin_token.clone(), config.cluster_secret.clone());
     let serve = move |service: Arc<PeerService>, shutdown: &watch::Sender<bool>| {
         let peer_router = crate::transport::service::peer_routes(service.clone())
             .layer(axum::middleware::from_fn_with_state(cluster_secret, crate::auth::require_secret));
         let api_router = shoal_http_api::router(service.api.clone())
-            .layer(axum::middleware::from_fn_with_state(admin_token, crate::auth::require_admin_token));
+            .layer(axum::middleware::from_fn_with_state(admin_token, crate::auth::require_admin_token))
+            .layer(axum::middleware::from_fn_with_state(tokens, crate::auth::require_client_token));
         let servers = vec![
             http_server::serve(peer_listener, peer_router, shutdown.subscribe()),
             http_server::serve(api_listener, api_router, shutdown.subscribe()),

@@ -159,6 +159,9 @@ pub trait ShoalApi: Send + Sync + 'static {
     /// Ends member `node_id`'s maintenance before it is back.
     fn end_maintenance(&self, node_id: NodeId) -> impl Future<Output = Result<MaintenanceView, ApiError>> + Send;
 
+    /// The cluster settings in force (as this node applied them).
+    fn config(&self) -> impl Future<Output = Result<ClusterConfig, ApiError>> + Send;
+
     /// Changes the cluster settings (`replication`); answers the settings now in force.
     fn set_config(&self, config: ClusterConfig) -> impl Future<Output = Result<ClusterConfig, ApiError>> + Send;
 

@@ -349,6 +349,13 @@ fn json_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError>
 /// The largest body of a cluster write.
 const CLUSTER_BODY_LIMIT: usize = 64 * 1024;
 
+pub(crate) async fn config<N: ShoalApi>(State(node): State<Arc<N>>) -> Response {
+    match node.config().await {
+        Ok(config) => Json(config).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
 pub(crate) async fn set_config<N: ShoalApi>(State(node): State<Arc<N>>, body: axum::body::Body) -> Response {
     let body = match crate::kv::read_body(body, CLUSTER_BODY_LIMIT).await {
         Ok(b) => b,

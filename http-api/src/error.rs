@@ -218,7 +218,7 @@ pub enum ApiError {
     /// A credential the endpoint needs is missing or wrong.
     #[error("{detail}")]
     Unauthorized {
-        /// `admin_token_required` or `cluster_secret_required`.
+        /// `admin_token_required`, `client_token_required` or `cluster_secret_required`.
         code: &'static str,
         /// Which credential, and how to give it.
         detail: String,
@@ -429,6 +429,7 @@ mod tests {
         );
         all.extend([
             ApiError::Unauthorized { code: "admin_token_required", detail: "token".into() },
+            ApiError::Unauthorized { code: "client_token_required", detail: "token".into() },
             ApiError::Internal("bug".into()),
         ]);
         all

@@ -68,6 +68,13 @@ async fn openapi_json() -> impl axum::response::IntoResponse {
     ([(axum::http::header::CONTENT_TYPE, "application/json")], openapi::document())
 }
 
+/// Whether `path` belongs to the key API (`/v1/kv`, `/v1/bulk/...`, `/v1/tags/...`): the
+/// routes a `--client-token` guards.
+pub fn is_key_path(path: &str) -> bool {
+    let path = path.split_once('?').map_or(path, |(p, _)| p);
+    path == "/v1/kv" || path.starts_with("/v1/kv/") || path.starts_with("/v1/bulk/") || path.starts_with("/v1/tags/")
+}
+
 /// The public routes over `node`.
 pub fn router<N: ShoalApi>(node: Arc<N>) -> Router {
     Router::new()
@@ -89,7 +96,7 @@ pub fn router<N: ShoalApi>(node: Arc<N>) -> Router {
             "/v1/cluster/nodes/{id}/maintenance",
             post(cluster::enter_maintenance::<N>).delete(cluster::end_maintenance::<N>),
         )
-        .route("/v1/cluster/config", axum::routing::put(cluster::set_config::<N>))
+        .route("/v1/cluster/config", get(cluster::config::<N>).put(cluster::set_config::<N>))
         .route("/v1/cluster/lost/clear", post(cluster::clear_lost::<N>))
         .route("/v1/node", get(cluster::node_stats::<N>))
         .route("/livez", get(cluster::livez::<N>))

@@ -25,7 +25,7 @@ use crate::types::*;
     ),
     paths(
         get_key, put_key, delete_key, list_keys, bulk_get, bulk_put, bulk_delete, get_tag, delete_tag,
-        cluster, cluster_map, cluster_events, cluster_transfer, cluster_agents, cluster_buckets, rebalance, leave, enter_maintenance, end_maintenance, set_config, clear_lost, node, livez, readyz, metrics, openapi
+        cluster, cluster_map, cluster_events, cluster_transfer, cluster_agents, cluster_buckets, rebalance, leave, enter_maintenance, end_maintenance, config, set_config, clear_lost, node, livez, readyz, metrics, openapi
     ),
     components(schemas(
         Problem, PutOk, BulkKeys, BulkPut, BulkPutItem, BulkResults, KeyResult, KeyError, KeyList, FoundKey,
@@ -67,7 +67,8 @@ fn problem_response(description: &str) -> Value {
 fn complete(doc: &mut Value) {
     let ttl = json!({"type": "string", "pattern": duration_pattern()});
     doc["components"]["securitySchemes"] = json!({
-        "admin_token": {"type": "http", "scheme": "bearer", "description": "`--admin-token`, when the node has one"}
+        "admin_token": {"type": "http", "scheme": "bearer", "description": "`--admin-token`, when the node has one"},
+        "client_token": {"type": "http", "scheme": "bearer", "description": "`--client-token` (or the admin token), when the node has one: the key API needs it"}
     });
     // A bulk item's options are checked item by item: a bad one fails that key alone (in the
     // 200 answer), so the body's schema takes any string for them.
@@ -122,6 +123,10 @@ fn complete(doc: &mut Value) {
             if key || path.starts_with("/v1/bulk/") {
                 add("413", "key_too_large, value_too_large (or a bulk body over its limit)");
             }
+            let key_api = crate::is_key_path(path);
+            if key_api {
+                add("401", "client_token_required: the node has a client token and the request did not carry it");
+            }
             if key && method != "get" {
                 add("412", "precondition_failed");
                 if responses.get("307").is_none() {
@@ -131,6 +136,9 @@ fn complete(doc: &mut Value) {
             op["responses"] = responses;
             if cluster_write {
                 op["security"] = json!([{"admin_token": []}]);
+            } else if key_api {
+                // Optional: only a node started with --client-token asks for it.
+                op["security"] = json!([{}, {"client_token": []}, {"admin_token": []}]);
             }
             for p in op.get_mut("parameters").and_then(Value::as_array_mut).into_iter().flatten() {
                 let schema = match (p["name"].as_str().unwrap_or(""), p["in"].as_str().unwrap_or("")) {
@@ -404,6 +412,10 @@ fn enter_maintenance() {}
     responses((status = 200, description = "The maintenance as it was, `ended` set", body = MaintenanceView),
               (status = 409, description = "conflict: the member is not in maintenance", body = Problem, content_type = "application/problem+json")))]
 fn end_maintenance() {}
+
+#[utoipa::path(get, path = "/v1/cluster/config", tag = "cluster", summary = "The cluster settings in force",
+    responses((status = 200, description = "Every setting", body = ClusterConfig)))]
+fn config() {}
 
 #[utoipa::path(put, path = "/v1/cluster/config", tag = "cluster", summary = "Change the cluster settings",
     request_body = ClusterConfig,

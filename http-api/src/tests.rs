@@ -199,6 +199,10 @@ impl ShoalApi for FakeNode {
         Err(ApiError::Conflict(format!("node {node_id} is not in maintenance")))
     }
 
+    async fn config(&self) -> Result<ClusterConfig, ApiError> {
+        Ok(ClusterConfig { replication: Some("sync".into()), auto_balance: Some(false) })
+    }
+
     async fn set_config(&self, config: ClusterConfig) -> Result<ClusterConfig, ApiError> {
         match config.replication.as_deref() {
             None | Some("sync") | Some("async") => Ok(config),

@@ -86,6 +86,7 @@ pub struct ClientBuilder {
     connect_timeout: Duration,
     read_attempt_timeout: Duration,
     admin_token: Option<String>,
+    client_token: Option<String>,
     watch: bool,
 }
 
@@ -122,6 +123,13 @@ impl ClientBuilder {
         self
     }
 
+    /// The client token, for the key operations of a cluster whose nodes run with
+    /// `--client-token`.
+    pub fn client_token(mut self, token: impl Into<String>) -> Self {
+        self.client_token = Some(token.into());
+        self
+    }
+
     /// Whether to follow the map with the map watch (default on). Without it the map is the
     /// one fetched at connect, refreshed only by [`Client::refresh_map`].
     pub fn watch_map(mut self, watch: bool) -> Self {
@@ -147,6 +155,7 @@ impl ClientBuilder {
                 grace,
                 read_attempt_timeout: self.read_attempt_timeout,
                 admin_token: self.admin_token,
+                client_token: self.client_token,
             },
             routes: ArcSwap::from_pointee(Routes::default()),
             links: Mutex::new(HashMap::new()),
@@ -184,6 +193,7 @@ struct Config {
     grace: Duration,
     read_attempt_timeout: Duration,
     admin_token: Option<String>,
+    client_token: Option<String>,
 }
 
 /// What the client knows of one node's connection.
@@ -455,11 +465,20 @@ impl Inner {
         timeout: Duration,
     ) -> Attempt {
         let timeout = deadline.saturating_duration_since(Instant::now()).min(timeout);
-        let mut request = build(&self.http, addr).timeout(timeout.max(Duration::from_millis(1)));
-        if let Some(token) = &self.config.admin_token {
-            request = request.bearer_auth(token);
+        let request = build(&self.http, addr).timeout(timeout.max(Duration::from_millis(1)));
+        let mut request = match request.build() {
+            Ok(r) => r,
+            Err(e) => return Attempt::NotSent(e.to_string()),
+        };
+        // The key API takes the client token (or the admin token); the rest the admin token.
+        let token = match (shoal_http_api::is_key_path(request.url().path()), &self.config) {
+            (true, Config { client_token: Some(t), .. }) => Some(t),
+            (_, Config { admin_token, .. }) => admin_token.as_ref(),
+        };
+        if let Some(value) = token.and_then(|t| reqwest::header::HeaderValue::from_str(&format!("Bearer {t}")).ok()) {
+            request.headers_mut().insert(reqwest::header::AUTHORIZATION, value);
         }
-        match request.send().await {
+        match self.http.execute(request).await {
             Ok(response) => Attempt::Answer(response),
             Err(e) if e.is_connect() => Attempt::NotSent(e.to_string()),
             Err(e) => Attempt::MaybeSent(e.to_string()),
@@ -735,6 +754,7 @@ impl Client {
             connect_timeout: Duration::from_secs(2),
             read_attempt_timeout: Duration::from_secs(5),
             admin_token: None,
+            client_token: None,
             watch: true,
         }
     }

@@ -594,6 +594,14 @@ impl ShoalApi for NodeApi {
         self.stop_maintenance(node_id).await
     }
 
+    async fn config(&self) -> Result<ClusterConfig, ApiError> {
+        let settings = self.control.state().settings.clone();
+        Ok(ClusterConfig {
+            replication: Some(settings.replication.to_string()),
+            auto_balance: Some(settings.auto_balance),
+        })
+    }
+
     async fn set_config(&self, config: ClusterConfig) -> Result<ClusterConfig, ApiError> {
         self.change_config(config).await
     }

@@ -71,6 +71,8 @@ pub struct HttpTransport {
     calls: HttpClient,
     streams: HttpClient,
     secret: Option<HeaderValue>,
+    /// `Bearer <client token>`, for key operations sent to another node's API.
+    bearer: Option<HeaderValue>,
 }
 
 /// An answer: status, headers, whole body.
@@ -95,15 +97,23 @@ fn client(local_ip: Option<IpAddr>, connect_timeout: Duration) -> HttpClient {
 impl HttpTransport {
     /// A transport sending from `local_ip` (when set), carrying `secret` to peer listeners,
     /// whose bucket streams give up connecting after `stream_connect_timeout`.
-    pub fn new(local_ip: Option<IpAddr>, secret: Option<&str>, stream_connect_timeout: Duration) -> Self {
-        let secret = secret.and_then(|s| HeaderValue::from_str(s).ok()).map(|mut v| {
-            v.set_sensitive(true);
-            v
-        });
+    pub fn new(
+        local_ip: Option<IpAddr>,
+        secret: Option<&str>,
+        client_token: Option<&str>,
+        stream_connect_timeout: Duration,
+    ) -> Self {
+        let sensitive = |text: &str| {
+            HeaderValue::from_str(text).ok().map(|mut v| {
+                v.set_sensitive(true);
+                v
+            })
+        };
         HttpTransport {
             calls: client(local_ip, CONNECT_TIMEOUT),
             streams: client(local_ip, stream_connect_timeout),
-            secret,
+            secret: secret.and_then(sensitive),
+            bearer: client_token.and_then(|t| sensitive(&format!("Bearer {t}"))),
         }
     }
 
@@ -155,6 +165,10 @@ impl HttpTransport {
         timeout: Duration,
     ) -> Result<Answer, CallError> {
         let mut builder = self.builder(method, format!("http://{api_addr}{path}"), false)?;
+        if let Some(bearer) = self.bearer.as_ref().filter(|_| shoal_http_api::is_key_path(path)) {
+            // A key operation forwarded to its owner carries the cluster's client token.
+            builder = builder.header(hyper::header::AUTHORIZATION, bearer.clone());
+        }
         for (name, value) in headers {
             builder = builder.header(name, value);
         }

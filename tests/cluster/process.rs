@@ -149,6 +149,87 @@ fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
+/// Runs a client command against `addr` with `stdin` as its standard input.
+fn client_with_input(addr: &str, args: &[&str], stdin: &[u8]) -> Output {
+    use std::io::Write;
+    let mut child = Command::new(BIN)
+        .args(args)
+        .args(["--addr", addr])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run client");
+    child.stdin.take().expect("stdin").write_all(stdin).expect("write stdin");
+    child.wait_with_output().expect("client output")
+}
+
+#[test]
+fn the_cli_gives_scripts_exit_codes_conditions_pages_settings_and_completions() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let node = NodeProcess::start(&dir.path().join("node"));
+    let addr = node.addr.clone();
+    let code = |args: &[&str]| {
+        let out = client(&addr, args);
+        (out.status.code(), text(&out.stdout), text(&out.stderr))
+    };
+    // A healthy one-node cluster: `status --wait` returns at once.
+    let (status, out, err) = code(&["status", "--wait", "--timeout", "30s"]);
+    assert_eq!(status, Some(0), "{out}{err}");
+    // Conditions: add, then replace at a version; a failed one is exit 1 and names the code.
+    assert_eq!(code(&["put", "k1", "a", "--mode", "add", "--tags", "red,blue", "--sliding", "5m"]).0, Some(0));
+    let (status, _, err) = code(&["put", "k1", "b", "--mode", "add"]);
+    assert_eq!(status, Some(1), "{err}");
+    assert!(err.contains("precondition"), "{err}");
+    assert_eq!(code(&["put", "k1", "b", "--cas", "1"]).0, Some(0));
+    // (A write replaces the whole item, its tags too: k1 has none now.)
+    assert_eq!(code(&["put", "k2", "c", "--tags", "red,blue"]).0, Some(0));
+    // Usage: a bad flag value, or flags that exclude each other, is exit 2.
+    for args in
+        [&["put", "k3", "v", "--ttl", "soon"][..], &["put", "k3", "v", "--cas", "1", "--mode", "add"], &["nosuch"]]
+    {
+        assert_eq!(code(args).0, Some(2), "{args:?}");
+    }
+    // Not found: a key or a member that does not exist is exit 3.
+    assert_eq!(code(&["get", "nothing"]).0, Some(3));
+    assert_eq!(code(&["del", "nothing"]).0, Some(3));
+    assert_eq!(code(&["leave", "nobody"]).0, Some(3));
+    // Listing: one page says where the next starts; --all pages through every key.
+    let (status, out, err) = code(&["ls", "--prefix", "k", "--limit", "1", "-o", "json"]);
+    assert_eq!(status, Some(0), "{err}");
+    let page: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!((&page["more"], &page["next"]), (&serde_json::json!(true), &serde_json::json!("k1")), "{page}");
+    let all: serde_json::Value =
+        serde_json::from_str(&code(&["ls", "--prefix", "k", "--limit", "1", "--all", "-o", "json"]).1).expect("json");
+    let keys: Vec<&str> = all["keys"].as_array().expect("keys").iter().filter_map(|k| k["key"].as_str()).collect();
+    assert_eq!((keys, &all["more"]), (vec!["k1", "k2"], &serde_json::json!(false)));
+    let tagged = code(&["ls", "--tag", "blue"]).1;
+    assert!(tagged.contains("k2") && !tagged.contains("k1"), "{tagged}");
+    // -o json is binary-safe: a value that is not UTF-8 comes back as base64.
+    let put = client_with_input(&addr, &["put", "bin", "-"], &[0xff, 0x00, 0xfe]);
+    assert!(put.status.success(), "{}", text(&put.stderr));
+    let got: serde_json::Value =
+        serde_json::from_slice(&client(&addr, &["get", "bin", "-o", "json"]).stdout).expect("json");
+    assert_eq!((got.get("value"), &got["value_base64"]), (None, &serde_json::json!("/wD+")), "{got}");
+    // Settings.
+    let (status, out, _) = code(&["config", "set", "replication", "async", "-o", "json"]);
+    assert_eq!(status, Some(0));
+    assert_eq!(serde_json::from_str::<serde_json::Value>(&out).expect("json")["replication"], "async");
+    assert!(code(&["config", "get"]).1.contains("async"));
+    assert_eq!(code(&["config", "set", "colour", "blue"]).0, Some(2));
+    // Completions for the shells.
+    for shell in ["bash", "zsh", "fish"] {
+        let done = Command::new(BIN).args(["completions", shell]).output().expect("completions");
+        let out = text(&done.stdout);
+        assert!(done.status.success() && out.contains("status") && out.contains("--prefix"), "{shell}: {out}");
+    }
+    // Unavailable: nothing answers at the address.
+    let out = Command::new(BIN).args(["status", "--addr", "127.0.0.1:1"]).output().expect("status");
+    assert_eq!(out.status.code(), Some(4), "{}", text(&out.stderr));
+    let help = text(&Command::new(BIN).arg("--help").output().expect("help").stdout);
+    assert!(help.contains("Exit status") && help.contains("4 unavailable"), "{help}");
+}
+
 #[test]
 fn the_client_commands_work_against_a_node_and_sigterm_stops_it_cleanly() {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -166,7 +247,7 @@ fn the_client_commands_work_against_a_node_and_sigterm_stops_it_cleanly() {
     assert_eq!(json["owners"].as_array().map(Vec::len), Some(1000));
     assert!(client(&addr, &["del", "greeting"]).status.success());
     let missing = client(&addr, &["get", "greeting"]);
-    assert_eq!(missing.status.code(), Some(1));
+    assert_eq!(missing.status.code(), Some(3), "not found is exit status 3");
     assert!(text(&missing.stderr).contains("not_found"), "{}", text(&missing.stderr));
 
     // The load generator runs against it and reports server CPU per operation.

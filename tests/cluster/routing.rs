@@ -294,3 +294,65 @@ async fn an_answer_does_not_depend_on_the_node_asked() {
     assert!(answer["results"][1]["error"].is_null(), "{answer}");
     c.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_client_token_the_key_api_needs_it_and_forwards_carry_it() {
+    const CLIENT: &str = "client-token-for-the-test";
+    const ADMIN: &str = "admin-token-for-the-test";
+    let c = TestCluster::start_with(3, |config| {
+        config.client_token = Some(CLIENT.parse().expect("token"));
+        config.admin_token = Some(ADMIN.parse().expect("token"));
+    })
+    .await;
+    c.wait_for_counts(&[333, 333, 334]).await;
+    // Without the token (or with a wrong one): 401 problem+json, nothing written.
+    for auth in [None, Some("Bearer wrong"), Some(&format!("Basic {CLIENT}")[..])] {
+        let mut r = c.http.put(c.url(0, "/v1/kv/refused")).body("v");
+        if let Some(auth) = auth {
+            r = r.header("authorization", auth);
+        }
+        let r = r.send().await.expect("put");
+        assert_eq!(r.status(), 401, "{auth:?}");
+        assert_eq!(r.headers()["content-type"], "application/problem+json");
+        assert_eq!(r.json::<Value>().await.expect("problem")["code"], "client_token_required");
+    }
+    let bearer = format!("Bearer {CLIENT}");
+    let get = |slot: usize, key: String| {
+        let request = c.http.get(c.url(slot, &format!("/v1/kv/{key}"))).header("authorization", &bearer);
+        async move { request.send().await.expect("get").status().as_u16() }
+    };
+    assert_eq!(get(1, "refused".into()).await, 404, "the refused write did nothing");
+    // With it: writes and reads through every node, most of them forwarded to the owner.
+    for i in 0..30 {
+        let r = c
+            .http
+            .put(c.url(i % 3, &format!("/v1/kv/t{i}")))
+            .header("authorization", &bearer)
+            .body("v")
+            .send()
+            .await
+            .expect("put");
+        assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
+        assert_eq!(get((i + 1) % 3, format!("t{i}")).await, 200);
+    }
+    let items: Vec<Value> = (0..30).map(|i| json!({"key": format!("b{i}"), "value": "v"})).collect();
+    let r = c.http.post(c.url(1, "/v1/bulk/put")).header("authorization", &bearer).json(&json!({ "items": items }));
+    let put: Value = r.send().await.expect("bulk").json().await.expect("json");
+    assert!(put["results"].as_array().expect("results").iter().all(|r| r["error"].is_null()), "{put}");
+    // A listing is broadcast to every member with the token: all of them answer.
+    let r = c.http.get(c.url(2, "/v1/kv?prefix=t")).header("authorization", &bearer).send().await.expect("list");
+    let list: Value = r.json().await.expect("json");
+    assert_eq!((list["keys"].as_array().map(Vec::len), &list["incomplete"]), (Some(30), &json!(false)), "{list}");
+    // The admin token opens the key API too; the cluster's reads stay open.
+    let r = c.http.get(c.url(0, "/v1/kv/t1")).header("authorization", format!("Bearer {ADMIN}")).send().await;
+    assert_eq!(r.expect("get").status(), 200);
+    assert_eq!(c.http.get(c.url(0, "/v1/cluster")).send().await.expect("cluster").status(), 200);
+    // The client library sends the client token to the key API.
+    let client = shoal::client::Client::builder([c.api(0)]).client_token(CLIENT).connect().await.expect("connect");
+    client.put("lib", &b"v"[..]).await.expect("put with the token");
+    assert_eq!(client.get("lib").await.expect("get").map(|v| v.bytes), Some(bytes::Bytes::from_static(b"v")));
+    let without = shoal::client::Client::connect([c.api(0)]).await.expect("connect");
+    let refused = without.put("lib", &b"w"[..]).await.expect_err("no token");
+    assert_eq!((refused.status(), refused.code()), (Some(401), Some("client_token_required")));
+    c.shutdown().await;
+}
