@@ -619,12 +619,12 @@ pub fn status_table(view: &ClusterView) -> String {
         view.voters
     );
     out.push_str(&format!(
-        "{:>4}  {:<12}  {:<21}  {:<21}  {:<7}  {:>7}  {:>10}  {:>12}  {:>10}\n",
-        "ID", "NAME", "API", "PEER", "ROLE", "BUCKETS", "ITEMS", "BYTES", "REPLICA_ON"
+        "{:>4}  {:<12}  {:<21}  {:<21}  {:<7}  {:>7}  {:>10}  {:>12}  {:>10}  {}\n",
+        "ID", "NAME", "API", "PEER", "ROLE", "BUCKETS", "ITEMS", "BYTES", "REPLICA_ON", "VERSION"
     ));
     for m in &view.members {
         out.push_str(&format!(
-            "{:>4}  {:<12}  {:<21}  {:<21}  {:<7}  {:>7}  {:>10}  {:>12}  {:>10}\n",
+            "{:>4}  {:<12}  {:<21}  {:<21}  {:<7}  {:>7}  {:>10}  {:>12}  {:>10}  {}\n",
             m.id,
             m.name.as_deref().unwrap_or("-"),
             m.api_addr,
@@ -633,7 +633,11 @@ pub fn status_table(view: &ClusterView) -> String {
             m.buckets,
             or_dash(m.items),
             or_dash(m.bytes),
-            or_dash(m.replica_on)
+            or_dash(m.replica_on),
+            match (&m.version, &m.revision) {
+                (Some(v), Some(r)) => format!("{v} ({r})"),
+                (v, _) => or_dash(v.as_deref()),
+            }
         ));
     }
     if let Some(r) = &view.replication {

@@ -240,6 +240,8 @@ mod tests {
             leaving: false,
             items: None,
             bytes: None,
+            version: None,
+            revision: None,
         };
         assert_eq!(name_of(&member(Some("a-1"), "10.0.0.1:7000")).as_deref(), Some("a-1"));
         assert_eq!(name_of(&member(None, "shoal-1.shoal-headless.ns.svc:7000")).as_deref(), Some("shoal-1"));

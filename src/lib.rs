@@ -32,6 +32,12 @@
 //! - [`cli`]: the command-line client.
 //! - [`bench`]: `shoal bench`, the load generator.
 
+/// The release (`Cargo.toml`'s version).
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+/// The source revision the binary was built from (`git rev-parse --short=12 HEAD` at build
+/// time, `SHOAL_REVISION` when the builder set it, else `unknown`).
+pub const REVISION: &str = env!("SHOAL_REVISION");
+
 pub mod auth;
 pub mod balance;
 pub mod bench;

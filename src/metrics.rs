@@ -109,6 +109,8 @@ pub struct StateGauges {
     pub is_leader: Gauge,
     /// The leader's id (0: none known).
     pub leader_id: Gauge,
+    /// Leader changes this node saw.
+    pub leader_changes: Counter,
     /// Raft term.
     pub raft_term: Gauge,
     /// Last log index.
@@ -219,6 +221,9 @@ impl NodeMetrics {
             .unwrap_or_else(|_| PrometheusBuilder::new().build_recorder());
         let handle = recorder.handle();
         let r = &recorder;
+        describe(r, "shoal_build_info", "Always 1; its labels say which release and source revision run.");
+        let build = vec![Label::new("version", crate::VERSION), Label::new("revision", crate::REVISION)];
+        r.register_gauge(&Key::from_parts("shoal_build_info", build), &METADATA).set(1.0);
         describe(r, "shoal_operations_total", "Key operations by type and outcome.");
         describe(r, "shoal_operation_duration_seconds", "Time to answer a key operation.");
         let operations = OPS
@@ -259,6 +264,10 @@ impl NodeMetrics {
             members: gauge("shoal_members", "Members of the cluster."),
             is_leader: gauge("shoal_is_leader", "1 if this node is the Raft leader."),
             leader_id: gauge("shoal_raft_leader_id", "Id of the Raft leader, 0 if none is known."),
+            leader_changes: counter(
+                "shoal_raft_leader_changes_total",
+                "Times this node saw the Raft leader change (a new leader, or none known), since it started.",
+            ),
             raft_term: gauge("shoal_raft_term", "Current Raft term."),
             raft_last_log_index: gauge("shoal_raft_last_log_index", "Last Raft log index."),
             raft_applied_index: gauge("shoal_raft_applied_index", "Last applied Raft log index."),

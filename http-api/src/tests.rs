@@ -173,7 +173,7 @@ impl ShoalApi for FakeNode {
     }
 
     fn node_stats(&self) -> NodeStats {
-        NodeStats { node_id: ME, items: 0, bytes: 0, limit_bytes: 0, map_version: 1 }
+        NodeStats { node_id: ME, items: 0, bytes: 0, limit_bytes: 0, map_version: 1, version: None, revision: None }
     }
 
     async fn leave(&self, node_id: NodeId, _force: bool) -> Result<LeaveOk, ApiError> {

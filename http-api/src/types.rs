@@ -432,6 +432,13 @@ pub struct MemberView {
     pub items: Option<u64>,
     /// Charged bytes it holds (None when it did not answer).
     pub bytes: Option<u64>,
+    /// Its release, as it answered (None when it did not answer): a rolling upgrade shows
+    /// here member by member.
+    #[serde(default)]
+    pub version: Option<String>,
+    /// The source revision it was built from.
+    #[serde(default)]
+    pub revision: Option<String>,
 }
 
 /// `GET /v1/cluster`.
@@ -799,6 +806,12 @@ pub struct NodeStats {
     pub limit_bytes: u64,
     /// The map version it has applied.
     pub map_version: u64,
+    /// Its release (absent from nodes older than this field).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<String>,
+    /// The source revision it was built from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<String>,
 }
 
 /// The answer to `POST /v1/cluster/nodes/{id}/leave`.

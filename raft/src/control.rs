@@ -115,6 +115,8 @@ struct Inner {
     /// Nodes the reconciler found in Raft's config but not among the members, and since when.
     stale_since: parking_lot::Mutex<HashMap<NodeId, Instant>>,
     reconciler: parking_lot::Mutex<Option<JoinHandle<()>>>,
+    /// How many times this node saw the Raft leader change (to another node, or to none).
+    leader_changes: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// How long a retired or abandoned node stays in Raft's config before the leader drops it,
@@ -167,11 +169,19 @@ impl ControlPlane {
                 membership_lock: Mutex::new(()),
                 stale_since: parking_lot::Mutex::new(HashMap::new()),
                 reconciler: parking_lot::Mutex::new(None),
+                leader_changes: Arc::default(),
             }),
         };
+        tokio::spawn(count_leader_changes(control.inner.raft.metrics(), control.inner.leader_changes.clone()));
         let task = tokio::spawn(reconcile_loop(Arc::downgrade(&control.inner)));
         *control.inner.reconciler.lock() = Some(task);
         Ok(control)
+    }
+
+    /// How many times this node saw the Raft leader change since it started (a new leader, or
+    /// none known any more).
+    pub fn leader_changes(&self) -> u64 {
+        self.inner.leader_changes.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// This node's id.
@@ -712,6 +722,25 @@ impl ControlPlane {
             tracing::warn!(error = %e, "raft shutdown");
         }
         let _ = self.inner.disk.flush().await;
+    }
+}
+
+/// Counts the leader changes Raft's metrics show, until Raft shuts down (the first leader
+/// known counts: it changed from none).
+async fn count_leader_changes(
+    mut metrics: tokio::sync::watch::Receiver<RaftMetrics>,
+    changes: Arc<std::sync::atomic::AtomicU64>,
+) {
+    let mut leader = None;
+    loop {
+        let now = metrics.borrow_and_update().current_leader;
+        if now != leader {
+            leader = now;
+            changes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        if metrics.changed().await.is_err() {
+            return;
+        }
     }
 }
 

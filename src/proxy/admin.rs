@@ -81,6 +81,8 @@ impl NodeApi {
                 leaving: m.leaving,
                 items: stats.as_ref().map(|s| s.items),
                 bytes: stats.as_ref().map(|s| s.bytes),
+                version: stats.as_ref().and_then(|s| s.version.clone()),
+                revision: stats.as_ref().and_then(|s| s.revision.clone()),
             })
             .collect();
         Ok(ClusterView {
@@ -213,6 +215,8 @@ impl NodeApi {
             bytes: stats.bytes,
             limit_bytes: stats.limit_bytes,
             map_version: self.control.state().map.version,
+            version: Some(crate::VERSION.to_string()),
+            revision: Some(crate::REVISION.to_string()),
         }
     }
 
@@ -303,6 +307,7 @@ impl NodeApi {
         let raft = self.control.raft_metrics();
         g.is_leader.set(if raft.current_leader == Some(self.node_id) { 1.0 } else { 0.0 });
         g.leader_id.set(raft.current_leader.unwrap_or(0) as f64);
+        g.leader_changes.absolute(self.control.leader_changes());
         g.raft_term.set(raft.current_term as f64);
         g.raft_last_log_index.set(raft.last_log_index.unwrap_or(0) as f64);
         g.raft_applied_index.set(raft.last_applied.map(|l| l.index).unwrap_or(0) as f64);

@@ -244,6 +244,18 @@ async fn metrics_count_operations_hits_misses_and_forwards() {
         value(&before, series);
     }
     assert_eq!(value(&before, "shoal_buckets_owned "), 500.0);
+    // Which build runs, and the leader changes seen (at least the first leader).
+    let build = format!("shoal_build_info{{version=\"{}\",revision=\"{}\"}} ", shoal::VERSION, shoal::REVISION);
+    assert_eq!(value(&before, &build), 1.0);
+    assert!(value(&before, "shoal_raft_leader_changes_total ") >= 1.0);
+    let view = c.json(1, "/v1/cluster").await;
+    for m in view["members"].as_array().expect("members") {
+        assert_eq!(
+            (m["version"].as_str(), m["revision"].as_str()),
+            (Some(shoal::VERSION), Some(shoal::REVISION)),
+            "{m}"
+        );
+    }
     for i in 0..20 {
         c.put(0, &format!("m{i}"), "v").await;
         c.get(0, &format!("m{i}")).await;
