@@ -115,8 +115,10 @@ struct Inner {
     /// Nodes the reconciler found in Raft's config but not among the members, and since when.
     stale_since: parking_lot::Mutex<HashMap<NodeId, Instant>>,
     reconciler: parking_lot::Mutex<Option<JoinHandle<()>>>,
-    /// How many times this node saw the Raft leader change (to another node, or to none).
-    leader_changes: Arc<std::sync::atomic::AtomicU64>,
+    /// How many times this node saw the Raft leader change (to another node, or to none),
+    /// and the leader it saw last (0: none).
+    leader_changes: std::sync::atomic::AtomicU64,
+    last_leader: std::sync::atomic::AtomicU64,
 }
 
 /// How long a retired or abandoned node stays in Raft's config before the leader drops it,
@@ -169,19 +171,32 @@ impl ControlPlane {
                 membership_lock: Mutex::new(()),
                 stale_since: parking_lot::Mutex::new(HashMap::new()),
                 reconciler: parking_lot::Mutex::new(None),
-                leader_changes: Arc::default(),
+                leader_changes: Default::default(),
+                last_leader: Default::default(),
             }),
         };
-        tokio::spawn(count_leader_changes(control.inner.raft.metrics(), control.inner.leader_changes.clone()));
         let task = tokio::spawn(reconcile_loop(Arc::downgrade(&control.inner)));
         *control.inner.reconciler.lock() = Some(task);
         Ok(control)
     }
 
     /// How many times this node saw the Raft leader change since it started (a new leader, or
-    /// none known any more).
+    /// none known any more). Counted whenever the node looks at Raft's metrics (its pings,
+    /// every request that needs the leader, each scrape), not by a task of its own: a task
+    /// would change the schedule of the deterministic simulation. A leader that came and went
+    /// between two looks is not counted.
     pub fn leader_changes(&self) -> u64 {
+        self.observe_leader(self.inner.raft.metrics().borrow().current_leader);
         self.inner.leader_changes.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Counts a change of the leader this node sees.
+    fn observe_leader(&self, leader: Option<NodeId>) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let now = leader.unwrap_or(0);
+        if self.inner.last_leader.swap(now, Relaxed) != now {
+            self.inner.leader_changes.fetch_add(1, Relaxed);
+        }
     }
 
     /// This node's id.
@@ -206,12 +221,16 @@ impl ControlPlane {
 
     /// A copy of Raft's metrics (never hold the watch borrow: it blocks openraft).
     pub fn raft_metrics(&self) -> RaftMetrics {
-        self.inner.raft.metrics().borrow().clone()
+        let m = self.inner.raft.metrics().borrow().clone();
+        self.observe_leader(m.current_leader);
+        m
     }
 
     /// The current leader as this node sees it.
     pub fn leader(&self) -> Option<NodeId> {
-        self.inner.raft.metrics().borrow().current_leader
+        let leader = self.inner.raft.metrics().borrow().current_leader;
+        self.observe_leader(leader);
+        leader
     }
 
     /// Starts a Raft election on this node at once (a stopping leader's successor takes the
@@ -225,6 +244,7 @@ impl ControlPlane {
     /// timeout (it is cut off, or the others are down).
     pub fn commit_refusal(&self) -> Option<String> {
         let m = self.inner.raft.metrics().borrow().clone();
+        self.observe_leader(m.current_leader);
         let Some(leader) = m.current_leader else { return Some("no Raft leader is known".into()) };
         if leader != self.node_id() {
             return None;
@@ -240,6 +260,7 @@ impl ControlPlane {
     /// Whether this node is the leader as far as its own metrics say.
     pub fn is_leader(&self) -> bool {
         let m = self.inner.raft.metrics().borrow().clone();
+        self.observe_leader(m.current_leader);
         m.state == ServerState::Leader && m.current_leader == Some(self.node_id())
     }
 
@@ -722,25 +743,6 @@ impl ControlPlane {
             tracing::warn!(error = %e, "raft shutdown");
         }
         let _ = self.inner.disk.flush().await;
-    }
-}
-
-/// Counts the leader changes Raft's metrics show, until Raft shuts down (the first leader
-/// known counts: it changed from none).
-async fn count_leader_changes(
-    mut metrics: tokio::sync::watch::Receiver<RaftMetrics>,
-    changes: Arc<std::sync::atomic::AtomicU64>,
-) {
-    let mut leader = None;
-    loop {
-        let now = metrics.borrow_and_update().current_leader;
-        if now != leader {
-            leader = now;
-            changes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
-        if metrics.changed().await.is_err() {
-            return;
-        }
     }
 }
 
