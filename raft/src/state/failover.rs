@@ -152,6 +152,10 @@ impl ClusterState {
             if still {
                 self.lost.remove(b);
                 self.last_server.remove(b);
+                // The shadow of a transfer that moved the bucket before it was lost never got
+                // the items found again: it is no complete copy any more, and a failover of the
+                // owner must not serve it (the bucket is lost again instead).
+                self.handoffs.remove(b);
                 // A new ownership period: a move of the (empty) lost bucket that was under way
                 // can no longer flip it.
                 let epoch = self.epoch_of(BucketId(*b));

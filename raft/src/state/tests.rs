@@ -401,6 +401,26 @@ fn a_lost_bucket_s_last_server_is_the_member_that_served_it_and_only_its_copy_br
 }
 
 #[test]
+fn a_bucket_found_again_no_longer_counts_its_transfer_shadow_as_a_copy() {
+    // A bucket moved in the running transfer (its old owner keeps a shadow), then lost, then
+    // given back by its last server: the shadow never got the items given back, so a
+    // failover of the owner must find no shadow to serve (simulation seed 6082, with one more
+    // task per node, lost an acknowledged write through it).
+    let mut s = three_nodes();
+    let bucket = BucketId(350);
+    let owner = s.map.owner_of(bucket).expect("an owner");
+    let shadow = s.member_ids().into_iter().find(|&m| m != owner).expect("another member");
+    let last = s.member_ids().into_iter().find(|&m| m != owner && m != shadow).expect("a third member");
+    s.handoffs.insert(bucket.0, shadow);
+    s.lost.insert(bucket.0);
+    s.last_server.insert(bucket.0, last);
+    assert_eq!(s.shadow_of(bucket), Some(shadow));
+    s.apply(&ClusterCommand::Found { owner, from: last, buckets: vec![bucket.0] });
+    assert!(!s.is_lost(bucket));
+    assert_eq!(s.shadow_of(bucket), None, "the shadow is no complete copy any more");
+}
+
+#[test]
 fn a_leaver_hands_its_buckets_to_its_replica_holder_and_retires() {
     let mut s = three_nodes();
     assert!(matches!(s.apply(&ClusterCommand::HandOver { node_id: 2, heir: None }), CommandResponse::Rejected { .. }));
