@@ -227,7 +227,11 @@ async fn the_grace_window_holds_a_paused_nodes_operations_and_fails_them_when_it
         async move { client.get(&key).await }
     });
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert!(!read.is_finished(), "the read waits for the paused node");
+    if read.is_finished() {
+        // (Failed once under CI load; the outcome says how it ended.)
+        let outcome = read.await.expect("task");
+        panic!("the read waits for the paused node, but it ended: {outcome:?} {:?}", client.stats());
+    }
     nodes[2].signal("-CONT");
     let value = read.await.expect("task");
     let value = value.unwrap_or_else(|e| panic!("the read completes: {e:?} {:?}", client.stats())).expect("a value");
