@@ -8,6 +8,8 @@
 #   5. a negative test: broken copies of the manifests must make the checker fail
 #   6. every SHOAL_* variable the manifests set is one `shoal serve --help` lists (needs a
 #      built binary: `cargo build --bin shoal` first; CI builds before calling this)
+#   7. a second cluster: an overlay with a namePrefix and its own instance label renames
+#      every object, selector and reference (tests/deploy/prefix_check.py)
 #
 # Usage: tests/deploy/check.sh   (from any directory; root or passwordless sudo to install)
 # Environment: SHOAL_BIN (default target/debug/shoal).
@@ -105,7 +107,32 @@ kustomize() {
         cat "$err" >&2
         return 1
     fi
-    grep -v "'commonLabels' is deprecated" "$err" >&2 || true
+    grep -v -e "'commonLabels' is deprecated" -e "'vars' is deprecated" -e "'bases' is deprecated" "$err" >&2 || true
+}
+
+# A second cluster beside the first: an overlay of deploy/ with a namePrefix and its own
+# instance label. Every name, selector and reference must follow (prefix_check.py), and the
+# base must pass the same check with no prefix.
+OVERLAY=target/deploy-overlay
+RENDERED_OVERLAY=target/deploy-overlay-rendered.yaml
+second_cluster() {
+    rm -rf "$OVERLAY" "$RENDERED_OVERLAY"
+    mkdir -p "$OVERLAY"
+    # `bases`, not `resources`: old kubectl's kustomize takes directories only there.
+    cat >"$OVERLAY/kustomization.yaml" <<'YAML'
+apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+bases:
+  - ../../deploy
+namePrefix: blue-
+commonLabels:
+  app.kubernetes.io/instance: blue
+YAML
+    kustomize "$OVERLAY" "$RENDERED_OVERLAY" || return 1
+    "$VENV/bin/python" tests/deploy/prefix_check.py "$RENDERED" "" shoal || return 1
+    "$VENV/bin/python" tests/deploy/prefix_check.py "$RENDERED_OVERLAY" blue- blue || return 1
+    # The overlay is a valid cluster too.
+    "$VENV/bin/kubernetes-validate" --strict --quiet -k "$MIN_KUBERNETES" "$RENDERED_OVERLAY" || return 1
 }
 
 render() {
@@ -156,6 +183,7 @@ step "cross-object rules (cross_check.py)" \
     rendered "$VENV/bin/python" tests/deploy/cross_check.py "$RENDERED" --monitoring "$RENDERED_MONITORING"
 step "the checker can fail (negative_test.py)" rendered "$VENV/bin/python" tests/deploy/negative_test.py "$RENDERED"
 step "SHOAL_* variables known to shoal serve" rendered known_env
+step "a second cluster: namePrefix and instance overlay (prefix_check.py)" rendered second_cluster
 
 echo
 if [ "$failed" -gt 0 ]; then

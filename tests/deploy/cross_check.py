@@ -457,6 +457,53 @@ def check_monitoring(docs, mon_docs, c):
         )
 
 
+RULES = "deploy/prometheus-rules.yaml"
+PROMETHEUS_RULE = "deploy/monitoring/prometheusrule.yaml"
+PROMETHEUS_RULE_HEAD = """\
+# Generated from deploy/prometheus-rules.yaml (the source: edit that, then regenerate this with
+# `python3 tests/deploy/cross_check.py --write-prometheusrule`): the same recording rules and
+# alerts as a Prometheus Operator PrometheusRule, applied with the ServiceMonitor
+# (`kubectl apply -k deploy/monitoring/`). tests/deploy/check.sh fails when the two differ.
+# Like the ServiceMonitor, it may need the label your Prometheus selects rules by
+# (kube-prometheus-stack: `release: <release name>`, see ruleSelector): add it under
+# commonLabels in kustomization.yaml.
+"""
+
+
+def write_prometheusrule():
+    """Writes the PrometheusRule from the rules file (multi-line expressions as blocks)."""
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    def text(dumper, data):
+        return dumper.represent_scalar("tag:yaml.org,2002:str", data, style="|" if "\n" in data else None)
+
+    Dumper.add_representer(str, text)
+    with open(RULES) as f:
+        groups = yaml.safe_load(f)["groups"]
+    labels = {"app.kubernetes.io/name": "shoal", "app.kubernetes.io/component": "cache",
+              "app.kubernetes.io/instance": "shoal"}
+    rule = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
+            "metadata": {"name": "shoal", "labels": labels}, "spec": {"groups": groups}}
+    with open(PROMETHEUS_RULE, "w") as f:
+        f.write(PROMETHEUS_RULE_HEAD + yaml.dump(rule, Dumper=Dumper, sort_keys=False, width=200, allow_unicode=True))
+
+
+def check_prometheusrule(mon_docs, c):
+    """The rendered PrometheusRule holds exactly the rules file's groups (one source)."""
+    rules = find(mon_docs, "PrometheusRule")
+    if not c.check(len(rules) == 1, "monitoring: one PrometheusRule", f"monitoring: {len(rules)} PrometheusRules"):
+        return
+    with open(RULES) as f:
+        groups = yaml.safe_load(f)["groups"]
+    c.check(
+        rules[0]["spec"].get("groups") == groups,
+        f"monitoring: the PrometheusRule holds the groups of {RULES}",
+        f"monitoring: the PrometheusRule differs from {RULES}: run `python3 tests/deploy/cross_check.py --write-prometheusrule`",
+    )
+
+
 def manifest_env_names(docs):
     """Every SHOAL_* variable the manifests give the shoal container (env and envFrom)."""
     names = set()
@@ -480,6 +527,9 @@ def check_known_env(docs, help_path, c):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if sys.argv[1:] == ["--write-prometheusrule"]:
+        write_prometheusrule()
+        return
     ap.add_argument("rendered", help="output of `kubectl kustomize deploy/`")
     ap.add_argument("--monitoring", help="output of `kubectl kustomize deploy/monitoring/`")
     ap.add_argument("--known-env", help="output of `shoal serve --help`: only check the SHOAL_* names")
@@ -493,6 +543,7 @@ def main():
         check_core(docs, c)
         if args.monitoring:
             check_monitoring(docs, load(args.monitoring), c)
+            check_prometheusrule(load(args.monitoring), c)
     print(f"{c.failed} failed" if c.failed else "all passed")
     sys.exit(1 if c.failed else 0)
 
