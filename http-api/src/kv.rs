@@ -78,9 +78,16 @@ pub(crate) struct ListQuery {
 }
 
 impl ListQuery {
-    /// The page asked for.
-    fn page(&self) -> Result<Page, ApiError> {
-        Ok(Page { limit: list_limit(self.limit.as_deref())?, start_after: self.start_after.clone() })
+    /// The page asked for. A member asked for its own keys (`x-shoal-scope: local`) may be
+    /// asked for one more than the largest page: the one that tells whether there are more.
+    fn page(&self, scope: Scope) -> Result<Page, ApiError> {
+        let limit = match (scope, self.limit.as_deref()) {
+            (Scope::Local, Some(t)) if number::<usize>("limit", t).ok() == Some(MAX_LIST_LIMIT + 1) => {
+                MAX_LIST_LIMIT + 1
+            }
+            (_, text) => list_limit(text)?,
+        };
+        Ok(Page { limit, start_after: self.start_after.clone() })
     }
 }
 
@@ -230,7 +237,11 @@ fn header_condition<'a>(
             return Err(ApiError::BadRequest("give If-Match or If-None-Match, not both".into()));
         }
         (Some("*"), None) => (None, Some("replace")),
-        (Some(tag), None) => (Some(strong_tag(&header::IF_MATCH, tag)?), None),
+        (Some(tag), None) => match strong_tag(&header::IF_MATCH, tag)? {
+            // Versions start at 1: "0" names no item (and cas=0 would mean "absent").
+            0 => return Err(ApiError::BadRequest("If-Match: \"0\" names no version (versions start at 1)".into())),
+            version => (Some(version), None),
+        },
         (None, Some("*")) => (None, Some("add")),
         (None, Some(other)) => {
             return Err(ApiError::BadRequest(format!(
@@ -712,7 +723,7 @@ pub(crate) async fn list_keys<N: ShoalApi>(
 ) -> Response {
     let result = async {
         let q = query(q)?;
-        let page = q.page()?;
+        let page = q.page(scope(&headers))?;
         Ok(Json(node.keys(q.prefix.unwrap_or_default(), page, scope(&headers)).await?).into_response())
     }
     .await;
@@ -731,7 +742,7 @@ pub(crate) async fn get_tag<N: ShoalApi>(
         if q.prefix.is_some() {
             return Err(ApiError::BadRequest("prefix is not a parameter of tag queries".into()));
         }
-        Ok(Json(node.tagged(tag, q.page()?, scope(&headers)).await?).into_response())
+        Ok(Json(node.tagged(tag, q.page(scope(&headers))?, scope(&headers)).await?).into_response())
     }
     .await;
     result.unwrap_or_else(|e: ApiError| e.into_response())

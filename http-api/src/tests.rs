@@ -462,6 +462,14 @@ async fn a_listing_that_stops_at_its_limit_says_more_and_where_to_go_on() {
     )
     .expect("json");
     assert_eq!((list["keys"].as_array().map(Vec::len), &list["more"]), (Some(5), &json!(false)));
+    // A member asked for its own keys takes one more than the largest page (the one that
+    // tells whether there are more); a client does not.
+    let local = call_with(&node, Method::GET, "/v1/kv?limit=100001", &[("x-shoal-scope", "local")], "").await;
+    assert_eq!(local.status(), StatusCode::OK);
+    let (status, _) = problem(call(&node, Method::GET, "/v1/kv?limit=100001", Body::empty()).await).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let (status, _) = problem(call_with(&node, Method::PUT, "/v1/kv/k0", &[("if-match", "\"0\"")], "x").await).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "versions start at 1");
 }
 
 #[tokio::test]

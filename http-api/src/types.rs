@@ -365,7 +365,8 @@ impl Page {
     /// Sorts `keys`, keeps the page's `limit` of them and says whether more were found (then
     /// `next` is the last key kept: the next page starts after it).
     pub fn cut(&self, mut keys: Vec<FoundKey>) -> (Vec<FoundKey>, bool, Option<String>) {
-        keys.sort();
+        // A key two members list (its bucket just moved) once, at its newest version.
+        keys.sort_by(|a, b| a.key.cmp(&b.key).then(b.version.cmp(&a.version)));
         keys.dedup_by(|a, b| a.key == b.key);
         let more = keys.len() > self.limit;
         keys.truncate(self.limit);

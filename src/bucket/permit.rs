@@ -132,15 +132,25 @@ impl<'a> WritePermit<'a> {
                 let next = core.replicator.next_holder_for(&self.plan);
                 if let Err(e) = core.replicator.replicate(bucket, &holder, next.as_ref(), &changes).await {
                     let taken_back = self.undo();
+                    let mut refused_by = None;
                     if let Some(shadow) = &shadow {
                         // The shadow has the writes: it takes them back too, as far as it can
                         // be reached (its copy only counts if this node dies before the
                         // transfer ends).
                         if let Err(e) = core.peers.shadow(&shadow.peer_addr, bucket, change_body(&taken_back)).await {
                             tracing::warn!(bucket = bucket.0, shadow = shadow.node, error = %e, "the shadow keeps writes that were taken back");
+                            refused_by = Some(shadow.node);
                         }
                     }
-                    return Err(no_longer_owner(e, core.control.state().map.version));
+                    // Routed again only when the map moved the bucket from this node to
+                    // another and nothing of the write remains anywhere: a shadow that did not
+                    // take it back keeps it while it is still the shadow, or the owner again
+                    // (an aborted move); one the finished transfer dropped keeps nothing.
+                    let state = core.control.state();
+                    let moved = self.plan.owner_in_map && state.map.owner_of(bucket) != Some(core.me);
+                    let kept = refused_by
+                        .is_some_and(|s| state.shadow_of(bucket) == Some(s) || state.map.owner_of(bucket) == Some(s));
+                    return Err(if moved && !kept { no_longer_owner(e, state.map.version) } else { e });
                 }
             }
         }
@@ -190,8 +200,9 @@ impl<'a> WritePermit<'a> {
 
 /// A write the replica refused because this node's map, caught up, no longer gives it the
 /// bucket (it moved on while the write was on its way) is `NotOwner`: every write of the permit
-/// was taken back, so the caller routes it again to the new owner, as it does when the map
-/// moved before the write. A join or leave then fails no write.
+/// was taken back here and at the shadow if there is one (the caller checks), so the
+/// caller routes it again to the new owner, as it does when the map moved before the write. A
+/// join or leave then fails no write.
 fn no_longer_owner(e: DataError, map_version: u64) -> DataError {
     match e {
         DataError::ReplicationFailed { cause: ReplicaError::NoLongerOwner { bucket, .. }, .. } => {

@@ -321,6 +321,9 @@ pub struct WritePlan {
     pub next_replica: Option<Recipient>,
     /// The node that handed the bucket over in the running transfer and keeps a shadow.
     pub shadow: Option<Recipient>,
+    /// Whether the map gives this node the bucket (not only a phase that serves it, as the
+    /// holder serving a member away in maintenance).
+    pub owner_in_map: bool,
 }
 
 impl WritePlan {
@@ -370,6 +373,7 @@ pub fn write_plan(
         replica: required.and_then(copy_of),
         next_replica: next.and_then(copy_of),
         shadow,
+        owner_in_map: state.map.owner_of(bucket) == Some(me),
     })
 }
 

@@ -1000,7 +1000,7 @@ impl Client {
     /// one more key than the page holds, so that `more` is exact).
     async fn list(&self, segments: &[&str], query: &[(&str, String)], page: &Page) -> KeyList {
         let mut query = query.to_vec();
-        query.push(("limit", (page.limit + 1).to_string()));
+        query.push(("limit", page.limit.saturating_add(1).to_string()));
         query.extend(page.start_after.clone().map(|s| ("start_after", s)));
         let mut list = KeyList::default();
         let mut keys = Vec::new();

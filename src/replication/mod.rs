@@ -349,7 +349,12 @@ impl Replicator {
                 self.send_snapshot(bucket, &next).await
             }
             None if state.map.owner_of(bucket) == Some(self.me) => Ok(()),
-            _ => Err(ReplicaError::NoLongerOwner { holder: holder.id, bucket }),
+            // Caught up, and the map gives the bucket to another node: it moved on.
+            _ if state.map.version >= version && state.map.owner_of(bucket) != Some(self.me) => {
+                Err(ReplicaError::NoLongerOwner { holder: holder.id, bucket })
+            }
+            // The holder's newer map did not arrive in time: no verdict on the bucket.
+            _ => Err(ReplicaError::Fenced(their_version)),
         }
     }
 

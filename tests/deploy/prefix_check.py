@@ -65,7 +65,8 @@ def check(objects, prefix, instance):
             value = (env.get(name) or {}).get("value", "")
             # Expanded by kustomize, or by Kubernetes from HEADLESS_SERVICE when that names it.
             expanded = value.replace("$(HEADLESS_SERVICE)", (env.get("HEADLESS_SERVICE") or {}).get("value", "?"))
-            if f"{headless}.$(POD_NAMESPACE)" not in expanded:
+            # The whole name: `shoal-headless` must not pass for `blue-shoal-headless`.
+            if not (expanded.startswith(f"{headless}.$(POD_NAMESPACE)") or f".{headless}.$(POD_NAMESPACE)" in expanded):
                 problems.append(f"{name}={value!r} does not name the headless Service {headless!r}")
         refs = [("ConfigMap", r["configMapRef"]["name"]) for r in c.get("envFrom", []) if "configMapRef" in r]
         refs += [("Secret", e["valueFrom"]["secretKeyRef"]["name"])
