@@ -366,12 +366,8 @@ async fn send(
         .clear()
         .extend(path);
     let http = reqwest::Client::builder().no_proxy().build().map_err(|e| e.to_string())?;
-    let key_api = shoal_http_api::is_key_path(url.path());
+    let token = shoal_http_api::token_for(url.path(), client.client_token.as_ref(), client.admin_token.as_ref());
     let mut request = http.request(method, url).query(query);
-    let token = match (&client.client_token, &client.admin_token) {
-        (Some(t), _) if key_api => Some(t),
-        (_, admin) => admin.as_ref(),
-    };
     if let Some(token) = token {
         request = request.bearer_auth(token.expose());
     }

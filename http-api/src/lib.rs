@@ -75,6 +75,15 @@ pub fn is_key_path(path: &str) -> bool {
     path == "/v1/kv" || path.starts_with("/v1/kv/") || path.starts_with("/v1/bulk/") || path.starts_with("/v1/tags/")
 }
 
+/// The token a client sends to `path`: the client token to the key API (when it has one), the
+/// admin token everywhere else (it opens the key API too).
+pub fn token_for<'a, T: ?Sized>(path: &str, client: Option<&'a T>, admin: Option<&'a T>) -> Option<&'a T> {
+    match client {
+        Some(t) if is_key_path(path) => Some(t),
+        _ => admin,
+    }
+}
+
 /// The public routes over `node`.
 pub fn router<N: ShoalApi>(node: Arc<N>) -> Router {
     Router::new()

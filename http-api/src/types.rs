@@ -357,6 +357,12 @@ impl Page {
         Page { limit, start_after: None }
     }
 
+    /// The page to ask each member for: one key more, so that merging the answers tells
+    /// exactly whether more keys match than the page holds.
+    pub fn with_one_more(&self) -> Self {
+        Page { limit: self.limit.saturating_add(1), start_after: self.start_after.clone() }
+    }
+
     /// Whether `key` sorts after the page's start.
     pub fn after(&self, key: &[u8]) -> bool {
         self.start_after.as_deref().is_none_or(|s| key > s.as_bytes())

@@ -470,11 +470,8 @@ impl Inner {
             Ok(r) => r,
             Err(e) => return Attempt::NotSent(e.to_string()),
         };
-        // The key API takes the client token (or the admin token); the rest the admin token.
-        let token = match (shoal_http_api::is_key_path(request.url().path()), &self.config) {
-            (true, Config { client_token: Some(t), .. }) => Some(t),
-            (_, Config { admin_token, .. }) => admin_token.as_ref(),
-        };
+        let (client, admin) = (self.config.client_token.as_deref(), self.config.admin_token.as_deref());
+        let token = shoal_http_api::token_for(request.url().path(), client, admin);
         if let Some(value) = token.and_then(|t| reqwest::header::HeaderValue::from_str(&format!("Bearer {t}")).ok()) {
             request.headers_mut().insert(reqwest::header::AUTHORIZATION, value);
         }
@@ -999,9 +996,10 @@ impl Client {
     /// The `page` of keys every member lists under `segments` with `query` (each is asked for
     /// one more key than the page holds, so that `more` is exact).
     async fn list(&self, segments: &[&str], query: &[(&str, String)], page: &Page) -> KeyList {
+        let ask = page.with_one_more();
         let mut query = query.to_vec();
-        query.push(("limit", page.limit.saturating_add(1).to_string()));
-        query.extend(page.start_after.clone().map(|s| ("start_after", s)));
+        query.push(("limit", ask.limit.to_string()));
+        query.extend(ask.start_after.map(|s| ("start_after", s)));
         let mut list = KeyList::default();
         let mut keys = Vec::new();
         for (node, answer) in self.broadcast(Method::GET, segments, &query).await {

@@ -94,8 +94,7 @@ impl NodeApi {
 
     pub(super) async fn keys_everywhere(&self, prefix: String, page: Page, scope: Scope) -> Result<KeyList, ApiError> {
         let started = Instant::now();
-        // Every member answers one more key than the page holds: then `more` is exact.
-        let ask = Page { limit: page.limit.saturating_add(1), start_after: page.start_after.clone() };
+        let ask = page.with_one_more();
         let list = self
             .list(
                 &page,
@@ -112,7 +111,7 @@ impl NodeApi {
 
     pub(super) async fn tagged_everywhere(&self, tag: String, page: Page, scope: Scope) -> Result<KeyList, ApiError> {
         let started = Instant::now();
-        let ask = Page { limit: page.limit.saturating_add(1), start_after: page.start_after.clone() };
+        let ask = page.with_one_more();
         let list = self
             .list(
                 &page,
