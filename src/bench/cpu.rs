@@ -11,7 +11,17 @@ const TICKS_PER_SECOND: f64 = 100.0;
 
 /// utime + stime of a process (all its threads), in seconds; `None` if it is gone.
 pub fn process_cpu_seconds(pid: u32) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat_cpu_seconds(&format!("/proc/{pid}/stat"))
+}
+
+/// utime + stime of this process, in seconds. Read through `/proc/self`, which names this
+/// process even where `/proc` was mounted for another PID namespace than ours.
+pub fn own_cpu_seconds() -> Option<f64> {
+    stat_cpu_seconds("/proc/self/stat")
+}
+
+fn stat_cpu_seconds(path: &str) -> Option<f64> {
+    let stat = std::fs::read_to_string(path).ok()?;
     // The command name (field 2) may contain spaces; fields after the closing paren are fixed.
     let rest = &stat[stat.rfind(')')? + 2..];
     let fields: Vec<&str> = rest.split_whitespace().collect();
@@ -45,7 +55,7 @@ impl CpuSample {
         CpuSample {
             at: Instant::now(),
             servers: server_pids.iter().filter_map(|&p| process_cpu_seconds(p)).sum(),
-            own: process_cpu_seconds(std::process::id()).unwrap_or(0.0),
+            own: own_cpu_seconds().unwrap_or(0.0),
             machine: machine_busy_seconds().unwrap_or(0.0),
         }
     }
@@ -86,12 +96,19 @@ mod tests {
 
     #[test]
     fn this_process_has_cpu_time() {
+        // The kernel counts CPU time in whole ticks: burn until one shows (a fixed loop may end
+        // before the first tick on a fast machine), bounded by a deadline.
+        let deadline = Instant::now() + std::time::Duration::from_secs(30);
         let mut x = 0u64;
-        for i in 0..20_000_000u64 {
-            x = std::hint::black_box(x.wrapping_add(i * i));
+        let mut i = 0u64;
+        while own_cpu_seconds().is_none_or(|s| s == 0.0) && Instant::now() < deadline {
+            for _ in 0..1_000_000 {
+                i += 1;
+                x = std::hint::black_box(x.wrapping_add(i * i));
+            }
         }
         assert!(x > 0);
-        assert!(process_cpu_seconds(std::process::id()).is_some_and(|s| s > 0.0));
+        assert!(own_cpu_seconds().is_some_and(|s| s > 0.0));
         assert!(machine_busy_seconds().is_some_and(|s| s > 0.0));
         assert_eq!(process_cpu_seconds(u32::MAX), None);
     }
