@@ -44,12 +44,39 @@ impl Drop for FaultNode {
             let kept = std::env::temp_dir().join(format!("shoal-fault-{}.log", self.ip));
             let _ = std::fs::copy(&self.log, &kept);
             eprintln!("--- {} log (last lines; all of it in {})\n{}", self.ip, kept.display(), self.log_tail());
+            // CI shows only the end of a failed test's output: say again why it failed.
+            if let Some(why) = PANIC_MESSAGE.lock().as_deref() {
+                eprintln!("--- the test failed: {why}");
+            }
         }
     }
 }
 
+/// The message of this process's last panic, kept to be repeated after the nodes' logs.
+static PANIC_MESSAGE: parking_lot::Mutex<Option<String>> = parking_lot::Mutex::new(None);
+
+/// Keeps each panic's message (and still prints it as usual).
+fn keep_panic_messages() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let print = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let message = info
+                .payload()
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| info.payload().downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            let at = info.location().map(|l| format!(" at {l}")).unwrap_or_default();
+            *PANIC_MESSAGE.lock() = Some(format!("{message}{at}"));
+            print(info);
+        }));
+    });
+}
+
 impl FaultNode {
     fn start(dir: &Path, n: u8, join: Option<&str>, extra: &[&str]) -> Self {
+        keep_panic_messages();
         let ip = format!("127.0.0.{}", n + 1);
         let mut args: Vec<String> = vec![
             "serve".into(),
@@ -122,7 +149,7 @@ impl FaultNode {
 
     fn log_tail(&self) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().rev().take(30).collect();
+        let lines: Vec<&str> = text.lines().filter(|l| !l.contains(" DEBUG ")).rev().take(12).collect();
         lines.into_iter().rev().collect::<Vec<_>>().join("\n")
     }
 }
