@@ -4,23 +4,35 @@
 //! pipelines requests would see each answer wait for the next read. Every connection gets
 //! TCP_NODELAY (Nagle would add 40 ms stalls to pipelined answers). On shutdown the listener
 //! closes at once, idle connections close, and in-flight requests get [`DRAIN_TIMEOUT`] to
-//! finish.
+//! finish. Each listener counts its open connections and the bytes its connections read and
+//! write (one atomic add per read or write call, none per byte).
 
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use hyper::server::conn::http1;
 use hyper_util::rt::TokioIo;
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
-use tokio::net::TcpListener;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+
+use crate::metrics::ListenerMetrics;
 
 /// How long in-flight requests may run after shutdown starts.
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Serves `router` on `listener` until `shutdown` turns true.
-pub fn serve(listener: TcpListener, router: axum::Router, mut shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
+/// Serves `router` on `listener` until `shutdown` turns true, counting into `metrics`.
+pub fn serve(
+    listener: TcpListener,
+    router: axum::Router,
+    metrics: ListenerMetrics,
+    mut shutdown: watch::Receiver<bool>,
+) -> JoinHandle<()> {
     tokio::spawn(async move {
         let graceful = GracefulShutdown::new();
         let mut builder = http1::Builder::new();
@@ -41,10 +53,15 @@ pub fn serve(listener: TcpListener, router: axum::Router, mut shutdown: watch::R
                         }
                     };
                     let _ = tcp.set_nodelay(true);
+                    metrics.accepted.increment(1);
+                    metrics.open.increment(1.0);
+                    let io = Counted { tcp, metrics: metrics.clone() };
                     let service = TowerToHyperService::new(router.clone());
-                    let connection = graceful.watch(builder.serve_connection(TokioIo::new(tcp), service));
+                    let connection = graceful.watch(builder.serve_connection(TokioIo::new(io), service));
+                    let open = metrics.open.clone();
                     tokio::spawn(async move {
                         let _ = connection.await;
+                        open.decrement(1.0);
                     });
                 }
                 () = stopped(&mut shutdown) => break,
@@ -60,4 +77,56 @@ pub fn serve(listener: TcpListener, router: axum::Router, mut shutdown: watch::R
 /// Resolves once `shutdown` is true (or its sender is gone).
 async fn stopped(shutdown: &mut watch::Receiver<bool>) {
     let _ = shutdown.wait_for(|stop| *stop).await;
+}
+
+/// A connection that counts the bytes it reads and writes.
+struct Counted {
+    tcp: TcpStream,
+    metrics: ListenerMetrics,
+}
+
+impl AsyncRead for Counted {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut self.tcp).poll_read(cx, buf);
+        let read = buf.filled().len() - before;
+        if read > 0 {
+            self.metrics.received.increment(read as u64);
+        }
+        polled
+    }
+}
+
+impl AsyncWrite for Counted {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
+        let polled = Pin::new(&mut self.tcp).poll_write(cx, data);
+        if let Poll::Ready(Ok(n)) = polled {
+            self.metrics.sent.increment(n as u64);
+        }
+        polled
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let polled = Pin::new(&mut self.tcp).poll_write_vectored(cx, data);
+        if let Poll::Ready(Ok(n)) = polled {
+            self.metrics.sent.increment(n as u64);
+        }
+        polled
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.tcp.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.tcp).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.tcp).poll_shutdown(cx)
+    }
 }

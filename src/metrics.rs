@@ -109,6 +109,10 @@ pub struct StateGauges {
     pub is_leader: Gauge,
     /// The leader's id (0: none known).
     pub leader_id: Gauge,
+    /// Voters in the Raft membership this node knows.
+    pub raft_voters: Gauge,
+    /// 1 if this node is one of them.
+    pub raft_is_voter: Gauge,
     /// Leader changes this node saw.
     pub leader_changes: Counter,
     /// Raft term.
@@ -202,6 +206,41 @@ pub struct NodeMetrics {
     pub transfer_stuck: Counter,
     /// Time a mirror took to answer a balanced read.
     pub mirror_latency: Histogram,
+    /// The client API listener's connections and bytes.
+    pub client_listener: ListenerMetrics,
+    /// The peer listener's connections and bytes.
+    pub peer_listener: ListenerMetrics,
+}
+
+/// Connections and bytes of one listener (`listener="client"` or `"peer"`).
+#[derive(Clone)]
+pub struct ListenerMetrics {
+    /// Connections open now.
+    pub open: Gauge,
+    /// Connections accepted since start.
+    pub accepted: Counter,
+    /// Bytes read from its connections.
+    pub received: Counter,
+    /// Bytes written to its connections.
+    pub sent: Counter,
+}
+
+impl ListenerMetrics {
+    /// Handles that count nothing (a listener nobody scrapes, like the one serving while a
+    /// node starts).
+    pub fn none() -> Self {
+        ListenerMetrics { open: Gauge::noop(), accepted: Counter::noop(), received: Counter::noop(), sent: Counter::noop() }
+    }
+
+    fn register(r: &PrometheusRecorder, listener: &'static str) -> Self {
+        let key = |name: &'static str| Key::from_parts(name, vec![Label::new("listener", listener)]);
+        ListenerMetrics {
+            open: r.register_gauge(&key("shoal_connections"), &METADATA),
+            accepted: r.register_counter(&key("shoal_connections_accepted_total"), &METADATA),
+            received: r.register_counter(&key("shoal_network_received_bytes_total"), &METADATA),
+            sent: r.register_counter(&key("shoal_network_sent_bytes_total"), &METADATA),
+        }
+    }
 }
 
 static METADATA: Metadata<'static> = Metadata::new("shoal", Level::INFO, Some(module_path!()));
@@ -264,6 +303,8 @@ impl NodeMetrics {
             members: gauge("shoal_members", "Members of the cluster."),
             is_leader: gauge("shoal_is_leader", "1 if this node is the Raft leader."),
             leader_id: gauge("shoal_raft_leader_id", "Id of the Raft leader, 0 if none is known."),
+            raft_voters: gauge("shoal_raft_voters", "Voters in the Raft membership (a majority of them must be up)."),
+            raft_is_voter: gauge("shoal_raft_is_voter", "1 if this node votes in Raft, 0 if it is a learner."),
             leader_changes: counter(
                 "shoal_raft_leader_changes_total",
                 "Times this node saw the Raft leader change (a new leader, or none known), since it started.",
@@ -340,6 +381,10 @@ impl NodeMetrics {
             fails_proposed: counter("shoal_node_fail_proposals_total", "NodeFailed commands this node proposed."),
         };
         describe(r, "shoal_transfer_bucket_duration_seconds", "Time to pull one bucket: stream, install, flip.");
+        describe(r, "shoal_connections", "Connections open now, by listener (client API or peer).");
+        describe(r, "shoal_connections_accepted_total", "Connections accepted, by listener.");
+        describe(r, "shoal_network_received_bytes_total", "Bytes read from connections, by listener (HTTP included).");
+        describe(r, "shoal_network_sent_bytes_total", "Bytes written to connections, by listener (HTTP included).");
         NodeMetrics {
             transfer_bucket_duration: r
                 .register_histogram(&Key::from_name("shoal_transfer_bucket_duration_seconds"), &METADATA),
@@ -352,6 +397,8 @@ impl NodeMetrics {
                 );
                 r.register_histogram(&Key::from_name("shoal_mirror_latency_seconds"), &METADATA)
             },
+            client_listener: ListenerMetrics::register(r, "client"),
+            peer_listener: ListenerMetrics::register(r, "peer"),
             hits: counter("shoal_cache_hits_total", "Reads that found their key."),
             misses: counter("shoal_cache_misses_total", "Reads that did not find their key."),
             forwarded: counter("shoal_forwarded_operations_total", "Key operations forwarded to their owner."),
@@ -440,6 +487,8 @@ mod tests {
             "# TYPE shoal_operation_duration_seconds histogram",
             "shoal_raft_commit_index 0",
             "shoal_balance_ratio 0",
+            "shoal_connections{listener=\"client\"} 0",
+            "shoal_network_sent_bytes_total{listener=\"peer\"} 0",
             "process_resident_memory_bytes",
             "process_start_time_seconds",
         ] {

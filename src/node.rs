@@ -325,7 +325,12 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
     let starting = {
         let listener =
             api_socket.try_clone().and_then(TcpListener::from_std).map_err(|e| StartError::Io(e.to_string()))?;
-        http_server::serve(listener, crate::discover::starting_router(identity.is_some()), starting_rx)
+        http_server::serve(
+            listener,
+            crate::discover::starting_router(identity.is_some()),
+            crate::metrics::ListenerMetrics::none(),
+            starting_rx,
+        )
     };
     let api_listener = TcpListener::from_std(api_socket).map_err(|e| StartError::Io(e.to_string()))?;
     let mut config = config;
@@ -357,9 +362,10 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
         let api_router = shoal_http_api::router(service.api.clone())
             .layer(axum::middleware::from_fn_with_state(admin_token, crate::auth::require_admin_token))
             .layer(axum::middleware::from_fn_with_state(tokens, crate::auth::require_client_token));
+        let metrics = service.api.metrics();
         let servers = vec![
-            http_server::serve(peer_listener, peer_router, shutdown.subscribe()),
-            http_server::serve(api_listener, api_router, shutdown.subscribe()),
+            http_server::serve(peer_listener, peer_router, metrics.peer_listener.clone(), shutdown.subscribe()),
+            http_server::serve(api_listener, api_router, metrics.client_listener.clone(), shutdown.subscribe()),
         ];
         starting_stop.send_replace(true);
         servers

@@ -307,6 +307,9 @@ impl NodeApi {
         let raft = self.control.raft_metrics();
         g.is_leader.set(if raft.current_leader == Some(self.node_id) { 1.0 } else { 0.0 });
         g.leader_id.set(raft.current_leader.unwrap_or(0) as f64);
+        let voters: Vec<NodeId> = raft.membership_config.membership().voter_ids().collect();
+        g.raft_voters.set(voters.len() as f64);
+        g.raft_is_voter.set(if voters.contains(&self.node_id) { 1.0 } else { 0.0 });
         g.leader_changes.absolute(self.control.leader_changes());
         g.raft_term.set(raft.current_term as f64);
         g.raft_last_log_index.set(raft.last_log_index.unwrap_or(0) as f64);

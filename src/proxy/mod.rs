@@ -154,6 +154,11 @@ fn write_of(item: &PutItem) -> Write<'_> {
 }
 
 impl NodeApi {
+    /// The node's metrics.
+    pub fn metrics(&self) -> &Arc<NodeMetrics> {
+        &self.metrics
+    }
+
     /// Wires the API over this node's parts.
     pub fn new(control: ControlPlane, cache: Arc<CacheStore>, limits: Limits, parts: NodeParts) -> Self {
         NodeApi {

@@ -271,6 +271,16 @@ async fn metrics_count_operations_hits_misses_and_forwards() {
     let items = value(&after0, "shoal_items ") + value(&after1, "shoal_items ");
     assert_eq!(items, 20.0);
     assert!(after0.contains("shoal_operation_duration_seconds_bucket{op=\"get\",le=\"0.005\"}"));
+    // Connections and bytes per listener: the test's client is connected to the client API
+    // (its scrape included), the forwards went over the peer listener of slot 1, and the 20
+    // values written through slot 0 are among the bytes it received.
+    assert!(value(&after0, "shoal_connections{listener=\"client\"} ") >= 1.0);
+    assert!(value(&after0, "shoal_connections_accepted_total{listener=\"client\"} ") >= 1.0);
+    let received = |t: &str, l: &str| value(t, &format!("shoal_network_received_bytes_total{{listener=\"{l}\"}}"));
+    let sent = |t: &str, l: &str| value(t, &format!("shoal_network_sent_bytes_total{{listener=\"{l}\"}}"));
+    assert!(received(&after0, "client") > received(&before, "client") + 20.0 * 20.0);
+    assert!(sent(&after0, "client") > sent(&before, "client"));
+    assert!(received(&after1, "peer") > 0.0 && sent(&after1, "peer") > 0.0);
     cluster.shutdown().await;
 }
 
