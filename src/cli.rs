@@ -194,20 +194,32 @@ pub async fn run(command: Command) -> Result<(), CliError> {
         Command::Status(a) => {
             let c = &a.client;
             let deadline = tokio::time::Instant::now() + a.timeout;
+            // While it waits, a spinner on standard error says for what (drawn in place on a
+            // terminal only, so scripts see nothing of it).
+            let waiting = a.wait.then(waiting_spinner);
             loop {
                 let view: ClusterView = match send(c, Method::GET, &["v1", "cluster"], &[], None).await {
                     Ok(r) => json(r).await?,
                     // Waiting, a node that does not answer yet is a cluster that is not healthy yet.
                     Err(e) if a.wait && tokio::time::Instant::now() < deadline => {
                         tracing::debug!(error = %e, "waiting for the node");
+                        if let Some(spinner) = &waiting {
+                            spinner.set_message(format!("waiting for the node to answer: {e}"));
+                        }
                         tokio::time::sleep(std::time::Duration::from_millis(500)).await;
                         continue;
                     }
                     Err(e) => return Err(e),
                 };
                 let unhealthy = unhealthy(&view);
+                if let (Some(spinner), Some(why)) = (&waiting, &unhealthy) {
+                    spinner.set_message(format!("waiting: {why}"));
+                }
                 if a.wait && unhealthy.is_some() {
                     if tokio::time::Instant::now() >= deadline {
+                        if let Some(spinner) = &waiting {
+                            spinner.finish_and_clear();
+                        }
                         return Err(CliError::new(
                             EXIT_UNAVAILABLE,
                             format!(
@@ -219,6 +231,9 @@ pub async fn run(command: Command) -> Result<(), CliError> {
                     }
                     tokio::time::sleep(std::time::Duration::from_millis(500)).await;
                     continue;
+                }
+                if let Some(spinner) = &waiting {
+                    spinner.finish_and_clear();
                 }
                 let moving = view.transition.is_some() || view.transfer.is_some();
                 let transfer: Option<TransferView> = if moving {
@@ -536,10 +551,9 @@ async fn list(a: &crate::config::LsArgs) -> Result<(), CliError> {
 
 /// `shoal ls` as a table.
 fn keys_table(list: &KeyList) -> String {
-    let mut out = format!("{:<40}  {:>6}  {:>10}  {:>5}\n", "KEY", "BUCKET", "VERSION", "NODE");
-    for k in &list.keys {
-        out.push_str(&format!("{:<40}  {:>6}  {:>10}  {:>5}\n", k.key, k.bucket, k.version, k.node));
-    }
+    let rows =
+        list.keys.iter().map(|k| vec![k.key.clone(), k.bucket.to_string(), k.version.to_string(), k.node.to_string()]);
+    let mut out = table(&["KEY", "BUCKET", "VERSION", "NODE"], &[1, 2, 3], rows);
     for e in &list.errors {
         out.push_str(&format!("member {} did not answer: {}\n", e.node, e.detail));
     }
@@ -605,6 +619,38 @@ fn or_dash<T: ToString>(v: Option<T>) -> String {
     v.map(|v| v.to_string()).unwrap_or_else(|| "-".into())
 }
 
+/// The spinner `shoal status --wait` shows on standard error while the cluster is not healthy.
+fn waiting_spinner() -> indicatif::ProgressBar {
+    let spinner = indicatif::ProgressBar::new_spinner();
+    spinner.set_message("waiting for the cluster");
+    spinner.enable_steady_tick(std::time::Duration::from_millis(120));
+    spinner
+}
+
+/// A plain table, as kubectl prints them: no borders, each column as wide as its widest cell
+/// (long pod DNS names fit), never wrapped; the columns in `right` hold figures and are
+/// right-aligned.
+fn table(header: &[&str], right: &[usize], rows: impl IntoIterator<Item = Vec<String>>) -> String {
+    let mut t = comfy_table::Table::new();
+    t.load_preset(comfy_table::presets::NOTHING)
+        .set_content_arrangement(comfy_table::ContentArrangement::Disabled)
+        .set_header(header.to_vec());
+    for row in rows {
+        t.add_row(row);
+    }
+    for &i in right {
+        if let Some(column) = t.column_mut(i) {
+            column.set_cell_alignment(comfy_table::CellAlignment::Right);
+        }
+    }
+    let mut out = String::new();
+    for line in t.lines() {
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    out
+}
+
 /// `shoal status` as a table.
 pub fn status_table(view: &ClusterView) -> String {
     let mut out = format!(
@@ -614,28 +660,28 @@ pub fn status_table(view: &ClusterView) -> String {
         view.map_version,
         view.voters
     );
-    out.push_str(&format!(
-        "{:>4}  {:<12}  {:<21}  {:<21}  {:<7}  {:>7}  {:>10}  {:>12}  {:>10}  {}\n",
-        "ID", "NAME", "API", "PEER", "ROLE", "BUCKETS", "ITEMS", "BYTES", "REPLICA_ON", "VERSION"
-    ));
-    for m in &view.members {
-        out.push_str(&format!(
-            "{:>4}  {:<12}  {:<21}  {:<21}  {:<7}  {:>7}  {:>10}  {:>12}  {:>10}  {}\n",
-            m.id,
-            m.name.as_deref().unwrap_or("-"),
-            m.api_addr,
-            m.peer_addr,
-            m.role,
-            m.buckets,
+    let members = view.members.iter().map(|m| {
+        vec![
+            m.id.to_string(),
+            m.name.as_deref().unwrap_or("-").to_string(),
+            m.api_addr.clone(),
+            m.peer_addr.clone(),
+            m.role.to_string(),
+            m.buckets.to_string(),
             or_dash(m.items),
             or_dash(m.bytes),
             or_dash(m.replica_on),
             match (&m.version, &m.revision) {
                 (Some(v), Some(r)) => format!("{v} ({r})"),
                 (v, _) => or_dash(v.as_deref()),
-            }
-        ));
-    }
+            },
+        ]
+    });
+    out.push_str(&table(
+        &["ID", "NAME", "API", "PEER", "ROLE", "BUCKETS", "ITEMS", "BYTES", "REPLICA_ON", "VERSION"],
+        &[0, 5, 6, 7, 8],
+        members,
+    ));
     if let Some(r) = &view.replication {
         out.push_str(&format!(
             "replication {}: {}/{} buckets attached, queue {} ({:.1}s behind), replica store {} items\n",
@@ -720,12 +766,11 @@ pub fn transfer_bars(view: &ClusterView, transfer: Option<&TransferView>) -> Str
 
 /// `shoal map` as a table: each node's bucket count and bucket ranges.
 pub fn map_table(map: &MapView) -> String {
-    let mut out = format!("map version {}\n{:>4}  {:>7}  BUCKETS\n", map.version, "NODE", "COUNT");
-    for node in &map.nodes {
+    let rows = map.nodes.iter().map(|node| {
         let mine: Vec<usize> = (0..map.owners.len()).filter(|&b| map.owners[b] == node.id).collect();
-        out.push_str(&format!("{:>4}  {:>7}  {}\n", node.id, mine.len(), ranges(&mine)));
-    }
-    out
+        vec![node.id.to_string(), mine.len().to_string(), ranges(&mine)]
+    });
+    format!("map version {}\n{}", map.version, table(&["NODE", "COUNT", "BUCKETS"], &[0, 1], rows))
 }
 
 /// Bytes in the largest unit that keeps a whole number in front (1.5 MiB).
@@ -758,38 +803,35 @@ pub fn buckets_table(view: &BucketsView) -> String {
     if !view.missing.is_empty() {
         out.push_str(&format!("no recent report from members {:?}\n", view.missing));
     }
-    out.push_str(&format!(
-        "{:>6}  {:>7}  {:>10}  {:>12}  {:>9}  {:>9}  {:>9}\n",
-        "NODE", "BUCKETS", "ITEMS", "BYTES", "READS/S", "WRITES/S", "REPORTED"
-    ));
-    for n in &view.nodes {
+    let nodes = view.nodes.iter().map(|n| {
         let ago = n.reported_ms_ago.map_or_else(|| "never".to_string(), |ms| format!("{:.1}s ago", ms as f64 / 1000.0));
-        out.push_str(&format!(
-            "{:>6}  {:>7}  {:>10}  {:>12}  {:>9.1}  {:>9.1}  {:>9}\n",
-            n.node_id,
-            n.buckets,
-            n.items,
+        vec![
+            n.node_id.to_string(),
+            n.buckets.to_string(),
+            n.items.to_string(),
             human_bytes(n.bytes),
-            n.reads_per_sec,
-            n.writes_per_sec,
-            ago
-        ));
-    }
-    out.push_str(&format!(
-        "\n{:>6}  {:>6}  {:>10}  {:>12}  {:>9}  {:>9}\n",
-        "BUCKET", "OWNER", "ITEMS", "BYTES", "READS/S", "WRITES/S"
+            format!("{:.1}", n.reads_per_sec),
+            format!("{:.1}", n.writes_per_sec),
+            ago,
+        ]
+    });
+    out.push_str(&table(
+        &["NODE", "BUCKETS", "ITEMS", "BYTES", "READS/S", "WRITES/S", "REPORTED"],
+        &[0, 1, 2, 3, 4, 5, 6],
+        nodes,
     ));
-    for b in &view.buckets {
-        out.push_str(&format!(
-            "{:>6}  {:>6}  {:>10}  {:>12}  {:>9.1}  {:>9.1}\n",
-            b.bucket,
-            b.owner,
-            b.items,
+    let buckets = view.buckets.iter().map(|b| {
+        vec![
+            b.bucket.to_string(),
+            b.owner.to_string(),
+            b.items.to_string(),
             human_bytes(b.bytes),
-            b.reads_per_sec,
-            b.writes_per_sec
-        ));
-    }
+            format!("{:.1}", b.reads_per_sec),
+            format!("{:.1}", b.writes_per_sec),
+        ]
+    });
+    out.push('\n');
+    out.push_str(&table(&["BUCKET", "OWNER", "ITEMS", "BYTES", "READS/S", "WRITES/S"], &[0, 1, 2, 3, 4, 5], buckets));
     out
 }
 
@@ -821,20 +863,16 @@ pub fn plan_table(plan: &RebalancePlan) -> String {
     if let Some(v) = plan.to_version {
         out.push_str(&format!("started: map version {v}; follow it with `shoal status`\n"));
     }
-    out.push_str(&format!(
-        "{:>6}  {:>12}  {:>12}  {:>8}  {:>8}\n",
-        "NODE", "BYTES NOW", "BYTES AFTER", "BUCKETS", "AFTER"
-    ));
-    for n in &plan.nodes {
-        out.push_str(&format!(
-            "{:>6}  {:>12}  {:>12}  {:>8}  {:>8}\n",
-            n.node_id,
+    let nodes = plan.nodes.iter().map(|n| {
+        vec![
+            n.node_id.to_string(),
             human_bytes(n.bytes_before),
             human_bytes(n.bytes_after),
-            n.buckets_before,
-            n.buckets_after
-        ));
-    }
+            n.buckets_before.to_string(),
+            n.buckets_after.to_string(),
+        ]
+    });
+    out.push_str(&table(&["NODE", "BYTES NOW", "BYTES AFTER", "BUCKETS", "AFTER"], &[0, 1, 2, 3, 4], nodes));
     out
 }
 
@@ -852,8 +890,32 @@ pub fn agents_table(view: &AgentsView, blocks: usize) -> String {
         view.period_karma_ms / 1000,
         view.ping_interval_ms
     );
-    out.push_str(&format!(
-        "{:>4}  {:>5}  {:>6}  {:>9}  {:>8}  {:>8}  {:>7}  {:>7}  {:>7}  {:>5}  {:>9}  {:>7}\n",
+    let mut rows = Vec::new();
+    for a in &view.agents {
+        let state = if a.alive { "alive" } else { "dead" };
+        for (i, b) in a.blocks.iter().take(blocks.max(1)).enumerate() {
+            let (node, state, prob) = if i == 0 {
+                (a.node_id.to_string(), state.to_string(), format!("{:.3}", a.probability))
+            } else {
+                (String::new(), String::new(), String::new())
+            };
+            rows.push(vec![
+                node,
+                state,
+                prob,
+                format!("{}s", b.began_ms_ago / 1000),
+                b.requests.to_string(),
+                b.successes.to_string(),
+                b.errors.connect.to_string(),
+                b.errors.timeout.to_string(),
+                b.errors.refused.to_string(),
+                b.errors.wrong_answer.to_string(),
+                format!("{}ms", ms(b.avg_latency_ms.or(b.ping_avg_latency_ms))),
+                b.pings.to_string(),
+            ]);
+        }
+    }
+    let header = [
         "NODE",
         "STATE",
         "PROB",
@@ -865,30 +927,9 @@ pub fn agents_table(view: &AgentsView, blocks: usize) -> String {
         "REFUSED",
         "WRONG",
         "LATENCY",
-        "PINGS"
-    ));
-    for a in &view.agents {
-        let state = if a.alive { "alive" } else { "dead" };
-        for (i, b) in a.blocks.iter().take(blocks.max(1)).enumerate() {
-            let (node, state, prob) = if i == 0 {
-                (a.node_id.to_string(), state.to_string(), format!("{:.3}", a.probability))
-            } else {
-                (String::new(), String::new(), String::new())
-            };
-            out.push_str(&format!(
-                "{node:>4}  {state:>5}  {prob:>6}  {:>8}s  {:>8}  {:>8}  {:>7}  {:>7}  {:>7}  {:>5}  {:>7}ms  {:>7}\n",
-                b.began_ms_ago / 1000,
-                b.requests,
-                b.successes,
-                b.errors.connect,
-                b.errors.timeout,
-                b.errors.refused,
-                b.errors.wrong_answer,
-                ms(b.avg_latency_ms.or(b.ping_avg_latency_ms)),
-                b.pings
-            ));
-        }
-    }
+        "PINGS",
+    ];
+    out.push_str(&table(&header, &[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], rows));
     out
 }
 
@@ -1002,6 +1043,50 @@ mod tests {
         let transfer = TransferView { nodes: vec![ended], ..transfer };
         let text = super::transfer_bars(&view, Some(&transfer));
         assert!(!text.contains("/84"), "{text}");
+    }
+
+    #[test]
+    fn status_columns_fit_long_pod_names() {
+        let member = |id: u64, name: &str| shoal_http_api::types::MemberView {
+            id,
+            name: Some(name.to_string()),
+            api_addr: format!("{name}.shoal-headless.a-long-namespace.svc.cluster.local:7000"),
+            peer_addr: format!("{name}.shoal-headless.a-long-namespace.svc.cluster.local:17000"),
+            join_seq: id,
+            role: "voter".into(),
+            buckets: 500,
+            replica_on: Some(3 - id),
+            leaving: false,
+            items: Some(12_345),
+            bytes: None,
+            version: Some("0.1.0".into()),
+            revision: None,
+        };
+        let view = ClusterView {
+            cluster_id: "c".into(),
+            node_id: 1,
+            leader: Some(1),
+            map_version: 7,
+            voters: 2,
+            members: vec![member(1, "shoal-0"), member(2, "second-cluster-shoal-1")],
+            transition: None,
+            transfer: None,
+            peers: vec![],
+            replication: None,
+            failed: vec![],
+            lost_buckets: vec![],
+            maintenance: None,
+        };
+        let text = super::status_table(&view);
+        let lines: Vec<&str> = text.lines().skip(1).collect();
+        // Every column starts where its header does, however long the names before it.
+        let role = lines[0].find("ROLE").expect("a ROLE column");
+        let version = lines[0].find("VERSION").expect("a VERSION column");
+        for row in &lines[1..3] {
+            assert_eq!(row[role..].split_whitespace().next(), Some("voter"), "{text}");
+            assert_eq!(row[version..].trim(), "0.1.0", "{text}");
+            assert!(row.contains(".svc.cluster.local:17000"), "not cut: {text}");
+        }
     }
 
     #[test]

@@ -229,7 +229,12 @@ impl ListenerMetrics {
     /// Handles that count nothing (a listener nobody scrapes, like the one serving while a
     /// node starts).
     pub fn none() -> Self {
-        ListenerMetrics { open: Gauge::noop(), accepted: Counter::noop(), received: Counter::noop(), sent: Counter::noop() }
+        ListenerMetrics {
+            open: Gauge::noop(),
+            accepted: Counter::noop(),
+            received: Counter::noop(),
+            sent: Counter::noop(),
+        }
     }
 
     fn register(r: &PrometheusRecorder, listener: &'static str) -> Self {
