@@ -200,8 +200,10 @@ pub async fn run(command: Command) -> Result<(), CliError> {
             loop {
                 let view: ClusterView = match send(c, Method::GET, &["v1", "cluster"], &[], None).await {
                     Ok(r) => json(r).await?,
-                    // Waiting, a node that does not answer yet is a cluster that is not healthy yet.
-                    Err(e) if a.wait && tokio::time::Instant::now() < deadline => {
+                    // Waiting, a node that does not answer yet (or answers 503) is a cluster
+                    // that is not healthy yet; any other refusal (a missing token, a bad
+                    // address) will not change by waiting and fails at once.
+                    Err(e) if a.wait && e.exit == EXIT_UNAVAILABLE && tokio::time::Instant::now() < deadline => {
                         tracing::debug!(error = %e, "waiting for the node");
                         if let Some(spinner) = &waiting {
                             spinner.set_message(format!("waiting for the node to answer: {e}"));

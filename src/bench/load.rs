@@ -12,6 +12,7 @@ use bytes::Bytes;
 use hdrhistogram::Histogram;
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1::SendRequest;
+use hyper::header::HeaderValue;
 use hyper::{Method, Request};
 use hyper_util::rt::TokioIo;
 use rand::rngs::SmallRng;
@@ -52,6 +53,8 @@ pub struct Workload {
     pub timeout: Duration,
     /// Gets ask for `?read=mirrors`.
     pub mirrors: bool,
+    /// `Bearer <client token>` for every request, when the nodes run with one.
+    pub bearer: Option<HeaderValue>,
 }
 
 /// The text of key `i`: `key:` and 12 digits, 16 bytes (as redis-benchmark's keys).
@@ -105,9 +108,11 @@ impl WorkerStats {
 struct Conn {
     sender: SendRequest<Full<Bytes>>,
     host: String,
+    /// `Bearer <client token>`, when the nodes run with one.
+    bearer: Option<HeaderValue>,
 }
 
-async fn connect(addr: &str) -> Result<Conn, String> {
+async fn connect(addr: &str, bearer: Option<&HeaderValue>) -> Result<Conn, String> {
     let tcp = TcpStream::connect(addr).await.map_err(|e| format!("connect {addr}: {e}"))?;
     let _ = tcp.set_nodelay(true);
     let (sender, conn) =
@@ -115,7 +120,7 @@ async fn connect(addr: &str) -> Result<Conn, String> {
     tokio::spawn(async move {
         let _ = conn.await;
     });
-    Ok(Conn { sender, host: addr.to_string() })
+    Ok(Conn { sender, host: addr.to_string(), bearer: bearer.cloned() })
 }
 
 /// One request to build: method, path, body, how many keys it carries.
@@ -182,7 +187,7 @@ pub async fn worker(work: std::sync::Arc<Workload>, seed: u64, deadline: Instant
     while Instant::now() < deadline {
         let op = work.next_op(&mut rng);
         if conns[op.node].is_none() {
-            match connect(&work.nodes[op.node]).await {
+            match connect(&work.nodes[op.node], work.bearer.as_ref()).await {
                 Ok(c) => conns[op.node] = Some(c),
                 Err(_) => {
                     stats.error("connect");
@@ -304,8 +309,9 @@ pub async fn fill(work: &Workload, parallel: usize) -> Result<Filled, String> {
         let part = part.to_vec();
         let value = value.clone();
         let addr = work.nodes[0].clone();
+        let bearer = work.bearer.clone();
         tasks.spawn(async move {
-            let mut conn = connect(&addr).await?;
+            let mut conn = connect(&addr, bearer.as_ref()).await?;
             let mut retries = 0u64;
             for (start, end) in part {
                 let mut keys: Vec<u32> = (start..end).collect();
@@ -322,7 +328,7 @@ pub async fn fill(work: &Workload, parallel: usize) -> Result<Filled, String> {
                                 return Err(format!("fill: {status}: {}", String::from_utf8_lossy(&body)));
                             }
                             Err(kind) if kind == "connection" || kind == "timeout" => {
-                                conn = connect(&addr).await?;
+                                conn = connect(&addr, bearer.as_ref()).await?;
                                 keys.clone()
                             }
                             Err(kind) => return Err(format!("fill: {kind}")),
@@ -376,12 +382,11 @@ async fn exchange(
     body: Bytes,
     timeout: Duration,
 ) -> Result<(hyper::StatusCode, Bytes), String> {
-    let request = Request::builder()
-        .method(method)
-        .uri(path)
-        .header(hyper::header::HOST, &conn.host)
-        .body(Full::new(body))
-        .map_err(|e| format!("request: {e}"))?;
+    let mut request = Request::builder().method(method).uri(path).header(hyper::header::HOST, &conn.host);
+    if let Some(bearer) = &conn.bearer {
+        request = request.header(hyper::header::AUTHORIZATION, bearer);
+    }
+    let request = request.body(Full::new(body)).map_err(|e| format!("request: {e}"))?;
     let exchange = async {
         conn.sender.ready().await.map_err(|_| "connection".to_string())?;
         let response = conn.sender.send_request(request).await.map_err(|_| "connection".to_string())?;

@@ -75,6 +75,9 @@ pub struct BenchArgs {
     /// Threads of the load generator (1: one event loop, like redis-benchmark).
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
+    /// The client token, when the nodes run with one (sent on every key operation).
+    #[arg(long, env = "SHOAL_CLIENT_TOKEN", hide_env_values = true)]
+    pub client_token: Option<crate::auth::Secret>,
     /// Output format.
     #[arg(short = 'o', long, value_enum, default_value_t = Output::Table)]
     pub output: Output,
@@ -204,6 +207,13 @@ async fn workload(args: &BenchArgs) -> Result<Workload, String> {
         batch: args.batch.max(1),
         timeout: Duration::from_secs(5),
         mirrors: args.read == ReadFrom::Mirrors,
+        bearer: match &args.client_token {
+            Some(token) => Some(
+                hyper::header::HeaderValue::from_str(&format!("Bearer {}", token.expose()))
+                    .map_err(|_| "--client-token: not a valid header value".to_string())?,
+            ),
+            None => None,
+        },
     })
 }
 
@@ -216,9 +226,13 @@ async fn run_async(args: BenchArgs) -> Result<BenchReport, String> {
     let mut tasks = tokio::task::JoinSet::new();
     let client = match args.routing {
         Routing::Client => Some(
-            crate::client::Client::connect(args.addr.iter().cloned())
-                .await
-                .map_err(|e| format!("the client cannot connect: {e}"))?,
+            match &args.client_token {
+                Some(token) => crate::client::Client::builder(args.addr.iter().cloned()).client_token(token.expose()),
+                None => crate::client::Client::builder(args.addr.iter().cloned()),
+            }
+            .connect()
+            .await
+            .map_err(|e| format!("the client cannot connect: {e}"))?,
         ),
         _ => None,
     };

@@ -223,6 +223,27 @@ fn the_cli_gives_scripts_exit_codes_conditions_pages_settings_and_completions() 
         let out = text(&done.stdout);
         assert!(done.status.success() && out.contains("status") && out.contains("--prefix"), "{shell}: {out}");
     }
+    // Waiting does not retry what waiting cannot change: a usage error ends at once, with 2
+    // (bounded here at a minute, far below the --timeout it would otherwise sit out).
+    let mut wait = Command::new(BIN)
+        .args(["status", "--wait", "--timeout", "1h", "--addr", "http://[::1"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("status --wait");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let ended = loop {
+        if let Some(status) = wait.try_wait().expect("try_wait") {
+            break Some(status);
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = wait.kill();
+            let _ = wait.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(ended.and_then(|s| s.code()), Some(2), "status --wait with a bad address kept waiting");
     // Unavailable: nothing answers at the address.
     let out = Command::new(BIN).args(["status", "--addr", "127.0.0.1:1"]).output().expect("status");
     assert_eq!(out.status.code(), Some(4), "{}", text(&out.stderr));

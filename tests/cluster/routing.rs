@@ -376,5 +376,23 @@ async fn with_a_client_token_the_key_api_needs_it_and_forwards_carry_it() {
     let without = shoal::client::Client::connect([c.api(0)]).await.expect("connect");
     let refused = without.put("lib", &b"w"[..]).await.expect_err("no token");
     assert_eq!((refused.status(), refused.code()), (Some(401), Some("client_token_required")));
+    // shoal bench carries it too, on its own connections and through the client library.
+    for routing in ["direct", "client"] {
+        let bench = |token: Option<&'static str>| {
+            let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_shoal"));
+            command.args(["bench", "--addr", &c.api(0), "--duration", "1s", "--keys", "300", "--connections", "2"]);
+            command.args(["--ratio", "1:1", "--routing", routing, "-o", "json"]).env_remove("SHOAL_CLIENT_TOKEN");
+            if let Some(token) = token {
+                command.args(["--client-token", token]);
+            }
+            async move { command.output().await.expect("bench") }
+        };
+        let out = bench(Some(CLIENT)).await;
+        assert!(out.status.success(), "{routing}: {}", String::from_utf8_lossy(&out.stderr));
+        let report: Value = serde_json::from_slice(&out.stdout).expect("report");
+        assert_eq!(report["errors"], json!({}), "{routing}: {report}");
+        let refused = bench(None).await;
+        assert!(!refused.status.success(), "{routing}: a bench without the token fails");
+    }
     c.shutdown().await;
 }
