@@ -28,11 +28,22 @@ start_node() {
     local bin=$1 api_port peer_port deadline
     shift
     [ -x "$bin" ] || die "$bin is missing: build first (cargo build)"
+    # Two ports below the kernel's ephemeral range (32768 and up): no outgoing connection can
+    # take one as its local port before the node binds it, as one did to a port the kernel had
+    # handed out (the node then exited with "Address already in use").
     read -r api_port peer_port < <(python3 -c '
-import socket
-s = [socket.socket() for _ in range(2)]
-for x in s: x.bind(("127.0.0.1", 0))
-print(*[x.getsockname()[1] for x in s])')
+import random, socket
+found = []
+while len(found) < 2:
+    port = random.randrange(20000, 32000)
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+    if port not in found:
+        found.append(port)
+print(*found)')
     base="http://127.0.0.1:$api_port"
     "$bin" serve --listen "127.0.0.1:$api_port" --peer-listen "127.0.0.1:$peer_port" \
         --data-dir "$work/data" --worker-threads 1 "$@" >"$work/node.log" 2>&1 &

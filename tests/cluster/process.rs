@@ -24,9 +24,25 @@ impl Drop for NodeProcess {
     }
 }
 
-/// A port nobody listens on right now.
+/// A port nobody listens on right now, for a node started later as a separate process.
+///
+/// Taken below the kernel's ephemeral range (32768 and up), so that no outgoing connection of
+/// any process can take it as its local port between this check and the node's bind; a port the
+/// kernel handed out (`:0`) could be, and the node then failed with "Address already in use".
+/// Each call in this process tries the next port of a run that starts at a place drawn at random.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const FIRST: u32 = 20_000;
+    const COUNT: u32 = 12_000;
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let _ = NEXT.compare_exchange(u32::MAX, rand::random_range(0..COUNT), Ordering::SeqCst, Ordering::SeqCst);
+    for _ in 0..COUNT {
+        let port = (FIRST + NEXT.fetch_add(1, Ordering::SeqCst) % COUNT) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port between {FIRST} and {}", FIRST + COUNT)
 }
 
 impl NodeProcess {
