@@ -448,6 +448,7 @@ impl Reconciler {
                 tracing::debug!(
                     node_id = self.me,
                     ?buckets,
+                    map_version = self.control.state().map.version,
                     "no copy is left of these buckets: they serve again, empty"
                 );
                 memory.emptied.extend(buckets.iter().copied());
@@ -622,6 +623,11 @@ impl Reconciler {
                 memory.marked_running = true;
             }
             Done::CaughtUp => {
+                tracing::debug!(
+                    node_id = self.me,
+                    map_version = self.control.state().map.version,
+                    "caught up with the leader: restoring"
+                );
                 r.catch_up = false;
                 memory.caught_up = true;
             }

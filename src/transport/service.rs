@@ -125,7 +125,7 @@ impl PeerService {
         let refused = |(status, reason)| CallError::Refused { status, reason };
         if restore {
             // A restarted owner gets the copy this node holds back: a plain snapshot.
-            let frames = self.replicator.copy_back(bucket, to).await.map_err(refused)?;
+            let frames = self.replicator.copy_back(bucket, to, epoch).await.map_err(refused)?;
             self.exporter.progress.sent(frames.iter().map(|f| f.len() as u64).sum());
             return Ok(Box::pin(futures::stream::iter(frames.into_iter().map(Ok))));
         }
