@@ -375,14 +375,27 @@ async fn send(
     query: &[(&str, &str)],
     body: Option<Vec<u8>>,
 ) -> Result<reqwest::Response, CliError> {
-    let base = if client.addr.contains("://") { client.addr.clone() } else { format!("http://{}", client.addr) };
+    let ca = ca_pem(client)?;
+    let base = match (client.addr.contains("://"), &ca) {
+        (true, _) => client.addr.clone(),
+        (false, Some(_)) => format!("https://{}", client.addr),
+        (false, None) => format!("http://{}", client.addr),
+    };
     let usage = |m: String| CliError::new(EXIT_USAGE, m);
     let mut url = Url::parse(&base).map_err(|e| usage(format!("--addr {:?}: {e}", client.addr)))?;
     url.path_segments_mut()
         .map_err(|_| usage(format!("--addr {:?} cannot have a path", client.addr)))?
         .clear()
         .extend(path);
-    let http = reqwest::Client::builder().no_proxy().build().map_err(|e| e.to_string())?;
+    let mut http = reqwest::Client::builder().no_proxy();
+    if let Some(pem) = &ca {
+        // Only the given CA: nodes' certificates come from the cluster's own CA.
+        http = http.tls_built_in_root_certs(false);
+        for cert in reqwest::Certificate::from_pem_bundle(pem).map_err(|e| usage(format!("--cacert: {e}")))? {
+            http = http.add_root_certificate(cert);
+        }
+    }
+    let http = http.build().map_err(|e| e.to_string())?;
     let token = shoal_http_api::token_for(url.path(), client.client_token.as_ref(), client.admin_token.as_ref());
     let mut request = http.request(method, url).query(query);
     if let Some(token) = token {
@@ -406,10 +419,21 @@ async fn send(
     }
 }
 
+/// The PEM text of `--cacert`, checked to hold certificates (a usage error otherwise).
+fn ca_pem(client: &ClientArgs) -> Result<Option<Vec<u8>>, CliError> {
+    let Some(path) = &client.cacert else { return Ok(None) };
+    let usage = |m: String| CliError::new(EXIT_USAGE, format!("--cacert {}: {m}", path.display()));
+    let pem = std::fs::read(path).map_err(|e| usage(e.to_string()))?;
+    crate::tls::ca_from_pem(&pem).map_err(usage)?;
+    Ok(Some(pem))
+}
+
 /// A client of the cluster `--addr` belongs to, for one command (no map watch).
 async fn connect(client: &ClientArgs) -> Result<crate::client::Client, CliError> {
-    let addr = client.addr.split_once("://").map_or(client.addr.as_str(), |(_, rest)| rest).trim_end_matches('/');
-    let mut builder = crate::client::Client::builder([addr]).watch_map(false);
+    let mut builder = crate::client::Client::builder([client.addr.trim_end_matches('/')]).watch_map(false);
+    if let Some(pem) = ca_pem(client)? {
+        builder = builder.tls_ca(pem);
+    }
     if let Some(token) = &client.admin_token {
         builder = builder.admin_token(token.expose());
     }

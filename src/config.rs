@@ -358,6 +358,22 @@ pub struct ServeConfig {
     #[arg(long, env = "SHOAL_CLIENT_TOKEN", hide_env_values = true)]
     pub client_token: Option<crate::auth::Secret>,
 
+    /// PEM certificate chain: with `--tls-key` and `--tls-ca`, both listeners serve HTTPS and
+    /// the node speaks HTTPS to its peers. It must name every address others dial (the
+    /// advertised API and peer addresses: DNS names or IP addresses). Read again when the file
+    /// changes (a renewal needs no restart). Give every node TLS, or none.
+    #[arg(long, env = "SHOAL_TLS_CERT", requires_all = ["tls_key", "tls_ca"])]
+    pub tls_cert: Option<PathBuf>,
+
+    /// PEM private key of `--tls-cert`.
+    #[arg(long, env = "SHOAL_TLS_KEY", requires_all = ["tls_cert", "tls_ca"])]
+    pub tls_key: Option<PathBuf>,
+
+    /// PEM certificate(s) of the CA that signed the members' certificates: what this node
+    /// verifies its peers against (the CLI takes it as `--cacert`).
+    #[arg(long, env = "SHOAL_TLS_CA", requires_all = ["tls_cert", "tls_key"])]
+    pub tls_ca: Option<PathBuf>,
+
     /// On SIGTERM of a member that does not leave (a restart, an upgrade): go into maintenance
     /// for this long first. The holder of its replica serves its buckets meanwhile, and the
     /// node, back with the same data dir, takes them back: no failover, no rebalance. Not back
@@ -434,6 +450,15 @@ impl ServeConfig {
         // Tests that stop nodes on purpose must not see them failed; failure tests turn pings on.
         config.ping_interval = Duration::ZERO;
         config
+    }
+
+    /// TLS, when `--tls-cert`, `--tls-key` and `--tls-ca` are given (all three or none).
+    pub fn tls(&self) -> Result<Option<crate::tls::NodeTls>, String> {
+        match (&self.tls_cert, &self.tls_key, &self.tls_ca) {
+            (None, None, None) => Ok(None),
+            (Some(cert), Some(key), Some(ca)) => crate::tls::NodeTls::load(cert, key, ca).map(Some),
+            _ => Err("--tls-cert, --tls-key and --tls-ca go together: give all three, or none".into()),
+        }
     }
 
     /// How state transfer runs.
@@ -598,6 +623,11 @@ pub struct ClientArgs {
     /// The client token, for the key commands (when nodes run with one).
     #[arg(long, env = "SHOAL_CLIENT_TOKEN", hide_env_values = true, global = true)]
     pub client_token: Option<crate::auth::Secret>,
+    /// PEM certificate(s) of the CA the nodes' certificates come from (what they run with as
+    /// `--tls-ca`): the CLI then speaks HTTPS and trusts that CA only. An `https://` address
+    /// speaks HTTPS too.
+    #[arg(long, env = "SHOAL_CACERT", global = true)]
+    pub cacert: Option<PathBuf>,
 }
 
 /// `shoal get|del KEY`.

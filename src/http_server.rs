@@ -20,17 +20,21 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tokio_rustls::TlsAcceptor;
 
 use crate::metrics::ListenerMetrics;
 
 /// How long in-flight requests may run after shutdown starts.
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Serves `router` on `listener` until `shutdown` turns true, counting into `metrics`.
+/// Serves `router` on `listener` until `shutdown` turns true, counting into `metrics`; over
+/// TLS when `tls` is given (the handshake runs in the connection's own task, bounded by
+/// [`crate::tls::HANDSHAKE_TIMEOUT`]; the byte counts are of the encrypted stream).
 pub fn serve(
     listener: TcpListener,
     router: axum::Router,
     metrics: ListenerMetrics,
+    tls: Option<TlsAcceptor>,
     mut shutdown: watch::Receiver<bool>,
 ) -> JoinHandle<()> {
     tokio::spawn(async move {
@@ -57,12 +61,29 @@ pub fn serve(
                     metrics.open.increment(1.0);
                     let io = Counted { tcp, metrics: metrics.clone() };
                     let service = TowerToHyperService::new(router.clone());
-                    let connection = graceful.watch(builder.serve_connection(TokioIo::new(io), service));
                     let open = metrics.open.clone();
-                    tokio::spawn(async move {
-                        let _ = connection.await;
-                        open.decrement(1.0);
-                    });
+                    match &tls {
+                        None => {
+                            let connection = graceful.watch(builder.serve_connection(TokioIo::new(io), service));
+                            tokio::spawn(async move {
+                                let _ = connection.await;
+                                open.decrement(1.0);
+                            });
+                        }
+                        Some(acceptor) => {
+                            let (handshake, watcher, builder) = (acceptor.accept(io), graceful.watcher(), builder.clone());
+                            tokio::spawn(async move {
+                                match tokio::time::timeout(crate::tls::HANDSHAKE_TIMEOUT, handshake).await {
+                                    Ok(Ok(stream)) => {
+                                        let _ = watcher.watch(builder.serve_connection(TokioIo::new(stream), service)).await;
+                                    }
+                                    Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
+                                    Err(_) => tracing::debug!("TLS handshake timed out"),
+                                }
+                                open.decrement(1.0);
+                            });
+                        }
+                    }
                 }
                 () = stopped(&mut shutdown) => break,
             }

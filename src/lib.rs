@@ -63,5 +63,6 @@ pub mod reconcile;
 pub mod replication;
 #[cfg(feature = "sim")]
 pub mod sim;
+pub mod tls;
 pub mod transfer;
 pub mod transport;

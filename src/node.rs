@@ -297,8 +297,18 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
     let local_ip = (ip.is_loopback() && !ip.is_unspecified()).then_some(ip);
     let secret = config.cluster_secret.as_ref().map(|s| s.expose().to_string());
     let client_token = config.client_token.as_ref().map(|s| s.expose().to_string());
-    let transport =
-        Arc::new(HttpTransport::new(local_ip, secret.as_deref(), client_token.as_deref(), config.reconnect_timeout));
+    let tls = config.tls().map_err(StartError::Config)?;
+    if let Some(tls) = &tls {
+        tls.cert.follow();
+    }
+    let transport = Arc::new(HttpTransport::new(
+        local_ip,
+        secret.as_deref(),
+        client_token.as_deref(),
+        config.reconnect_timeout,
+        tls.as_ref().map(|t| t.client.clone()),
+    ));
+    let acceptor = tls.as_ref().map(crate::tls::NodeTls::acceptor);
     let env = Environment {
         transport: transport.clone(),
         control_transport: transport,
@@ -329,6 +339,7 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
             listener,
             crate::discover::starting_router(identity.is_some()),
             crate::metrics::ListenerMetrics::none(),
+            acceptor.clone(),
             starting_rx,
         )
     };
@@ -364,8 +375,20 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
             .layer(axum::middleware::from_fn_with_state(tokens, crate::auth::require_client_token));
         let metrics = service.api.metrics();
         let servers = vec![
-            http_server::serve(peer_listener, peer_router, metrics.peer_listener.clone(), shutdown.subscribe()),
-            http_server::serve(api_listener, api_router, metrics.client_listener.clone(), shutdown.subscribe()),
+            http_server::serve(
+                peer_listener,
+                peer_router,
+                metrics.peer_listener.clone(),
+                acceptor.clone(),
+                shutdown.subscribe(),
+            ),
+            http_server::serve(
+                api_listener,
+                api_router,
+                metrics.client_listener.clone(),
+                acceptor,
+                shutdown.subscribe(),
+            ),
         ];
         starting_stop.send_replace(true);
         servers
@@ -486,6 +509,7 @@ pub async fn start_in(
         bodies: Arc::new(crate::memory::BodyBudget::new(config.body_budget())),
         mirrors: mirrors.clone(),
         balancer: balancer.clone(),
+        https: config.tls_cert.is_some(),
     };
     let api = Arc::new(NodeApi::new(control.clone(), cache.clone(), limits, parts));
     let (shutdown, _) = watch::channel(false);

@@ -209,7 +209,8 @@ pub enum ApiError {
     /// (the handler answers 307 with the request's path on that address).
     #[error("the key is served by {api_addr}")]
     Redirect {
-        /// The owner's client API address.
+        /// The owner's client API address (`host:port`, plain HTTP), or its base URL
+        /// (`https://host:port`).
         api_addr: String,
     },
     /// The HTTP method is not served on this path.

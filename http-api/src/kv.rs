@@ -361,7 +361,8 @@ fn with_redirect(result: Result<Response, ApiError>, uri: &Uri) -> Response {
         Err(ApiError::Redirect { api_addr }) => {
             let query: Vec<&str> =
                 uri.query().unwrap_or("").split('&').filter(|p| !p.is_empty() && !p.starts_with("redirect")).collect();
-            let mut location = format!("http://{api_addr}{}", uri.path());
+            let base = if api_addr.contains("://") { api_addr } else { format!("http://{api_addr}") };
+            let mut location = format!("{base}{}", uri.path());
             if !query.is_empty() {
                 location.push('?');
                 location.push_str(&query.join("&"));

@@ -37,7 +37,7 @@ use crate::config::{parse_duration, Output};
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
     /// API address(es) of the node(s), comma-separated (with direct routing, the map names
-    /// the rest).
+    /// the rest). Plain HTTP only: bench nodes that run without TLS.
     #[arg(long, env = "SHOAL_ADDR", value_delimiter = ',', default_value = "127.0.0.1:7000")]
     pub addr: Vec<String>,
     /// Concurrent connections (each with one request in flight).
@@ -167,6 +167,11 @@ pub fn run(args: BenchArgs) -> Result<BenchReport, String> {
 }
 
 async fn workload(args: &BenchArgs) -> Result<Workload, String> {
+    if let Some(tls) = args.addr.iter().find(|a| a.starts_with("https://")) {
+        return Err(format!(
+            "--addr {tls}: shoal bench speaks plain HTTP only (its load is the server's, not TLS's); bench nodes without --tls-cert"
+        ));
+    }
     let mut nodes = args.addr.clone();
     let mut owner_of_key = None;
     let mut keys_of_node = Vec::new();

@@ -88,6 +88,7 @@ pub struct ClientBuilder {
     admin_token: Option<String>,
     client_token: Option<String>,
     watch: bool,
+    tls_ca: Option<Vec<u8>>,
 }
 
 impl ClientBuilder {
@@ -130,6 +131,14 @@ impl ClientBuilder {
         self
     }
 
+    /// Speak HTTPS to every node, trusting only the CA certificates of this PEM text (what
+    /// nodes run with as `--tls-ca`). A seed given as `https://host:port` asks for HTTPS too;
+    /// without a CA it then trusts the usual public CAs.
+    pub fn tls_ca(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.tls_ca = Some(pem.into());
+        self
+    }
+
     /// Whether to follow the map with the map watch (default on). Without it the map is the
     /// one fetched at connect, refreshed only by [`Client::refresh_map`].
     pub fn watch_map(mut self, watch: bool) -> Self {
@@ -138,14 +147,31 @@ impl ClientBuilder {
     }
 
     /// Connects: fetches the map from the first seed that answers.
-    pub async fn connect(self) -> Result<Client, ClientError> {
-        let http = reqwest::Client::builder()
+    pub async fn connect(mut self) -> Result<Client, ClientError> {
+        let mut https = self.tls_ca.is_some();
+        for seed in &mut self.seeds {
+            if let Some(rest) = seed.strip_prefix("https://") {
+                https = true;
+                *seed = rest.trim_end_matches('/').to_string();
+            } else if let Some(rest) = seed.strip_prefix("http://") {
+                *seed = rest.trim_end_matches('/').to_string();
+            }
+        }
+        let mut http = reqwest::Client::builder()
             .no_proxy()
             .connect_timeout(self.connect_timeout)
             .tcp_nodelay(true)
-            .pool_idle_timeout(Duration::from_secs(60))
-            .build()
-            .map_err(|e| ClientError::Protocol(format!("building the HTTP client: {e}")))?;
+            .pool_idle_timeout(Duration::from_secs(60));
+        if let Some(pem) = &self.tls_ca {
+            let bad = |e: String| ClientError::Protocol(format!("the TLS CA: {e}"));
+            crate::tls::ca_from_pem(pem).map_err(bad)?;
+            let certs = reqwest::Certificate::from_pem_bundle(pem).map_err(|e| bad(e.to_string()))?;
+            http = http.tls_built_in_root_certs(false);
+            for cert in certs {
+                http = http.add_root_certificate(cert);
+            }
+        }
+        let http = http.build().map_err(|e| ClientError::Protocol(format!("building the HTTP client: {e}")))?;
         let grace = self.grace_window.unwrap_or_else(|| self.request_timeout.mul_f64(GRACE_SHARE));
         let (epoch, _) = watch::channel(0u64);
         let inner = Arc::new(Inner {
@@ -156,6 +182,7 @@ impl ClientBuilder {
                 read_attempt_timeout: self.read_attempt_timeout,
                 admin_token: self.admin_token,
                 client_token: self.client_token,
+                scheme: if https { "https" } else { "http" },
             },
             routes: ArcSwap::from_pointee(Routes::default()),
             links: Mutex::new(HashMap::new()),
@@ -194,6 +221,8 @@ struct Config {
     read_attempt_timeout: Duration,
     admin_token: Option<String>,
     client_token: Option<String>,
+    /// `https` or `http`, for every node.
+    scheme: &'static str,
 }
 
 /// What the client knows of one node's connection.
@@ -372,8 +401,13 @@ enum Attempt {
 }
 
 impl Inner {
+    /// `scheme://addr`, the base of every URL of the node at `addr`.
+    fn base(&self, addr: &str) -> String {
+        format!("{}://{addr}", self.config.scheme)
+    }
+
     async fn fetch_map(&self, addr: &str, wait: Option<(u64, Duration)>) -> Result<MapView, ClientError> {
-        let mut request = self.http.get(format!("http://{addr}/v1/cluster/map"));
+        let mut request = self.http.get(format!("{}/v1/cluster/map", self.base(addr)));
         let timeout = match wait {
             Some((version, round)) => {
                 request = request.query(&[("wait_version", version.to_string()), ("timeout", millis(round))]);
@@ -456,7 +490,7 @@ impl Inner {
     }
 
     /// Sends one request to `addr`, waiting for the answer at most `timeout` (and never past
-    /// `deadline`).
+    /// `deadline`); `build` makes it from the node's base URL (`scheme://host:port`).
     async fn attempt(
         &self,
         addr: &str,
@@ -465,7 +499,7 @@ impl Inner {
         timeout: Duration,
     ) -> Attempt {
         let timeout = deadline.saturating_duration_since(Instant::now()).min(timeout);
-        let request = build(&self.http, addr).timeout(timeout.max(Duration::from_millis(1)));
+        let request = build(&self.http, &self.base(addr)).timeout(timeout.max(Duration::from_millis(1)));
         let mut request = match request.build() {
             Ok(r) => r,
             Err(e) => return Attempt::NotSent(e.to_string()),
@@ -673,8 +707,10 @@ async fn reconnect(inner: std::sync::Weak<Inner>, node: NodeId, until: Instant) 
             // A new map gave it a fresh start; a new loss starts a new task.
             return;
         }
-        let probe =
-            client.http.get(format!("http://{addr}/livez")).timeout(RECONNECT_EVERY.max(Duration::from_secs(1)));
+        let probe = client
+            .http
+            .get(format!("{}/livez", client.base(&addr)))
+            .timeout(RECONNECT_EVERY.max(Duration::from_secs(1)));
         if probe.send().await.is_ok_and(|r| r.status().is_success()) {
             tracing::debug!(node, "node reachable again");
             client.set_link(node, Link::Up);
@@ -717,8 +753,9 @@ async fn follow_map(inner: std::sync::Weak<Inner>, seeds: Vec<String>) {
     }
 }
 
-fn path_url(addr: &str, segments: &[&str]) -> reqwest::Url {
-    let mut url = reqwest::Url::parse(&format!("http://{addr}/")).unwrap_or_else(|_| {
+/// The URL of a path made of `segments` (each escaped) at `base` (`scheme://host:port`).
+fn path_url(base: &str, segments: &[&str]) -> reqwest::Url {
+    let mut url = reqwest::Url::parse(&format!("{base}/")).unwrap_or_else(|_| {
         reqwest::Url::parse("http://invalid.invalid/").unwrap_or_else(|_| unreachable!("a constant URL"))
     });
     if let Ok(mut path) = url.path_segments_mut() {
@@ -753,6 +790,7 @@ impl Client {
             admin_token: None,
             client_token: None,
             watch: true,
+            tls_ca: None,
         }
     }
 
@@ -888,7 +926,7 @@ impl Client {
                 let answer = self
                     .inner
                     .execute(kind, &move |r: &Routes| r.owner_of(first), &|http, addr| {
-                        http.post(format!("http://{addr}{path}")).json(&body)
+                        http.post(format!("{addr}{path}")).json(&body)
                     })
                     .await;
                 let results = match answer {
@@ -1058,7 +1096,7 @@ impl Client {
         let any = |r: &Routes| r.node_ids().next();
         let response = self
             .inner
-            .execute(Kind::Read, &any, &|http, addr| http.get(format!("http://{addr}/v1/cluster/events")).query(&query))
+            .execute(Kind::Read, &any, &|http, addr| http.get(format!("{addr}/v1/cluster/events")).query(&query))
             .await?;
         let response = error::check(response).await?;
         response.json().await.map_err(|e| ClientError::Protocol(format!("the events: {e}")))

@@ -62,8 +62,7 @@ impl NodeApi {
                     Ok(Route::Local) => here.entry(bucket).or_default().push(i),
                     Ok(Route::Forward { owner }) => groups.entry(owner).or_default().push(i),
                     Ok(Route::Redirect { owner }) => {
-                        let redirect = api_addr_of(&state, owner).map(|api_addr| ApiError::Redirect { api_addr });
-                        results[i] = Some(Err(redirect.unwrap_or_else(|e| e)));
+                        results[i] = Some(Err(self.redirect_to(&state, owner)));
                     }
                     Err(e @ DataError::NotOwner { .. }) => return Err(e.into()),
                     Err(e) if is_passing(&e) && may_wait() => passing.push(i),

@@ -93,6 +93,8 @@ pub struct NodeParts {
     pub mirrors: Arc<Mirrors>,
     /// Bucket statistics and balancing by data.
     pub balancer: Arc<crate::balance::Balancer>,
+    /// Whether the API is served over TLS: a redirect then names an `https://` URL.
+    pub https: bool,
 }
 
 /// The node's implementation of the public API.
@@ -110,6 +112,7 @@ pub struct NodeApi {
     bodies: Arc<crate::memory::BodyBudget>,
     mirrors: Arc<Mirrors>,
     balancer: Arc<crate::balance::Balancer>,
+    https: bool,
 }
 
 /// How a request reached this node, as the bucket core sees it.
@@ -175,6 +178,16 @@ impl NodeApi {
             bodies: parts.bodies,
             mirrors: parts.mirrors,
             balancer: parts.balancer,
+            https: parts.https,
+        }
+    }
+
+    /// A redirect to `owner`'s API (`https://` when this cluster serves TLS).
+    fn redirect_to(&self, state: &ClusterState, owner: NodeId) -> ApiError {
+        match api_addr_of(state, owner) {
+            Ok(api_addr) if self.https => ApiError::Redirect { api_addr: format!("https://{api_addr}") },
+            Ok(api_addr) => ApiError::Redirect { api_addr },
+            Err(e) => e,
         }
     }
 
@@ -247,7 +260,7 @@ impl NodeApi {
                     Err(DataError::NotOwner { .. }) => attempts += 1,
                     other => return other.map_err(ApiError::from),
                 },
-                Route::Redirect { owner } => return Err(ApiError::Redirect { api_addr: api_addr_of(&state, owner)? }),
+                Route::Redirect { owner } => return Err(self.redirect_to(&state, owner)),
                 Route::Forward { owner } => {
                     attempts += 1;
                     let version = state.map.version;

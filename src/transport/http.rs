@@ -8,6 +8,7 @@
 //! never sees the secret.
 
 use std::net::IpAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use base64::Engine;
@@ -16,6 +17,7 @@ use futures::StreamExt;
 use http_body_util::{BodyExt, BodyStream, Full};
 use hyper::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE};
 use hyper::{Method, Request, StatusCode, Uri};
+use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
@@ -57,7 +59,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Characters escaped in a key's path segment: all but unreserved ones.
 const SEGMENT: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'_').remove(b'~');
 
-type HttpClient = Client<HttpConnector, Full<Bytes>>;
+type HttpClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
 
 /// The body of `POST /internal/maintenance`.
 #[derive(Debug, Clone, Copy, Serialize, serde::Deserialize)]
@@ -70,6 +72,8 @@ pub struct MaintenanceAsk {
 pub struct HttpTransport {
     calls: HttpClient,
     streams: HttpClient,
+    /// `https` when the node has TLS (every peer has it too), else `http`.
+    scheme: &'static str,
     secret: Option<HeaderValue>,
     /// `Bearer <client token>`, for key operations sent to another node's API.
     bearer: Option<HeaderValue>,
@@ -82,11 +86,19 @@ struct Answer {
     body: Bytes,
 }
 
-fn client(local_ip: Option<IpAddr>, connect_timeout: Duration) -> HttpClient {
+fn client(local_ip: Option<IpAddr>, connect_timeout: Duration, tls: &Arc<rustls::ClientConfig>) -> HttpClient {
     let mut connector = HttpConnector::new();
     connector.set_local_address(local_ip);
     connector.set_nodelay(true);
     connector.set_connect_timeout(Some(connect_timeout));
+    // `http://` addresses go as they are; `https://` ones (a node with TLS) verify the peer
+    // against the configured CA.
+    connector.enforce_http(false);
+    let connector = HttpsConnectorBuilder::new()
+        .with_tls_config((**tls).clone())
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(connector);
     Client::builder(TokioExecutor::new())
         .pool_timer(TokioTimer::new())
         .pool_max_idle_per_host(64)
@@ -96,13 +108,22 @@ fn client(local_ip: Option<IpAddr>, connect_timeout: Duration) -> HttpClient {
 
 impl HttpTransport {
     /// A transport sending from `local_ip` (when set), carrying `secret` to peer listeners,
-    /// whose bucket streams give up connecting after `stream_connect_timeout`.
+    /// whose bucket streams give up connecting after `stream_connect_timeout`; over HTTPS,
+    /// verifying peers as `tls` says, when given.
     pub fn new(
         local_ip: Option<IpAddr>,
         secret: Option<&str>,
         client_token: Option<&str>,
         stream_connect_timeout: Duration,
+        tls: Option<Arc<rustls::ClientConfig>>,
     ) -> Self {
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        // Without TLS the connector is never asked for a TLS connection (every address is
+        // `http://`); it still wants a configuration, one that trusts nothing.
+        let tls = match tls {
+            Some(tls) => tls,
+            None => crate::tls::client_config(&[]).unwrap_or_else(|e| unreachable!("an empty trust store: {e}")),
+        };
         let sensitive = |text: &str| {
             HeaderValue::from_str(text).ok().map(|mut v| {
                 v.set_sensitive(true);
@@ -110,11 +131,17 @@ impl HttpTransport {
             })
         };
         HttpTransport {
-            calls: client(local_ip, CONNECT_TIMEOUT),
-            streams: client(local_ip, stream_connect_timeout),
+            calls: client(local_ip, CONNECT_TIMEOUT, &tls),
+            streams: client(local_ip, stream_connect_timeout, &tls),
+            scheme,
             secret: secret.and_then(sensitive),
             bearer: client_token.and_then(|t| sensitive(&format!("Bearer {t}"))),
         }
+    }
+
+    /// The URL of `path` at `addr` (`host:port`).
+    fn url(&self, addr: &str, path: &str) -> String {
+        format!("{}://{addr}{path}", self.scheme)
     }
 
     fn builder(&self, method: Method, uri: String, peer: bool) -> Result<hyper::http::request::Builder, CallError> {
@@ -164,7 +191,7 @@ impl HttpTransport {
         body: Bytes,
         timeout: Duration,
     ) -> Result<Answer, CallError> {
-        let mut builder = self.builder(method, format!("http://{api_addr}{path}"), false)?;
+        let mut builder = self.builder(method, self.url(api_addr, path), false)?;
         if let Some(bearer) = self.bearer.as_ref().filter(|_| shoal_http_api::is_key_path(path)) {
             // A key operation forwarded to its owner carries the cluster's client token.
             builder = builder.header(hyper::header::AUTHORIZATION, bearer.clone());
@@ -216,7 +243,7 @@ impl HttpTransport {
     ) -> Result<Answer, CallError> {
         let body = serde_json::to_vec(body).map_err(|e| CallError::Broken(e.to_string()))?;
         let headers = [(CONTENT_TYPE.as_str(), "application/json".to_string())];
-        self.peer(Method::POST, format!("http://{peer_addr}{path}"), &headers, body.into(), timeout).await
+        self.peer(Method::POST, self.url(peer_addr, path), &headers, body.into(), timeout).await
     }
 
     /// [`Self::post_body`], answered with JSON; an error answer comes back as it was given.
@@ -243,7 +270,7 @@ impl HttpTransport {
                     (HEADER_SNAPSHOT, if r.snapshot { "1" } else { "0" }.to_string()),
                     (HEADER_SEQ, r.seq.to_string()),
                 ];
-                let uri = format!("http://{addr}/internal/replicate/{}", r.bucket.0);
+                let uri = self.url(addr, &format!("/internal/replicate/{}", r.bucket.0));
                 let answer = self.peer(Method::POST, uri, &headers, r.body, timeout).await?;
                 let reason = || String::from_utf8_lossy(&answer.body).into_owned();
                 Ok(PeerAnswer::Replicated(match answer.status {
@@ -258,13 +285,13 @@ impl HttpTransport {
                 }))
             }
             PeerRequest::Shadow { bucket, body } => {
-                let uri = format!("http://{addr}/internal/shadow/{}", bucket.0);
+                let uri = self.url(addr, &format!("/internal/shadow/{}", bucket.0));
                 let answer = self.peer(Method::POST, uri, &[], body, timeout).await?;
                 refused_unless_success(&answer)?;
                 Ok(PeerAnswer::ShadowApplied)
             }
             PeerRequest::GiveBack { from, bucket, body } => {
-                let uri = format!("http://{addr}/internal/found/{}", bucket.0);
+                let uri = self.url(addr, &format!("/internal/found/{}", bucket.0));
                 let answer = self.peer(Method::POST, uri, &[(HEADER_FROM, from.to_string())], body, timeout).await?;
                 refused_unless_success(&answer)?;
                 Ok(PeerAnswer::Found)
@@ -272,14 +299,13 @@ impl HttpTransport {
             PeerRequest::Ping(ping) => {
                 let body = serde_json::to_vec(&ping).map_err(|e| CallError::Broken(e.to_string()))?;
                 let headers = [(CONTENT_TYPE.as_str(), "application/json".to_string())];
-                let answer = self
-                    .peer(Method::POST, format!("http://{addr}/internal/ping"), &headers, body.into(), timeout)
-                    .await?;
+                let answer =
+                    self.peer(Method::POST, self.url(addr, "/internal/ping"), &headers, body.into(), timeout).await?;
                 refused_unless_success(&answer)?;
                 Ok(PeerAnswer::Pong(json(&answer.body)?))
             }
             PeerRequest::TransferStatus => {
-                let uri = format!("http://{addr}/internal/transfer/status");
+                let uri = self.url(addr, "/internal/transfer/status");
                 let answer = self.peer(Method::GET, uri, &[], Bytes::new(), timeout).await?;
                 refused_unless_success(&answer)?;
                 Ok(PeerAnswer::TransferStatus(json(&answer.body)?))
@@ -398,7 +424,7 @@ impl HttpTransport {
         timeout: Duration,
     ) -> Result<FrameStream, CallError> {
         let StreamRequest::Bucket { bucket, to, epoch, restore } = request;
-        let mut uri = format!("http://{peer_addr}/internal/transfer/{}?to={to}&epoch={epoch}", bucket.0);
+        let mut uri = self.url(peer_addr, &format!("/internal/transfer/{}?to={to}&epoch={epoch}", bucket.0));
         if restore {
             uri.push_str("&restore=true");
         }
@@ -441,7 +467,7 @@ impl ControlTransport for HttpTransport {
             ControlRpc::Admin { forwarded } => (Method::POST, format!("/internal/admin?forwarded={forwarded}")),
             ControlRpc::MemberStatus { node_id } => (Method::GET, format!("/internal/members/{node_id}")),
         };
-        let uri = format!("http://{peer_addr}{path}");
+        let uri = self.url(peer_addr, &path);
         Box::pin(async move {
             let mut headers = vec![(CONTENT_TYPE.as_str(), "application/json".to_string())];
             if let Some(t) = target {
@@ -484,11 +510,21 @@ impl Transport for HttpTransport {
     }
 }
 
+/// A failed exchange, saying why with the whole chain of causes (hyper-util's own text is
+/// only "client error (Connect)": the refused connection or the certificate that did not
+/// verify is in its sources).
 fn transport_error(e: &hyper_util::client::legacy::Error) -> CallError {
+    let mut text = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
     if e.is_connect() {
-        CallError::Unreachable(e.to_string())
+        CallError::Unreachable(text)
     } else {
-        CallError::Broken(e.to_string())
+        CallError::Broken(text)
     }
 }
 

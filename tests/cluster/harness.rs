@@ -43,6 +43,8 @@ pub struct TestCluster {
     root: PathBuf,
     slots: Vec<Slot>,
     pub http: reqwest::Client,
+    /// `http`, or `https` once [`Self::use_tls`] was called.
+    scheme: &'static str,
     /// Applied to the configuration of every node this cluster starts.
     tweak: fn(&mut ServeConfig),
 }
@@ -73,7 +75,8 @@ impl TestCluster {
         }
         let dir = tempfile::tempdir().expect("temp dir");
         let http = reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(30)).build().expect("client");
-        let mut cluster = TestCluster { root: dir.path().to_path_buf(), _dir: dir, slots: Vec::new(), http, tweak };
+        let mut cluster =
+            TestCluster { root: dir.path().to_path_buf(), _dir: dir, slots: Vec::new(), http, scheme: "http", tweak };
         for _ in 0..n {
             cluster.add_node().await;
         }
@@ -144,8 +147,31 @@ impl TestCluster {
         self.add_node_configured(|_| {}).await
     }
 
+    /// Speaks HTTPS to the nodes from now on, trusting the CA certificate `ca_pem` only (the
+    /// nodes added next run with TLS).
+    pub fn use_tls(&mut self, ca_pem: &[u8]) {
+        let ca = reqwest::Certificate::from_pem(ca_pem).expect("CA certificate");
+        self.http = reqwest::Client::builder()
+            .no_proxy()
+            .timeout(Duration::from_secs(30))
+            .tls_built_in_root_certs(false)
+            .add_root_certificate(ca)
+            .build()
+            .expect("client");
+        self.scheme = "https";
+    }
+
     /// [`Self::add_node_no_wait`], with `extra` adjusting this node's configuration last.
     pub async fn add_node_configured(&mut self, extra: impl FnOnce(&mut ServeConfig)) -> usize {
+        self.try_add_node_configured(extra).await.expect("node starts")
+    }
+
+    /// [`Self::add_node_configured`], answering why the node did not start instead of
+    /// panicking.
+    pub async fn try_add_node_configured(
+        &mut self,
+        extra: impl FnOnce(&mut ServeConfig),
+    ) -> Result<usize, node::StartError> {
         let slot = self.slots.len();
         let api = bind("127.0.0.1:0".parse().expect("addr")).await;
         let peer = bind("127.0.0.1:0".parse().expect("addr")).await;
@@ -161,9 +187,9 @@ impl TestCluster {
         extra(&mut config);
         // Every running node is a seed: the first may be on its way out (it left).
         config.join = self.running().map(|seed| self.api(seed)).collect();
-        let node = node::start_with(config.clone(), Listeners { api, peer }).await.expect("node starts");
+        let node = node::start_with(config.clone(), Listeners { api, peer }).await?;
         self.slots.push(Slot { config, node: Some(node) });
-        slot
+        Ok(slot)
     }
 
     /// The slots whose node runs.
@@ -186,9 +212,9 @@ impl TestCluster {
         self.node(slot).node_id()
     }
 
-    /// `http://<api of slot><path>`.
+    /// `http://<api of slot><path>` (`https://` once [`Self::use_tls`] was called).
     pub fn url(&self, slot: usize, path: &str) -> String {
-        format!("http://{}{}", self.api(slot), path)
+        format!("{}://{}{}", self.scheme, self.api(slot), path)
     }
 
     /// Stops the node in `slot` gracefully (its data dir stays).

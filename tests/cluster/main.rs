@@ -17,5 +17,6 @@ mod readme;
 mod restart;
 mod routing;
 mod statefulset;
+mod tls;
 mod transfer;
 mod workload;

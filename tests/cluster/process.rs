@@ -58,6 +58,18 @@ impl NodeProcess {
         node
     }
 
+    /// Like [`Self::start_with`] for a node serving TLS: waits until it answers a CLI that
+    /// trusts the CA certificate in `ca`.
+    pub fn start_tls(data_dir: &Path, extra: &[&str], ca: &str) -> Self {
+        let node = Self::launch(data_dir, (free_port(), free_port()), extra, &[]);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while client(&node.addr, &["status", "--cacert", ca]).status.code() != Some(0) {
+            assert!(Instant::now() < deadline, "node at {} did not become ready:\n{}", node.addr, node.log());
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        node
+    }
+
     /// Starts `shoal serve` on the given API and peer ports with more flags and environment
     /// variables, without waiting for it.
     pub fn launch(data_dir: &Path, (api, peer): (u16, u16), extra: &[&str], envs: &[(&str, &str)]) -> Self {
@@ -158,7 +170,12 @@ fn spawn(args: &[String], envs: &[(String, String)], log: &Path, append: bool) -
 
 /// Runs a client command against `addr`.
 pub fn client(addr: &str, args: &[&str]) -> Output {
-    Command::new(BIN).args(args).args(["--addr", addr]).output().expect("run client")
+    client_with_env(addr, args, &[])
+}
+
+/// [`client`] with more environment variables.
+pub fn client_with_env(addr: &str, args: &[&str], envs: &[(&str, &str)]) -> Output {
+    Command::new(BIN).args(args).args(["--addr", addr]).envs(envs.iter().copied()).output().expect("run client")
 }
 
 fn text(bytes: &[u8]) -> String {
