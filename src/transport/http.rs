@@ -5,7 +5,8 @@
 //! `--reconnect-timeout`. Both send from the node's own address when it set one (a node on its
 //! own loopback address, so firewall rules can tell nodes apart). Requests to a peer listener
 //! carry the cluster secret; forwarded key operations go to the owner's public API, which
-//! never sees the secret.
+//! never sees the secret. A node with TLS speaks HTTPS to every peer (one scheme for every URL it
+//! builds), verifying it against `--tls-ca`.
 
 use std::net::IpAddr;
 use std::sync::Arc;

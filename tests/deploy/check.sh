@@ -10,6 +10,8 @@
 #      built binary: `cargo build --bin shoal` first; CI builds before calling this)
 #   7. a second cluster: an overlay with a namePrefix and its own instance label renames
 #      every object, selector and reference (tests/deploy/prefix_check.py)
+#   8. TLS with cert-manager: deploy/tls/ patched onto deploy/, rendered, validated and
+#      checked against its issuers (tests/deploy/tls_check.py)
 #
 # Usage: tests/deploy/check.sh   (from any directory; root or passwordless sudo to install)
 # Environment: SHOAL_BIN (default target/debug/shoal).
@@ -135,6 +137,30 @@ YAML
     "$VENV/bin/kubernetes-validate" --strict --quiet -k "$MIN_KUBERNETES" "$RENDERED_OVERLAY" || return 1
 }
 
+# TLS with cert-manager: deploy/tls/statefulset-tls.yaml patched onto deploy/ in an overlay
+# (as deploy/README.md tells users to), rendered, schema-validated, its SHOAL_* variables known
+# to `shoal serve`, and checked against deploy/tls/issuer.yaml (tls_check.py).
+TLS_OVERLAY=target/deploy-tls-overlay
+RENDERED_TLS=target/deploy-tls-rendered.yaml
+tls_overlay() {
+    rm -rf "$TLS_OVERLAY" "$RENDERED_TLS"
+    mkdir -p "$TLS_OVERLAY"
+    cp deploy/tls/statefulset-tls.yaml "$TLS_OVERLAY/"
+    cat >"$TLS_OVERLAY/kustomization.yaml" <<'YAML'
+apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+bases:
+  - ../../deploy
+patchesStrategicMerge:
+  - statefulset-tls.yaml
+YAML
+    kustomize "$TLS_OVERLAY" "$RENDERED_TLS" || return 1
+    "$VENV/bin/kubernetes-validate" --strict --quiet -k "$MIN_KUBERNETES" "$RENDERED_TLS" || return 1
+    "$VENV/bin/python" tests/deploy/tls_check.py "$RENDERED_TLS" deploy/tls/issuer.yaml || return 1
+    [ -s "$SERVE_HELP" ] || env -i PATH="$PATH" "$SHOAL_BIN" serve --help >"$SERVE_HELP" || return 1
+    "$VENV/bin/python" tests/deploy/cross_check.py "$RENDERED_TLS" --known-env "$SERVE_HELP"
+}
+
 render() {
     kustomize deploy/ "$RENDERED" || { rm -f "$RENDERED"; return 1; }
     kustomize deploy/monitoring/ "$RENDERED_MONITORING" || { rm -f "$RENDERED_MONITORING"; return 1; }
@@ -184,6 +210,7 @@ step "cross-object rules (cross_check.py)" \
 step "the checker can fail (negative_test.py)" rendered "$VENV/bin/python" tests/deploy/negative_test.py "$RENDERED"
 step "SHOAL_* variables known to shoal serve" rendered known_env
 step "a second cluster: namePrefix and instance overlay (prefix_check.py)" rendered second_cluster
+step "TLS with cert-manager: deploy/tls overlay (tls_check.py)" rendered tls_overlay
 
 echo
 if [ "$failed" -gt 0 ]; then
