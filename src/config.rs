@@ -398,13 +398,15 @@ pub struct ServeConfig {
     #[arg(long, env = "SHOAL_WORKER_THREADS")]
     pub worker_threads: Option<usize>,
 
-    /// Raft heartbeat interval.
-    #[arg(long, env = "SHOAL_RAFT_HEARTBEAT", default_value = "250ms", value_parser = parse_duration, hide = true)]
-    pub raft_heartbeat: Duration,
+    /// Raft heartbeat interval [default: a quarter of the election timeout, at most 250ms].
+    #[arg(long, env = "SHOAL_RAFT_HEARTBEAT", value_parser = parse_duration, hide = true)]
+    pub raft_heartbeat: Option<Duration>,
 
-    /// Raft election timeout (the actual one is random in [t, 2t)).
-    #[arg(long, env = "SHOAL_RAFT_ELECTION_TIMEOUT", default_value = "1500ms", value_parser = parse_duration, hide = true)]
-    pub raft_election_timeout: Duration,
+    /// Raft election timeout: the actual one is random in [t, 4t/3), and a follower refuses
+    /// other candidates until 4t/3 after its leader's last heartbeat [default: 40% of
+    /// --node-timeout, between 300ms and 1500ms].
+    #[arg(long, env = "SHOAL_RAFT_ELECTION_TIMEOUT", value_parser = parse_duration, hide = true)]
+    pub raft_election_timeout: Option<Duration>,
 }
 
 /// The cache size when neither --cache-size nor --memory-limit is given.
@@ -450,6 +452,20 @@ impl ServeConfig {
         // Tests that stop nodes on purpose must not see them failed; failure tests turn pings on.
         config.ping_interval = Duration::ZERO;
         config
+    }
+
+    /// The Raft heartbeat interval and election timeout: as given, else derived from
+    /// `--node-timeout`, so that a dead Raft leader is replaced within about the time a dead
+    /// member is noticed (its failure can only be committed once there is a leader again).
+    /// openraft lets a follower vote for nobody else until the longest election timeout after
+    /// its leader's last heartbeat, so the election that replaces a dead leader ends about
+    /// twice the election timeout after it: 40% of the node timeout keeps that within it.
+    pub fn raft_timing(&self) -> (Duration, Duration) {
+        let election = self.raft_election_timeout.unwrap_or_else(|| {
+            (self.node_timeout * 2 / 5).clamp(Duration::from_millis(300), Duration::from_millis(1500))
+        });
+        let heartbeat = self.raft_heartbeat.unwrap_or_else(|| (election / 4).min(Duration::from_millis(250)));
+        (heartbeat, election)
     }
 
     /// TLS, when `--tls-cert`, `--tls-key` and `--tls-ca` are given (all three or none).
@@ -584,7 +600,8 @@ impl ServeConfig {
         if self.worker_threads == Some(0) {
             return Err("--worker-threads must be at least 1".into());
         }
-        if self.raft_election_timeout <= self.raft_heartbeat * 2 {
+        let (heartbeat, election) = self.raft_timing();
+        if election <= heartbeat * 2 {
             return Err("the Raft election timeout must be more than twice the heartbeat".into());
         }
         for (flag, listen, advertise) in [
@@ -806,6 +823,23 @@ mod tests {
         assert_eq!(c.max_key_bytes, 4096);
         assert_eq!(c.voters, 3);
         assert!(c.validate().is_ok());
+    }
+
+    #[test]
+    fn raft_timing_follows_the_node_timeout_unless_given() {
+        let ms = Duration::from_millis;
+        let timing = |args: &[&str]| serve(args).expect("parses").raft_timing();
+        assert_eq!(timing(&[]), (ms(250), ms(1500)), "5 s node timeout: the longest election timeout");
+        assert_eq!(timing(&["--node-timeout", "1s", "--ping-interval", "200ms"]), (ms(100), ms(400)));
+        assert_eq!(
+            timing(&["--node-timeout", "500ms", "--ping-interval", "100ms"]),
+            (ms(75), ms(300)),
+            "at least 300 ms"
+        );
+        let given = ["--node-timeout", "1s", "--raft-election-timeout", "1s", "--raft-heartbeat", "150ms"];
+        assert_eq!(timing(&given), (ms(150), ms(1000)), "explicit values win");
+        let e = serve(&["--raft-election-timeout", "400ms", "--raft-heartbeat", "250ms"]).expect("parses").validate();
+        assert!(e.is_err_and(|e| e.contains("twice the heartbeat")));
     }
 
     #[test]

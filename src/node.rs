@@ -445,9 +445,10 @@ pub async fn start_in(
 
     let mut control_config =
         ControlConfig::new(node_id, api_addr.clone(), peer_addr.clone(), env.storage, env.control_transport);
-    control_config.heartbeat = config.raft_heartbeat;
+    let (heartbeat, election_timeout) = config.raft_timing();
+    control_config.heartbeat = heartbeat;
     control_config.name = config.name.clone();
-    control_config.election_timeout = config.raft_election_timeout;
+    control_config.election_timeout = election_timeout;
     let control = ControlPlane::open(control_config).await?;
 
     let cache = Arc::new(CacheStore::new(config.cache_size, Clock::new()).with_policy(config.eviction));

@@ -64,7 +64,7 @@ pub struct ControlConfig {
     pub transport: Arc<dyn ControlTransport>,
     /// Raft heartbeat interval.
     pub heartbeat: Duration,
-    /// Raft election timeout: a random value in `[election_timeout, 2 × election_timeout)`.
+    /// Raft election timeout: a random value in `[election_timeout, 4/3 × election_timeout)`.
     pub election_timeout: Duration,
     /// Bound on every wait of a membership change (learner catch-up, leader election).
     pub change_timeout: Duration,
@@ -144,8 +144,12 @@ impl ControlPlane {
         let raft_config = openraft::Config {
             cluster_name: "shoal".into(),
             heartbeat_interval: heartbeat,
+            // openraft's followers refuse other candidates for `election_timeout_max` after
+            // the last heartbeat (the leader lease), so a dead leader is replaced about twice
+            // that after it died: a narrow range keeps it short (the node's config derives
+            // the timeout from its failure-detection timeout).
             election_timeout_min: election,
-            election_timeout_max: election * 2,
+            election_timeout_max: election * 4 / 3,
             install_snapshot_timeout: 5_000,
             snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(500),
             max_in_snapshot_log_to_keep: 500,
@@ -240,7 +244,7 @@ impl ControlPlane {
     }
 
     /// Why this node may not be able to commit through Raft now, if so: no leader is known,
-    /// or it leads but no majority of the voters acknowledged it within the longest election
+    /// or it leads but no majority of the voters acknowledged it within twice the election
     /// timeout (it is cut off, or the others are down).
     pub fn commit_refusal(&self) -> Option<String> {
         let m = self.inner.raft.metrics().borrow().clone();

@@ -88,8 +88,8 @@ pub struct SimCluster {
 pub fn sim_config(config: &mut ServeConfig) {
     config.ping_interval = Duration::from_millis(200);
     config.node_timeout = Duration::from_secs(1);
-    config.raft_heartbeat = Duration::from_millis(150);
-    config.raft_election_timeout = Duration::from_millis(1000);
+    config.raft_heartbeat = Some(Duration::from_millis(150));
+    config.raft_election_timeout = Some(Duration::from_millis(1000));
     config.reconnect_timeout = Duration::from_secs(5);
     config.cache_size = 64 * 1024 * 1024;
 }

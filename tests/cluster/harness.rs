@@ -180,8 +180,8 @@ impl TestCluster {
             peer.local_addr().expect("addr"),
             self.root.join(format!("node{slot}")),
         );
-        config.raft_heartbeat = Duration::from_millis(150);
-        config.raft_election_timeout = Duration::from_millis(1000);
+        config.raft_heartbeat = Some(Duration::from_millis(150));
+        config.raft_election_timeout = Some(Duration::from_millis(1000));
         config.max_value_bytes = 1024 * 1024;
         (self.tweak)(&mut config);
         extra(&mut config);

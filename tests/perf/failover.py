@@ -2,9 +2,12 @@
 """Failover and replication benchmark.
 
 1. Failover time: a 3-node cluster (sync replication, pings every 200 ms, node timeout 1 s)
-   holds --keys keys; the node with the most buckets is killed with SIGKILL; the time until
-   every key is readable and writable again (read and overwritten through a survivor) is
-   measured. The killed node rejoins as a new member before the next run. Median of --runs.
+   holds --keys keys; a node is killed with SIGKILL (--victim: the Raft leader, the busiest
+   other node, or each in turn); the time until every key is readable and writable again (read
+   and overwritten through a survivor) is measured, and split into its parts: until a new Raft
+   leader is known (when the leader was killed), until the failure is committed (the event
+   log's `node_failed`), until the heir serves the buckets (`promoted`), until the first full
+   answer. The killed node rejoins as a new member before the next run. Medians of --runs.
 2. PUT throughput: `shoal bench --ratio 0:1` against one node, then against three nodes in
    sync and in async mode (direct routing), --bench-runs runs each, medians.
 
@@ -22,6 +25,7 @@ import socket
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -140,7 +144,34 @@ def all_keys_ok(cluster, via, keys):
     return not any(r.get("error") for r in results)
 
 
-def failover_runs(shoal, runs, keys):
+def leader_watch(cluster, via, victim_id, out):
+    """Polls `via` every 20 ms until it names a leader other than `victim_id`: its time."""
+    end = time.time() + 120
+    while time.time() < end:
+        try:
+            leader = cluster.view(via).get("leader")
+            if leader is not None and leader != victim_id:
+                out.append(time.time())
+                return
+        except (OSError, urllib.error.URLError, KeyError, ValueError):
+            pass
+        time.sleep(0.02)
+
+
+def event_time(cluster, via, kind, node, after):
+    """The time (s) of the first event of `kind` about `node` (any, when None) at or after
+    `after`, or None."""
+    try:
+        events = get_json(cluster.addrs[via], "/v1/cluster/events?limit=100000")["events"]
+    except (OSError, urllib.error.URLError, KeyError, ValueError):
+        return None
+    times = [e["time_ms"] / 1000 for e in events
+             if e.get("type") == kind and (node is None or node in (e.get("node"), e.get("peer")))
+             and e["time_ms"] / 1000 >= after]
+    return min(times) if times else None
+
+
+def failover_runs(shoal, runs, keys, victims):
     tmp = tempfile.mkdtemp(prefix="shoal-failover-")
     cluster = Cluster(shoal, tmp, "sync")
     times = []
@@ -150,20 +181,48 @@ def failover_runs(shoal, runs, keys):
             cluster.start_node(join=seed)
         cluster.wait_settled(0, 3)
         fill(shoal, seed, keys)
-        for run in range(runs):
+        for run in range(runs * len(victims)):
+            kind = victims[run % len(victims)]
             v = cluster.wait_settled(0, 3)
+            ids = {m["api_addr"]: m["id"] for m in v["members"]}
             by_api = {m["api_addr"]: m["buckets"] for m in v["members"]}
-            victim = max(range(3), key=lambda n: by_api.get(cluster.addrs[n], 0))
+            leader = next(n for n in range(3) if ids.get(cluster.addrs[n]) == v["leader"])
+            if kind == "leader":
+                victim = leader
+            else:
+                victim = max((n for n in range(3) if n != leader), key=lambda n: by_api.get(cluster.addrs[n], 0))
+            victim_id = ids[cluster.addrs[victim]]
             via = next(n for n in range(3) if n != victim)
+            elected = []
+            watcher = None
+            if kind == "leader":
+                watcher = threading.Thread(target=leader_watch, args=(cluster, via, victim_id, elected), daemon=True)
             killed = time.time()
             cluster.kill9(victim)
-            while not all_keys_ok(cluster, via, keys):
+            if watcher:
+                watcher.start()
+            while True:
+                # The check that passes reads every key and writes 2,000 through the survivor;
+                # the time it began says how much of the total is the check itself.
+                check_began = time.time()
+                if all_keys_ok(cluster, via, keys):
+                    break
                 if time.time() - killed > 120:
                     raise RuntimeError("keys did not come back")
                 time.sleep(0.05)
             took = time.time() - killed
-            times.append(took)
-            print(f"  failover run {run + 1}: {took:.2f} s", flush=True)
+            if watcher:
+                watcher.join(timeout=5)
+            failed = event_time(cluster, via, "node_failed", victim_id, killed)
+            # The heir's report names the heir, not the member it inherited from.
+            promoted = event_time(cluster, via, "promoted", None, killed)
+            part = lambda t: f"{t - killed:.2f}" if t else "?"
+            parts = {"leader": part(elected[0]) if elected else "-", "failed": part(failed), "promoted": part(promoted),
+                     "check": part(check_began)}
+            times.append((kind, took, parts))
+            print(f"  failover run {run + 1} ({kind} killed): {took:.2f} s; new leader known {parts['leader']} s, "
+                  f"failure committed {parts['failed']} s, promoted {parts['promoted']} s, "
+                  f"the passing check began {parts['check']} s", flush=True)
             cluster.restart(victim)  # rejoins as a new member
             cluster.wait_settled(via, 3)
     finally:
@@ -199,13 +258,24 @@ def main():
     ap.add_argument("--bench-runs", type=int, default=3)
     ap.add_argument("--duration", default="10s")
     ap.add_argument("--only", choices=["failover", "put"], help="run one of the two parts")
+    ap.add_argument("--victim", choices=["leader", "follower", "both"], default="both",
+                    help="which node a failover run kills: the Raft leader, the busiest other node, or each in turn")
     args = ap.parse_args()
 
     if args.only != "put":
-        print(f"failover: 3 nodes, sync, {args.keys} keys, {args.runs} runs")
-        times = failover_runs(args.shoal, args.runs, args.keys)
-        print(f"failover time (kill -9 to every key readable and writable): median {statistics.median(times):.2f} s, "
-              f"runs {', '.join(f'{t:.2f}' for t in times)}")
+        victims = ["leader", "follower"] if args.victim == "both" else [args.victim]
+        print(f"failover: 3 nodes, sync, {args.keys} keys, {args.runs} runs per victim ({', '.join(victims)})")
+        runs = failover_runs(args.shoal, args.runs, args.keys, victims)
+        for kind in victims:
+            times = [t for k, t, _ in runs if k == kind]
+            print(f"failover time, {kind} killed (kill -9 to every key readable and writable): "
+                  f"median {statistics.median(times):.2f} s, runs {', '.join(f'{t:.2f}' for t in times)}")
+            for name, what in [("leader", "new Raft leader known"), ("failed", "failure committed"),
+                               ("promoted", "heir serves (promotion committed)"),
+                               ("check", "the check that passed began (it reads 100,000 keys, writes 2,000)")]:
+                known = [float(p[name]) for k, _, p in runs if k == kind and p[name] not in ("?", "-")]
+                if known:
+                    print(f"    {what}: median {statistics.median(known):.2f} s after the kill")
     if args.only == "failover":
         return
 
