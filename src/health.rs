@@ -148,6 +148,11 @@ impl Health {
         !self.config.ping_interval.is_zero()
     }
 
+    /// Whether a peer said this node was failed.
+    pub fn is_removed(&self) -> bool {
+        *self.removed.borrow()
+    }
+
     /// Resolves when a peer said this node was failed.
     pub async fn removed(&self) {
         let mut rx = self.removed.subscribe();
@@ -236,7 +241,7 @@ impl Health {
     /// it stops, or it has not heard from a majority of the members within the node timeout.
     pub fn node_facts(&self) -> NodeFacts {
         let mut facts = NodeFacts {
-            failed: *self.removed.borrow(),
+            failed: self.is_removed(),
             handing_over: self.handing_over.load(Ordering::Relaxed),
             draining: self.is_draining(),
             no_quorum: None,

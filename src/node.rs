@@ -327,23 +327,29 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
     if let Some(id) = identity.as_ref().filter(|id| id.retired) {
         return Err(retired(&config, id.node_id));
     }
-    // Until the node serves, its API port answers /livez and says whether it has data (see
-    // `discover::starting_router`); it stops when the real server starts, or with this
-    // function's early returns (the sender is dropped).
-    let api_socket = listeners.api.into_std().map_err(|e| StartError::Io(e.to_string()))?;
+    // Until the node serves, both its ports answer at once: /livez, and 503 saying whether it
+    // has data (see `discover::starting_router`). A bound port that accepted nothing would
+    // hold every caller until its timeout: a member that still takes this address for the
+    // node it knew (its Raft leader, say) while the node rejoins as a new member would wait
+    // half a minute instead of asking another member. The starting servers stop when the
+    // real ones start, or with this function's early returns (the sender is dropped).
+    let io = |e: std::io::Error| StartError::Io(e.to_string());
+    let (api_socket, peer_socket) = (listeners.api.into_std().map_err(io)?, listeners.peer.into_std().map_err(io)?);
     let (starting_stop, starting_rx) = watch::channel(false);
-    let starting = {
-        let listener =
-            api_socket.try_clone().and_then(TcpListener::from_std).map_err(|e| StartError::Io(e.to_string()))?;
-        http_server::serve(
+    let mut starting = Vec::new();
+    for socket in [&api_socket, &peer_socket] {
+        let listener = socket.try_clone().and_then(TcpListener::from_std).map_err(io)?;
+        starting.push(http_server::serve(
             listener,
             crate::discover::starting_router(identity.is_some()),
             crate::metrics::ListenerMetrics::none(),
             acceptor.clone(),
-            starting_rx,
-        )
-    };
-    let api_listener = TcpListener::from_std(api_socket).map_err(|e| StartError::Io(e.to_string()))?;
+            starting_rx.clone(),
+        ));
+    }
+    drop(starting_rx);
+    let api_listener = TcpListener::from_std(api_socket).map_err(io)?;
+    let peer_listener = TcpListener::from_std(peer_socket).map_err(io)?;
     let mut config = config;
     if config.name.is_none() && !config.discover.is_empty() {
         config.name = crate::discover::hostname();
@@ -364,7 +370,6 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
             }
         }
     }
-    let peer_listener = listeners.peer;
     let tokens = crate::auth::Tokens { admin: config.admin_token.clone(), client: config.client_token.clone() };
     let (admin_token, cluster_secret) = (config.admin_token.clone(), config.cluster_secret.clone());
     let serve = move |service: Arc<PeerService>, shutdown: &watch::Sender<bool>| {
@@ -396,7 +401,9 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
     let mut handle = start_in(config, env, identity, serve).await?;
     handle.api_addr = api_bound;
     handle.peer_addr = peer_bound;
-    let _ = starting.await;
+    for server in starting {
+        let _ = server.await;
+    }
     Ok(handle)
 }
 

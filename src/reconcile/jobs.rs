@@ -22,6 +22,8 @@ const HANDOVER_SYNC_WAIT: Duration = Duration::from_secs(10);
 const APPLY_WAIT: Duration = Duration::from_secs(5);
 /// How long a successor waits between two attempts to take the lead from a stopping leader.
 const ELECT_RETRY: Duration = Duration::from_millis(500);
+/// How long a failed node waits for a member to say which lost buckets it served last.
+const LOST_OF_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a failed node tries to give back the lost buckets it served last before it
 /// rejoins anyway.
 const GIVE_BACK_FOR: Duration = Duration::from_secs(60);
@@ -80,19 +82,43 @@ impl Reconciler {
     }
 
     /// The lost buckets this node served last and how many may still turn lost, as the leader
-    /// sees them (asked through any other member: this node's own state stopped when it was
-    /// failed).
+    /// sees them (asked through the other members at once, the first answer counts: this
+    /// node's own state stopped when it was failed, and a member cut off with it may hang or
+    /// be restarting).
     async fn lost_of_me(&self) -> Option<(Vec<LostBucket>, usize)> {
         let state = self.control.state();
         let request = AdminRequest::LostOf { node_id: self.me };
-        for member in state.members.iter().filter(|m| m.id != self.me) {
-            match self.control.admin_client().call(&member.peer_addr, &request).await {
-                Ok(AdminResponse::LostOf { buckets, pending }) => return Some((buckets, pending)),
-                Ok(other) => tracing::debug!(via = member.id, answer = ?other, "asking for lost buckets"),
-                Err(e) => tracing::debug!(via = member.id, error = %e, "asking for lost buckets"),
+        let asks: Vec<_> = state
+            .members
+            .iter()
+            .filter(|m| m.id != self.me)
+            .map(|member| {
+                let request = &request;
+                Box::pin(async move {
+                    let answer = tokio::time::timeout(
+                        LOST_OF_TIMEOUT,
+                        self.control.admin_client().call(&member.peer_addr, request),
+                    );
+                    match answer.await {
+                        Ok(Ok(AdminResponse::LostOf { buckets, pending })) => Ok((buckets, pending)),
+                        Ok(Ok(other)) => Err(format!("via {}: unexpected answer {other:?}", member.id)),
+                        Ok(Err(e)) => Err(format!("via {}: {e}", member.id)),
+                        Err(_) => Err(format!("via {}: no answer within {LOST_OF_TIMEOUT:?}", member.id)),
+                    }
+                })
+            })
+            .collect();
+        if asks.is_empty() {
+            return None;
+        }
+        let first = futures::future::select_ok(asks).await;
+        match first {
+            Ok((answer, _)) => Some(answer),
+            Err(e) => {
+                tracing::debug!(error = %e, "asking for lost buckets");
+                None
             }
         }
-        None
     }
 
     /// Acknowledges the pending map `to_version`.

@@ -14,7 +14,7 @@ use axum::{Json, Router};
 use futures::StreamExt;
 use shoal_http_api::types::{BucketsQuery, RebalanceRequest, RouteContext};
 use shoal_http_api::ShoalApi;
-use shoal_raft::{BucketId, ControlPlane, ControlRpc, NodeId, ServeError, BUCKET_COUNT};
+use shoal_raft::{BucketId, ControlError, ControlPlane, ControlRpc, NodeId, ServeError, BUCKET_COUNT};
 
 use super::http::{
     MaintenanceAsk, HEADER_FROM, HEADER_MAP_VERSION, HEADER_RAFT_TARGET, HEADER_SEQ, HEADER_SNAPSHOT,
@@ -134,6 +134,18 @@ impl PeerService {
 
     /// A control-plane message.
     pub async fn control(&self, target: Option<NodeId>, rpc: ControlRpc, body: &[u8]) -> Result<Vec<u8>, ServeError> {
+        // A node the cluster failed no longer hears from the leader: the leader it would
+        // forward to is the one it knew before, perhaps itself cut off, or gone. The asker
+        // (a joiner, say) turns to another member at once instead.
+        if matches!(rpc, ControlRpc::Admin { forwarded: false }) && self.health.is_removed() {
+            let refusal: Result<(), ControlError> = Err(ControlError::NoLeader {
+                detail: format!(
+                    "the cluster failed node {}: it rejoins as a new member; ask another member",
+                    self.control.node_id()
+                ),
+            });
+            return Ok(serde_json::to_vec(&refusal).unwrap_or_default());
+        }
         self.control.serve_rpc(target, rpc, body).await
     }
 }

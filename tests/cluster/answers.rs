@@ -245,3 +245,35 @@ async fn probe(
     }
     seen
 }
+
+/// A node that is still joining answers on both of its ports at once: 503, not a member yet.
+/// A member that still takes the address for the node it knew there (its Raft leader, when
+/// that node was failed and now rejoins as a new member) turns to another member instead of
+/// waiting for its timeout; a bound port that accepts nothing held such a join for 35 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_still_joining_answers_on_both_ports_at_once() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    // Nothing listens at the seed: the node keeps trying to join.
+    let seed = format!("127.0.0.1:{}", crate::process::free_port());
+    let (api, peer) = (crate::process::free_port(), crate::process::free_port());
+    let mut node = NodeProcess::launch(&dir.path().join("n"), (api, peer), &["--join", &seed], &[]);
+    let http = reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(5)).build().expect("client");
+    let livez = format!("http://127.0.0.1:{api}/livez");
+    wait_for("the starting node's /livez", || async {
+        http.get(&livez).send().await.ok().filter(|r| r.status() == 200)
+    })
+    .await;
+    for (port, path) in [(api, "/v1/cluster"), (peer, "/internal/admin")] {
+        let answer = http
+            .post(format!("http://127.0.0.1:{port}{path}"))
+            .body("{}")
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("no answer from port {port} within 5 s: {e}\n{}", node.log()));
+        assert_eq!(answer.status(), 503, "port {port}");
+        let problem: Value = answer.json().await.expect("problem+json");
+        assert_eq!(problem["code"], "not_member", "port {port}: {problem}");
+    }
+    assert!(node.log().contains("join attempt failed"), "the node is still joining:\n{}", node.log());
+    node.stop();
+}
