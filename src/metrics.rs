@@ -165,6 +165,8 @@ pub struct StateGauges {
     pub replication_sent: Counter,
     /// Replication requests that failed.
     pub replication_failures: Counter,
+    /// Exchanges with replica holders that carried changes.
+    pub replication_exchanges: Counter,
     /// Bucket snapshots sent to the replica.
     pub replication_snapshots: Counter,
     /// Bytes of the bucket snapshots sent to the replica.
@@ -360,6 +362,10 @@ impl NodeMetrics {
             replication_owned: gauge("shoal_replication_owned_buckets", "Owned buckets that have a replica holder."),
             replication_sent: counter("shoal_replication_changes_total", "Changes the replica acknowledged."),
             replication_failures: counter("shoal_replication_failures_total", "Replication requests that failed."),
+            replication_exchanges: counter(
+                "shoal_replication_exchanges_total",
+                "Exchanges with replica holders that carried changes: writes in flight to one holder at once travel together, so changes per exchange is the batch size.",
+            ),
             replication_snapshot_bytes: counter(
                 "shoal_replication_snapshot_bytes_total",
                 "Bytes of the bucket snapshots sent to the replica (whole buckets: after a restart, a move or a change of holder).",

@@ -269,6 +269,23 @@ impl Peers {
         }
     }
 
+    /// Sends changes of several buckets to their replica holder in one exchange; the answers
+    /// come in the requests' order.
+    pub async fn replicate_batch(
+        &self,
+        peer_addr: &str,
+        requests: Vec<Replicate>,
+    ) -> Result<Vec<ReplicaAnswer>, CallError> {
+        let n = requests.len();
+        match self.transport.call(peer_addr, PeerRequest::ReplicateBatch(requests), PEER_CALL_TIMEOUT).await? {
+            PeerAnswer::ReplicatedBatch(answers) if answers.len() == n => Ok(answers),
+            PeerAnswer::ReplicatedBatch(answers) => {
+                Err(CallError::Broken(format!("{} answers to a batch of {n} replica requests", answers.len())))
+            }
+            other => Err(unexpected(&other)),
+        }
+    }
+
     /// Writes changes of `bucket` through to its shadow.
     pub async fn shadow(&self, peer_addr: &str, bucket: BucketId, body: Bytes) -> Result<(), CallError> {
         match self.transport.call(peer_addr, PeerRequest::Shadow { bucket, body }, PEER_CALL_TIMEOUT).await? {

@@ -330,6 +330,7 @@ impl NodeApi {
         let r = &self.replicator.stats;
         g.replication_sent.absolute(r.sent.load(Ordering::Relaxed));
         g.replication_failures.absolute(r.failures.load(Ordering::Relaxed));
+        g.replication_exchanges.absolute(self.replicator.exchanges());
         g.replication_snapshots.absolute(r.snapshots.load(Ordering::Relaxed));
         g.replication_snapshot_bytes.absolute(r.snapshot_bytes.load(Ordering::Relaxed));
         g.replication_undone.absolute(r.undone.load(Ordering::Relaxed));

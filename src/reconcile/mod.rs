@@ -572,7 +572,11 @@ impl Reconciler {
                 let me = self.clone();
                 jobs.spawn(
                     async move {
-                        me.replicator.send_queued().await;
+                        // Batch after batch until the queue is empty: under a steady load
+                        // the loop is not woken (and does not plan) once per batch.
+                        while me.replicator.queue_waiting() {
+                            me.replicator.send_queued().await;
+                        }
                         Done::Sent
                     },
                     Done::Sent,

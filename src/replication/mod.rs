@@ -6,12 +6,17 @@
 //!
 //! ```text
 //!  owner A (active)                                  holder H (the write plan names it)
-//!  PUT k ─ permit ─ apply ─┬─ sync:  POST /internal/replicate/b ──▶ fence, apply ─┐
-//!                          │         ◀──────────────── 204 ──────────────────────┘
+//!  PUT k ─ permit ─ apply ─┬─ sync:  H's lane ─ POST /internal/replicate ──▶ per write: fence, apply
+//!                          │         ◀──────────── each write's answer ────────────┘
 //!                          │  2xx to the client only now; on failure the write is taken back
 //!                          │  and the client gets 503 replication_failed
-//!                          └─ async: queue ─▶ batches in order ─▶ the same endpoint
+//!                          └─ async: queue ─▶ batches, per bucket in order ─▶ the same endpoint
 //! ```
+//!
+//! Sync writes of different buckets waiting for the same holder at once travel in one
+//! exchange (`batch.rs`: a lone write goes at once, alone); the holder answers each as if it
+//! came alone, so a batch may half fail and each writer sees its own answer. A bucket
+//! snapshot goes alone (`/internal/replicate/{bucket}`).
 //!
 //! # Which holder
 //! The holder of a member's *complete* replica is recorded in Raft (`replica_holders`): it has
@@ -46,9 +51,11 @@
 //!
 //! # Layout
 //! - `mod.rs`: the [`Replicator`]: sending, attaching, the queue, promotion, counts.
+//! - `batch.rs`: the lanes that batch sync writes per holder.
 //! - `receive.rs`: the holder's endpoint.
 //! - `copy_back.rs`: the copy a restarted owner gets its buckets back from.
 
+mod batch;
 mod copy_back;
 mod receive;
 
@@ -127,6 +134,8 @@ pub struct ReplicationStats {
     pub snapshot_bytes: AtomicU64,
     /// Writes undone because the replica did not apply them (sync).
     pub undone: AtomicU64,
+    /// Async exchanges with holders that carried changes (sync ones: [`Replicator::exchanges`]).
+    exchanges: AtomicU64,
 }
 
 /// A holder that acknowledged a snapshot of a bucket, in which move epoch of the bucket and
@@ -163,6 +172,8 @@ pub struct Replicator {
     replica: Arc<CacheStore>,
     facts: Arc<LocalFacts>,
     peers: Peers,
+    /// Owner side: writes in flight to one holder at once travel together.
+    batcher: batch::Batcher,
     /// Owner side: per bucket, the holders that acknowledged a snapshot, and in which
     /// ownership period (0: none).
     attached: Vec<Mutex<Attachments>>,
@@ -211,6 +222,7 @@ impl Replicator {
             active,
             replica,
             facts,
+            batcher: batch::Batcher::new(peers.clone()),
             peers,
             attached: (0..BUCKET_COUNT).map(|_| Mutex::new(Attachments::default())).collect(),
             sources: (0..BUCKET_COUNT).map(|_| AtomicU64::new(0)).collect(),
@@ -297,6 +309,12 @@ impl Replicator {
         }
     }
 
+    /// Exchanges with holders that carried changes (not snapshots) so far; a batch of many
+    /// writes counts once.
+    pub fn exchanges(&self) -> u64 {
+        self.batcher.exchanges() + self.stats.exchanges.load(Ordering::Relaxed)
+    }
+
     /// Records that `ReplicaMoved { holder }` is proposed (0: no proposal may commit any more).
     pub fn set_moving_to(&self, holder: NodeId) {
         self.moving_to.store(holder, Ordering::Release);
@@ -380,7 +398,8 @@ impl Replicator {
         }
     }
 
-    /// Sends one request to `holder`.
+    /// Sends one request to `holder`: a snapshot alone, changes with the other writes in
+    /// flight to the same holder (`batch`).
     async fn send(
         &self,
         bucket: BucketId,
@@ -388,15 +407,24 @@ impl Replicator {
         body: Bytes,
         snapshot: bool,
     ) -> Result<ReplicaAnswer, CallError> {
-        let request = Replicate {
+        let request = self.request(bucket, holder, body, snapshot);
+        if snapshot {
+            self.peers.replicate(&holder.peer_addr, request).await
+        } else {
+            self.batcher.send(&holder.peer_addr, request).await
+        }
+    }
+
+    /// A request to `holder`, numbered.
+    fn request(&self, bucket: BucketId, holder: &Holder, body: Bytes, snapshot: bool) -> Replicate {
+        Replicate {
             bucket,
             from: self.me,
             map_version: holder.map_version,
             snapshot,
             seq: self.seq.fetch_add(1, Ordering::Relaxed),
             body,
-        };
-        self.peers.replicate(&holder.peer_addr, request).await
+        }
     }
 
     /// Queues `changes` of `bucket` for `holder` (async replication and evictions).
@@ -432,8 +460,10 @@ impl Replicator {
         !self.queue.lock().is_empty()
     }
 
-    /// Sends one batch of the async queue: in order, one request per run of one bucket and
-    /// holder. A failed request detaches its bucket at that holder (it is re-sent whole).
+    /// Sends one batch of the async queue: one exchange per holder, carrying per bucket its
+    /// changes in the order they were queued (buckets are independent, so only the order
+    /// within a bucket matters). A bucket the holder did not apply is detached at that holder
+    /// (it is re-sent whole).
     pub async fn send_queued(&self) {
         let batch: Vec<Queued> = {
             let mut queue = self.queue.lock();
@@ -442,21 +472,54 @@ impl Replicator {
             *self.sending_since.lock() = queue.front().map(|q| q.at);
             queue.drain(..n).collect()
         };
-        let mut i = 0;
-        while i < batch.len() {
-            let (bucket, holder) = (batch[i].bucket, &batch[i].holder);
-            let mut j = i;
-            while j < batch.len() && batch[j].bucket == bucket && batch[j].holder == *holder {
-                j += 1;
-            }
-            let changes: Vec<Change> = batch[i..j].iter().map(|q| q.change.clone()).collect();
-            if let Err(e) = self.send_changes(bucket, holder, &changes).await {
-                self.stats.failures.fetch_add(1, Ordering::Relaxed);
-                tracing::debug!(bucket = bucket.0, holder = holder.id, error = %e, "async replication failed");
-                self.detach_at(bucket, holder.id);
-            }
-            i = j;
+        // Per holder, per bucket, the changes in queue order.
+        let mut by_holder: Vec<(Holder, BTreeMap<BucketId, Vec<Change>>)> = Vec::new();
+        for q in batch {
+            let at = match by_holder.iter().position(|(h, _)| *h == q.holder) {
+                Some(at) => at,
+                None => {
+                    by_holder.push((q.holder.clone(), BTreeMap::new()));
+                    by_holder.len() - 1
+                }
+            };
+            by_holder[at].1.entry(q.bucket).or_default().push(q.change);
         }
+        let sends = by_holder.into_iter().map(|(holder, buckets)| async move {
+            let mut parts: Vec<(Replicate, usize)> = buckets
+                .into_iter()
+                .map(|(bucket, changes)| (self.request(bucket, &holder, change_body(&changes), false), changes.len()))
+                .collect();
+            // Exchanges of at most `MAX_BATCH_BYTES` (a bucket's changes stay together).
+            while !parts.is_empty() {
+                let mut n = 0;
+                let mut bytes = 0;
+                for (request, _) in &parts {
+                    if n > 0 && bytes + request.body.len() > batch::MAX_BATCH_BYTES {
+                        break;
+                    }
+                    n += 1;
+                    bytes += request.body.len();
+                }
+                let (requests, counts): (Vec<Replicate>, Vec<usize>) = parts.drain(..n).unzip();
+                let buckets: Vec<BucketId> = requests.iter().map(|r| r.bucket).collect();
+                self.stats.exchanges.fetch_add(1, Ordering::Relaxed);
+                let answers = self.peers.replicate_batch(&holder.peer_addr, requests).await;
+                for (i, (bucket, count)) in buckets.into_iter().zip(counts).enumerate() {
+                    let answer = match &answers {
+                        Ok(answers) => answers[i].clone(),
+                        Err(e) => ReplicaAnswer::Refused(e.to_string()),
+                    };
+                    if answer == ReplicaAnswer::Applied {
+                        self.stats.sent.fetch_add(count as u64, Ordering::Relaxed);
+                    } else {
+                        self.stats.failures.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!(bucket = bucket.0, holder = holder.id, answer = ?answer, "async replication failed");
+                        self.detach_at(bucket, holder.id);
+                    }
+                }
+            }
+        });
+        futures::future::join_all(sends).await;
         self.sending.store(0, Ordering::Release);
         *self.sending_since.lock() = None;
     }

@@ -34,7 +34,7 @@ use shoal_http_api::{
 };
 use shoal_raft::{BoxFuture, ControlRpc, ControlTransport, NodeId, TransportError};
 
-use super::{CallError, FrameStream, PeerAnswer, PeerRequest, ReplicaAnswer, StreamRequest, Transport};
+use super::{CallError, FrameStream, PeerAnswer, PeerRequest, ReplicaAnswer, Replicate, StreamRequest, Transport};
 
 /// The header that carries the cluster secret on every request to a peer listener.
 pub const SECRET_HEADER: &str = "x-shoal-cluster-secret";
@@ -284,6 +284,14 @@ impl HttpTransport {
                     }
                     s => return Err(CallError::Refused { status: s.as_u16(), reason: reason() }),
                 }))
+            }
+            PeerRequest::ReplicateBatch(requests) => {
+                let from = requests.first().map_or(0, |r| r.from);
+                let uri = self.url(addr, "/internal/replicate");
+                let body = encode_batch(&requests);
+                let answer = self.peer(Method::POST, uri, &[(HEADER_FROM, from.to_string())], body, timeout).await?;
+                refused_unless_success(&answer)?;
+                Ok(PeerAnswer::ReplicatedBatch(json(&answer.body)?))
             }
             PeerRequest::Shadow { bucket, body } => {
                 let uri = self.url(addr, &format!("/internal/shadow/{}", bucket.0));
@@ -543,6 +551,56 @@ fn json<T: DeserializeOwned>(body: &[u8]) -> Result<T, CallError> {
     serde_json::from_slice(body).map_err(|e| CallError::Broken(format!("unreadable JSON: {e}")))
 }
 
+/// Bytes before each request's body in a batch: bucket (2), snapshot flag (1), map version
+/// (8), sequence number (8), body length (4), big-endian.
+const BATCH_PART_HEADER: usize = 23;
+
+/// A batch of replica requests of one sender as one body: per request its header
+/// ([`BATCH_PART_HEADER`]), then its framed body. The sender goes in `HEADER_FROM`.
+pub fn encode_batch(requests: &[Replicate]) -> Bytes {
+    let size: usize = requests.iter().map(|r| BATCH_PART_HEADER + r.body.len()).sum();
+    let mut out = Vec::with_capacity(size);
+    for r in requests {
+        out.extend_from_slice(&r.bucket.0.to_be_bytes());
+        out.push(u8::from(r.snapshot));
+        out.extend_from_slice(&r.map_version.to_be_bytes());
+        out.extend_from_slice(&r.seq.to_be_bytes());
+        out.extend_from_slice(&(r.body.len() as u32).to_be_bytes());
+        out.extend_from_slice(&r.body);
+    }
+    Bytes::from(out)
+}
+
+/// The requests of a batch body from sender `from`, or why it is malformed (nothing of a
+/// malformed batch is applied).
+pub fn decode_batch(from: NodeId, mut body: Bytes) -> Result<Vec<Replicate>, String> {
+    let mut out = Vec::new();
+    while !body.is_empty() {
+        if body.len() < BATCH_PART_HEADER {
+            return Err(format!("request {} of the batch: truncated header", out.len()));
+        }
+        let header = body.split_to(BATCH_PART_HEADER);
+        let bucket = u16::from_be_bytes([header[0], header[1]]);
+        if usize::from(bucket) >= shoal_raft::BUCKET_COUNT {
+            return Err(format!("request {} of the batch: no bucket {bucket}", out.len()));
+        }
+        let word = |at: usize| u64::from_be_bytes(header[at..at + 8].try_into().unwrap_or_default());
+        let len = u32::from_be_bytes(header[19..23].try_into().unwrap_or_default()) as usize;
+        if body.len() < len {
+            return Err(format!("request {} of the batch: truncated body", out.len()));
+        }
+        out.push(Replicate {
+            bucket: shoal_raft::BucketId(bucket),
+            from,
+            map_version: word(3),
+            snapshot: header[2] != 0,
+            seq: word(11),
+            body: body.split_to(len),
+        });
+    }
+    Ok(out)
+}
+
 /// `/v1/kv/<key, percent-encoded>`.
 fn key_path(key: &str) -> String {
     format!("/v1/kv/{}", utf8_percent_encode(key, SEGMENT))
@@ -665,5 +723,51 @@ fn bulk_item(item: &PutItem) -> BulkPutItem {
         cas,
         mode,
         priority: (o.priority != Priority::Normal).then(|| o.priority.name().to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+    use shoal_raft::BucketId;
+
+    use super::{decode_batch, encode_batch};
+    use crate::transport::Replicate;
+
+    fn request(bucket: u16, body: &'static [u8]) -> Replicate {
+        Replicate {
+            bucket: BucketId(bucket),
+            from: 7,
+            map_version: 41,
+            snapshot: false,
+            seq: 1000 + u64::from(bucket),
+            body: Bytes::from_static(body),
+        }
+    }
+
+    #[test]
+    fn a_batch_reads_back_as_it_was_sent() {
+        let sent = vec![request(0, b"abc"), request(999, b""), request(12, &[0u8; 300])];
+        let read = decode_batch(7, encode_batch(&sent)).expect("a batch");
+        assert_eq!(read.len(), sent.len());
+        for (r, s) in read.iter().zip(&sent) {
+            assert_eq!(
+                (r.bucket, r.from, r.map_version, r.snapshot, r.seq, &r.body),
+                (s.bucket, s.from, s.map_version, s.snapshot, s.seq, &s.body)
+            );
+        }
+        assert!(decode_batch(7, Bytes::new()).expect("an empty batch").is_empty());
+    }
+
+    #[test]
+    fn a_malformed_batch_is_refused_whole() {
+        let whole = encode_batch(&[request(1, b"abc"), request(2, b"defg")]);
+        for cut in [1, 22, whole.len() - 1] {
+            let error = decode_batch(7, whole.slice(..cut)).expect_err("truncated");
+            assert!(error.contains("truncated"), "{error}");
+        }
+        let mut bad = whole.to_vec();
+        bad[0..2].copy_from_slice(&1000u16.to_be_bytes());
+        assert!(decode_batch(7, Bytes::from(bad)).expect_err("no such bucket").contains("no bucket 1000"));
     }
 }

@@ -49,6 +49,9 @@ pub use service::PeerService;
 pub enum PeerRequest {
     /// Changes (or a whole snapshot) of a bucket for its replica, to the holder's peer address.
     Replicate(Replicate),
+    /// Changes of several buckets of one sender for their replica, in one exchange: each is
+    /// applied (or refused) as if it came alone.
+    ReplicateBatch(Vec<Replicate>),
     /// Writes of a bucket for the shadow the previous owner keeps during a transfer.
     Shadow {
         /// The bucket.
@@ -161,6 +164,8 @@ pub enum PeerRequest {
 pub enum PeerAnswer {
     /// What the replica holder did.
     Replicated(ReplicaAnswer),
+    /// What the replica holder did with each request of a batch, in its order.
+    ReplicatedBatch(Vec<ReplicaAnswer>),
     /// The shadow applied the writes.
     ShadowApplied,
     /// The owner installed the copy given back, and the bucket serves again.
@@ -237,7 +242,7 @@ pub struct Replicate {
 }
 
 /// What the replica holder did with a [`Replicate`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ReplicaAnswer {
     /// Applied.
     Applied,
@@ -361,6 +366,7 @@ pub fn unexpected(answer: &PeerAnswer) -> CallError {
 fn answer_name(answer: &PeerAnswer) -> &'static str {
     match answer {
         PeerAnswer::Replicated(_) => "replicated",
+        PeerAnswer::ReplicatedBatch(_) => "replicated batch",
         PeerAnswer::ShadowApplied => "shadow applied",
         PeerAnswer::Found => "found",
         PeerAnswer::Pong(_) => "pong",

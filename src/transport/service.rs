@@ -56,6 +56,7 @@ impl PeerService {
         let failed = CallError::Api;
         Ok(match request {
             PeerRequest::Replicate(r) => PeerAnswer::Replicated(self.replicator.receive(r).await),
+            PeerRequest::ReplicateBatch(requests) => PeerAnswer::ReplicatedBatch(self.receive_batch(requests).await),
             PeerRequest::Shadow { bucket, body } => {
                 self.exporter
                     .apply_shadow(bucket, &body)
@@ -132,6 +133,12 @@ impl PeerService {
         self.exporter.open(bucket, to, epoch).await.map_err(refused)
     }
 
+    /// Applies (or refuses) each replica request of a batch as if it came alone: they are of
+    /// distinct buckets, since an owner has one replica write per bucket in flight.
+    pub async fn receive_batch(&self, requests: Vec<Replicate>) -> Vec<ReplicaAnswer> {
+        futures::future::join_all(requests.into_iter().map(|r| self.replicator.receive(r))).await
+    }
+
     /// A control-plane message.
     pub async fn control(&self, target: Option<NodeId>, rpc: ControlRpc, body: &[u8]) -> Result<Vec<u8>, ServeError> {
         // A node the cluster failed no longer hears from the leader: the leader it would
@@ -166,6 +173,7 @@ pub fn peer_routes(service: Arc<PeerService>) -> Router {
         .route("/raft/snapshot", post(raft_snapshot))
         .route("/internal/admin", post(admin))
         .route("/internal/members/{id}", get(member_status))
+        .route("/internal/replicate", post(replicate_batch))
         .route("/internal/replicate/{bucket}", post(replicate))
         .route("/internal/shadow/{bucket}", post(shadow))
         .route("/internal/found/{bucket}", post(found))
@@ -255,6 +263,19 @@ async fn replicate(
         }
         ReplicaAnswer::Refused(reason) => (StatusCode::BAD_REQUEST, reason).into_response(),
     }
+}
+
+/// Several buckets' changes of one sender (`http::encode_batch`): each is applied or refused
+/// as if it came alone; the answers, in order, as JSON.
+async fn replicate_batch(State(s): State<Arc<PeerService>>, headers: HeaderMap, body: Bytes) -> Response {
+    let Some(from) = header_u64(&headers, HEADER_FROM) else {
+        return (StatusCode::BAD_REQUEST, "missing sender").into_response();
+    };
+    let requests = match super::http::decode_batch(from, body) {
+        Ok(requests) => requests,
+        Err(reason) => return (StatusCode::BAD_REQUEST, reason).into_response(),
+    };
+    Json(s.receive_batch(requests).await).into_response()
 }
 
 async fn shadow(State(s): State<Arc<PeerService>>, Path(bucket): Path<u16>, body: Bytes) -> Response {
