@@ -10,7 +10,7 @@
 //!                          │         ◀──────────── each write's answer ────────────┘
 //!                          │  2xx to the client only now; on failure the write is taken back
 //!                          │  and the client gets 503 replication_failed
-//!                          └─ async: queue ─▶ batches, per bucket in order ─▶ the same endpoint
+//!                          └─ async: queue ─▶ per bucket in order ─▶ H's lane, the same endpoint
 //! ```
 //!
 //! Sync writes of different buckets waiting for the same holder at once travel in one
@@ -51,7 +51,7 @@
 //!
 //! # Layout
 //! - `mod.rs`: the [`Replicator`]: sending, attaching, the queue, promotion, counts.
-//! - `batch.rs`: the lanes that batch sync writes per holder.
+//! - `batch.rs`: the lanes that batch writes per holder.
 //! - `receive.rs`: the holder's endpoint.
 //! - `copy_back.rs`: the copy a restarted owner gets its buckets back from.
 
@@ -134,8 +134,6 @@ pub struct ReplicationStats {
     pub snapshot_bytes: AtomicU64,
     /// Writes undone because the replica did not apply them (sync).
     pub undone: AtomicU64,
-    /// Async exchanges with holders that carried changes (sync ones: [`Replicator::exchanges`]).
-    exchanges: AtomicU64,
 }
 
 /// A holder that acknowledged a snapshot of a bucket, in which move epoch of the bucket and
@@ -222,7 +220,7 @@ impl Replicator {
             active,
             replica,
             facts,
-            batcher: batch::Batcher::new(peers.clone()),
+            batcher: batch::batcher(peers.clone()),
             peers,
             attached: (0..BUCKET_COUNT).map(|_| Mutex::new(Attachments::default())).collect(),
             sources: (0..BUCKET_COUNT).map(|_| AtomicU64::new(0)).collect(),
@@ -312,7 +310,7 @@ impl Replicator {
     /// Exchanges with holders that carried changes (not snapshots) so far; a batch of many
     /// writes counts once.
     pub fn exchanges(&self) -> u64 {
-        self.batcher.exchanges() + self.stats.exchanges.load(Ordering::Relaxed)
+        self.batcher.exchanges()
     }
 
     /// Records that `ReplicaMoved { holder }` is proposed (0: no proposal may commit any more).
@@ -460,10 +458,10 @@ impl Replicator {
         !self.queue.lock().is_empty()
     }
 
-    /// Sends one batch of the async queue: one exchange per holder, carrying per bucket its
-    /// changes in the order they were queued (buckets are independent, so only the order
-    /// within a bucket matters). A bucket the holder did not apply is detached at that holder
-    /// (it is re-sent whole).
+    /// Sends one batch of the async queue: per bucket its changes in the order they were
+    /// queued (buckets are independent, so only the order within a bucket matters), all at
+    /// once, through the holders' lanes. A bucket the holder did not apply is detached at that
+    /// holder (it is re-sent whole).
     pub async fn send_queued(&self) {
         let batch: Vec<Queued> = {
             let mut queue = self.queue.lock();
@@ -472,7 +470,8 @@ impl Replicator {
             *self.sending_since.lock() = queue.front().map(|q| q.at);
             queue.drain(..n).collect()
         };
-        // Per holder, per bucket, the changes in queue order.
+        // Per holder, per bucket, the changes in queue order; every bucket's changes go to the
+        // holder's lane at once, which batches them (`batch.rs`).
         let mut by_holder: Vec<(Holder, BTreeMap<BucketId, Vec<Change>>)> = Vec::new();
         for q in batch {
             let at = match by_holder.iter().position(|(h, _)| *h == q.holder) {
@@ -484,40 +483,14 @@ impl Replicator {
             };
             by_holder[at].1.entry(q.bucket).or_default().push(q.change);
         }
-        let sends = by_holder.into_iter().map(|(holder, buckets)| async move {
-            let mut parts: Vec<(Replicate, usize)> = buckets
-                .into_iter()
-                .map(|(bucket, changes)| (self.request(bucket, &holder, change_body(&changes), false), changes.len()))
-                .collect();
-            // Exchanges of at most `MAX_BATCH_BYTES` (a bucket's changes stay together).
-            while !parts.is_empty() {
-                let mut n = 0;
-                let mut bytes = 0;
-                for (request, _) in &parts {
-                    if n > 0 && bytes + request.body.len() > batch::MAX_BATCH_BYTES {
-                        break;
-                    }
-                    n += 1;
-                    bytes += request.body.len();
+        let sends = by_holder.iter().flat_map(|(holder, buckets)| {
+            buckets.iter().map(move |(&bucket, changes)| async move {
+                if let Err(e) = self.send_changes(bucket, holder, changes).await {
+                    self.stats.failures.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(bucket = bucket.0, holder = holder.id, error = %e, "async replication failed");
+                    self.detach_at(bucket, holder.id);
                 }
-                let (requests, counts): (Vec<Replicate>, Vec<usize>) = parts.drain(..n).unzip();
-                let buckets: Vec<BucketId> = requests.iter().map(|r| r.bucket).collect();
-                self.stats.exchanges.fetch_add(1, Ordering::Relaxed);
-                let answers = self.peers.replicate_batch(&holder.peer_addr, requests).await;
-                for (i, (bucket, count)) in buckets.into_iter().zip(counts).enumerate() {
-                    let answer = match &answers {
-                        Ok(answers) => answers[i].clone(),
-                        Err(e) => ReplicaAnswer::Refused(e.to_string()),
-                    };
-                    if answer == ReplicaAnswer::Applied {
-                        self.stats.sent.fetch_add(count as u64, Ordering::Relaxed);
-                    } else {
-                        self.stats.failures.fetch_add(1, Ordering::Relaxed);
-                        tracing::debug!(bucket = bucket.0, holder = holder.id, answer = ?answer, "async replication failed");
-                        self.detach_at(bucket, holder.id);
-                    }
-                }
-            }
+            })
         });
         futures::future::join_all(sends).await;
         self.sending.store(0, Ordering::Release);

@@ -23,9 +23,12 @@
 //!   peer listener's routes that feed it.
 //! - `frame.rs`: the wire format of bucket data (bucket streams, replica writes and snapshots,
 //!   shadow writes).
+//! - `lanes.rs`: [`lanes::Lanes`], requests to one peer that wait at the same time sent in one
+//!   exchange (replica writes, forwarded key operations).
 
 pub mod frame;
 pub mod http;
+pub mod lanes;
 pub mod service;
 
 use std::pin::Pin;

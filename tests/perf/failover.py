@@ -17,6 +17,7 @@ Everything listens on 127.0.0.1 and every process is stopped by its PID.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -231,7 +232,9 @@ def failover_runs(shoal, runs, keys, victims):
     return times
 
 
-def put_throughput(shoal, nodes, mode, duration, keys):
+@contextlib.contextmanager
+def running_cluster(shoal, nodes, mode):
+    """`nodes` nodes in replication `mode`, settled; stopped (by PID) and removed afterwards."""
     tmp = tempfile.mkdtemp(prefix="shoal-putbench-")
     cluster = Cluster(shoal, tmp, mode)
     try:
@@ -239,15 +242,25 @@ def put_throughput(shoal, nodes, mode, duration, keys):
         for _ in range(nodes - 1):
             cluster.start_node(join=seed)
         cluster.wait_settled(0, nodes)
-        pids = [str(p.pid) for p in cluster.procs]
-        out = subprocess.run([shoal, "bench", "--addr", ",".join(cluster.addrs), "--routing", "direct",
-                              "--ratio", "0:1", "--keys", str(keys), "--duration", duration, "--connections", "50",
-                              "--server-pid", ",".join(pids), "-o", "json"], check=True, capture_output=True, text=True)
-        report = json.loads(out.stdout)
-        return report["keys_per_sec"], report["latency"]["p99_ms"], sum(report["errors"].values())
+        yield cluster
     finally:
         cluster.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def bench_put(shoal, cluster, duration, keys):
+    """`shoal bench` PUTs (50 connections, routed to owners) against `cluster`: its JSON report."""
+    pids = ",".join(str(p.pid) for p in cluster.procs)
+    out = subprocess.run([shoal, "bench", "--addr", ",".join(cluster.addrs), "--routing", "direct",
+                          "--ratio", "0:1", "--keys", str(keys), "--duration", duration, "--connections", "50",
+                          "--server-pid", pids, "-o", "json"], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)
+
+
+def put_throughput(shoal, nodes, mode, duration, keys):
+    with running_cluster(shoal, nodes, mode) as cluster:
+        report = bench_put(shoal, cluster, duration, keys)
+        return report["keys_per_sec"], report["latency"]["p99_ms"], sum(report["errors"].values())
 
 
 def main():

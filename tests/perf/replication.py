@@ -14,13 +14,9 @@ PUT (all nodes' CPU over the PUTs), p99, and changes per exchange with the repli
 Everything listens on 127.0.0.1 and every process is stopped by its PID.
 """
 import argparse
-import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import failover  # noqa: E402  (its Cluster starts and stops the nodes)
@@ -41,26 +37,13 @@ def counters(cluster):
 
 
 def run(shoal, nodes, mode, duration):
-    tmp = tempfile.mkdtemp(prefix="shoal-replbench-")
-    cluster = failover.Cluster(shoal, tmp, mode)
-    try:
-        seed = cluster.start_node()
-        for _ in range(nodes - 1):
-            cluster.start_node(join=seed)
-        cluster.wait_settled(0, nodes)
+    with failover.running_cluster(shoal, nodes, mode) as cluster:
         before = counters(cluster)
-        pids = ",".join(str(p.pid) for p in cluster.procs)
-        out = subprocess.run([shoal, "bench", "--addr", ",".join(cluster.addrs), "--routing", "direct",
-                              "--ratio", "0:1", "--keys", "100000", "--duration", duration, "--connections", "50",
-                              "--server-pid", pids, "-o", "json"], check=True, capture_output=True, text=True)
-        report = json.loads(out.stdout)
+        report = failover.bench_put(shoal, cluster, duration, 100_000)
         after = counters(cluster)
         exchanges = after["exchanges"] - before["exchanges"]
         per_exchange = (after["changes"] - before["changes"]) / exchanges if exchanges else None
         return (report["keys_per_sec"], report["server_us_per_request"], report["latency"]["p99_ms"], per_exchange)
-    finally:
-        cluster.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main():
