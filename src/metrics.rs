@@ -167,6 +167,8 @@ pub struct StateGauges {
     pub replication_failures: Counter,
     /// Exchanges with replica holders that carried changes.
     pub replication_exchanges: Counter,
+    /// Exchanges with owners that carried forwarded key operations.
+    pub forward_exchanges: Counter,
     /// Bucket snapshots sent to the replica.
     pub replication_snapshots: Counter,
     /// Bytes of the bucket snapshots sent to the replica.
@@ -365,6 +367,10 @@ impl NodeMetrics {
             replication_exchanges: counter(
                 "shoal_replication_exchanges_total",
                 "Exchanges with replica holders that carried changes: writes in flight to one holder at once travel together, so changes per exchange is the batch size.",
+            ),
+            forward_exchanges: counter(
+                "shoal_forward_exchanges_total",
+                "Exchanges with owners that carried forwarded key operations: operations waiting for one owner at once travel together, so forwarded operations per exchange is the batch size.",
             ),
             replication_snapshot_bytes: counter(
                 "shoal_replication_snapshot_bytes_total",

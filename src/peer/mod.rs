@@ -4,6 +4,9 @@
 //! broadcast asks each member for its own keys only. Answers come back as the same types and
 //! errors the local path produces, so a client cannot tell a forwarded answer from a local
 //! one; what the network did (unreachable, no answer in time) becomes `owner_unreachable`.
+//! Forwarded key operations waiting for the same owner at once share exchanges (`forward.rs`).
+
+mod forward;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -36,6 +39,7 @@ const GIVE_BACK_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Clone)]
 pub struct Peers {
     transport: Arc<dyn Transport>,
+    forwards: forward::Forwards,
 }
 
 /// A forwarded operation's failure as the client sees it.
@@ -54,7 +58,7 @@ fn api_error(addr: &str, e: CallError) -> ApiError {
 impl Peers {
     /// Typed calls over `transport`.
     pub fn new(transport: Arc<dyn Transport>) -> Self {
-        Peers { transport }
+        Peers { forwards: forward::forwards(transport.clone()), transport }
     }
 
     /// The transport.
@@ -66,11 +70,34 @@ impl Peers {
         self.transport.call(api_addr, request, FORWARD_TIMEOUT).await.map_err(|e| api_error(api_addr, e))
     }
 
-    /// Forwards a GET to the owner.
-    pub async fn get(&self, api_addr: &str, key: &str, map_version: u64) -> Result<GetOk, ApiError> {
-        match self.forward(api_addr, PeerRequest::Get { key: key.to_string(), map_version, mirror: None }).await? {
-            PeerAnswer::Got(ok) => Ok(ok),
-            other => Err(api_error(api_addr, unexpected(&other))),
+    /// Exchanges that carried forwarded key operations so far (several operations sent
+    /// together count once).
+    pub fn forward_exchanges(&self) -> u64 {
+        self.forwards.exchanges()
+    }
+
+    /// Forwards a key operation to `owner` at `api_addr`, with others waiting for it.
+    async fn forward_op(
+        &self,
+        api_addr: &str,
+        owner: NodeId,
+        op: forward::KeyOp,
+        map_version: u64,
+    ) -> Result<forward::KeyDone, ApiError> {
+        self.forwards.send(api_addr, forward::Forwarded { op, owner, map_version }).await
+    }
+
+    /// Forwards a GET to `owner`; `None`: the key does not exist.
+    pub async fn get(
+        &self,
+        api_addr: &str,
+        owner: NodeId,
+        key: &str,
+        map_version: u64,
+    ) -> Result<Option<GetOk>, ApiError> {
+        match self.forward_op(api_addr, owner, forward::KeyOp::Get(key.to_string()), map_version).await? {
+            forward::KeyDone::Got(found) => Ok(found),
+            other => Err(ApiError::Internal(format!("a forwarded read was answered with {other:?}"))),
         }
     }
 
@@ -110,19 +137,47 @@ impl Peers {
         }
     }
 
-    /// Forwards a PUT to the owner.
-    pub async fn put(&self, api_addr: &str, item: &PutItem, map_version: u64) -> Result<PutOk, ApiError> {
-        match self.forward(api_addr, PeerRequest::Put { item: item.clone(), map_version }).await? {
-            PeerAnswer::Put(ok) => Ok(ok),
-            other => Err(api_error(api_addr, unexpected(&other))),
+    /// Forwards a PUT to `owner`.
+    pub async fn put(
+        &self,
+        api_addr: &str,
+        owner: NodeId,
+        item: &PutItem,
+        map_version: u64,
+    ) -> Result<PutOk, ApiError> {
+        if !forward::shared(item) {
+            return match self.forward(api_addr, PeerRequest::Put { item: item.clone(), map_version }).await? {
+                PeerAnswer::Put(ok) => Ok(ok),
+                other => Err(api_error(api_addr, unexpected(&other))),
+            };
+        }
+        match self.forward_op(api_addr, owner, forward::KeyOp::Put(item.clone()), map_version).await? {
+            forward::KeyDone::Put(ok) => Ok(ok),
+            other => Err(ApiError::Internal(format!("a forwarded write was answered with {other:?}"))),
         }
     }
 
-    /// Forwards a DELETE to the owner.
-    pub async fn delete(&self, api_addr: &str, key: &str, cas: Option<u64>, map_version: u64) -> Result<(), ApiError> {
-        match self.forward(api_addr, PeerRequest::Delete { key: key.to_string(), cas, map_version }).await? {
-            PeerAnswer::Deleted => Ok(()),
-            other => Err(api_error(api_addr, unexpected(&other))),
+    /// Forwards a DELETE to `owner`; `false`: the key did not exist.
+    pub async fn delete(
+        &self,
+        api_addr: &str,
+        owner: NodeId,
+        key: &str,
+        cas: Option<u64>,
+        map_version: u64,
+    ) -> Result<bool, ApiError> {
+        if cas.is_some() {
+            let request = PeerRequest::Delete { key: key.to_string(), cas, map_version };
+            return match self.forward(api_addr, request).await {
+                Ok(PeerAnswer::Deleted) => Ok(true),
+                Err(ApiError::NotFound) => Ok(false),
+                Ok(other) => Err(api_error(api_addr, unexpected(&other))),
+                Err(e) => Err(e),
+            };
+        }
+        match self.forward_op(api_addr, owner, forward::KeyOp::Delete(key.to_string()), map_version).await? {
+            forward::KeyDone::Deleted(existed) => Ok(existed),
+            other => Err(ApiError::Internal(format!("a forwarded delete was answered with {other:?}"))),
         }
     }
 

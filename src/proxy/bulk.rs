@@ -84,12 +84,10 @@ impl NodeApi {
                 let call = remote(api_addr, owner, batch, version);
                 calls.push(async move { (idx, call.await) });
             }
+            // Buckets here at once: each waits for its own replica, not for the others'.
             let locals = async {
-                let mut done = Vec::new();
-                for (bucket, idx) in here {
-                    done.extend(local(bucket, idx).await);
-                }
-                done
+                let local = &local;
+                join_all(here.into_iter().map(|(bucket, idx)| local(bucket, idx))).await.into_iter().flatten()
             };
             let (done_here, answers) = futures::join!(locals, join_all(calls));
             let mut retry = Vec::new();
@@ -366,7 +364,7 @@ impl NodeApi {
                 done
             }
         };
-        let remote = |api: String, _owner: NodeId, batch: Vec<(String, Option<u64>)>, v: u64| {
+        let remote = |api: String, owner: NodeId, batch: Vec<(String, Option<u64>)>, v: u64| {
             let peers = &self.peers;
             async move {
                 if batch.iter().all(|(_, cas)| cas.is_none()) {
@@ -376,9 +374,8 @@ impl NodeApi {
                 // Versioned deletes (rare: a bucket that moved away meanwhile) go one by one.
                 let mut results = Vec::with_capacity(batch.len());
                 for (key, cas) in &batch {
-                    results.push(match peers.delete(&api, key, *cas, v).await {
-                        Ok(()) => Ok(true),
-                        Err(ApiError::NotFound) => Ok(false),
+                    results.push(match peers.delete(&api, owner, key, *cas, v).await {
+                        Ok(existed) => Ok(existed),
                         Err(e @ ApiError::NotOwner { .. }) => return Err(e),
                         Err(e) => Err(e),
                     });

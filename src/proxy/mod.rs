@@ -234,7 +234,7 @@ impl NodeApi {
     where
         L: Fn() -> LF,
         LF: Future<Output = Result<T, DataError>>,
-        R: Fn(String, u64) -> RF,
+        R: Fn(NodeId, String, u64) -> RF,
         RF: Future<Output = Result<T, ApiError>>,
     {
         let frozen_until = tokio::time::Instant::now() + FROZEN_WAIT;
@@ -267,7 +267,7 @@ impl NodeApi {
                     let api_addr = api_addr_of(&state, owner)?;
                     self.metrics.forwarded.increment(1);
                     let answer = tokio::select! {
-                        answer = remote(api_addr, version) => answer,
+                        answer = remote(owner, api_addr, version) => answer,
                         () = self.health.silent(owner) => Err(DataError::OwnerUnreachable { owner, bucket }.into()),
                     };
                     match answer {
@@ -481,15 +481,9 @@ impl ShoalApi for NodeApi {
             }
         }
         let local = || self.local_get(&key, bucket);
-        let remote = |api: String, v: u64| {
+        let remote = |owner: NodeId, api: String, v: u64| {
             let (peers, key) = (&self.peers, &key);
-            async move {
-                match peers.get(&api, key, v).await {
-                    Ok(ok) => Ok(Some(ok)),
-                    Err(ApiError::NotFound) => Ok(None),
-                    Err(e) => Err(e),
-                }
-            }
+            async move { peers.get(&api, owner, key, v).await }
         };
         let result = self.route(bucket, ctx, local, remote).await.and_then(|found| found.ok_or(ApiError::NotFound));
         if let Some(owner) = to_owner {
@@ -513,9 +507,9 @@ impl ShoalApi for NodeApi {
         }
         let bucket = bucket_of(item.key.as_bytes());
         let local = || self.local_put(&item, bucket);
-        let remote = |api: String, v: u64| {
+        let remote = |owner: NodeId, api: String, v: u64| {
             let (peers, item) = (&self.peers, &item);
-            async move { peers.put(&api, item, v).await }
+            async move { peers.put(&api, owner, item, v).await }
         };
         let result = self.route(bucket, ctx, local, remote).await;
         self.timed(Op::Put, started, result)
@@ -528,15 +522,9 @@ impl ShoalApi for NodeApi {
         }
         let bucket = bucket_of(key.as_bytes());
         let local = || self.local_delete(&key, cas, bucket);
-        let remote = |api: String, v: u64| {
+        let remote = |owner: NodeId, api: String, v: u64| {
             let (peers, key) = (&self.peers, &key);
-            async move {
-                match peers.delete(&api, key, cas, v).await {
-                    Ok(()) => Ok(true),
-                    Err(ApiError::NotFound) => Ok(false),
-                    Err(e) => Err(e),
-                }
-            }
+            async move { peers.delete(&api, owner, key, cas, v).await }
         };
         let result = self.route(bucket, ctx, local, remote).await.and_then(|deleted| {
             if deleted {

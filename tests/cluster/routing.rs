@@ -1,6 +1,7 @@
 //! Routing: any node serves any key, forwarding to the owner; keyless operations see every
 //! node; forwarded requests are refused by non-owners.
 
+use futures::StreamExt;
 use serde_json::{json, Value};
 use shoal_raft::bucket_of;
 
@@ -281,6 +282,55 @@ async fn metrics_count_operations_hits_misses_and_forwards() {
     assert!(received(&after0, "client") > received(&before, "client") + 20.0 * 20.0);
     assert!(sent(&after0, "client") > sent(&before, "client"));
     assert!(received(&after1, "peer") > 0.0 && sent(&after1, "peer") > 0.0);
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forwarded_operations_in_flight_together_share_exchanges_and_each_gets_its_own_answer() {
+    let cluster = TestCluster::start(2).await;
+    let c = &cluster;
+    c.wait_for_counts(&[500, 500]).await;
+    let map = c.json(0, "/v1/cluster/map").await;
+    let owner_of_slot1 = json!(c.id(1));
+    // Keys slot 1 owns, all sent to slot 0, 48 at a time: each is forwarded.
+    let keys: Vec<String> = (0..)
+        .map(|i| format!("fw:{i}"))
+        .filter(|k| map["owners"][bucket_of(k.as_bytes()).0 as usize] == owner_of_slot1)
+        .take(400)
+        .collect();
+    let each = || futures::stream::iter(keys.iter().enumerate());
+    let puts: Vec<_> = each()
+        .map(|(i, k)| async move { (i, c.put(0, k, &format!("value {i}")).await) })
+        .buffer_unordered(48)
+        .collect()
+        .await;
+    assert!(puts.iter().all(|(_, s)| *s == 200), "every forwarded write succeeded: {puts:?}");
+    let gets: Vec<_> = each().map(|(i, k)| async move { (i, c.get(0, k).await) }).buffer_unordered(48).collect().await;
+    for (i, got) in gets {
+        assert_eq!(got, Some(format!("value {i}")), "{}", keys[i]);
+    }
+    let deletes: Vec<_> = each()
+        .map(|(i, k)| async move {
+            let url = c.url(0, &format!("/v1/kv/{k}"));
+            let first = c.http.delete(&url).send().await.expect("delete").status().as_u16();
+            let again = c.http.delete(&url).send().await.expect("delete").status().as_u16();
+            (i, first, again)
+        })
+        .buffer_unordered(48)
+        .collect()
+        .await;
+    assert!(deletes.iter().all(|&(_, first, again)| (first, again) == (204, 404)), "{deletes:?}");
+    for k in keys.iter().step_by(37) {
+        assert_eq!(c.get(0, k).await, None, "{k} was deleted");
+    }
+    // The forwards went in fewer exchanges than operations: they were batched.
+    let text = c.http.get(c.url(0, "/metrics")).send().await.expect("metrics").text().await.expect("text");
+    let value = |series: &str| -> f64 {
+        text.lines().find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok())).expect(series)
+    };
+    let (forwarded, exchanges) = (value("shoal_forwarded_operations_total "), value("shoal_forward_exchanges_total "));
+    assert!(forwarded >= 1600.0, "{forwarded} forwarded");
+    assert!(exchanges < forwarded, "{exchanges} exchanges for {forwarded} forwarded operations");
     cluster.shutdown().await;
 }
 

@@ -1,0 +1,426 @@
+//! Forwarded key operations to one owner that wait at the same time travel together.
+//!
+//! A node that receives a key operation for a bucket it does not own forwards it to the owner.
+//! Under load many clients' operations wait for the same owner at once, and each would be an
+//! HTTP exchange of its own; instead each owner has a lane (`transport::lanes`). A lone
+//! operation goes as the single-key request it always was. Several go at once as up to three
+//! bulk requests (their reads, writes and deletes), whose per-key answers are the answers a
+//! single request gets: a bulk answer carries each key's status, code, retry-after, current
+//! version and map version. A failure of a whole bulk request (the owner unreachable or
+//! refusing, a map that moved under it) is every operation's failure, and each operation's
+//! router handles it as it would alone: route again at a newer map, wait for a bucket that is
+//! passing, or answer the client.
+//!
+//! Only small operations share exchanges: a write whose value is large, or a delete at an
+//! expected version (the bulk delete has none), goes alone.
+
+use std::sync::Arc;
+
+use shoal_http_api::types::{GetOk, PutOk};
+use shoal_http_api::{ApiError, PutItem};
+use shoal_raft::NodeId;
+
+use super::api_error;
+use crate::transport::http::FORWARD_TIMEOUT;
+use crate::transport::lanes::{Exchange, LaneLimits, Lanes};
+use crate::transport::{unexpected, PeerAnswer, PeerRequest, Transport};
+
+/// Values larger than this are forwarded alone.
+pub(super) const SHARED_VALUE_BYTES: usize = 64 << 10;
+
+/// Lanes of forwarded operations, per owner API address.
+pub(super) type Forwards = Lanes<KeyOps>;
+
+/// Lanes sending through `transport`: two exchanges in flight per owner, 64 operations or
+/// 256 KiB of keys and values each.
+pub(super) fn forwards(transport: Arc<dyn Transport>) -> Forwards {
+    Lanes::new(KeyOps(transport), LaneLimits { senders: 2, items: 64, bytes: 256 << 10 })
+}
+
+/// A forwarded operation.
+#[derive(Debug, Clone)]
+pub(super) enum KeyOp {
+    /// Read a key.
+    Get(String),
+    /// Write an item.
+    Put(PutItem),
+    /// Delete a key (at any version).
+    Delete(String),
+}
+
+/// A forwarded operation with where it goes: the owner the sender's map (at `map_version`)
+/// names.
+#[derive(Debug, Clone)]
+pub(super) struct Forwarded {
+    pub op: KeyOp,
+    pub owner: NodeId,
+    pub map_version: u64,
+}
+
+/// What the owner did.
+#[derive(Debug, Clone)]
+pub(super) enum KeyDone {
+    /// The value, or `None`: the key does not exist.
+    Got(Option<GetOk>),
+    /// The write done.
+    Put(PutOk),
+    /// Whether the key existed.
+    Deleted(bool),
+}
+
+/// Sends forwarded operations to owners' API addresses.
+pub(super) struct KeyOps(Arc<dyn Transport>);
+
+type Answer = Result<KeyDone, ApiError>;
+
+impl KeyOps {
+    async fn call(&self, addr: &str, request: PeerRequest) -> Result<PeerAnswer, ApiError> {
+        self.0.call(addr, request, FORWARD_TIMEOUT).await.map_err(|e| api_error(addr, e))
+    }
+
+    /// One operation alone, as the single-key request.
+    async fn alone(&self, addr: &str, f: Forwarded) -> Answer {
+        let map_version = f.map_version;
+        let (request, expect) = match f.op {
+            KeyOp::Get(key) => (PeerRequest::Get { key, map_version, mirror: None }, "get"),
+            KeyOp::Put(item) => (PeerRequest::Put { item, map_version }, "put"),
+            KeyOp::Delete(key) => (PeerRequest::Delete { key, cas: None, map_version }, "delete"),
+        };
+        match (expect, self.call(addr, request).await) {
+            ("get", Ok(PeerAnswer::Got(ok))) => Ok(KeyDone::Got(Some(ok))),
+            ("get", Err(ApiError::NotFound)) => Ok(KeyDone::Got(None)),
+            ("put", Ok(PeerAnswer::Put(ok))) => Ok(KeyDone::Put(ok)),
+            ("delete", Ok(PeerAnswer::Deleted)) => Ok(KeyDone::Deleted(true)),
+            ("delete", Err(ApiError::NotFound)) => Ok(KeyDone::Deleted(false)),
+            (_, Ok(other)) => Err(api_error(addr, unexpected(&other))),
+            (_, Err(e)) => Err(e),
+        }
+    }
+
+    /// Several operations of one kind in one bulk request: one answer per operation, in order.
+    /// A bulk request refused for being one (too many keys for the owner's limit, values too
+    /// large to answer together) is sent again as single requests.
+    async fn together(&self, addr: &str, ops: Vec<Forwarded>) -> Vec<Answer> {
+        let n = ops.len();
+        let copies: Vec<Forwarded> = ops.to_vec();
+        let map_version = ops.iter().map(|f| f.map_version).max().unwrap_or(0);
+        let owners: Vec<NodeId> = ops.iter().map(|f| f.owner).collect();
+        let request = match &ops[0].op {
+            KeyOp::Get(_) => {
+                PeerRequest::BulkGet { keys: ops.into_iter().map(key).collect(), map_version, mirror: None }
+            }
+            KeyOp::Put(_) => PeerRequest::BulkPut { items: ops.into_iter().filter_map(item).collect(), map_version },
+            KeyOp::Delete(_) => PeerRequest::BulkDelete { keys: ops.into_iter().map(key).collect(), map_version },
+        };
+        let done: Vec<Answer> = match self.call(addr, request).await {
+            Ok(PeerAnswer::BulkGot(results)) => results
+                .into_iter()
+                .zip(&owners)
+                .map(|(r, &node)| r.map(|found| KeyDone::Got(found.map(|ok| GetOk { node, ..ok }))))
+                .collect(),
+            Ok(PeerAnswer::BulkPut(results)) => results
+                .into_iter()
+                .zip(&owners)
+                .map(|(r, &node)| r.map(|ok| KeyDone::Put(PutOk { node, ..ok })))
+                .collect(),
+            Ok(PeerAnswer::BulkDeleted(results)) => results.into_iter().map(|r| r.map(KeyDone::Deleted)).collect(),
+            Ok(other) => vec![Err(api_error(addr, unexpected(&other))); n],
+            Err(ApiError::BadRequest(_) | ApiError::ValueTooLarge { .. } | ApiError::AnswerTooLarge { .. }) => {
+                return futures::future::join_all(copies.into_iter().map(|f| self.alone(addr, f))).await;
+            }
+            Err(e) => vec![Err(e); n],
+        };
+        if done.len() == n {
+            done
+        } else {
+            vec![Err(ApiError::Internal("a peer answered a bulk request with the wrong count".into())); n]
+        }
+    }
+}
+
+fn key(f: Forwarded) -> String {
+    match f.op {
+        KeyOp::Get(key) | KeyOp::Delete(key) => key,
+        KeyOp::Put(item) => item.key,
+    }
+}
+
+fn item(f: Forwarded) -> Option<PutItem> {
+    match f.op {
+        KeyOp::Put(item) => Some(item),
+        _ => None,
+    }
+}
+
+impl Exchange for KeyOps {
+    type Item = Forwarded;
+    type Answer = Answer;
+
+    fn size(f: &Forwarded) -> usize {
+        match &f.op {
+            KeyOp::Get(key) | KeyOp::Delete(key) => key.len(),
+            KeyOp::Put(item) => item.key.len() + item.value.len(),
+        }
+    }
+
+    async fn send(&self, addr: &str, ops: Vec<Forwarded>) -> Vec<Answer> {
+        if ops.len() == 1 {
+            let only = ops.into_iter().next().expect("one operation");
+            return vec![self.alone(addr, only).await];
+        }
+        // Reads, writes and deletes each in one bulk request, all three at once.
+        let n = ops.len();
+        let mut kinds: [(Vec<usize>, Vec<Forwarded>); 3] = Default::default();
+        for (i, f) in ops.into_iter().enumerate() {
+            let kind = match f.op {
+                KeyOp::Get(_) => 0,
+                KeyOp::Put(_) => 1,
+                KeyOp::Delete(_) => 2,
+            };
+            kinds[kind].0.push(i);
+            kinds[kind].1.push(f);
+        }
+        let sends = kinds.into_iter().filter(|(idx, _)| !idx.is_empty()).map(|(idx, ops)| async move {
+            let answers = if ops.len() == 1 {
+                vec![self.alone(addr, ops.into_iter().next().expect("one operation")).await]
+            } else {
+                self.together(addr, ops).await
+            };
+            (idx, answers)
+        });
+        let mut answers: Vec<Option<Answer>> = (0..n).map(|_| None).collect();
+        for (idx, done) in futures::future::join_all(sends).await {
+            for (i, a) in idx.into_iter().zip(done) {
+                answers[i] = Some(a);
+            }
+        }
+        answers.into_iter().map(|a| a.unwrap_or_else(Self::dropped)).collect()
+    }
+
+    fn dropped() -> Answer {
+        Err(ApiError::Internal("a forwarded operation was dropped".into()))
+    }
+}
+
+/// Whether `item` may share an exchange with others.
+pub(super) fn shared(item: &PutItem) -> bool {
+    item.value.len() <= SHARED_VALUE_BYTES
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    use bytes::Bytes;
+    use shoal_http_api::types::PutOptions;
+    use shoal_raft::{BoxFuture, ControlRpc, ControlTransport, TransportError};
+
+    use super::*;
+    use crate::peer::Peers;
+    use crate::transport::{CallError, FrameStream, StreamRequest};
+
+    const OWNER: NodeId = 7;
+
+    /// An owner whose answer depends on the key's number: a third of the keys are absent, a
+    /// third present, a third refused with an error of their own. It answers single and bulk
+    /// requests alike (a bulk request of more than `max_keys` is refused whole), after a
+    /// millisecond, so that operations pile up meanwhile; or it died.
+    #[derive(Default)]
+    struct Owner {
+        exchanges: AtomicUsize,
+        bulk: AtomicUsize,
+        largest: AtomicUsize,
+        max_keys: AtomicUsize,
+        dead: AtomicBool,
+    }
+
+    fn number(key: &str) -> usize {
+        key.trim_start_matches('k').parse().expect("a numbered key")
+    }
+
+    fn refused(key: &str) -> ApiError {
+        ApiError::ItemTooLarge(format!("{key} is refused"))
+    }
+
+    fn got(key: &str) -> Result<Option<GetOk>, ApiError> {
+        match number(key) % 3 {
+            0 => Ok(None),
+            1 => Ok(Some(GetOk {
+                value: Bytes::from(format!("value of {key}")),
+                version: 5,
+                bucket: 1,
+                node: 0,
+                lag_ms: None,
+            })),
+            _ => Err(refused(key)),
+        }
+    }
+
+    fn put(item: &PutItem) -> Result<PutOk, ApiError> {
+        match number(&item.key) % 3 {
+            2 => Err(refused(&item.key)),
+            n => Ok(PutOk { key: item.key.clone(), version: n as u64 + 10, bucket: 1, node: 0 }),
+        }
+    }
+
+    fn deleted(key: &str) -> Result<bool, ApiError> {
+        match number(key) % 3 {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(refused(key)),
+        }
+    }
+
+    fn single<T>(r: Result<T, ApiError>, found: impl FnOnce(T) -> Option<PeerAnswer>) -> Result<PeerAnswer, CallError> {
+        match r {
+            Ok(t) => found(t).ok_or(CallError::Api(ApiError::NotFound)),
+            Err(e) => Err(CallError::Api(e)),
+        }
+    }
+
+    impl Transport for Owner {
+        fn call(&self, _: &str, request: PeerRequest, _: Duration) -> BoxFuture<'_, Result<PeerAnswer, CallError>> {
+            Box::pin(async move {
+                self.exchanges.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                if self.dead.load(Ordering::SeqCst) {
+                    return Err(CallError::Unreachable("connection refused".into()));
+                }
+                let keys = match &request {
+                    PeerRequest::BulkGet { keys, .. } | PeerRequest::BulkDelete { keys, .. } => keys.len(),
+                    PeerRequest::BulkPut { items, .. } => items.len(),
+                    _ => 0,
+                };
+                if keys > 0 {
+                    self.bulk.fetch_add(1, Ordering::SeqCst);
+                    self.largest.fetch_max(keys, Ordering::SeqCst);
+                    let most = self.max_keys.load(Ordering::SeqCst);
+                    if most > 0 && keys > most {
+                        return Err(CallError::Api(ApiError::BadRequest(format!("more than {most} keys"))));
+                    }
+                }
+                match request {
+                    // A single answer names the node that answered (a bulk one does not).
+                    PeerRequest::Get { key, .. } => {
+                        single(got(&key), |found| found.map(|ok| PeerAnswer::Got(GetOk { node: OWNER, ..ok })))
+                    }
+                    PeerRequest::Put { item, .. } => {
+                        single(put(&item), |ok| Some(PeerAnswer::Put(PutOk { node: OWNER, ..ok })))
+                    }
+                    PeerRequest::Delete { key, .. } => {
+                        single(deleted(&key), |existed| existed.then_some(PeerAnswer::Deleted))
+                    }
+                    PeerRequest::BulkGet { keys, .. } => Ok(PeerAnswer::BulkGot(keys.iter().map(|k| got(k)).collect())),
+                    PeerRequest::BulkPut { items, .. } => Ok(PeerAnswer::BulkPut(items.iter().map(put).collect())),
+                    PeerRequest::BulkDelete { keys, .. } => {
+                        Ok(PeerAnswer::BulkDeleted(keys.iter().map(|k| deleted(k)).collect()))
+                    }
+                    other => panic!("unexpected {other:?}"),
+                }
+            })
+        }
+
+        fn open_stream(&self, _: &str, _: StreamRequest, _: Duration) -> BoxFuture<'_, Result<FrameStream, CallError>> {
+            Box::pin(async { Err(CallError::Unreachable("no streams here".into())) })
+        }
+    }
+
+    impl ControlTransport for Owner {
+        fn control(
+            &self,
+            _: &str,
+            _: Option<NodeId>,
+            _: ControlRpc,
+            _: Vec<u8>,
+            _: Duration,
+        ) -> BoxFuture<'_, Result<Vec<u8>, TransportError>> {
+            Box::pin(async { Err(TransportError::Unreachable("no control here".into())) })
+        }
+    }
+
+    fn item(key: &str, value_bytes: usize) -> PutItem {
+        PutItem { key: key.to_string(), value: Bytes::from(vec![b'x'; value_bytes]), options: PutOptions::default() }
+    }
+
+    /// What a forwarded operation on key number `i` answered, in one comparable form: reads,
+    /// writes and deletes in turn (`i / 3`), on keys whose own answer differs (`i % 3`).
+    async fn operate(peers: &Peers, i: usize) -> Result<String, ApiError> {
+        let key = format!("k{i}");
+        match (i / 3) % 3 {
+            0 => peers.get("owner", OWNER, &key, 4).await.map(|found| format!("{found:?}")),
+            1 => peers.put("owner", OWNER, &item(&key, 100), 4).await.map(|ok| format!("{ok:?}")),
+            _ => peers.delete("owner", OWNER, &key, None, 4).await.map(|existed| format!("{existed}")),
+        }
+    }
+
+    fn expected(i: usize) -> Result<String, ApiError> {
+        let key = format!("k{i}");
+        match (i / 3) % 3 {
+            0 => got(&key).map(|found| format!("{:?}", found.map(|ok| GetOk { node: OWNER, ..ok }))),
+            1 => put(&item(&key, 100)).map(|ok| format!("{:?}", PutOk { node: OWNER, ..ok })),
+            _ => deleted(&key).map(|existed| format!("{existed}")),
+        }
+    }
+
+    async fn operate_all(peers: &Peers, n: usize) -> Vec<Result<String, ApiError>> {
+        futures::future::join_all((0..n).map(|i| operate(peers, i))).await
+    }
+
+    #[tokio::test]
+    async fn operations_in_flight_together_share_exchanges_and_each_gets_its_own_answer() {
+        let owner = Arc::new(Owner::default());
+        let peers = Peers::new(owner.clone());
+        let answers = operate_all(&peers, 450).await;
+        for (i, got) in answers.into_iter().enumerate() {
+            assert_eq!(got, expected(i), "operation {i}");
+        }
+        let exchanges = owner.exchanges.load(Ordering::SeqCst);
+        assert!(exchanges < 60, "450 operations in flight at once took {exchanges} exchanges");
+        assert!(owner.bulk.load(Ordering::SeqCst) > 0);
+        assert!(owner.largest.load(Ordering::SeqCst) <= 64);
+        assert!(peers.forwards.idle(), "no sender is left behind");
+        // A lone operation goes alone, at once, as the single-key request.
+        let (before, bulk) = (owner.exchanges.load(Ordering::SeqCst), owner.bulk.load(Ordering::SeqCst));
+        assert_eq!(operate(&peers, 4).await, expected(4));
+        assert_eq!(owner.exchanges.load(Ordering::SeqCst), before + 1);
+        assert_eq!(owner.bulk.load(Ordering::SeqCst), bulk);
+    }
+
+    #[tokio::test]
+    async fn an_owner_that_dies_fails_every_operation_as_unreachable() {
+        let owner = Arc::new(Owner::default());
+        let peers = Peers::new(owner.clone());
+        owner.dead.store(true, Ordering::SeqCst);
+        for (i, answer) in operate_all(&peers, 120).await.into_iter().enumerate() {
+            let code = answer.expect_err("the owner is dead").problem().code;
+            assert_eq!(code, "owner_unreachable", "operation {i}");
+        }
+        owner.dead.store(false, Ordering::SeqCst);
+        assert_eq!(operate(&peers, 1).await, expected(1), "the lane works again");
+    }
+
+    #[tokio::test]
+    async fn a_bulk_request_refused_for_its_size_is_sent_again_one_by_one() {
+        let owner = Arc::new(Owner::default());
+        owner.max_keys.store(3, Ordering::SeqCst);
+        let peers = Peers::new(owner.clone());
+        for (i, got) in operate_all(&peers, 300).await.into_iter().enumerate() {
+            assert_eq!(got, expected(i), "operation {i}");
+        }
+        assert!(owner.largest.load(Ordering::SeqCst) > 3, "some bulk requests were refused");
+    }
+
+    #[tokio::test]
+    async fn large_values_and_versioned_deletes_go_alone() {
+        let owner = Arc::new(Owner::default());
+        let peers = Peers::new(owner.clone());
+        let big = item("k1", SHARED_VALUE_BYTES + 1);
+        let puts = futures::future::join_all((0..20).map(|_| peers.put("owner", OWNER, &big, 4))).await;
+        assert!(puts.iter().all(|p| p.is_ok()), "{puts:?}");
+        let deletes = futures::future::join_all((0..20).map(|_| peers.delete("owner", OWNER, "k4", Some(3), 4))).await;
+        assert!(deletes.iter().all(|d| d == &Ok(true)), "{deletes:?}");
+        assert_eq!(owner.bulk.load(Ordering::SeqCst), 0);
+        assert_eq!(owner.exchanges.load(Ordering::SeqCst), 40);
+    }
+}
