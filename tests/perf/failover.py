@@ -232,6 +232,17 @@ def failover_runs(shoal, runs, keys, victims):
     return times
 
 
+def metric_sums(cluster, names):
+    """Each named counter (`{key: series name}`) summed over the cluster's nodes."""
+    total = {key: 0.0 for key in names}
+    for addr in cluster.addrs:
+        for line in request("GET", addr, "/metrics")[1].decode().splitlines():
+            for key, name in names.items():
+                if line.startswith(name + " "):
+                    total[key] += float(line.split()[-1])
+    return total
+
+
 @contextlib.contextmanager
 def running_cluster(shoal, nodes, mode):
     """`nodes` nodes in replication `mode`, settled; stopped (by PID) and removed afterwards."""

@@ -30,14 +30,8 @@ RATIOS = {"GET": "1:0", "PUT": "0:1"}
 
 def counters(cluster):
     """Forwarded operations and exchanges that carried them, summed over the nodes."""
-    total = {"ops": 0.0, "exchanges": 0.0}
-    for addr in cluster.addrs:
-        for line in failover.request("GET", addr, "/metrics")[1].decode().splitlines():
-            if line.startswith("shoal_forwarded_operations_total "):
-                total["ops"] += float(line.split()[-1])
-            elif line.startswith("shoal_forward_exchanges_total "):
-                total["exchanges"] += float(line.split()[-1])
-    return total
+    return failover.metric_sums(cluster, {"ops": "shoal_forwarded_operations_total",
+                                          "exchanges": "shoal_forward_exchanges_total"})
 
 
 def bench(shoal, cluster, routing, ratio, duration):

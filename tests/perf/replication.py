@@ -26,14 +26,8 @@ SETUPS = [(1, "sync"), (3, "sync"), (3, "async")]
 
 def counters(cluster):
     """Changes and exchanges with replica holders, summed over the nodes."""
-    total = {"changes": 0.0, "exchanges": 0.0}
-    for addr in cluster.addrs:
-        for line in failover.request("GET", addr, "/metrics")[1].decode().splitlines():
-            if line.startswith("shoal_replication_exchanges_total"):
-                total["exchanges"] += float(line.split()[-1])
-            elif line.startswith("shoal_replication_changes_total"):
-                total["changes"] += float(line.split()[-1])
-    return total
+    return failover.metric_sums(cluster, {"changes": "shoal_replication_changes_total",
+                                          "exchanges": "shoal_replication_exchanges_total"})
 
 
 def run(shoal, nodes, mode, duration):
