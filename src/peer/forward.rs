@@ -44,8 +44,27 @@ pub(super) enum KeyOp {
     Get(String),
     /// Write an item.
     Put(PutItem),
-    /// Delete a key (at any version).
-    Delete(String),
+    /// Delete a key, only at this version when one is given.
+    Delete { key: String, cas: Option<u64> },
+}
+
+impl KeyOp {
+    fn key(&self) -> &str {
+        match self {
+            KeyOp::Get(key) | KeyOp::Delete { key, .. } => key,
+            KeyOp::Put(item) => &item.key,
+        }
+    }
+
+    /// Whether it may share an exchange with others: not a large value, not a versioned
+    /// delete (the bulk delete has no version).
+    fn shared(&self) -> bool {
+        match self {
+            KeyOp::Get(_) => true,
+            KeyOp::Put(item) => item.value.len() <= SHARED_VALUE_BYTES,
+            KeyOp::Delete { cas, .. } => cas.is_none(),
+        }
+    }
 }
 
 /// A forwarded operation with where it goes: the owner the sender's map (at `map_version`)
@@ -73,6 +92,15 @@ pub(super) struct KeyOps(Arc<dyn Transport>);
 
 type Answer = Result<KeyDone, ApiError>;
 
+/// Sends `f` to the owner at `addr`: through its lane when it may share an exchange, else alone.
+pub(super) async fn forward(forwards: &Forwards, addr: &str, f: Forwarded) -> Answer {
+    if f.op.shared() {
+        forwards.send(addr, f).await
+    } else {
+        forwards.exchange().alone(addr, f).await
+    }
+}
+
 impl KeyOps {
     async fn call(&self, addr: &str, request: PeerRequest) -> Result<PeerAnswer, ApiError> {
         self.0.call(addr, request, FORWARD_TIMEOUT).await.map_err(|e| api_error(addr, e))
@@ -81,20 +109,23 @@ impl KeyOps {
     /// One operation alone, as the single-key request.
     async fn alone(&self, addr: &str, f: Forwarded) -> Answer {
         let map_version = f.map_version;
-        let (request, expect) = match f.op {
-            KeyOp::Get(key) => (PeerRequest::Get { key, map_version, mirror: None }, "get"),
-            KeyOp::Put(item) => (PeerRequest::Put { item, map_version }, "put"),
-            KeyOp::Delete(key) => (PeerRequest::Delete { key, cas: None, map_version }, "delete"),
+        let answer = match f.op {
+            KeyOp::Get(key) => match self.call(addr, PeerRequest::Get { key, map_version, mirror: None }).await {
+                Ok(PeerAnswer::Got(ok)) => return Ok(KeyDone::Got(Some(ok))),
+                Err(ApiError::NotFound) => return Ok(KeyDone::Got(None)),
+                other => other,
+            },
+            KeyOp::Put(item) => match self.call(addr, PeerRequest::Put { item, map_version }).await {
+                Ok(PeerAnswer::Put(ok)) => return Ok(KeyDone::Put(ok)),
+                other => other,
+            },
+            KeyOp::Delete { key, cas } => match self.call(addr, PeerRequest::Delete { key, cas, map_version }).await {
+                Ok(PeerAnswer::Deleted) => return Ok(KeyDone::Deleted(true)),
+                Err(ApiError::NotFound) => return Ok(KeyDone::Deleted(false)),
+                other => other,
+            },
         };
-        match (expect, self.call(addr, request).await) {
-            ("get", Ok(PeerAnswer::Got(ok))) => Ok(KeyDone::Got(Some(ok))),
-            ("get", Err(ApiError::NotFound)) => Ok(KeyDone::Got(None)),
-            ("put", Ok(PeerAnswer::Put(ok))) => Ok(KeyDone::Put(ok)),
-            ("delete", Ok(PeerAnswer::Deleted)) => Ok(KeyDone::Deleted(true)),
-            ("delete", Err(ApiError::NotFound)) => Ok(KeyDone::Deleted(false)),
-            (_, Ok(other)) => Err(api_error(addr, unexpected(&other))),
-            (_, Err(e)) => Err(e),
-        }
+        Err(answer.map_or_else(|e| e, |other| api_error(addr, unexpected(&other))))
     }
 
     /// Several operations of one kind in one bulk request: one answer per operation, in order.
@@ -102,31 +133,38 @@ impl KeyOps {
     /// large to answer together) is sent again as single requests.
     async fn together(&self, addr: &str, ops: Vec<Forwarded>) -> Vec<Answer> {
         let n = ops.len();
-        let copies: Vec<Forwarded> = ops.to_vec();
         let map_version = ops.iter().map(|f| f.map_version).max().unwrap_or(0);
-        let owners: Vec<NodeId> = ops.iter().map(|f| f.owner).collect();
+        let keys = || ops.iter().map(|f| f.op.key().to_string()).collect();
         let request = match &ops[0].op {
-            KeyOp::Get(_) => {
-                PeerRequest::BulkGet { keys: ops.into_iter().map(key).collect(), map_version, mirror: None }
+            KeyOp::Get(_) => PeerRequest::BulkGet { keys: keys(), map_version, mirror: None },
+            KeyOp::Put(_) => {
+                let items = ops
+                    .iter()
+                    .filter_map(|f| match &f.op {
+                        KeyOp::Put(item) => Some(item.clone()),
+                        _ => None,
+                    })
+                    .collect();
+                PeerRequest::BulkPut { items, map_version }
             }
-            KeyOp::Put(_) => PeerRequest::BulkPut { items: ops.into_iter().filter_map(item).collect(), map_version },
-            KeyOp::Delete(_) => PeerRequest::BulkDelete { keys: ops.into_iter().map(key).collect(), map_version },
+            KeyOp::Delete { .. } => PeerRequest::BulkDelete { keys: keys(), map_version },
         };
+        let owner = |i: usize| ops[i].owner;
         let done: Vec<Answer> = match self.call(addr, request).await {
             Ok(PeerAnswer::BulkGot(results)) => results
                 .into_iter()
-                .zip(&owners)
-                .map(|(r, &node)| r.map(|found| KeyDone::Got(found.map(|ok| GetOk { node, ..ok }))))
+                .enumerate()
+                .map(|(i, r)| r.map(|found| KeyDone::Got(found.map(|ok| GetOk { node: owner(i), ..ok }))))
                 .collect(),
             Ok(PeerAnswer::BulkPut(results)) => results
                 .into_iter()
-                .zip(&owners)
-                .map(|(r, &node)| r.map(|ok| KeyDone::Put(PutOk { node, ..ok })))
+                .enumerate()
+                .map(|(i, r)| r.map(|ok| KeyDone::Put(PutOk { node: owner(i), ..ok })))
                 .collect(),
             Ok(PeerAnswer::BulkDeleted(results)) => results.into_iter().map(|r| r.map(KeyDone::Deleted)).collect(),
             Ok(other) => vec![Err(api_error(addr, unexpected(&other))); n],
             Err(ApiError::BadRequest(_) | ApiError::ValueTooLarge { .. } | ApiError::AnswerTooLarge { .. }) => {
-                return futures::future::join_all(copies.into_iter().map(|f| self.alone(addr, f))).await;
+                return futures::future::join_all(ops.into_iter().map(|f| self.alone(addr, f))).await;
             }
             Err(e) => vec![Err(e); n],
         };
@@ -138,53 +176,39 @@ impl KeyOps {
     }
 }
 
-fn key(f: Forwarded) -> String {
-    match f.op {
-        KeyOp::Get(key) | KeyOp::Delete(key) => key,
-        KeyOp::Put(item) => item.key,
-    }
-}
-
-fn item(f: Forwarded) -> Option<PutItem> {
-    match f.op {
-        KeyOp::Put(item) => Some(item),
-        _ => None,
-    }
-}
-
 impl Exchange for KeyOps {
     type Item = Forwarded;
     type Answer = Answer;
 
     fn size(f: &Forwarded) -> usize {
         match &f.op {
-            KeyOp::Get(key) | KeyOp::Delete(key) => key.len(),
+            KeyOp::Get(key) | KeyOp::Delete { key, .. } => key.len(),
             KeyOp::Put(item) => item.key.len() + item.value.len(),
         }
     }
 
+    /// A lone operation alone; several as one bulk request per kind (reads, writes, deletes),
+    /// all at once.
     async fn send(&self, addr: &str, ops: Vec<Forwarded>) -> Vec<Answer> {
-        if ops.len() == 1 {
-            let only = ops.into_iter().next().expect("one operation");
-            return vec![self.alone(addr, only).await];
-        }
-        // Reads, writes and deletes each in one bulk request, all three at once.
         let n = ops.len();
         let mut kinds: [(Vec<usize>, Vec<Forwarded>); 3] = Default::default();
         for (i, f) in ops.into_iter().enumerate() {
             let kind = match f.op {
                 KeyOp::Get(_) => 0,
                 KeyOp::Put(_) => 1,
-                KeyOp::Delete(_) => 2,
+                KeyOp::Delete { .. } => 2,
             };
             kinds[kind].0.push(i);
             kinds[kind].1.push(f);
         }
-        let sends = kinds.into_iter().filter(|(idx, _)| !idx.is_empty()).map(|(idx, ops)| async move {
-            let answers = if ops.len() == 1 {
-                vec![self.alone(addr, ops.into_iter().next().expect("one operation")).await]
-            } else {
-                self.together(addr, ops).await
+        let sends = kinds.into_iter().filter(|(idx, _)| !idx.is_empty()).map(|(idx, mut ops)| async move {
+            let answers = match ops.pop() {
+                Some(only) if ops.is_empty() => vec![self.alone(addr, only).await],
+                Some(last) => {
+                    ops.push(last);
+                    self.together(addr, ops).await
+                }
+                None => Vec::new(),
             };
             (idx, answers)
         });
@@ -202,11 +226,6 @@ impl Exchange for KeyOps {
     }
 }
 
-/// Whether `item` may share an exchange with others.
-pub(super) fn shared(item: &PutItem) -> bool {
-    item.value.len() <= SHARED_VALUE_BYTES
-}
-
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -214,11 +233,12 @@ mod tests {
 
     use bytes::Bytes;
     use shoal_http_api::types::PutOptions;
-    use shoal_raft::{BoxFuture, ControlRpc, ControlTransport, TransportError};
+    use shoal_raft::BoxFuture;
 
     use super::*;
     use crate::peer::Peers;
-    use crate::transport::{CallError, FrameStream, StreamRequest};
+    use crate::transport::testing::{peers_of, Answers};
+    use crate::transport::CallError;
 
     const OWNER: NodeId = 7;
 
@@ -279,8 +299,8 @@ mod tests {
         }
     }
 
-    impl Transport for Owner {
-        fn call(&self, _: &str, request: PeerRequest, _: Duration) -> BoxFuture<'_, Result<PeerAnswer, CallError>> {
+    impl Answers for Owner {
+        fn answer(&self, request: PeerRequest) -> BoxFuture<'_, Result<PeerAnswer, CallError>> {
             Box::pin(async move {
                 self.exchanges.fetch_add(1, Ordering::SeqCst);
                 tokio::time::sleep(Duration::from_millis(1)).await;
@@ -320,23 +340,6 @@ mod tests {
                 }
             })
         }
-
-        fn open_stream(&self, _: &str, _: StreamRequest, _: Duration) -> BoxFuture<'_, Result<FrameStream, CallError>> {
-            Box::pin(async { Err(CallError::Unreachable("no streams here".into())) })
-        }
-    }
-
-    impl ControlTransport for Owner {
-        fn control(
-            &self,
-            _: &str,
-            _: Option<NodeId>,
-            _: ControlRpc,
-            _: Vec<u8>,
-            _: Duration,
-        ) -> BoxFuture<'_, Result<Vec<u8>, TransportError>> {
-            Box::pin(async { Err(TransportError::Unreachable("no control here".into())) })
-        }
     }
 
     fn item(key: &str, value_bytes: usize) -> PutItem {
@@ -370,7 +373,7 @@ mod tests {
     #[tokio::test]
     async fn operations_in_flight_together_share_exchanges_and_each_gets_its_own_answer() {
         let owner = Arc::new(Owner::default());
-        let peers = Peers::new(owner.clone());
+        let peers = peers_of(&owner);
         let answers = operate_all(&peers, 450).await;
         for (i, got) in answers.into_iter().enumerate() {
             assert_eq!(got, expected(i), "operation {i}");
@@ -390,7 +393,7 @@ mod tests {
     #[tokio::test]
     async fn an_owner_that_dies_fails_every_operation_as_unreachable() {
         let owner = Arc::new(Owner::default());
-        let peers = Peers::new(owner.clone());
+        let peers = peers_of(&owner);
         owner.dead.store(true, Ordering::SeqCst);
         for (i, answer) in operate_all(&peers, 120).await.into_iter().enumerate() {
             let code = answer.expect_err("the owner is dead").problem().code;
@@ -404,7 +407,7 @@ mod tests {
     async fn a_bulk_request_refused_for_its_size_is_sent_again_one_by_one() {
         let owner = Arc::new(Owner::default());
         owner.max_keys.store(3, Ordering::SeqCst);
-        let peers = Peers::new(owner.clone());
+        let peers = peers_of(&owner);
         for (i, got) in operate_all(&peers, 300).await.into_iter().enumerate() {
             assert_eq!(got, expected(i), "operation {i}");
         }
@@ -414,7 +417,7 @@ mod tests {
     #[tokio::test]
     async fn large_values_and_versioned_deletes_go_alone() {
         let owner = Arc::new(Owner::default());
-        let peers = Peers::new(owner.clone());
+        let peers = peers_of(&owner);
         let big = item("k1", SHARED_VALUE_BYTES + 1);
         let puts = futures::future::join_all((0..20).map(|_| peers.put("owner", OWNER, &big, 4))).await;
         assert!(puts.iter().all(|p| p.is_ok()), "{puts:?}");

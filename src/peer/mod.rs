@@ -76,7 +76,8 @@ impl Peers {
         self.forwards.exchanges()
     }
 
-    /// Forwards a key operation to `owner` at `api_addr`, with others waiting for it.
+    /// Forwards a key operation to `owner` at `api_addr`, with others waiting for it when
+    /// it is small.
     async fn forward_op(
         &self,
         api_addr: &str,
@@ -84,7 +85,7 @@ impl Peers {
         op: forward::KeyOp,
         map_version: u64,
     ) -> Result<forward::KeyDone, ApiError> {
-        self.forwards.send(api_addr, forward::Forwarded { op, owner, map_version }).await
+        forward::forward(&self.forwards, api_addr, forward::Forwarded { op, owner, map_version }).await
     }
 
     /// Forwards a GET to `owner`; `None`: the key does not exist.
@@ -145,12 +146,6 @@ impl Peers {
         item: &PutItem,
         map_version: u64,
     ) -> Result<PutOk, ApiError> {
-        if !forward::shared(item) {
-            return match self.forward(api_addr, PeerRequest::Put { item: item.clone(), map_version }).await? {
-                PeerAnswer::Put(ok) => Ok(ok),
-                other => Err(api_error(api_addr, unexpected(&other))),
-            };
-        }
         match self.forward_op(api_addr, owner, forward::KeyOp::Put(item.clone()), map_version).await? {
             forward::KeyDone::Put(ok) => Ok(ok),
             other => Err(ApiError::Internal(format!("a forwarded write was answered with {other:?}"))),
@@ -166,16 +161,8 @@ impl Peers {
         cas: Option<u64>,
         map_version: u64,
     ) -> Result<bool, ApiError> {
-        if cas.is_some() {
-            let request = PeerRequest::Delete { key: key.to_string(), cas, map_version };
-            return match self.forward(api_addr, request).await {
-                Ok(PeerAnswer::Deleted) => Ok(true),
-                Err(ApiError::NotFound) => Ok(false),
-                Ok(other) => Err(api_error(api_addr, unexpected(&other))),
-                Err(e) => Err(e),
-            };
-        }
-        match self.forward_op(api_addr, owner, forward::KeyOp::Delete(key.to_string()), map_version).await? {
+        let op = forward::KeyOp::Delete { key: key.to_string(), cas };
+        match self.forward_op(api_addr, owner, op, map_version).await? {
             forward::KeyDone::Deleted(existed) => Ok(existed),
             other => Err(ApiError::Internal(format!("a forwarded delete was answered with {other:?}"))),
         }

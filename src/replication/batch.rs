@@ -72,10 +72,11 @@ mod tests {
     use std::time::Duration;
 
     use bytes::Bytes;
-    use shoal_raft::{BoxFuture, BucketId, ControlRpc, ControlTransport, NodeId, TransportError};
+    use shoal_raft::{BoxFuture, BucketId};
 
     use super::*;
-    use crate::transport::{FrameStream, PeerAnswer, PeerRequest, StreamRequest, Transport};
+    use crate::transport::testing::{peers_of, Answers};
+    use crate::transport::{PeerAnswer, PeerRequest};
 
     /// A holder that applies writes of even buckets and fences odd ones, answers after a
     /// millisecond (so writes pile up meanwhile), and counts its exchanges; or one that died.
@@ -94,8 +95,8 @@ mod tests {
         }
     }
 
-    impl Transport for Holder {
-        fn call(&self, _: &str, request: PeerRequest, _: Duration) -> BoxFuture<'_, Result<PeerAnswer, CallError>> {
+    impl Answers for Holder {
+        fn answer(&self, request: PeerRequest) -> BoxFuture<'_, Result<PeerAnswer, CallError>> {
             Box::pin(async move {
                 self.exchanges.fetch_add(1, Ordering::SeqCst);
                 tokio::time::sleep(Duration::from_millis(1)).await;
@@ -114,23 +115,6 @@ mod tests {
                     other => panic!("unexpected {other:?}"),
                 })
             })
-        }
-
-        fn open_stream(&self, _: &str, _: StreamRequest, _: Duration) -> BoxFuture<'_, Result<FrameStream, CallError>> {
-            Box::pin(async { Err(CallError::Unreachable("no streams here".into())) })
-        }
-    }
-
-    impl ControlTransport for Holder {
-        fn control(
-            &self,
-            _: &str,
-            _: Option<NodeId>,
-            _: ControlRpc,
-            _: Vec<u8>,
-            _: Duration,
-        ) -> BoxFuture<'_, Result<Vec<u8>, TransportError>> {
-            Box::pin(async { Err(TransportError::Unreachable("no control here".into())) })
         }
     }
 
@@ -152,7 +136,7 @@ mod tests {
     #[tokio::test]
     async fn writes_in_flight_together_share_exchanges_and_each_gets_its_own_answer() {
         let holder = Arc::new(Holder::default());
-        let batcher = batcher(Peers::new(holder.clone()));
+        let batcher = batcher(peers_of(&holder));
         let answers = send_all(&batcher, 200).await;
         for (b, got) in answers.iter().enumerate() {
             let want = answer(&write(b as u16));
@@ -172,7 +156,7 @@ mod tests {
     #[tokio::test]
     async fn large_writes_travel_in_batches_of_at_most_a_mebibyte() {
         let holder = Arc::new(Holder::default());
-        let batcher = batcher(Peers::new(holder.clone()));
+        let batcher = batcher(peers_of(&holder));
         let big = |b: u16| Replicate { body: Bytes::from(vec![0u8; 300 << 10]), ..write(b) };
         let answers = futures::future::join_all((0..40).map(|b| batcher.send("holder", big(b * 2)))).await;
         assert!(answers.iter().all(|a| a == &Ok(ReplicaAnswer::Applied)));
@@ -184,7 +168,7 @@ mod tests {
     #[tokio::test]
     async fn a_holder_that_dies_fails_every_write_of_its_batches() {
         let holder = Arc::new(Holder::default());
-        let batcher = batcher(Peers::new(holder.clone()));
+        let batcher = batcher(peers_of(&holder));
         holder.dead.store(true, Ordering::SeqCst);
         let answers = send_all(&batcher, 100).await;
         assert!(answers.iter().all(|a| matches!(a, Err(CallError::Unreachable(_)))), "{answers:?}");

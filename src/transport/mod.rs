@@ -30,6 +30,8 @@ pub mod frame;
 pub mod http;
 pub mod lanes;
 pub mod service;
+#[cfg(test)]
+pub mod testing;
 
 use std::pin::Pin;
 use std::time::Duration;
