@@ -146,14 +146,8 @@ impl<'a> WritePermit<'a> {
                     // another and nothing of the write remains anywhere: a shadow that did not
                     // take it back keeps it while it is still the shadow, or the owner again
                     // (an aborted move); one the finished transfer dropped keeps nothing.
-                    // Not while a member is in maintenance: there, writes routed again this way
-                    // were read back absent after the member returned (cluster test
-                    // `a_member_in_maintenance_is_served_by_its_replica_holder_and_takes_its_buckets_back`,
-                    // twice under CI load; the cause is not found yet), so they fail as before.
                     let state = core.control.state();
-                    let moved = self.plan.owner_in_map
-                        && state.map.owner_of(bucket) != Some(core.me)
-                        && state.maintenance.is_none();
+                    let moved = self.plan.owner_in_map && state.map.owner_of(bucket) != Some(core.me);
                     let kept = refused_by
                         .is_some_and(|s| state.shadow_of(bucket) == Some(s) || state.map.owner_of(bucket) == Some(s));
                     return Err(if moved && !kept { no_longer_owner(e, state.map.version) } else { e });

@@ -273,7 +273,7 @@ impl Reconciler {
             }
             Err(e) => tracing::warn!(node_id = self.me, bucket = bucket.0, from, error = %e, "bucket transfer failed"),
         }
-        Done::Pulled { bucket, ok: result.is_ok() }
+        Done::Pulled { bucket, ok: result.is_ok(), flipped: matches!(result, Ok(Some(_))) }
     }
 
     /// Makes `holder` (named by join order, every owned bucket attached there) the holder of

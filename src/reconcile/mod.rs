@@ -113,6 +113,8 @@ enum Done {
     Pulled {
         bucket: BucketId,
         ok: bool,
+        /// The pull's flip to this node committed: the bucket holds what this node pulled.
+        flipped: bool,
     },
     Restored {
         bucket: BucketId,
@@ -486,7 +488,7 @@ impl Reconciler {
             Action::Pull { bucket, from, epoch } => {
                 r.pulls.insert(bucket);
                 let me = self.clone();
-                jobs.spawn(async move { me.pull(bucket, from, epoch).await }, Done::Pulled { bucket, ok: false });
+                jobs.spawn(async move { me.pull(bucket, from, epoch).await }, Done::Pulled { bucket, ok: false, flipped: false });
             }
             Action::Attach { holder, buckets } => {
                 r.attach = true;
@@ -597,8 +599,14 @@ impl Reconciler {
                 memory.stuck = Some(Box::default());
             }
             Done::Acked => r.ack = None,
-            Done::Pulled { bucket, ok } => {
+            Done::Pulled { bucket, ok, flipped } => {
                 r.pulls.remove(&bucket);
+                if flipped {
+                    // Pulled in this life: nothing to restore, even if it was marked at a
+                    // restart and this node has not caught up yet (restoring it would drop the
+                    // copy just pulled, and its source, now the shadow, holds no replica).
+                    self.facts.restored(bucket);
+                }
                 if ok {
                     memory.pull_failures = 0;
                 } else {

@@ -336,7 +336,8 @@ fn plan_restores(state: &ClusterState, f: &Facts, out: &mut Vec<Action>) {
     let mut empty = Vec::new();
     let mut free = f.parallelism.max(1).saturating_sub(f.running.restores.len());
     for &bucket in &f.restoring {
-        if f.running.restores.contains(&bucket) {
+        // A bucket being pulled comes back by the pull (its flip unmarks it).
+        if f.running.restores.contains(&bucket) || f.running.pulls.contains(&bucket) {
             continue;
         }
         let owned = state.map.owner_of(bucket) == Some(me);

@@ -84,11 +84,16 @@ pub struct Faults {
     pub drops: bool,
     /// Slow links for a while.
     pub delays: bool,
+    /// A member goes into maintenance and stops; it restarts on its disk later (the
+    /// schedule's other faults go on meanwhile, a kill of another member included).
+    pub maintenance: bool,
 }
 
 impl Faults {
-    /// Every kind of fault.
-    pub const ALL: Faults = Faults { kill: true, partition: true, membership: true, drops: true, delays: true };
+    /// Every kind of fault but maintenance. Scenarios with maintenance draw their schedules
+    /// from one more kind of event, so the seeds of the others keep the schedules they had.
+    pub const ALL: Faults =
+        Faults { kill: true, partition: true, membership: true, drops: true, delays: true, maintenance: false };
 }
 
 /// What a run found.
@@ -182,6 +187,9 @@ enum Undo {
     Delays,
 }
 
+/// The period a scheduled maintenance asks for.
+const MAINTENANCE: Duration = Duration::from_secs(3600);
+
 const LATENCY: (Duration, Duration) = (Duration::from_micros(200), Duration::from_millis(3));
 
 thread_local! {
@@ -236,6 +244,9 @@ async fn simulate(seed: u64, scenario: Scenario) -> Report {
     let end = Instant::now() + scenario.duration;
     let mut undo: Vec<(Instant, Undo)> = Vec::new();
     let mut split = false;
+    // The host of the member the schedule put into maintenance and stopped, until it restarts.
+    let mut away: Option<HostId> = None;
+    let kinds = if scenario.faults.maintenance { 7 } else { 6 };
     while Instant::now() < end {
         let next = Instant::now() + Duration::from_millis(rng.random_range(500..4000));
         while let Some(i) = undo.iter().position(|(t, _)| *t <= next) {
@@ -244,6 +255,9 @@ async fn simulate(seed: u64, scenario: Scenario) -> Report {
             let done = match what {
                 Undo::Restart(h) => {
                     cluster.restart(h);
+                    if away == Some(h) {
+                        away = None;
+                    }
                     format!("restart host {h}")
                 }
                 Undo::Heal => {
@@ -269,11 +283,13 @@ async fn simulate(seed: u64, scenario: Scenario) -> Report {
         let phases = cluster.phases();
         let running: Vec<HostId> = cluster.running().iter().map(|(h, _, _)| *h).collect();
         let down = phases.iter().filter(|(_, p)| matches!(p, HostPhase::Down)).count();
+        // Hosts down other than the one away in maintenance (which is no failure).
+        let failed = down - usize::from(away.is_some());
         let live = phases.iter().filter(|(_, p)| !matches!(p, HostPhase::Retired)).count();
         let later =
             |rng: &mut StdRng, lo: u64, hi: u64| Instant::now() + Duration::from_millis(rng.random_range(lo..hi));
-        let event = match rng.random_range(0..6) {
-            0 if scenario.faults.kill && down == 0 && running.len() >= 3 => {
+        let event = match rng.random_range(0..kinds) {
+            0 if scenario.faults.kill && failed == 0 && running.len() >= 3 => {
                 let h = running[rng.random_range(0..running.len())];
                 cluster.kill(h);
                 undo.push((later(&mut rng, 1000, 10_000), Undo::Restart(h)));
@@ -319,6 +335,25 @@ async fn simulate(seed: u64, scenario: Scenario) -> Report {
                 net.set_latency(LATENCY.0, high);
                 undo.push((later(&mut rng, 1000, 8000), Undo::Delays));
                 format!("latency up to {high:?}")
+            }
+            6 if scenario.faults.maintenance && down == 0 && running.len() >= 3 => {
+                let (h, node_id, _) = cluster.running()[rng.random_range(0..running.len())].clone();
+                let via = cluster.running()[rng.random_range(0..running.len())].2.clone();
+                tracing::info!(host = h, node_id, "simulation: asking node {node_id} into maintenance");
+                // A period no run outlasts: the member comes back when the schedule restarts it.
+                let answer =
+                    tokio::time::timeout(Duration::from_secs(120), via.api.enter_maintenance(node_id, MAINTENANCE))
+                        .await;
+                match answer {
+                    Ok(Ok(_)) => {
+                        cluster.kill(h);
+                        away = Some(h);
+                        undo.push((later(&mut rng, 1000, 15_000), Undo::Restart(h)));
+                        format!("host {h} (node {node_id}) in maintenance, stopped")
+                    }
+                    Ok(Err(e)) => format!("host {h} (node {node_id}) into maintenance: {}", e.code()),
+                    Err(_) => format!("host {h} (node {node_id}) into maintenance: no answer in 120 s"),
+                }
             }
             _ => continue,
         };

@@ -89,7 +89,9 @@ impl Puller {
     }
 
     /// Pulls `bucket` from `from` into `cache` (replacing whatever partial copy an earlier
-    /// attempt left), then has the leader flip it to `to`.
+    /// attempt left), then has the leader flip it to `to`. Answers the bytes received when the
+    /// flip to this node committed, `None` when there was nothing to pull (the bucket moved
+    /// since the list was made).
     pub async fn pull(
         &self,
         control: &ControlPlane,
@@ -98,12 +100,12 @@ impl Puller {
         bucket: BucketId,
         from: NodeId,
         epoch: u64,
-    ) -> Result<u64, PullError> {
+    ) -> Result<Option<u64>, PullError> {
         let to = control.node_id();
         let state = control.state();
         // The list of buckets to pull may be older than the state: skip what has moved since.
         if state.map.owner_of(bucket) == Some(to) || state.epoch_of(bucket) != epoch {
-            return Ok(0);
+            return Ok(None);
         }
         let peer_addr = state.member_of(from).map(|m| m.peer_addr.clone()).ok_or_else(|| PullError::Refused {
             node: from,
@@ -123,7 +125,7 @@ impl Puller {
                     while !control.wait_for_state(FLIP_WAIT, |s| s.epoch_of(bucket) != epoch).await {
                         tracing::debug!(bucket = bucket.0, "waiting to apply the committed flip");
                     }
-                    Ok(bytes)
+                    Ok(Some(bytes))
                 }
                 Ok(other) => Err(PullError::Flip(ControlError::Fatal { detail: format!("unexpected {other:?}") })),
                 // Refused by the state machine: definitely not moved.
@@ -139,7 +141,7 @@ impl Puller {
                             bytes,
                             "bucket moved here (the flip's answer was lost)"
                         );
-                        Ok(bytes)
+                        Ok(Some(bytes))
                     } else {
                         Err(PullError::Flip(e))
                     }

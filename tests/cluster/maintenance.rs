@@ -307,6 +307,10 @@ async fn a_rolling_restart_of_a_statefulset_under_writes_fails_no_node_and_loses
         outages.acked, outages.failed, outages.longest, outages.refusals
     );
     let lost = crate::workload::check_addr(&http, &addrs[0], &history).await;
+    if !lost.is_empty() {
+        // The nodes' logs and data dirs stay for whoever looks into it.
+        eprintln!("the nodes' logs and data dirs are kept in {}", dir.keep().display());
+    }
     assert!(lost.is_empty(), "{} problems, first: {:?}", lost.len(), &lost[..lost.len().min(5)]);
     let stale = crate::workload::linearizable(&reads, &history);
     assert!(stale.is_empty(), "{} reads went back in time, first: {:?}", stale.len(), &stale[..stale.len().min(5)]);

@@ -373,7 +373,11 @@ pub async fn check_addr(http: &reqwest::Client, addr: &str, history: &History) -
             Err(e) => problems.push(format!("{key}: error {e}")),
             Ok(found) => {
                 if let Some(what) = verdict(h, found) {
-                    problems.push(format!("{key}: {what} (found {found:?}, last acknowledged {:?})", h.acked));
+                    let bucket = shoal_raft::bucket_of(key.as_bytes()).0;
+                    problems.push(format!(
+                        "{key}: {what} (found {found:?}, last acknowledged {:?}, bucket {bucket})",
+                        h.acked
+                    ));
                 }
             }
         }

@@ -84,6 +84,27 @@ fn a_restarted_node_catches_up_then_restores_from_the_complete_replica_and_serve
     assert!(actions.contains(&Action::ServeEmpty { buckets: vec![b] }), "no copy anywhere: every copy died");
 }
 
+/// A member back from maintenance pulls its buckets back while it still catches up after its
+/// restart: a bucket whose pull is flipping to it is not restored from the heir (which, now its
+/// shadow, holds no replica of it: restoring would drop the pulled copy and serve it empty).
+#[test]
+fn a_restarted_node_does_not_restore_a_bucket_it_is_pulling() {
+    let s = three_nodes();
+    let b = s.map.buckets_of(2)[0];
+    let mut f = facts(2);
+    f.restoring = [b].into();
+    f.running.pulls = [b].into();
+    let heir = s.heir_of(2).expect("an heir");
+    f.no_copy = [(b, [heir].into())].into();
+    let actions = plan(&s, &s, &f);
+    assert!(
+        !actions.iter().any(|a| matches!(a, Action::Restore { .. } | Action::ServeEmpty { .. })),
+        "the pull brings it: {actions:?}"
+    );
+    f.running.pulls.clear();
+    assert!(plan(&s, &s, &f).contains(&Action::ServeEmpty { buckets: vec![b] }), "without the pull it has no copy");
+}
+
 #[test]
 fn a_promoted_bucket_comes_from_the_replica_else_the_shadow_else_it_is_lost() {
     let mut s = three_nodes();
