@@ -113,39 +113,50 @@ pub struct Tokens {
     pub client: Option<Secret>,
 }
 
-/// Middleware of the client API: with `--client-token`, the key API (`/v1/kv`, `/v1/bulk`,
-/// `/v1/tags`) needs it, or the admin token, as `Authorization: Bearer <token>`. Other nodes
-/// forwarding a key operation carry the same client token.
-pub async fn require_client_token(State(tokens): State<Tokens>, request: Request<Body>, next: Next) -> Response {
-    if let Some(token) = &tokens.client {
-        if shoal_http_api::is_key_path(request.uri().path()) {
-            let given = bearer(&request);
-            let admin = tokens.admin.as_ref().is_some_and(|a| given.is_some_and(|g| a.matches(g)));
-            if !admin && !given.is_some_and(|g| token.matches(g)) {
-                return unauthorized(
+impl Tokens {
+    /// Whether the node has a token at all (else the client API has no token check).
+    pub fn any(&self) -> bool {
+        self.admin.is_some() || self.client.is_some()
+    }
+
+    /// Why `request` is refused, if it is: with `--client-token`, the key API (`/v1/kv`,
+    /// `/v1/bulk`, `/v1/tags`) needs it, or the admin token, as `Authorization: Bearer <token>`
+    /// (other nodes forwarding a key operation carry the same client token); with
+    /// `--admin-token`, so do the cluster's write endpoints (`/v1/cluster`, not GET or HEAD).
+    fn refusal(&self, request: &Request<Body>) -> Option<Response> {
+        let given = bearer(request);
+        let is_admin = |g: &[u8]| self.admin.as_ref().is_some_and(|a| a.matches(g));
+        if let Some(token) = &self.client {
+            if shoal_http_api::is_key_path(request.uri().path())
+                && !given.is_some_and(|g| is_admin(g) || token.matches(g))
+            {
+                return Some(unauthorized(
                     "client_token_required",
                     "the key API of this cluster needs the client token: Authorization: Bearer <token>",
-                );
+                ));
             }
         }
-    }
-    next.run(request).await
-}
-
-/// Middleware of the client API: the admin token on `/v1/cluster` writes, when set.
-pub async fn require_admin_token(State(token): State<Option<Secret>>, request: Request<Body>, next: Next) -> Response {
-    let guarded = request.method() != Method::GET
-        && request.method() != Method::HEAD
-        && request.uri().path().starts_with("/v1/cluster");
-    if let (true, Some(token)) = (guarded, &token) {
-        if !bearer(&request).is_some_and(|g| token.matches(g)) {
-            return unauthorized(
+        let guarded = request.method() != Method::GET
+            && request.method() != Method::HEAD
+            && request.uri().path().starts_with("/v1/cluster");
+        if guarded && self.admin.is_some() && !given.is_some_and(is_admin) {
+            return Some(unauthorized(
                 "admin_token_required",
                 "changing the cluster needs the admin token: Authorization: Bearer <token>",
-            );
+            ));
         }
+        None
     }
-    next.run(request).await
+}
+
+/// Middleware of the client API, layered only when the node has a token (see
+/// [`Tokens::refusal`]): one layer for both tokens, since every layer costs each request a
+/// boxed future and a clone of the service behind it.
+pub async fn require_tokens(State(tokens): State<Tokens>, request: Request<Body>, next: Next) -> Response {
+    match tokens.refusal(&request) {
+        Some(refusal) => refusal,
+        None => next.run(request).await,
+    }
 }
 
 #[cfg(test)]

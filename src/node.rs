@@ -371,13 +371,20 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
         }
     }
     let tokens = crate::auth::Tokens { admin: config.admin_token.clone(), client: config.client_token.clone() };
-    let (admin_token, cluster_secret) = (config.admin_token.clone(), config.cluster_secret.clone());
+    let cluster_secret = config.cluster_secret.clone();
     let serve = move |service: Arc<PeerService>, shutdown: &watch::Sender<bool>| {
-        let peer_router = crate::transport::service::peer_routes(service.clone())
-            .layer(axum::middleware::from_fn_with_state(cluster_secret, crate::auth::require_secret));
-        let api_router = shoal_http_api::router(service.api.clone())
-            .layer(axum::middleware::from_fn_with_state(admin_token, crate::auth::require_admin_token))
-            .layer(axum::middleware::from_fn_with_state(tokens, crate::auth::require_client_token));
+        // The checks are layered only when there is something to check: a layer costs every
+        // request a boxed future and a clone of the service behind it.
+        let mut peer_router = crate::transport::service::peer_routes(service.clone());
+        if cluster_secret.is_some() {
+            peer_router = peer_router
+                .layer(axum::middleware::from_fn_with_state(cluster_secret.clone(), crate::auth::require_secret));
+        }
+        let mut api_router = shoal_http_api::router(service.api.clone());
+        if tokens.any() {
+            api_router =
+                api_router.layer(axum::middleware::from_fn_with_state(tokens.clone(), crate::auth::require_tokens));
+        }
         let metrics = service.api.metrics();
         let servers = vec![
             http_server::serve(

@@ -488,7 +488,10 @@ impl Reconciler {
             Action::Pull { bucket, from, epoch } => {
                 r.pulls.insert(bucket);
                 let me = self.clone();
-                jobs.spawn(async move { me.pull(bucket, from, epoch).await }, Done::Pulled { bucket, ok: false, flipped: false });
+                jobs.spawn(
+                    async move { me.pull(bucket, from, epoch).await },
+                    Done::Pulled { bucket, ok: false, flipped: false },
+                );
             }
             Action::Attach { holder, buckets } => {
                 r.attach = true;

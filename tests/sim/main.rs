@@ -37,7 +37,7 @@ fn scenarios() -> Vec<Scenario> {
         Scenario { name: "five nodes, every fault", nodes: 5, max_hosts: 7, ..base.clone() },
         Scenario {
             name: "three nodes, kills and joins",
-            faults: Faults { kill: true, partition: false, membership: true, drops: false, delays: true, maintenance: false },
+            faults: Faults { partition: false, drops: false, ..Faults::ALL },
             ..base
         },
     ]
@@ -194,7 +194,7 @@ fn sixty_four_nodes() {
         duration: Duration::from_secs(20),
         clients: 4,
         keys: 16,
-        faults: Faults { kill: true, partition: true, membership: false, drops: false, delays: false, maintenance: false },
+        faults: Faults { membership: false, drops: false, delays: false, ..Faults::ALL },
         converge_within: Duration::from_secs(180),
         read_from: ReadFrom::Owner,
     };
