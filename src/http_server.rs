@@ -27,16 +27,27 @@ use crate::metrics::ListenerMetrics;
 /// How long in-flight requests may run after shutdown starts.
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Serves `router` on `listener` until `shutdown` turns true, counting into `metrics`; over
+/// Serves `router` (the axum router, or the client API's service) on `listener` until `shutdown` turns true, counting into `metrics`; over
 /// TLS when `tls` is given (the handshake runs in the connection's own task, bounded by
 /// [`crate::tls::HANDSHAKE_TIMEOUT`]; the byte counts are of the encrypted stream).
-pub fn serve(
+pub fn serve<S>(
     listener: TcpListener,
-    router: axum::Router,
+    router: S,
     metrics: ListenerMetrics,
     tls: Option<TlsAcceptor>,
     mut shutdown: watch::Receiver<bool>,
-) -> JoinHandle<()> {
+) -> JoinHandle<()>
+where
+    S: tower::Service<
+            hyper::Request<hyper::body::Incoming>,
+            Response = axum::response::Response,
+            Error = std::convert::Infallible,
+        > + Clone
+        + Send
+        + Sync
+        + 'static,
+    S::Future: Send + 'static,
+{
     tokio::spawn(async move {
         let graceful = GracefulShutdown::new();
         let mut builder = http1::Builder::new();

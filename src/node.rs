@@ -385,6 +385,8 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
             api_router =
                 api_router.layer(axum::middleware::from_fn_with_state(tokens.clone(), crate::auth::require_tokens));
         }
+        // The key routes' fast path skips the router, hence its layers: only without tokens.
+        let api_router = shoal_http_api::service(service.api.clone(), api_router, !tokens.any());
         let metrics = service.api.metrics();
         let servers = vec![
             http_server::serve(

@@ -427,11 +427,16 @@ pub(crate) async fn get_key<N: ShoalApi>(
     key: Result<Path<String>, PathRejection>,
     request: Request,
 ) -> Response {
+    get_key_at(node, path(key), request).await
+}
+
+/// `GET /v1/kv/{key}` of the decoded `key` (the router's path extractor, or the fast path).
+pub(crate) async fn get_key_at<N: ShoalApi>(node: Arc<N>, key: Result<String, ApiError>, request: Request) -> Response {
     // Parts, not the request: the body type is not Sync, so a borrowed request cannot be
     // held across an await.
     let (parts, _) = request.into_parts();
     let result = async {
-        let key = path(key)?;
+        let key = key?;
         let q: GetQuery = query_of(&parts.uri)?;
         check_key(&key, &node.limits())?;
         let ctx = read_context(&parts.headers, q.redirect.as_deref(), q.read.as_deref(), q.max_staleness.as_deref())?;
@@ -453,9 +458,14 @@ pub(crate) async fn put_key<N: ShoalApi>(
     key: Result<Path<String>, PathRejection>,
     request: Request,
 ) -> Response {
+    put_key_at(node, path(key), request).await
+}
+
+/// `PUT /v1/kv/{key}` of the decoded `key`.
+pub(crate) async fn put_key_at<N: ShoalApi>(node: Arc<N>, key: Result<String, ApiError>, request: Request) -> Response {
     let (parts, body) = request.into_parts();
     let result = async {
-        let key = path(key)?;
+        let key = key?;
         let q: PutQuery = query_of(&parts.uri)?;
         let limits = node.limits();
         check_key(&key, &limits)?;
@@ -477,11 +487,20 @@ pub(crate) async fn delete_key<N: ShoalApi>(
     key: Result<Path<String>, PathRejection>,
     request: Request,
 ) -> Response {
+    delete_key_at(node, path(key), request).await
+}
+
+/// `DELETE /v1/kv/{key}` of the decoded `key`.
+pub(crate) async fn delete_key_at<N: ShoalApi>(
+    node: Arc<N>,
+    key: Result<String, ApiError>,
+    request: Request,
+) -> Response {
     // Parts, not the request: the body type is not Sync, so a borrowed request cannot be
     // held across an await.
     let (parts, _) = request.into_parts();
     let result = async {
-        let key = path(key)?;
+        let key = key?;
         let q: DeleteQuery = query_of(&parts.uri)?;
         check_key(&key, &node.limits())?;
         let cas = match header_condition(&parts.headers, parse_cas(q.cas.as_deref())?, None)? {
