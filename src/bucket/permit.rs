@@ -100,6 +100,7 @@ impl<'a> WritePermit<'a> {
     /// names it (the transfer ended, or the cluster failed that node).
     pub async fn commit(mut self) -> Result<(), DataError> {
         let core = self.core;
+        let started = std::time::Instant::now();
         // The lease again, after the writes: a node paused between the decision and the write
         // must not acknowledge it.
         if let Some(refusal) = write_refusal(core.health.node_facts()) {
@@ -114,7 +115,7 @@ impl<'a> WritePermit<'a> {
                 if let Err(cause) = core.peers.shadow(&shadow.peer_addr, bucket, change_body(&changes)).await {
                     let gone = |s: &shoal_raft::ClusterState| s.shadow_of(bucket) != Some(shadow.node);
                     if !core.control.wait_for_state(SHADOW_SETTLE, gone).await {
-                        tracing::warn!(bucket = bucket.0, shadow = shadow.node, error = %cause, "shadow write-through failed; the write is taken back");
+                        tracing::warn!(node_id = core.me, bucket = bucket.0, shadow = shadow.node, error = %cause, "shadow write-through failed; the write is taken back");
                         let taken_back = self.undo();
                         // No answer is not no write: the shadow may have applied them. It
                         // takes them back as far as it can be reached, in the background
@@ -125,12 +126,13 @@ impl<'a> WritePermit<'a> {
                         });
                         return Err(DataError::ShadowFailed { bucket, shadow: shadow.node, cause });
                     }
-                    tracing::debug!(bucket = bucket.0, shadow = shadow.node, error = %cause, "shadow write-through failed after the shadow was dropped");
+                    tracing::debug!(node_id = core.me, bucket = bucket.0, shadow = shadow.node, error = %cause, "shadow write-through failed after the shadow was dropped");
                 }
             }
             if let Some(holder) = core.replicator.holder_for(&self.plan) {
                 let next = core.replicator.next_holder_for(&self.plan);
                 if let Err(e) = core.replicator.replicate(bucket, &holder, next.as_ref(), &changes).await {
+                    let replica_error = e.to_string();
                     let taken_back = self.undo();
                     let mut refused_by = None;
                     if let Some(shadow) = &shadow {
@@ -138,7 +140,7 @@ impl<'a> WritePermit<'a> {
                         // be reached (its copy only counts if this node dies before the
                         // transfer ends).
                         if let Err(e) = core.peers.shadow(&shadow.peer_addr, bucket, change_body(&taken_back)).await {
-                            tracing::warn!(bucket = bucket.0, shadow = shadow.node, error = %e, "the shadow keeps writes that were taken back");
+                            tracing::warn!(node_id = core.me, bucket = bucket.0, shadow = shadow.node, error = %e, %replica_error, plan_version = self.plan.map_version, map_version = core.control.state().map.version, elapsed_ms = started.elapsed().as_millis() as u64, "the shadow keeps writes that were taken back");
                             refused_by = Some(shadow.node);
                         }
                     }

@@ -144,7 +144,14 @@ async fn produce(exporter: Exporter, bucket: BucketId, epoch: u64, tx: mpsc::Sen
         cache.end_export(bucket, token);
         return;
     }
-    let Some((last, counter)) = cache.freeze(bucket, token) else {
+    // A write whose changes are in the store but not committed (waiting for its replica or
+    // shadow) may still be taken back: freezing now would send it to the new owner and leave
+    // its take-back here. Wait until no write of the bucket is pending, and freeze before
+    // the next one starts; the next ones wait for the thaw and route to the new owner.
+    let settled = exporter.facts.committed(bucket).await;
+    let frozen = cache.freeze(bucket, token);
+    drop(settled);
+    let Some((last, counter)) = frozen else {
         // A newer export of the bucket replaced this one.
         let _ = tx.send(error_frame("a newer transfer of this bucket started")).await;
         return;
