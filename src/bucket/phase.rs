@@ -269,10 +269,15 @@ pub fn route_of(
 /// Why this node may serve no read now, whatever the bucket: the cluster failed it, or it has
 /// not heard from a majority within the node timeout, so its buckets may have been given to
 /// others and written there meanwhile (a read here could go back in time). A node that stops
-/// or hands over still owns its buckets until they flip, and reads them.
+/// or hands over still owns its buckets until they flip, and reads them. A stopping node that
+/// no longer hears a majority (one that left the cluster hears nobody in its last moments)
+/// says that it stops: the client's answer is to go to another node.
 pub fn read_refusal(node: NodeFacts) -> Option<DataError> {
     if node.failed {
         return Some(DataError::NodeFailed);
+    }
+    if node.draining && node.no_quorum.is_some() {
+        return Some(DataError::NodeDraining);
     }
     node.no_quorum.map(|(heard, members)| DataError::NoQuorum { heard, members })
 }

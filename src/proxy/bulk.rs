@@ -283,7 +283,7 @@ impl NodeApi {
         ctx: RouteContext,
     ) -> Result<Vec<Result<PutOk, ApiError>>, ApiError> {
         let started = Instant::now();
-        if let Some(e) = self.write_refusal() {
+        if let Some(e) = self.write_refusal(ctx) {
             return self.timed(Op::BulkPut, started, Err(e));
         }
         let local = |bucket: BucketId, idx: Vec<usize>| {
@@ -341,7 +341,7 @@ impl NodeApi {
         keys: Vec<(String, Option<u64>)>,
         ctx: RouteContext,
     ) -> Result<Vec<Result<bool, ApiError>>, ApiError> {
-        if let Some(e) = self.write_refusal() {
+        if let Some(e) = self.write_refusal(ctx) {
             return Err(e);
         }
         let local = |bucket: BucketId, idx: Vec<usize>| {

@@ -442,7 +442,13 @@ impl NodeApi {
     /// Why this node takes no write now, even one it would only forward (it is stopping,
     /// failed, or cut off from a majority). A node handing its buckets over (leaving) still
     /// takes writes: those of its own buckets wait for the hand-over and go to the heir.
-    fn write_refusal(&self) -> Option<ApiError> {
+    /// Another node's forward is not refused here: this node writes it only if it owns the
+    /// bucket (where the write permit refuses it), and otherwise answers `not_owner`, so that
+    /// the sender routes it again (a node that left, and stops, owns nothing).
+    fn write_refusal(&self, ctx: RouteContext) -> Option<ApiError> {
+        if ctx.forwarded_map_version.is_some() {
+            return None;
+        }
         self.core.write_refusal().filter(|e| !matches!(e, DataError::NodeLeaving)).map(ApiError::from)
     }
 
@@ -502,7 +508,7 @@ impl ShoalApi for NodeApi {
 
     async fn put(&self, item: PutItem, ctx: RouteContext) -> Result<PutOk, ApiError> {
         let started = Instant::now();
-        if let Some(e) = self.write_refusal() {
+        if let Some(e) = self.write_refusal(ctx) {
             return self.timed(Op::Put, started, Err(e));
         }
         let bucket = bucket_of(item.key.as_bytes());
@@ -517,7 +523,7 @@ impl ShoalApi for NodeApi {
 
     async fn delete(&self, key: String, cas: Option<u64>, ctx: RouteContext) -> Result<(), ApiError> {
         let started = Instant::now();
-        if let Some(e) = self.write_refusal() {
+        if let Some(e) = self.write_refusal(ctx) {
             return self.timed(Op::Delete, started, Err(e));
         }
         let bucket = bucket_of(key.as_bytes());

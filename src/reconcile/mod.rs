@@ -397,6 +397,8 @@ impl Reconciler {
                     tracing::error!(error = %e, "could not record that this node left");
                 }
                 tracing::info!(node_id = self.me, "this node has left the cluster; stopping");
+                // Not ready any more, and its refusals say that it stops (`node_draining`).
+                self.health.start_draining();
                 // Members that have not applied the retirement yet still send this node their
                 // replica and shadow writes for a moment: it keeps answering them a little
                 // while, so that a leave fails no write.

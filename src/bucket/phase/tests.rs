@@ -260,3 +260,16 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_stopping_node_that_hears_no_majority_says_it_stops() {
+    // A node that left the cluster hears nobody in its last moments: its clients should go
+    // to another node, not wait for a majority.
+    assert_eq!(read_refusal(node(false, false, true, Some((1, 3)))), Some(DataError::NodeDraining));
+    assert_eq!(read_refusal(node(false, false, true, None)), None, "a stopping node reads while it has its lease");
+    assert_eq!(
+        read_refusal(node(false, false, false, Some((1, 3)))),
+        Some(DataError::NoQuorum { heard: 1, members: 3 })
+    );
+    assert_eq!(read_refusal(node(true, false, true, Some((1, 3)))), Some(DataError::NodeFailed));
+}
