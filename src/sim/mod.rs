@@ -94,6 +94,13 @@ impl Faults {
     /// from one more kind of event, so the seeds of the others keep the schedules they had.
     pub const ALL: Faults =
         Faults { kill: true, partition: true, membership: true, drops: true, delays: true, maintenance: false };
+
+    /// Whether nothing but joins and leaves happens: then every operation must succeed
+    /// (moving buckets fails no request), but those sent to a node that leaves, which it
+    /// refuses because it leaves or does not answer because it stopped.
+    pub fn only_membership(&self) -> bool {
+        !(self.kill || self.partition || self.drops || self.delays || self.maintenance)
+    }
 }
 
 /// What a run found.
@@ -123,6 +130,8 @@ pub struct Report {
     pub emptied: usize,
     /// Reads answered from replica copies (mirror reads).
     pub replica_reads: usize,
+    /// Operations that failed or got no answer while nothing but joins and leaves happened.
+    pub failed_without_fault: Vec<String>,
 }
 
 impl Report {
@@ -131,6 +140,7 @@ impl Report {
         let mut v: Vec<String> = self.reads.violations.clone();
         v.extend(self.finals.violations.iter().cloned());
         v.extend(self.double_writers.iter().cloned());
+        v.extend(self.failed_without_fault.iter().cloned());
         if let Some(why) = &self.not_converged {
             v.push(format!("did not converge: {why}"));
         }
@@ -247,6 +257,8 @@ async fn simulate(seed: u64, scenario: Scenario) -> Report {
     // The host of the member the schedule put into maintenance and stopped, until it restarts.
     let mut away: Option<HostId> = None;
     let kinds = if scenario.faults.maintenance { 7 } else { 6 };
+    // When each host was first asked to leave (its node may not have left then).
+    let mut leaving: BTreeMap<HostId, Duration> = BTreeMap::new();
     while Instant::now() < end {
         let next = Instant::now() + Duration::from_millis(rng.random_range(500..4000));
         while let Some(i) = undo.iter().position(|(t, _)| *t <= next) {
@@ -316,6 +328,7 @@ async fn simulate(seed: u64, scenario: Scenario) -> Report {
                 let via = cluster.running()[rng.random_range(0..running.len())].2.clone();
                 tracing::info!(host = h, node_id, "simulation: asking node {node_id} to leave");
                 // As a client would: it gives up after a while.
+                leaving.entry(h).or_insert(at(Instant::now()));
                 let answer = tokio::time::timeout(Duration::from_secs(60), via.api.leave(node_id, false)).await;
                 let outcome = match answer {
                     Ok(Ok(_)) => "ok".to_string(),
@@ -381,6 +394,29 @@ async fn simulate(seed: u64, scenario: Scenario) -> Report {
     let old_map = writers.old_map.lock().clone();
     let reads = check_reads(&history, &emptied, &old_map);
     let finals_verdict = check_final(&history, &emptied, &finals);
+    let failed_without_fault = if scenario.faults.only_membership() {
+        history
+            .iter()
+            // A node asked to leave refuses its clients once it leaves (they go to another
+            // node), and answers nobody once it stopped.
+            .filter(|op| {
+                let left = leaving.get(&op.host).is_some_and(|&t| op.end >= t);
+                match &op.outcome {
+                    Outcome::Failed(code) => !(left && (code == "node_leaving" || code == "node_draining")),
+                    Outcome::Unknown(_) => !left,
+                    _ => false,
+                }
+            })
+            .map(|op| {
+                format!(
+                    "{:?} at {:?} by client {} via host {} failed with only joins and leaves: {:?}",
+                    op.kind, op.start, op.client, op.host, op.outcome
+                )
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
     let mut digest = Fnv::default();
     for e in &events {
         digest.add(e);
@@ -407,6 +443,7 @@ async fn simulate(seed: u64, scenario: Scenario) -> Report {
         operations: history.len(),
         emptied: emptied.values().map(Vec::len).sum(),
         replica_reads: writers.replica_reads.load(std::sync::atomic::Ordering::Relaxed),
+        failed_without_fault,
     }
 }
 

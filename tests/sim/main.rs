@@ -55,11 +55,35 @@ fn maintenance_scenario() -> Scenario {
     }
 }
 
-/// The scenario of seed `seed` (`SHOAL_SIM_SCENARIO=maintenance`: the maintenance scenario).
+/// Nothing but joins and leaves, with more keys and clients than the others: every operation
+/// must succeed while buckets move, but those sent to a node that leaves. Not run by CI yet:
+/// about one seed in ten still fails a write with `replication_failed` (`many_seeds` with
+/// `SHOAL_SIM_SCENARIO=membership` lists them).
+fn membership_scenario() -> Scenario {
+    Scenario {
+        name: "three to six nodes, only joins and leaves",
+        max_hosts: 6,
+        clients: 8,
+        keys: 24,
+        faults: Faults {
+            kill: false,
+            partition: false,
+            membership: true,
+            drops: false,
+            delays: false,
+            maintenance: false,
+        },
+        ..scenarios()[0].clone()
+    }
+}
+
+/// The scenario of seed `seed` (`SHOAL_SIM_SCENARIO=maintenance` or `membership`: that
+/// scenario).
 fn scenario_of(seed: u64) -> Scenario {
     let all = scenarios();
     let scenario = match std::env::var("SHOAL_SIM_SCENARIO").as_deref() {
         Ok("maintenance") => maintenance_scenario(),
+        Ok("membership") => membership_scenario(),
         _ => all[(seed as usize) % all.len()].clone(),
     };
     let read_from = match std::env::var("SHOAL_SIM_READ").as_deref() {
