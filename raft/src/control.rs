@@ -119,6 +119,8 @@ struct Inner {
     /// and the leader it saw last (0: none).
     leader_changes: std::sync::atomic::AtomicU64,
     last_leader: std::sync::atomic::AtomicU64,
+    /// Set on a leader that is about to stop: it proposes nothing more.
+    closing: std::sync::atomic::AtomicBool,
 }
 
 /// How long a retired or abandoned node stays in Raft's config before the leader drops it,
@@ -177,6 +179,7 @@ impl ControlPlane {
                 reconciler: parking_lot::Mutex::new(None),
                 leader_changes: Default::default(),
                 last_leader: Default::default(),
+                closing: Default::default(),
             }),
         };
         let task = tokio::spawn(reconcile_loop(Arc::downgrade(&control.inner)));
@@ -649,6 +652,9 @@ impl ControlPlane {
     /// Commits `command` (this node must be the leader) and returns its response; a
     /// `Rejected` response becomes an error.
     pub async fn write(&self, command: ClusterCommand) -> Result<CommandResponse, ControlError> {
+        if self.inner.closing.load(std::sync::atomic::Ordering::Acquire) {
+            return Err(ControlError::NoLeader { detail: "the leader is stopping".into() });
+        }
         let response =
             self.bounded("the Raft log to commit", self.inner.raft.client_write(Proposal::now(command))).await?;
         match response.data {
@@ -734,6 +740,41 @@ impl ControlPlane {
             .await?;
         }
         Ok(())
+    }
+
+    /// Before a leader that left the cluster stops: it takes no more proposals (they fail
+    /// with `NoLeader`, and their senders try again with the next leader), waits until every
+    /// member has its last entry, then two heartbeats more, so that they learn that it is
+    /// committed. A member that has not learnt it when the leader stops applies it only after
+    /// an election (seconds), and a write replicated to it at that map version waits as long.
+    /// Returns at once on a node that does not lead, and after `within` at the latest.
+    pub async fn close_as_leader(&self, within: Duration) {
+        let me = self.node_id();
+        if !self.is_leader() {
+            return;
+        }
+        self.inner.closing.store(true, std::sync::atomic::Ordering::Release);
+        let deadline = tokio::time::Instant::now() + within;
+        let mut rx = self.inner.raft.metrics();
+        loop {
+            let m = rx.borrow_and_update().clone();
+            if m.current_leader != Some(me) {
+                return;
+            }
+            let last = m.last_log_index;
+            let committed = m.last_applied.map(|l| l.index) >= last;
+            let has_all = |id: &NodeId| {
+                m.replication.as_ref().and_then(|r| r.get(id)).and_then(|l| l.as_ref()).map(|l| l.index) >= last
+            };
+            if committed && self.state().members.iter().filter(|n| n.id != me).all(|n| has_all(&n.id)) {
+                tokio::time::sleep(self.inner.config.heartbeat * 2).await;
+                return;
+            }
+            if tokio::time::timeout_at(deadline, rx.changed()).await.is_err() {
+                tracing::debug!(node_id = me, "stopping before every member had the last entry");
+                return;
+            }
+        }
     }
 
     /// Stops Raft and the reconciler. The sled database closes when the last handle drops.

@@ -403,8 +403,10 @@ impl Reconciler {
                 // replica and shadow writes for a moment: it keeps answering them a little
                 // while, so that a leave fails no write.
                 let shutdown = self.shutdown.clone();
+                let control = self.control.clone();
                 tokio::spawn(async move {
                     tokio::time::sleep(LEFT_LINGER).await;
+                    control.close_as_leader(LEFT_LINGER).await;
                     shutdown.send_replace(true);
                 });
                 return true;
