@@ -19,7 +19,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
 use shoal_raft::{AdminRequest, BucketId, ClusterState, ControlPlane, NodeId};
 use tokio::sync::mpsc;
@@ -106,22 +106,16 @@ async fn produce(exporter: Exporter, bucket: BucketId, epoch: u64, tx: mpsc::Sen
         let _ = tx.send(error_frame("the bucket is frozen by an earlier transfer that is not settled yet")).await;
         return;
     };
-    let mut throttle = Throttle::new(exporter.config.rate_bytes_per_sec);
-    let mut sent: u64 = 0;
-    let mut send = async |frames: Vec<Bytes>| -> bool {
-        for f in frames {
-            let n = f.len();
-            if tx.send(f).await.is_err() {
-                return false;
-            }
-            exporter.progress.sent(n as u64);
-            throttle.pause(n).await;
-        }
-        true
+    let mut out = Outbox {
+        tx: &tx,
+        buf: BytesMut::new(),
+        throttle: Throttle::new(exporter.config.rate_bytes_per_sec),
+        progress: &exporter.progress,
     };
-    let mut ok = send(vec![Bytes::from_static(HEADER)]).await;
+    let mut sent: u64 = 0;
+    let mut ok = out.push(vec![Bytes::from_static(HEADER)]).await;
     for item in &snapshot {
-        ok = ok && send(item_frames(item)).await;
+        ok = ok && out.push(item_frames(item)).await;
         sent += 1;
     }
     drop(snapshot);
@@ -132,13 +126,15 @@ async fn produce(exporter: Exporter, bucket: BucketId, epoch: u64, tx: mpsc::Sen
         let changes = cache.drain_changes(bucket, token);
         let small = changes.len() <= FREEZE_BELOW;
         for c in &changes {
-            ok = ok && send(change_frames(c)).await;
+            ok = ok && out.push(change_frames(c)).await;
             sent += 1;
         }
         if small {
             break;
         }
     }
+    // What is sent so far goes out before the wait for pending writes below.
+    ok = ok && out.flush().await;
     if !ok {
         // Nothing was frozen: the bucket just stops recording.
         cache.end_export(bucket, token);
@@ -157,11 +153,11 @@ async fn produce(exporter: Exporter, bucket: BucketId, epoch: u64, tx: mpsc::Sen
         return;
     };
     for c in &last {
-        ok = ok && send(change_frames(c)).await;
+        ok = ok && out.push(change_frames(c)).await;
         sent += 1;
     }
     if ok {
-        ok = send(vec![end_frame(counter, sent)]).await;
+        ok = out.push(vec![end_frame(counter, sent)]).await && out.flush().await;
     }
     if !ok {
         let _ = tx.send(error_frame("the source stopped sending")).await;
@@ -208,6 +204,43 @@ async fn settle_freeze(exporter: &Exporter, bucket: BucketId, epoch: u64, token:
     exporter.cache.end_export(bucket, token);
 }
 
+/// About how many bytes of frames go out in one message of the stream.
+const SEND_BYTES: usize = 64 * 1024;
+
+/// Gathers frames into messages of about [`SEND_BYTES`]: a message per frame (one per small
+/// item) cost the channel, the HTTP body and the receiver more than the item itself.
+struct Outbox<'a> {
+    tx: &'a mpsc::Sender<Bytes>,
+    buf: BytesMut,
+    throttle: Throttle,
+    progress: &'a Progress,
+}
+
+impl Outbox<'_> {
+    /// Adds frames, sending once enough gathered; false when the receiver went away.
+    async fn push(&mut self, frames: Vec<Bytes>) -> bool {
+        for f in frames {
+            self.buf.extend_from_slice(&f);
+        }
+        self.buf.len() < SEND_BYTES || self.flush().await
+    }
+
+    /// Sends what gathered; false when the receiver went away.
+    async fn flush(&mut self) -> bool {
+        if self.buf.is_empty() {
+            return true;
+        }
+        let message = self.buf.split().freeze();
+        let n = message.len();
+        if self.tx.send(message).await.is_err() {
+            return false;
+        }
+        self.progress.sent(n as u64);
+        self.throttle.pause(n).await;
+        true
+    }
+}
+
 /// Spaces out sends to stay under a byte rate (0: unlimited).
 struct Throttle {
     rate: u64,
@@ -230,5 +263,33 @@ impl Throttle {
         if due > elapsed {
             tokio::time::sleep(due - elapsed).await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn frames_go_out_gathered_whole_and_in_order() {
+        let (tx, mut rx) = mpsc::channel(1024);
+        let progress = Progress::default();
+        let mut out = Outbox { tx: &tx, buf: BytesMut::new(), throttle: Throttle::new(0), progress: &progress };
+        let frames: Vec<Bytes> =
+            (0..1000u32).map(|i| Bytes::from(vec![(i % 251) as u8; 100 + i as usize % 300])).collect();
+        for f in &frames {
+            assert!(out.push(vec![f.clone()]).await);
+        }
+        assert!(out.flush().await);
+        drop(out);
+        drop(tx);
+        let mut messages = Vec::new();
+        while let Some(m) = rx.recv().await {
+            messages.push(m);
+        }
+        let total: usize = frames.iter().map(Bytes::len).sum();
+        assert!(messages.len() <= total / SEND_BYTES + 1, "{} messages for {total} bytes", messages.len());
+        assert!(messages[..messages.len() - 1].iter().all(|m| m.len() >= SEND_BYTES), "only the last is short");
+        assert_eq!(messages.concat(), frames.concat(), "every byte, in order");
     }
 }
