@@ -137,7 +137,14 @@ impl NodeApi {
             }
             let rerouted = newest > 0 || retry.len() > frozen;
             let waiting = !passing.is_empty() || (frozen > 0 && tokio::time::Instant::now() < frozen_until);
-            if rerouted || !waiting {
+            // An owner that no longer owns one of the keys refuses its whole share, and during
+            // a join or leave buckets move one after another: a share spanning several of them
+            // was refused round after round (`map_changing` after three). Routing again on a
+            // newer map is progress, not a lost attempt, for as long as a write waits for a
+            // frozen bucket.
+            let moved_on =
+                newest > 0 && self.control.state().map.version > version && tokio::time::Instant::now() < frozen_until;
+            if !moved_on && (rerouted || !waiting) {
                 attempts += 1;
             }
             if !passing.is_empty() {
