@@ -223,7 +223,9 @@ proptest! {
                     let restoring = BucketFacts { restoring: true, installed: true };
                     prop_assert!(write_plan(&s, w, b, restoring, NodeFacts::default()).is_err());
                 }
-                if let Some(to) = s.target.as_ref().and_then(|t| t.owner_of(b)) {
+                // A member away in maintenance is stopped: it keeps nothing and pulls what the
+                // target gives it once it returns.
+                if let Some(to) = s.target.as_ref().and_then(|t| t.owner_of(b)).filter(|&to| s.away() != Some(to)) {
                     prop_assert!(phase_of(&s, to, b, installed).keeps_active_data(), "target owner of {b} keeps it");
                 }
                 if let Some(shadow) = s.shadow_of(b) {
@@ -272,4 +274,27 @@ fn a_stopping_node_that_hears_no_majority_says_it_stops() {
         Some(DataError::NoQuorum { heard: 1, members: 3 })
     );
     assert_eq!(read_refusal(node(true, false, true, Some((1, 3)))), Some(DataError::NodeFailed));
+}
+
+/// Found by the property above: during a transfer a member went into maintenance and away;
+/// the target still gives it buckets, which it pulls once it returns. Meanwhile it is away,
+/// keeps nothing, and every bucket it will get is served by somebody.
+#[test]
+fn a_target_owner_away_in_maintenance_keeps_nothing_until_it_returns() {
+    use Step::*;
+    let s = history(&[Join, Join, EndTransition, Move(8), Maintenance(0), Away]);
+    let away = s.away().expect("a member is away");
+    let target = s.target.as_ref().expect("the transfer runs");
+    let installed = BucketFacts { restoring: false, installed: true };
+    let given: Vec<BucketId> = BucketId::all().filter(|&b| target.owner_of(b) == Some(away)).collect();
+    assert!(!given.is_empty(), "the target gives the away member buckets");
+    assert!(given.iter().any(|&b| matches!(phase_of(&s, away, b, installed), Phase::Away { .. })));
+    for b in given {
+        assert!(matches!(phase_of(&s, away, b, installed), Phase::Away { .. } | Phase::Serving));
+        let owner = s.map.owner_of(b).expect("an owner");
+        assert!(
+            owner == away || phase_of(&s, owner, b, installed).keeps_active_data(),
+            "bucket {b} is kept by {owner}"
+        );
+    }
 }
