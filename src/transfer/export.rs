@@ -218,11 +218,15 @@ struct Outbox<'a> {
 
 impl Outbox<'_> {
     /// Adds frames, sending once enough gathered; false when the receiver went away.
+    /// A large value's chunk frames go out as they come, not gathered whole.
     async fn push(&mut self, frames: Vec<Bytes>) -> bool {
         for f in frames {
             self.buf.extend_from_slice(&f);
+            if self.buf.len() >= SEND_BYTES && !self.flush().await {
+                return false;
+            }
         }
-        self.buf.len() < SEND_BYTES || self.flush().await
+        true
     }
 
     /// Sends what gathered; false when the receiver went away.
