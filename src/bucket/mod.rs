@@ -33,7 +33,7 @@ use parking_lot::{Mutex, RwLock};
 use shoal_raft::{BucketId, ClusterState, ControlPlane, NodeId, BUCKET_COUNT};
 use tokio::sync::{MutexGuard, RwLockReadGuard, RwLockWriteGuard};
 
-pub use permit::{change_body, WritePermit};
+pub use permit::WritePermit;
 pub use phase::{
     export_refusal, holds_replica, keeps_replica, mirror_read, mirrors_of, phase_of, read_refusal, route_of,
     write_plan, write_refusal, BucketFacts, NodeFacts, NotFresh, Phase, Recipient, ReplicaFacts, Route, Routing,

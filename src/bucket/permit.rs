@@ -12,14 +12,14 @@
 
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use tokio::sync::{MutexGuard, RwLockWriteGuard};
 
 use super::phase::{write_refusal, WritePlan};
 use super::BucketCore;
 use crate::cache::{Change, ExportedItem, Write};
 use crate::error::{DataError, ReplicaError};
-use crate::transport::frame::{change_frames, end_frame, HEADER};
+use crate::transport::frame::change_body;
 
 /// One write done under a permit, and how to take it back.
 struct Done {
@@ -221,15 +221,3 @@ type KeyUndo = (Bytes, Option<ExportedItem>, Option<u64>, Option<u64>);
 /// How long a write whose shadow did not answer waits for this node's map to drop that
 /// shadow (the transfer just ended, or the cluster failed the node) before it is taken back.
 const SHADOW_SETTLE: Duration = Duration::from_millis(500);
-
-/// A body of framed changes, as shadows and replicas take them.
-pub fn change_body(changes: &[Change]) -> Bytes {
-    let mut body = BytesMut::from(&HEADER[..]);
-    for c in changes {
-        for f in change_frames(c) {
-            body.extend_from_slice(&f);
-        }
-    }
-    body.extend_from_slice(&end_frame(0, changes.len() as u64));
-    body.freeze()
-}

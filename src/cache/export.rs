@@ -14,7 +14,7 @@ use bytes::Bytes;
 use shoal_raft::BucketId;
 
 use super::item::{Item, ItemMeta, Priority};
-use super::{CacheError, CacheStore};
+use super::CacheStore;
 
 /// An item as it travels between nodes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -30,27 +30,80 @@ pub struct ExportedItem {
     /// Sliding expiration, 0 for none.
     pub sliding_ms: u64,
     /// Tags.
-    pub tags: Vec<String>,
+    pub tags: Box<[Box<str>]>,
     /// Eviction priority.
     pub priority: Priority,
 }
 
 impl ExportedItem {
     pub(super) fn of(item: &Item) -> Self {
-        ExportedItem {
-            key: Bytes::copy_from_slice(item.key()),
-            value: item.value_bytes(),
+        ItemRef::of(item).to_owned()
+    }
+
+    /// The item seen in place.
+    pub fn as_ref(&self) -> ItemRef<'_> {
+        ItemRef {
+            key: &self.key,
+            value: &self.value,
+            shared: Some(&self.value),
+            version: self.version,
+            expires_at_ms: self.expires_at_ms,
+            sliding_ms: self.sliding_ms,
+            tags: &self.tags,
+            priority: self.priority,
+        }
+    }
+}
+
+/// An item seen in place, as it would travel: what a snapshot hands to its visitor while the
+/// bucket is locked, so that it can be encoded without an intermediate copy.
+#[derive(Debug, Clone, Copy)]
+pub struct ItemRef<'a> {
+    /// The key.
+    pub key: &'a [u8],
+    /// The value.
+    pub value: &'a [u8],
+    /// The value when it is kept in a shared buffer (values larger than
+    /// [`super::item::LARGE_VALUE_BYTES`]): keeping it copies nothing, so a visitor can encode
+    /// it after the lock is released instead of copying megabytes under it.
+    pub shared: Option<&'a Bytes>,
+    /// Its version.
+    pub version: u64,
+    /// Absolute expiry in Unix ms, 0 for none.
+    pub expires_at_ms: u64,
+    /// Sliding expiration, 0 for none.
+    pub sliding_ms: u64,
+    /// Tags.
+    pub tags: &'a [Box<str>],
+    /// Eviction priority.
+    pub priority: Priority,
+}
+
+impl<'a> ItemRef<'a> {
+    fn of(item: &'a Item) -> Self {
+        ItemRef {
+            key: item.key(),
+            value: item.value(),
+            shared: item.meta.as_ref().and_then(|m| m.large_value.as_ref()),
             version: item.version(),
             expires_at_ms: item.expires_at_ms(),
             sliding_ms: item.meta.as_ref().map_or(0, |m| m.sliding_ms),
-            tags: item.tags().iter().map(|t| t.to_string()).collect(),
+            tags: item.tags(),
             priority: item.priority(),
         }
     }
 
-    /// The bytes this item takes on the wire, roughly (for progress figures).
-    pub fn size(&self) -> usize {
-        self.key.len() + self.value.len() + self.tags.iter().map(String::len).sum::<usize>() + 32
+    /// An owned copy (a shared value is shared, not copied).
+    pub fn to_owned(&self) -> ExportedItem {
+        ExportedItem {
+            key: Bytes::copy_from_slice(self.key),
+            value: self.shared.cloned().unwrap_or_else(|| Bytes::copy_from_slice(self.value)),
+            version: self.version,
+            expires_at_ms: self.expires_at_ms,
+            sliding_ms: self.sliding_ms,
+            tags: self.tags.into(),
+            priority: self.priority,
+        }
     }
 }
 
@@ -78,6 +131,9 @@ pub(super) struct ExportLog {
     frozen: bool,
 }
 
+/// Changes applied under one hold of a bucket's lock, at most.
+const APPLY_GROUP: usize = 256;
+
 /// Hands out export tokens.
 static NEXT_TOKEN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
@@ -92,11 +148,13 @@ impl ExportLog {
 }
 
 impl CacheStore {
-    /// Starts exporting `bucket`: returns a snapshot of its live items, and records every
-    /// write to it from now on until [`Self::end_export`]. A previous export of the bucket that
-    /// is still recording is cancelled; a frozen one is not (its move may still be flipped,
-    /// and thawing it would let writes land here after the new owner's copy): `None`.
-    pub fn begin_export(&self, bucket: BucketId) -> Option<(Vec<ExportedItem>, u64)> {
+    /// Starts exporting `bucket`: passes each of its live items to `visit` (a snapshot taken
+    /// under the bucket's lock: the visitor should be quick), and records every write to it
+    /// from now on until [`Self::end_export`]. Returns the export's token. A previous export of
+    /// the bucket that is still recording is cancelled; a frozen one is not (its move may still
+    /// be flipped, and thawing it would let writes land here after the new owner's copy):
+    /// `None`, and nothing is visited.
+    pub fn begin_export(&self, bucket: BucketId, visit: impl FnMut(ItemRef<'_>)) -> Option<u64> {
         let now = self.clock.now_ms();
         let mut b = self.bucket(bucket).write();
         if b.export.as_ref().is_some_and(|e| e.frozen) {
@@ -104,14 +162,24 @@ impl CacheStore {
         }
         let token = NEXT_TOKEN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         b.export = Some(ExportLog { token, ..ExportLog::default() });
-        Some((b.iter().filter(|i| !i.is_expired(now)).map(ExportedItem::of).collect(), token))
+        b.iter().filter(|i| !i.is_expired(now)).map(ItemRef::of).for_each(visit);
+        Some(token)
+    }
+
+    /// Passes each of `bucket`'s live items to `visit` (under the bucket's read lock), without
+    /// recording; returns the bucket's version counter.
+    pub fn visit_items(&self, bucket: BucketId, visit: impl FnMut(ItemRef<'_>)) -> u64 {
+        let now = self.clock.now_ms();
+        let b = self.bucket(bucket).read();
+        b.iter().filter(|i| !i.is_expired(now)).map(ItemRef::of).for_each(visit);
+        b.version_counter()
     }
 
     /// A snapshot of `bucket`'s live items and its version counter, without recording.
     pub fn snapshot(&self, bucket: BucketId) -> (Vec<ExportedItem>, u64) {
-        let now = self.clock.now_ms();
-        let b = self.bucket(bucket).read();
-        (b.iter().filter(|i| !i.is_expired(now)).map(ExportedItem::of).collect(), b.version_counter())
+        let mut items = Vec::new();
+        let counter = self.visit_items(bucket, |i| items.push(i.to_owned()));
+        (items, counter)
     }
 
     /// The item stored under `key`, as it would travel.
@@ -131,7 +199,7 @@ impl CacheStore {
         }
     }
 
-    /// Freezes `bucket`: from now on writes to it are refused with [`CacheError::Frozen`]
+    /// Freezes `bucket`: from now on writes to it are refused with [`super::CacheError::Frozen`]
     /// (reads go on). Returns the last recorded writes and the bucket's version counter, or
     /// `None` if export `token` was replaced by a newer one.
     pub fn freeze(&self, bucket: BucketId, token: u64) -> Option<(Vec<Change>, u64)> {
@@ -170,7 +238,7 @@ impl CacheStore {
     /// A new item (version 0) holding what `e` says.
     fn item_of(&self, e: &ExportedItem, now: u64) -> Item {
         let meta = (!e.tags.is_empty() || e.sliding_ms > 0).then(|| ItemMeta {
-            tags: e.tags.iter().map(|t| t.as_str().into()).collect(),
+            tags: e.tags.clone(),
             sliding_ms: e.sliding_ms,
             large_value: None,
         });
@@ -180,33 +248,50 @@ impl CacheStore {
     /// Applies an imported change: a put lands unless the bucket holds a newer version of
     /// the key; a delete removes the key unless the bucket holds a newer version. Applying the
     /// same change twice is harmless.
-    pub fn apply_change(&self, bucket: BucketId, change: &Change) -> Result<(), CacheError> {
+    pub fn apply_change(&self, bucket: BucketId, change: &Change) {
+        self.apply_changes(bucket, std::slice::from_ref(change));
+    }
+
+    /// Applies imported changes in order, as [`Self::apply_change`] does one: their items
+    /// are built before the bucket is locked, and the lock is taken once per
+    /// [`APPLY_GROUP`] changes rather than once per change.
+    pub fn apply_changes(&self, bucket: BucketId, changes: &[Change]) {
         use std::hash::BuildHasher;
         let now = self.clock.now_ms();
-        match change {
-            Change::Put(item) => {
-                let mut new = self.item_of(item, now);
-                new.set_version(item.version);
-                let hash = self.hasher.hash_one(&item.key[..]);
-                self.mutate(bucket, |b, hasher| {
-                    if b.get(hash, &item.key).is_some_and(|old| old.version() > item.version) {
-                        return;
+        for group in changes.chunks(APPLY_GROUP) {
+            let mut built: Vec<Option<Item>> = group
+                .iter()
+                .map(|change| match change {
+                    Change::Put(item) => {
+                        let mut new = self.item_of(item, now);
+                        new.set_version(item.version);
+                        Some(new)
                     }
-                    b.raise_version_counter(item.version + 1);
-                    b.insert(hasher, hash, new);
-                });
-                self.evict_to_limit();
-            }
-            Change::Delete { key, version } => {
-                let hash = self.hasher.hash_one(&key[..]);
-                self.mutate(bucket, |b, hasher| {
-                    if b.get(hash, key).is_some_and(|old| old.version() <= *version) {
-                        b.remove(hasher, hash, key);
+                    Change::Delete { .. } => None,
+                })
+                .collect();
+            self.mutate(bucket, |b, hasher| {
+                for (change, new) in group.iter().zip(built.iter_mut()) {
+                    match change {
+                        Change::Put(item) => {
+                            let hash = self.hasher.hash_one(&item.key[..]);
+                            if b.get(hash, &item.key).is_some_and(|old| old.version() > item.version) {
+                                continue;
+                            }
+                            b.raise_version_counter(item.version + 1);
+                            b.insert(hasher, hash, new.take().expect("built above"));
+                        }
+                        Change::Delete { key, version } => {
+                            let hash = self.hasher.hash_one(&key[..]);
+                            if b.get(hash, key).is_some_and(|old| old.version() <= *version) {
+                                b.remove(hasher, hash, key);
+                            }
+                        }
                     }
-                });
-            }
+                }
+            });
+            self.evict_to_limit();
         }
-        Ok(())
     }
 
     /// Takes back a write of `key` that its replica did not apply: if the key still
@@ -251,7 +336,7 @@ impl CacheStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cache::{Clock, Condition, Write};
+    use crate::cache::{CacheError, Clock, Condition, Write};
     use shoal_raft::bucket_of;
 
     fn put(s: &CacheStore, key: &str, value: &str) -> Result<u64, CacheError> {
@@ -267,7 +352,8 @@ mod tests {
         for k in &keys {
             put(&source, k, "old").expect("put");
         }
-        let (snapshot, token) = source.begin_export(b).expect("not frozen");
+        let mut snapshot = Vec::new();
+        let token = source.begin_export(b, |i| snapshot.push(i.to_owned())).expect("not frozen");
         // Writes during the export: overwrite, new key, delete.
         put(&source, &keys[0], "new").expect("put");
         put(&source, "{t}fresh", "x").expect("put");
@@ -280,12 +366,12 @@ mod tests {
         assert_eq!(last.len(), 1);
         assert_eq!(put(&source, &keys[3], "refused"), Err(CacheError::Frozen), "frozen buckets refuse writes");
         assert!(source.get(b, keys[3].as_bytes()).is_some(), "reads go on");
-        assert!(source.begin_export(b).is_none(), "a retried pull does not thaw a frozen bucket");
+        assert!(source.begin_export(b, |_| {}).is_none(), "a retried pull does not thaw a frozen bucket");
         assert_eq!(put(&source, &keys[3], "refused"), Err(CacheError::Frozen));
 
         // Applied in any order the import may see them, twice, the result is the same.
         for change in snapshot.iter().cloned().map(Change::Put).chain(changes).chain(last.clone()).chain(last) {
-            target.apply_change(b, &change).expect("apply");
+            target.apply_change(b, &change);
         }
         target.raise_version_counter(b, counter);
         let read = |s: &CacheStore, k: &str| s.get(b, k.as_bytes()).map(|v| (v.value, v.version));

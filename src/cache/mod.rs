@@ -41,7 +41,7 @@ use shoal_raft::{BucketId, BUCKET_COUNT};
 
 pub use bucket::{Bucket, IndexHasher};
 pub use clock::Clock;
-pub use export::{Change, ExportedItem};
+pub use export::{Change, ExportedItem, ItemRef};
 pub use item::{Item, ItemMeta, Priority, ITEM_OVERHEAD_BYTES, LARGE_VALUE_BYTES, MAX_VERSION};
 
 /// How the store picks what to evict when it is over its size.

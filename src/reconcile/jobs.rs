@@ -9,8 +9,8 @@ use tokio::time::Instant;
 
 use super::{Done, Fetched, Reconciler, RETRY};
 use crate::maintenance::{HandOff, NotInSync, WritePause};
-use crate::transfer::found::give_back_body;
 use crate::transfer::import::PullError;
+use crate::transport::frame::snapshot_body;
 use crate::transport::CallError;
 
 /// How long acknowledging a pending map waits before the loop tries again.
@@ -57,7 +57,7 @@ impl Reconciler {
             let results: Vec<Result<(), CallError>> = futures::stream::iter(lost)
                 .map(|l| async move {
                     let bucket = BucketId(l.bucket);
-                    let body = give_back_body(&self.store, bucket);
+                    let body = snapshot_body(&self.store, bucket);
                     let result = self.peers.give_back(&l.peer_addr, self.me, bucket, body).await;
                     if let Err(e) = &result {
                         tracing::warn!(bucket = l.bucket, owner = l.owner, error = %e, "giving a lost bucket back");

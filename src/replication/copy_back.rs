@@ -8,7 +8,7 @@ use bytes::Bytes;
 use shoal_raft::{BucketId, ClusterState, NodeId};
 
 use super::Replicator;
-use crate::transport::frame::{end_frame, item_frames, HEADER};
+use crate::transport::frame::snapshot_body;
 
 /// How long a holder waits for the state that gave the bucket to the asker (it may have
 /// applied the change, a failover say, a moment before this node).
@@ -39,18 +39,15 @@ impl Replicator {
         // but holds nothing of it.
         let snapshot = self.replica_snapshot(bucket, to).or_else(|| {
             let shadow = self.facts.holds_shadow(bucket) && self.control.state().shadow_of(bucket) == Some(me);
-            shadow.then(|| self.active.snapshot(bucket))
+            shadow.then(|| snapshot_body(&self.active, bucket))
         });
-        let Some((items, counter)) = snapshot else {
+        let Some(body) = snapshot else {
             return Err((
                 404,
                 format!("node {me} holds neither a shadow nor a replica of bucket {bucket} for node {to}"),
             ));
         };
-        let mut frames = vec![Bytes::from_static(HEADER)];
-        frames.extend(items.iter().flat_map(item_frames));
-        frames.push(end_frame(counter, items.len() as u64));
-        Ok(frames)
+        Ok(vec![body])
     }
 }
 

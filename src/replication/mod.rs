@@ -64,17 +64,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use parking_lot::Mutex;
 use shoal_raft::{BucketId, ClusterState, ControlPlane, NodeId, ReplicationMode, BUCKET_COUNT};
 use tokio::sync::{MutexGuard, Notify};
 use tokio::time::Instant;
 
-use crate::bucket::{change_body, keeps_replica, LocalFacts, NotFresh, Recipient, ReplicaFacts, WritePlan};
-use crate::cache::{CacheStore, Change, ExportedItem};
+use crate::bucket::{keeps_replica, LocalFacts, NotFresh, Recipient, ReplicaFacts, WritePlan};
+use crate::cache::{CacheStore, Change};
 use crate::error::{DataError, ReplicaError};
 use crate::peer::Peers;
-use crate::transport::frame::{end_frame, item_frames, HEADER};
+use crate::transport::frame::{change_body, snapshot_body};
 use crate::transport::{CallError, ReplicaAnswer, ReplicaReport, Replicate};
 
 /// How long a holder's newer map may take to reach this node before a refused write fails.
@@ -376,16 +376,9 @@ impl Replicator {
 
     /// Sends `bucket` whole to `holder`, under the bucket lock (the caller holds it).
     async fn send_snapshot(&self, bucket: BucketId, holder: &Holder) -> Result<(), ReplicaError> {
-        let (items, counter) = self.active.snapshot(bucket);
-        let mut body = BytesMut::from(&HEADER[..]);
-        for item in &items {
-            for f in item_frames(item) {
-                body.extend_from_slice(&f);
-            }
-        }
-        body.extend_from_slice(&end_frame(counter, items.len() as u64));
+        let body = snapshot_body(&self.active, bucket);
         let bytes = body.len() as u64;
-        match self.send(bucket, holder, body.freeze(), true).await? {
+        match self.send(bucket, holder, body, true).await? {
             ReplicaAnswer::Applied => {
                 self.attach_at(bucket, holder);
                 self.stats.snapshots.fetch_add(1, Ordering::Relaxed);
@@ -499,9 +492,9 @@ impl Replicator {
 
     /// The replica of `bucket` if it is a snapshot of `owner`'s (a restarted owner restores
     /// from it).
-    fn replica_snapshot(&self, bucket: BucketId, owner: NodeId) -> Option<(Vec<ExportedItem>, u64)> {
+    fn replica_snapshot(&self, bucket: BucketId, owner: NodeId) -> Option<Bytes> {
         let source = self.sources.get(bucket.index())?;
-        (source.load(Ordering::Acquire) == owner).then(|| self.replica.snapshot(bucket))
+        (source.load(Ordering::Acquire) == owner).then(|| snapshot_body(&self.replica, bucket))
     }
 
     /// The replica buckets this node holds, and the owner each copy came from.

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use super::Replicator;
 use crate::bucket::holds_replica;
-use crate::transport::frame::{Decoded, Decoder};
+use crate::transport::frame::decode_body;
 use crate::transport::{ReplicaAnswer, Replicate};
 
 /// How long the holder waits to apply the sender's map version.
@@ -18,16 +18,9 @@ impl Replicator {
     /// sender does not own the bucket or this node is not its replica.
     pub async fn receive(&self, r: Replicate) -> ReplicaAnswer {
         let bucket = r.bucket;
-        let mut decoder = Decoder::default();
-        decoder.feed(&r.body);
-        let mut changes = Vec::new();
-        let counter = loop {
-            match decoder.next_decoded() {
-                Ok(Some(Decoded::Change(change))) => changes.push(change),
-                Ok(Some(Decoded::End { version_counter, .. })) => break version_counter,
-                Ok(None) => return ReplicaAnswer::Refused("truncated".into()),
-                Err(e) => return ReplicaAnswer::Refused(e.to_string()),
-            }
+        let (changes, counter) = match decode_body(r.body.clone()) {
+            Ok(decoded) => decoded,
+            Err(e) => return ReplicaAnswer::Refused(e.to_string()),
         };
         if self.control.state().map.version < r.map_version {
             self.control.wait_for_state(MAP_CATCH_UP, |s| s.map.version >= r.map_version).await;
@@ -62,9 +55,7 @@ impl Replicator {
             source.store(0, Ordering::Release);
             self.replica.take_bucket(bucket);
         }
-        for change in &changes {
-            let _ = self.replica.apply_change(bucket, change);
-        }
+        self.replica.apply_changes(bucket, &changes);
         if r.snapshot {
             self.replica.raise_version_counter(bucket, counter);
             self.source_epochs[bucket.index()].store(state.epoch_of(bucket), Ordering::Release);

@@ -29,7 +29,10 @@ use super::progress::Progress;
 use super::TransferConfig;
 use crate::bucket::LocalFacts;
 use crate::cache::CacheStore;
-use crate::transport::frame::{change_frames, end_frame, error_frame, item_frames, HEADER};
+use crate::cache::{Change, ExportedItem};
+use crate::transport::frame::{
+    error_frame, put_change, put_chunk, put_end, put_item_head, SnapshotEncoder, CHUNK_BYTES,
+};
 use crate::transport::FrameStream;
 
 /// How long a frozen bucket waits for its move to be settled before the source aborts it.
@@ -102,23 +105,29 @@ impl Exporter {
 /// Sends the bucket into `tx`; a failed send means the receiver went away.
 async fn produce(exporter: Exporter, bucket: BucketId, epoch: u64, tx: mpsc::Sender<Bytes>) {
     let cache = &exporter.cache;
-    let Some((snapshot, token)) = cache.begin_export(bucket) else {
+    // The snapshot is encoded as the bucket's lock is held: each item is copied once, straight
+    // into the stream's messages.
+    let mut encoder = SnapshotEncoder::new(SEND_BYTES);
+    let Some(token) = cache.begin_export(bucket, |item| encoder.visit(item)) else {
         let _ = tx.send(error_frame("the bucket is frozen by an earlier transfer that is not settled yet")).await;
         return;
     };
+    let mut sent = encoder.items;
+    let (messages, shared) = encoder.finish();
     let mut out = Outbox {
         tx: &tx,
         buf: BytesMut::new(),
         throttle: Throttle::new(exporter.config.rate_bytes_per_sec),
         progress: &exporter.progress,
     };
-    let mut sent: u64 = 0;
-    let mut ok = out.push(vec![Bytes::from_static(HEADER)]).await;
-    for item in &snapshot {
-        ok = ok && out.push(item_frames(item)).await;
-        sent += 1;
+    let mut ok = true;
+    for message in messages {
+        ok = ok && out.send(message).await;
     }
-    drop(snapshot);
+    for item in &shared {
+        ok = ok && out.push_item(item).await;
+    }
+    drop(shared);
     for _ in 0..CATCH_UP_ROUNDS {
         if !ok {
             break;
@@ -126,7 +135,7 @@ async fn produce(exporter: Exporter, bucket: BucketId, epoch: u64, tx: mpsc::Sen
         let changes = cache.drain_changes(bucket, token);
         let small = changes.len() <= FREEZE_BELOW;
         for c in &changes {
-            ok = ok && out.push(change_frames(c)).await;
+            ok = ok && out.push(c).await;
             sent += 1;
         }
         if small {
@@ -153,11 +162,12 @@ async fn produce(exporter: Exporter, bucket: BucketId, epoch: u64, tx: mpsc::Sen
         return;
     };
     for c in &last {
-        ok = ok && out.push(change_frames(c)).await;
+        ok = ok && out.push(c).await;
         sent += 1;
     }
     if ok {
-        ok = out.push(vec![end_frame(counter, sent)]).await && out.flush().await;
+        put_end(&mut out.buf, counter, sent);
+        ok = out.flush().await;
     }
     if !ok {
         let _ = tx.send(error_frame("the source stopped sending")).await;
@@ -208,7 +218,8 @@ async fn settle_freeze(exporter: &Exporter, bucket: BucketId, epoch: u64, token:
 const SEND_BYTES: usize = 64 * 1024;
 
 /// Gathers frames into messages of about [`SEND_BYTES`]: a message per frame (one per small
-/// item) cost the channel, the HTTP body and the receiver more than the item itself.
+/// item) cost the channel, the HTTP body and the receiver more than the item itself. Frames
+/// are encoded straight into the message being gathered.
 struct Outbox<'a> {
     tx: &'a mpsc::Sender<Bytes>,
     buf: BytesMut,
@@ -217,16 +228,29 @@ struct Outbox<'a> {
 }
 
 impl Outbox<'_> {
-    /// Adds frames, sending once enough gathered; false when the receiver went away.
-    /// A large value's chunk frames go out as they come, not gathered whole.
-    async fn push(&mut self, frames: Vec<Bytes>) -> bool {
-        for f in frames {
-            self.buf.extend_from_slice(&f);
+    /// Adds a change's frames, sending once enough gathered; false when the receiver went
+    /// away.
+    async fn push(&mut self, change: &Change) -> bool {
+        match change {
+            Change::Put(item) => self.push_item(item).await,
+            Change::Delete { .. } => {
+                put_change(&mut self.buf, change);
+                self.buf.len() < SEND_BYTES || self.flush().await
+            }
+        }
+    }
+
+    /// Adds an item's frames; a large value's chunks go out as they come, not gathered whole.
+    async fn push_item(&mut self, item: &ExportedItem) -> bool {
+        let item = item.as_ref();
+        let first = put_item_head(&mut self.buf, &item);
+        for chunk in item.value[first..].chunks(CHUNK_BYTES) {
             if self.buf.len() >= SEND_BYTES && !self.flush().await {
                 return false;
             }
+            put_chunk(&mut self.buf, chunk);
         }
-        true
+        self.buf.len() < SEND_BYTES || self.flush().await
     }
 
     /// Sends what gathered; false when the receiver went away.
@@ -235,6 +259,15 @@ impl Outbox<'_> {
             return true;
         }
         let message = self.buf.split().freeze();
+        self.send_now(message).await
+    }
+
+    /// Sends what gathered, then `message`; false when the receiver went away.
+    async fn send(&mut self, message: Bytes) -> bool {
+        self.flush().await && self.send_now(message).await
+    }
+
+    async fn send_now(&mut self, message: Bytes) -> bool {
         let n = message.len();
         if self.tx.send(message).await.is_err() {
             return false;
@@ -274,15 +307,34 @@ impl Throttle {
 mod tests {
     use super::*;
 
+    fn change(i: u32) -> Change {
+        let key = Bytes::from(format!("key{i}"));
+        if i % 7 == 3 {
+            return Change::Delete { key, version: u64::from(i) };
+        }
+        // One value of 200 KiB: it goes out in chunks.
+        let len = if i == 500 { 200 * 1024 } else { 100 + i as usize % 300 };
+        Change::Put(ExportedItem {
+            key,
+            value: Bytes::from(vec![(i % 251) as u8; len]),
+            version: u64::from(i),
+            expires_at_ms: 0,
+            sliding_ms: 0,
+            tags: Box::default(),
+            priority: crate::cache::Priority::Normal,
+        })
+    }
+
     #[tokio::test]
     async fn frames_go_out_gathered_whole_and_in_order() {
         let (tx, mut rx) = mpsc::channel(1024);
         let progress = Progress::default();
         let mut out = Outbox { tx: &tx, buf: BytesMut::new(), throttle: Throttle::new(0), progress: &progress };
-        let frames: Vec<Bytes> =
-            (0..1000u32).map(|i| Bytes::from(vec![(i % 251) as u8; 100 + i as usize % 300])).collect();
-        for f in &frames {
-            assert!(out.push(vec![f.clone()]).await);
+        let changes: Vec<Change> = (0..1000).map(change).collect();
+        let mut expected = BytesMut::new();
+        for c in &changes {
+            assert!(out.push(c).await);
+            put_change(&mut expected, c);
         }
         assert!(out.flush().await);
         drop(out);
@@ -291,9 +343,14 @@ mod tests {
         while let Some(m) = rx.recv().await {
             messages.push(m);
         }
-        let total: usize = frames.iter().map(Bytes::len).sum();
+        let total = expected.len();
         assert!(messages.len() <= total / SEND_BYTES + 1, "{} messages for {total} bytes", messages.len());
         assert!(messages[..messages.len() - 1].iter().all(|m| m.len() >= SEND_BYTES), "only the last is short");
-        assert_eq!(messages.concat(), frames.concat(), "every byte, in order");
+        assert!(
+            messages.iter().all(|m| m.len() < SEND_BYTES + CHUNK_BYTES + 200),
+            "a large value is not gathered whole"
+        );
+        assert_eq!(messages.concat(), expected.to_vec(), "every byte, in order");
+        assert_eq!(progress.status(1).bytes_sent_total, total as u64);
     }
 }

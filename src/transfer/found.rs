@@ -21,31 +21,17 @@
 
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use shoal_raft::{AdminRequest, BucketId, ClusterState, NodeId};
 
 use super::export::Exporter;
-use crate::cache::CacheStore;
-use crate::transport::frame::{end_frame, item_frames, Decoded, Decoder, HEADER};
+use crate::transport::frame::decode_body;
 
 /// How long the owner waits to apply the change that marks a bucket found.
 const APPLY_WAIT: Duration = Duration::from_secs(5);
 
 /// Why a copy given back is refused: an HTTP status and the reason.
 type Refusal = (u16, String);
-
-/// The body that gives `bucket` back: this node's items of it, framed.
-pub fn give_back_body(store: &CacheStore, bucket: BucketId) -> Bytes {
-    let (items, counter) = store.snapshot(bucket);
-    let mut body = BytesMut::from(&HEADER[..]);
-    for item in &items {
-        for frame in item_frames(item) {
-            body.extend_from_slice(&frame);
-        }
-    }
-    body.extend_from_slice(&end_frame(counter, items.len() as u64));
-    body.freeze()
-}
 
 /// Whether node `me` may install `from`'s copy of `bucket` on `state`: the bucket is lost, `from`
 /// served it last, and `me` owns it.
@@ -68,7 +54,7 @@ impl Exporter {
     /// (any more), `from` did not serve it last, or this node does not own it; 400 for a bad
     /// body; 503 when the change could not be committed (the copy stays installed; the next
     /// attempt commits it).
-    pub async fn take_back(&self, from: NodeId, bucket: BucketId, body: &[u8]) -> Result<(), Refusal> {
+    pub async fn take_back(&self, from: NodeId, bucket: BucketId, body: Bytes) -> Result<(), Refusal> {
         let me = self.control.node_id();
         // Nothing else writes a lost bucket; the lock keeps two attempts apart.
         let _lock = self.facts.lock(bucket).await;
@@ -79,21 +65,9 @@ impl Exporter {
             // An export of the (empty) lost bucket is waiting for its flip; `Found` voids it.
             return Err((503, format!("bucket {bucket} is being exported; retry")));
         }
-        let mut decoder = Decoder::default();
-        decoder.feed(body);
-        let mut changes = Vec::new();
-        let counter = loop {
-            match decoder.next_decoded() {
-                Ok(Some(Decoded::Change(change))) => changes.push(change),
-                Ok(Some(Decoded::End { version_counter, .. })) => break version_counter,
-                Ok(None) => return Err((400, "truncated".into())),
-                Err(e) => return Err((400, e.to_string())),
-            }
-        };
+        let (changes, counter) = decode_body(body).map_err(|e| (400, e.to_string()))?;
         self.cache.take_bucket(bucket);
-        for change in &changes {
-            let _ = self.cache.apply_change(bucket, change);
-        }
+        self.cache.apply_changes(bucket, &changes);
         self.cache.raise_version_counter(bucket, counter);
         let request = AdminRequest::Found { owner: me, from, buckets: vec![bucket.0] };
         if let Err(e) = self.control.admin(request).await {

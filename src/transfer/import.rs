@@ -196,18 +196,20 @@ impl Puller {
             let Some(data) = frames.next().await else { return Err(broken(FrameError::Truncated)) };
             let data = data.map_err(|_| broken(FrameError::Truncated))?;
             progress.received(data.len() as u64);
-            decoder.feed(&data);
+            decoder.feed(data);
+            // What one message holds is applied together.
+            let mut changes = Vec::new();
             while let Some(decoded) = decoder.next_decoded().map_err(broken)? {
                 match decoded {
-                    Decoded::Change(change) => {
-                        let _ = cache.apply_change(bucket, &change);
-                    }
+                    Decoded::Change(change) => changes.push(change),
                     Decoded::End { version_counter, .. } => {
+                        cache.apply_changes(bucket, &changes);
                         cache.raise_version_counter(bucket, version_counter);
                         return Ok(decoder.bytes);
                     }
                 }
             }
+            cache.apply_changes(bucket, &changes);
         }
     }
 }

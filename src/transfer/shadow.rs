@@ -11,10 +11,13 @@
 
 use std::time::Duration;
 
+use bytes::Bytes;
+
 use shoal_raft::BucketId;
 
 use super::export::Exporter;
-use crate::transport::frame::{Decoded, Decoder};
+
+use crate::transport::frame::decode_body;
 
 /// How long a shadow waits for the move that makes it one, before refusing a write-through.
 const SHADOW_WAIT: Duration = Duration::from_secs(2);
@@ -22,7 +25,7 @@ const SHADOW_WAIT: Duration = Duration::from_secs(2);
 impl Exporter {
     /// `POST /internal/shadow/{bucket}`: applies the owner's writes to this node's shadow
     /// copy. Refused (409) when this node holds no shadow of the bucket, 400 for a bad body.
-    pub async fn apply_shadow(&self, bucket: BucketId, body: &[u8]) -> Result<(), (u16, String)> {
+    pub async fn apply_shadow(&self, bucket: BucketId, body: Bytes) -> Result<(), (u16, String)> {
         let me = self.control.node_id();
         // The new owner may have applied the move a moment before this node.
         if self.control.state().shadow_of(bucket) != Some(me) {
@@ -31,17 +34,8 @@ impl Exporter {
         if self.control.state().shadow_of(bucket) != Some(me) {
             return Err((409, format!("node {me} holds no shadow of bucket {bucket}")));
         }
-        let mut decoder = Decoder::default();
-        decoder.feed(body);
-        loop {
-            match decoder.next_decoded() {
-                Ok(Some(Decoded::Change(change))) => {
-                    let _ = self.cache.apply_change(bucket, &change);
-                }
-                Ok(Some(Decoded::End { .. })) => return Ok(()),
-                Ok(None) => return Err((400, "truncated".into())),
-                Err(e) => return Err((400, e.to_string())),
-            }
-        }
+        let (changes, _) = decode_body(body).map_err(|e| (400, e.to_string()))?;
+        self.cache.apply_changes(bucket, &changes);
+        Ok(())
     }
 }

@@ -20,10 +20,18 @@
 //! or the event loop for long. Every frame carries a CRC-32; a corrupt or truncated stream is
 //! an error, and a bucket whose stream failed is never flipped (the partial copy is pulled
 //! again or dropped).
+//!
+//! Copies are what a transfer costs, so each byte is copied as few times as it can be: an
+//! item is encoded once, straight from the store into the bytes that travel (a snapshot as
+//! the bucket's lock is held, [`SnapshotEncoder`]; a large value, which the store shares,
+//! after the lock is released), and a frame that arrives whole in one piece is decoded in
+//! place, its key and value being slices of the piece.
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
-use crate::cache::{Change, ExportedItem, Priority};
+use shoal_raft::BucketId;
+
+use crate::cache::{CacheStore, Change, ExportedItem, ItemRef, Priority};
 
 /// The stream's magic and format version.
 pub const HEADER: &[u8; 8] = b"SHOALXF\x01";
@@ -65,68 +73,181 @@ pub enum FrameError {
     Truncated,
 }
 
+/// Appends a frame of `kind` whose payload `write` appends: the payload is written in place,
+/// not built apart and copied.
+fn put_frame(out: &mut BytesMut, kind: u8, write: impl FnOnce(&mut BytesMut)) {
+    let start = out.len();
+    out.put_u8(kind);
+    out.put_u32(0);
+    write(out);
+    let len = (out.len() - start - 5) as u32;
+    out[start + 1..start + 5].copy_from_slice(&len.to_be_bytes());
+    let crc = crc32fast::hash(&out[start..]);
+    out.put_u32(crc);
+}
+
+#[cfg(test)]
 fn frame(kind: u8, payload: &[u8]) -> Bytes {
     let mut out = BytesMut::with_capacity(payload.len() + 9);
-    out.put_u8(kind);
-    out.put_u32(payload.len() as u32);
-    out.put_slice(payload);
-    let crc = crc32fast::hash(&out);
-    out.put_u32(crc);
+    put_frame(&mut out, kind, |o| o.put_slice(payload));
     out.freeze()
 }
 
-/// The frames of one item: an ITEM frame with the value's head, then CHUNK frames.
-pub fn item_frames(item: &ExportedItem) -> Vec<Bytes> {
-    let mut head = BytesMut::new();
-    let kind = if item.priority == Priority::Normal {
-        ITEM
-    } else {
-        head.put_u8(item.priority.rank());
-        ITEM_WITH_PRIORITY
-    };
-    head.put_u16(item.key.len() as u16);
-    head.put_slice(&item.key);
-    head.put_u64(item.version);
-    head.put_u64(item.expires_at_ms);
-    head.put_u64(item.sliding_ms);
-    head.put_u16(item.tags.len() as u16);
-    for tag in &item.tags {
-        head.put_u16(tag.len() as u16);
-        head.put_slice(tag.as_bytes());
-    }
-    head.put_u64(item.value.len() as u64);
+/// Appends an item's ITEM frame, which holds the head of its value; returns how many value
+/// bytes it holds (the rest go in CHUNK frames, [`put_chunk`]).
+pub fn put_item_head(out: &mut BytesMut, item: &ItemRef<'_>) -> usize {
     let first = item.value.len().min(CHUNK_BYTES);
-    head.put_slice(&item.value[..first]);
-    let mut frames = vec![frame(kind, &head)];
-    frames.extend(item.value[first..].chunks(CHUNK_BYTES).map(|c| frame(CHUNK, c)));
-    frames
+    let tags: usize = item.tags.iter().map(|t| t.len() + 2).sum();
+    out.reserve(9 + 1 + 2 + item.key.len() + 24 + 2 + tags + 8 + first);
+    let kind = if item.priority == Priority::Normal { ITEM } else { ITEM_WITH_PRIORITY };
+    put_frame(out, kind, |head| {
+        if kind == ITEM_WITH_PRIORITY {
+            head.put_u8(item.priority.rank());
+        }
+        head.put_u16(item.key.len() as u16);
+        head.put_slice(item.key);
+        head.put_u64(item.version);
+        head.put_u64(item.expires_at_ms);
+        head.put_u64(item.sliding_ms);
+        head.put_u16(item.tags.len() as u16);
+        for tag in item.tags {
+            head.put_u16(tag.len() as u16);
+            head.put_slice(tag.as_bytes());
+        }
+        head.put_u64(item.value.len() as u64);
+        head.put_slice(&item.value[..first]);
+    });
+    first
 }
 
-/// The frames of a change.
-pub fn change_frames(change: &Change) -> Vec<Bytes> {
+/// Appends a CHUNK frame: the next bytes (at most [`CHUNK_BYTES`]) of the current item's value.
+pub fn put_chunk(out: &mut BytesMut, chunk: &[u8]) {
+    debug_assert!(chunk.len() <= CHUNK_BYTES);
+    out.reserve(chunk.len() + 9);
+    put_frame(out, CHUNK, |o| o.put_slice(chunk));
+}
+
+/// Appends every frame of an item: an ITEM frame with the value's head, then CHUNK frames.
+pub fn put_item(out: &mut BytesMut, item: &ItemRef<'_>) {
+    let first = put_item_head(out, item);
+    for chunk in item.value[first..].chunks(CHUNK_BYTES) {
+        put_chunk(out, chunk);
+    }
+}
+
+/// Appends the frames of a change.
+pub fn put_change(out: &mut BytesMut, change: &Change) {
     match change {
-        Change::Put(item) => item_frames(item),
-        Change::Delete { key, version } => {
-            let mut p = BytesMut::new();
+        Change::Put(item) => put_item(out, &item.as_ref()),
+        Change::Delete { key, version } => put_frame(out, DELETE, |p| {
             p.put_u16(key.len() as u16);
             p.put_slice(key);
             p.put_u64(*version);
-            vec![frame(DELETE, &p)]
-        }
+        }),
     }
 }
 
-/// The END frame.
-pub fn end_frame(version_counter: u64, items: u64) -> Bytes {
-    let mut p = BytesMut::new();
-    p.put_u64(version_counter);
-    p.put_u64(items);
-    frame(END, &p)
+/// Appends the END frame.
+pub fn put_end(out: &mut BytesMut, version_counter: u64, items: u64) {
+    put_frame(out, END, |p| {
+        p.put_u64(version_counter);
+        p.put_u64(items);
+    });
 }
 
 /// An ERROR frame.
 pub fn error_frame(message: &str) -> Bytes {
-    frame(ERROR, message.as_bytes())
+    let mut out = BytesMut::new();
+    put_frame(&mut out, ERROR, |p| p.put_slice(message.as_bytes()));
+    out.freeze()
+}
+
+/// A body of framed changes, as shadows and replicas take them.
+pub fn change_body(changes: &[Change]) -> Bytes {
+    let mut body = BytesMut::from(&HEADER[..]);
+    for c in changes {
+        put_change(&mut body, c);
+    }
+    put_end(&mut body, 0, changes.len() as u64);
+    body.freeze()
+}
+
+/// Encodes a bucket snapshot while the bucket is locked: each item is written once, straight
+/// into the stream's bytes (header first), which are cut into pieces of about `piece_bytes`.
+/// An item whose value is shared (a large one) is only kept, which copies nothing, and is
+/// encoded after the lock is released: a bucket of large values is not copied under its lock.
+pub struct SnapshotEncoder {
+    out: BytesMut,
+    pieces: Vec<Bytes>,
+    shared: Vec<ExportedItem>,
+    piece_bytes: usize,
+    /// Items visited.
+    pub items: u64,
+}
+
+impl SnapshotEncoder {
+    /// An encoder that cuts its output every `piece_bytes` or so.
+    pub fn new(piece_bytes: usize) -> Self {
+        let out = BytesMut::from(&HEADER[..]);
+        SnapshotEncoder { out, pieces: Vec::new(), shared: Vec::new(), piece_bytes, items: 0 }
+    }
+
+    /// Encodes (or keeps) one item.
+    pub fn visit(&mut self, item: ItemRef<'_>) {
+        self.items += 1;
+        if item.shared.is_some() {
+            self.shared.push(item.to_owned());
+            return;
+        }
+        put_item(&mut self.out, &item);
+        if self.out.len() >= self.piece_bytes {
+            self.pieces.push(self.out.split().freeze());
+        }
+    }
+
+    /// The stream's bytes so far, in pieces, and the items kept to be encoded now.
+    pub fn finish(mut self) -> (Vec<Bytes>, Vec<ExportedItem>) {
+        if !self.out.is_empty() {
+            self.pieces.push(self.out.split().freeze());
+        }
+        (self.pieces, self.shared)
+    }
+}
+
+/// `bucket` of `store` as one body: the header, every live item, END with the bucket's version
+/// counter.
+pub fn snapshot_body(store: &CacheStore, bucket: BucketId) -> Bytes {
+    let mut encoder = SnapshotEncoder::new(usize::MAX);
+    let counter = store.visit_items(bucket, |item| encoder.visit(item));
+    let items = encoder.items;
+    let (pieces, shared) = encoder.finish();
+    let mut body = match <[Bytes; 1]>::try_from(pieces) {
+        // The one piece is the body so far: no copy unless large items follow.
+        Ok([only]) => BytesMut::from(only),
+        Err(pieces) => pieces.iter().fold(BytesMut::new(), |mut b, p| {
+            b.extend_from_slice(p);
+            b
+        }),
+    };
+    for item in &shared {
+        put_item(&mut body, &item.as_ref());
+    }
+    put_end(&mut body, counter, items);
+    body.freeze()
+}
+
+/// Decodes a whole body: its changes and the version counter its END carries.
+pub fn decode_body(body: Bytes) -> Result<(Vec<Change>, u64), FrameError> {
+    let mut decoder = Decoder::default();
+    decoder.feed(body);
+    let mut changes = Vec::new();
+    loop {
+        match decoder.next_decoded()? {
+            Some(Decoded::Change(change)) => changes.push(change),
+            Some(Decoded::End { version_counter, .. }) => return Ok((changes, version_counter)),
+            None => return Err(FrameError::Truncated),
+        }
+    }
 }
 
 /// What the decoder found.
@@ -143,10 +264,17 @@ pub enum Decoded {
     },
 }
 
-/// An incremental decoder: feed it bytes as they arrive, take out what is complete.
+/// An incremental decoder: feed it the pieces of a stream as they arrive, take out what is
+/// complete. A frame that lies whole in a piece is decoded in place (its key and a value that
+/// fits in it are slices of the piece, not copies); only a frame cut between two pieces is
+/// gathered.
 #[derive(Debug, Default)]
 pub struct Decoder {
-    buf: BytesMut,
+    /// What is left of the pieces fed and not decoded yet.
+    data: Bytes,
+    /// The start of a frame (or of the header) that the piece fed last cut off: the next
+    /// pieces complete it.
+    carry: BytesMut,
     header_seen: bool,
     /// An item whose value is still arriving: the item, its value so far, bytes missing.
     partial: Option<(ExportedItem, BytesMut, usize)>,
@@ -154,71 +282,116 @@ pub struct Decoder {
     pub bytes: u64,
 }
 
-fn take<'a>(p: &mut &'a [u8], n: usize) -> Result<&'a [u8], FrameError> {
+fn need(p: &Bytes, n: usize) -> Result<(), FrameError> {
     if p.len() < n {
         return Err(FrameError::Malformed("short frame"));
     }
-    let (head, rest) = p.split_at(n);
-    *p = rest;
-    Ok(head)
+    Ok(())
 }
 
-fn u8_of(p: &mut &[u8]) -> Result<u8, FrameError> {
-    Ok(take(p, 1)?.get_u8())
+fn take(p: &mut Bytes, n: usize) -> Result<Bytes, FrameError> {
+    need(p, n)?;
+    Ok(p.split_to(n))
 }
 
-fn u16_of(p: &mut &[u8]) -> Result<u16, FrameError> {
-    Ok(take(p, 2)?.get_u16())
+fn u8_of(p: &mut Bytes) -> Result<u8, FrameError> {
+    need(p, 1)?;
+    Ok(p.get_u8())
 }
 
-fn u64_of(p: &mut &[u8]) -> Result<u64, FrameError> {
-    Ok(take(p, 8)?.get_u64())
+fn u16_of(p: &mut Bytes) -> Result<u16, FrameError> {
+    need(p, 2)?;
+    Ok(p.get_u16())
+}
+
+fn u64_of(p: &mut Bytes) -> Result<u64, FrameError> {
+    need(p, 8)?;
+    Ok(p.get_u64())
 }
 
 impl Decoder {
-    /// Adds bytes received.
-    pub fn feed(&mut self, bytes: &[u8]) {
-        self.buf.extend_from_slice(bytes);
+    /// Adds a piece of the stream.
+    pub fn feed(&mut self, bytes: Bytes) {
+        if self.data.is_empty() {
+            self.data = bytes;
+        } else {
+            // The caller did not take out everything decodable first: join the two.
+            let mut joined = BytesMut::with_capacity(self.data.len() + bytes.len());
+            joined.extend_from_slice(&self.data);
+            joined.extend_from_slice(&bytes);
+            self.data = joined.freeze();
+        }
+    }
+
+    fn available(&self) -> usize {
+        self.carry.len() + self.data.len()
+    }
+
+    /// Keeps what is left of the piece until the next one completes it.
+    fn stash(&mut self) {
+        self.carry.extend_from_slice(&self.data);
+        self.data.clear();
+    }
+
+    /// The first `N` bytes not decoded yet, if there are that many.
+    fn peek<const N: usize>(&self) -> Option<[u8; N]> {
+        if self.available() < N {
+            return None;
+        }
+        let mut head = [0u8; N];
+        let from_carry = self.carry.len().min(N);
+        head[..from_carry].copy_from_slice(&self.carry[..from_carry]);
+        head[from_carry..].copy_from_slice(&self.data[..N - from_carry]);
+        Some(head)
+    }
+
+    /// The next `n` bytes, without a copy when the piece fed last holds them all; `None`
+    /// (and the rest stashed) when fewer have arrived.
+    fn take_next(&mut self, n: usize) -> Option<Bytes> {
+        if self.available() < n {
+            self.stash();
+            return None;
+        }
+        if self.carry.is_empty() {
+            return Some(self.data.split_to(n));
+        }
+        let rest = self.data.split_to(n - self.carry.len());
+        self.carry.extend_from_slice(&rest);
+        Some(self.carry.split().freeze())
     }
 
     /// The next complete change or end, `Ok(None)` if more bytes are needed.
     pub fn next_decoded(&mut self) -> Result<Option<Decoded>, FrameError> {
         loop {
             if !self.header_seen {
-                if self.buf.len() < HEADER.len() {
-                    return Ok(None);
-                }
-                if &self.buf[..HEADER.len()] != HEADER {
+                let Some(header) = self.take_next(HEADER.len()) else { return Ok(None) };
+                if header[..] != HEADER[..] {
                     return Err(FrameError::BadHeader);
                 }
-                self.buf.advance(HEADER.len());
                 self.header_seen = true;
             }
-            if self.buf.len() < 5 {
+            let Some(head) = self.peek::<5>() else {
+                self.stash();
                 return Ok(None);
-            }
-            let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
+            };
+            let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
             if len > MAX_PAYLOAD {
                 return Err(FrameError::Malformed("frame too large"));
             }
-            if self.buf.len() < 5 + len + 4 {
-                return Ok(None);
-            }
-            let whole = self.buf.split_to(5 + len + 4);
+            let Some(whole) = self.take_next(5 + len + 4) else { return Ok(None) };
             let crc = u32::from_be_bytes([whole[5 + len], whole[6 + len], whole[7 + len], whole[8 + len]]);
             if crc32fast::hash(&whole[..5 + len]) != crc {
                 return Err(FrameError::Checksum);
             }
             self.bytes += len as u64;
-            let kind = whole[0];
-            let mut p = &whole[5..5 + len];
-            if let Some(decoded) = self.frame(kind, &mut p)? {
+            let mut payload = whole.slice(5..5 + len);
+            if let Some(decoded) = self.frame(head[0], &mut payload)? {
                 return Ok(Some(decoded));
             }
         }
     }
 
-    fn frame(&mut self, kind: u8, p: &mut &[u8]) -> Result<Option<Decoded>, FrameError> {
+    fn frame(&mut self, kind: u8, p: &mut Bytes) -> Result<Option<Decoded>, FrameError> {
         if kind != CHUNK && self.partial.is_some() {
             return Err(FrameError::Malformed("value cut short"));
         }
@@ -232,7 +405,7 @@ impl Decoder {
                     },
                 };
                 let key_len = usize::from(u16_of(p)?);
-                let key = Bytes::copy_from_slice(take(p, key_len)?);
+                let key = take(p, key_len)?;
                 let version = u64_of(p)?;
                 let expires_at_ms = u64_of(p)?;
                 let sliding_ms = u64_of(p)?;
@@ -240,8 +413,9 @@ impl Decoder {
                 let mut tags = Vec::with_capacity(usize::from(tag_count));
                 for _ in 0..tag_count {
                     let n = usize::from(u16_of(p)?);
-                    let tag = std::str::from_utf8(take(p, n)?).map_err(|_| FrameError::Malformed("tag"))?;
-                    tags.push(tag.to_string());
+                    let tag = take(p, n)?;
+                    let tag = std::str::from_utf8(&tag).map_err(|_| FrameError::Malformed("tag"))?;
+                    tags.push(Box::<str>::from(tag));
                 }
                 let value_len = usize::try_from(u64_of(p)?).unwrap_or(usize::MAX);
                 if value_len > MAX_VALUE_LEN {
@@ -250,12 +424,24 @@ impl Decoder {
                 if p.len() > value_len {
                     return Err(FrameError::Malformed("value longer than announced"));
                 }
+                let item = ExportedItem {
+                    key,
+                    value: Bytes::new(),
+                    version,
+                    expires_at_ms,
+                    sliding_ms,
+                    tags: tags.into(),
+                    priority,
+                };
+                if p.len() == value_len {
+                    // The whole value is in this frame: it stays where it arrived.
+                    let item = ExportedItem { value: std::mem::take(p), ..item };
+                    return Ok(Some(Decoded::Change(Change::Put(item))));
+                }
                 // The announced length is the peer's word: memory grows with what arrives.
                 let mut value = BytesMut::with_capacity(value_len.min(PREALLOCATE));
                 value.put_slice(p);
                 let missing = value_len - p.len();
-                let item =
-                    ExportedItem { key, value: Bytes::new(), version, expires_at_ms, sliding_ms, tags, priority };
                 self.complete_or_wait(item, value, missing)
             }
             CHUNK => {
@@ -270,7 +456,7 @@ impl Decoder {
             }
             DELETE => {
                 let key_len = usize::from(u16_of(p)?);
-                let key = Bytes::copy_from_slice(take(p, key_len)?);
+                let key = take(p, key_len)?;
                 let version = u64_of(p)?;
                 Ok(Some(Decoded::Change(Change::Delete { key, version })))
             }
@@ -307,28 +493,26 @@ mod tests {
             version: 7,
             expires_at_ms: 123,
             sliding_ms: 0,
-            tags: vec!["a".into(), "bé".into()],
+            tags: vec!["a".into(), "bé".into()].into(),
             // Both item frames: plain for normal items, with the rank for the others.
             priority: if key.len() % 2 == 0 { Priority::Normal } else { Priority::NotRemovable },
         }
     }
 
     fn stream(changes: &[Change]) -> Vec<u8> {
-        let mut out = HEADER.to_vec();
+        let mut out = BytesMut::from(&HEADER[..]);
         for c in changes {
-            for f in change_frames(c) {
-                out.extend_from_slice(&f);
-            }
+            put_change(&mut out, c);
         }
-        out.extend_from_slice(&end_frame(42, changes.len() as u64));
-        out
+        put_end(&mut out, 42, changes.len() as u64);
+        out.to_vec()
     }
 
     fn decode_all(bytes: &[u8], step: usize) -> Result<Vec<Decoded>, FrameError> {
         let mut d = Decoder::default();
         let mut out = Vec::new();
         for piece in bytes.chunks(step) {
-            d.feed(piece);
+            d.feed(Bytes::copy_from_slice(piece));
             while let Some(x) = d.next_decoded()? {
                 out.push(x);
             }
@@ -354,10 +538,58 @@ mod tests {
     }
 
     #[test]
+    fn a_snapshot_body_holds_every_live_item_and_the_version_counter() {
+        use crate::cache::{Clock, Write};
+        let store = CacheStore::new(u64::MAX, Clock::new());
+        let bucket = shoal_raft::bucket_of(b"{s}");
+        let tags = ["t".to_string()];
+        for i in 0..200usize {
+            let key = format!("{{s}}{i}");
+            // Small values are encoded under the lock, large ones (shared) after it.
+            let value = vec![i as u8; if i % 10 == 0 { 3 * CHUNK_BYTES + i } else { i }];
+            let tags = if i % 3 == 0 { &tags[..] } else { &[] };
+            let write = Write { key: key.as_bytes(), value: &value, tags, ..Default::default() };
+            store.put(bucket, &write).expect("put");
+        }
+        let (changes, counter) = decode_body(snapshot_body(&store, bucket)).expect("decodes");
+        let (items, expected_counter) = store.snapshot(bucket);
+        assert_eq!(counter, expected_counter);
+        let sorted = |mut v: Vec<Change>| {
+            v.sort_by_key(|c| match c {
+                Change::Put(i) => i.key.clone(),
+                Change::Delete { key, .. } => key.clone(),
+            });
+            v
+        };
+        assert_eq!(sorted(changes), sorted(items.into_iter().map(Change::Put).collect()));
+    }
+
+    #[test]
+    fn pieces_fed_before_the_last_one_was_decoded_are_joined() {
+        let changes = vec![Change::Put(item("a", 100)), Change::Put(item("b", 2 * CHUNK_BYTES))];
+        let bytes = Bytes::from(stream(&changes));
+        let mut d = Decoder::default();
+        let cut = bytes.len() / 3;
+        d.feed(bytes.slice(..cut));
+        d.feed(bytes.slice(cut..));
+        let mut out = Vec::new();
+        while let Some(x) = d.next_decoded().expect("decodes") {
+            out.push(x);
+        }
+        assert_eq!(out.len(), 3, "two items and the end");
+    }
+
+    #[test]
     fn a_16_mib_value_is_cut_into_chunks() {
-        let frames = item_frames(&item("huge", 16 * 1024 * 1024));
-        assert_eq!(frames.len(), 256);
-        assert!(frames.iter().all(|f| f.len() <= CHUNK_BYTES + 200));
+        let huge = item("huge", 16 * 1024 * 1024);
+        let mut out = BytesMut::new();
+        assert_eq!(put_item_head(&mut out, &huge.as_ref()), CHUNK_BYTES);
+        assert!(out.len() <= CHUNK_BYTES + 200);
+        let mut all = BytesMut::new();
+        put_item(&mut all, &huge.as_ref());
+        let chunk_frame = CHUNK_BYTES + 9;
+        assert_eq!(all.len(), out.len() + 255 * chunk_frame, "the head, then 255 full chunks");
+        assert!(all[out.len()..].chunks(chunk_frame).all(|f| f[0] == CHUNK && f.len() == chunk_frame));
     }
 
     #[test]

@@ -59,14 +59,14 @@ impl PeerService {
             PeerRequest::ReplicateBatch(requests) => PeerAnswer::ReplicatedBatch(self.receive_batch(requests).await),
             PeerRequest::Shadow { bucket, body } => {
                 self.exporter
-                    .apply_shadow(bucket, &body)
+                    .apply_shadow(bucket, body)
                     .await
                     .map_err(|(status, reason)| CallError::Refused { status, reason })?;
                 PeerAnswer::ShadowApplied
             }
             PeerRequest::GiveBack { from, bucket, body } => {
                 self.exporter
-                    .take_back(from, bucket, &body)
+                    .take_back(from, bucket, body)
                     .await
                     .map_err(|(status, reason)| CallError::Refused { status, reason })?;
                 PeerAnswer::Found
@@ -283,7 +283,7 @@ async fn shadow(State(s): State<Arc<PeerService>>, Path(bucket): Path<u16>, body
         Ok(b) => b,
         Err(refusal) => return refusal.into_response(),
     };
-    match s.exporter.apply_shadow(bucket, &body).await {
+    match s.exporter.apply_shadow(bucket, body).await {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err((status, reason)) => (StatusCode::from_u16(status).unwrap_or(StatusCode::CONFLICT), reason).into_response(),
     }
@@ -302,7 +302,7 @@ async fn found(
     let Some(from) = header_u64(&headers, HEADER_FROM) else {
         return (StatusCode::BAD_REQUEST, "missing sender").into_response();
     };
-    match s.exporter.take_back(from, bucket, &body).await {
+    match s.exporter.take_back(from, bucket, body).await {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err((status, reason)) => (StatusCode::from_u16(status).unwrap_or(StatusCode::CONFLICT), reason).into_response(),
     }

@@ -2,9 +2,10 @@
 """State-transfer benchmark: load ~1 GiB into 3 nodes, join a fourth, and measure the transfer.
 
 Reports, per run and as medians over --runs: transfer time (join to settled), bytes moved,
-MB/s, and the client p99 latency of GETs during the transfer against before it (from
-1-second `shoal bench` windows: those before the join, and those whose middle falls inside the
-transfer). Everything listens on 127.0.0.1 and every process is stopped by its PID.
+MB/s, the replica snapshots the nodes sent meanwhile, the four nodes' CPU time (user + system,
+from /proc) and that per KB moved, and the client p99 latency of GETs during the transfer
+against before it (from 1-second `shoal bench` windows: those before the join, and those whose
+middle falls inside the transfer). Everything listens on 127.0.0.1 and every process is stopped by its PID.
 
     cargo build --release && python3 tests/perf/transfer.py --shoal target/release/shoal
 """
@@ -85,6 +86,31 @@ class Cluster:
                 p.wait()
 
 
+def cpu_seconds(pids):
+    """User + system CPU seconds of the processes, from /proc (0 for one that is gone)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except FileNotFoundError:
+            pass
+    return total
+
+
+def replica_snapshot_bytes(addrs):
+    """Bytes of replica snapshots the nodes sent, ever (from their metrics)."""
+    total = 0
+    for addr in addrs:
+        with urllib.request.urlopen(f"http://{addr}/metrics", timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("shoal_replication_snapshot_bytes_total"):
+                    total += float(line.split()[-1])
+    return total
+
+
 def bench_window(shoal, addr, keys, seconds=1):
     out = subprocess.run([shoal, "bench", "--addr", addr, "--keys", str(keys), "--value-size", "1024",
                           "--duration", f"{seconds}s", "--connections", "10", "--no-fill", "-o", "json"],
@@ -117,14 +143,19 @@ def one_run(args, tmp):
         totals = lambda: {n["node_id"]: (n["buckets_pulled_total"], n.get("bytes_received_total", 0))
                           for n in get_json(first, "/v1/cluster/transfer")["nodes"]}
         before_totals = totals()
+        replicas_before = replica_snapshot_bytes(c.addrs)
         t = threading.Thread(target=load)
         t.start()
+        cpu_before = cpu_seconds(p.pid for p in c.procs)
         join_at = time.time()
         fourth = c.start_node(join=first)
         c.wait_settled()
         done_at = time.time()
+        # The fourth node's CPU counts from its start.
+        node_cpu = cpu_seconds(p.pid for p in c.procs) - cpu_before
         stop.set()
         t.join()
+        replica_bytes = replica_snapshot_bytes(c.addrs) - replicas_before
         after = totals()
         moved = sum(b - before_totals.get(n, (0, 0))[0] for n, (b, _) in after.items())
         received = sum(r - before_totals.get(n, (0, 0))[1] for n, (_, r) in after.items())
@@ -137,6 +168,9 @@ def one_run(args, tmp):
             "buckets_moved": moved,
             "bytes_moved": received,
             "mb_per_sec": received / seconds / 1e6,
+            "replica_snapshot_bytes": replica_bytes,
+            "node_cpu_seconds": node_cpu,
+            "node_cpu_us_per_kb": node_cpu * 1e6 / (received / 1e3),
             "p99_before_ms": statistics.median(w[0] for w in before),
             "p99_during_ms": statistics.median(w[0] for w in inside) if inside else None,
             "gets_per_sec_before": statistics.median(w[1] for w in before),
@@ -172,6 +206,8 @@ def main():
     print(f"  buckets moved      {med('buckets_moved'):8.0f}")
     print(f"  bytes moved        {med('bytes_moved') / 1e6:8.1f} MB")
     print(f"  throughput         {med('mb_per_sec'):8.1f} MB/s")
+    print(f"  replica snapshots  {med('replica_snapshot_bytes') / 1e6:8.1f} MB   (sent by the nodes meanwhile)")
+    print(f"  node CPU           {med('node_cpu_seconds'):8.2f} s    ({med('node_cpu_us_per_kb'):.1f} µs per KB moved, four nodes)")
     print(f"  client p99 before  {med('p99_before_ms'):8.2f} ms   ({med('gets_per_sec_before'):,.0f} GET/s, 10 connections)")
     print(f"  client p99 during  {med('p99_during_ms'):8.2f} ms   ({med('gets_per_sec_during'):,.0f} GET/s)")
     print(f"  client errors during the transfer: {sum(r['errors_during'] for r in runs)}")
