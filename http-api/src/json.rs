@@ -1,11 +1,13 @@
-//! Writing the bulk-get answer straight into a buffer.
+//! Writing the bulk-get answer and the PUT answer straight into a buffer.
 //!
 //! A 16-key bulk get is mostly JSON encoding; building `KeyResult`s (a copy of every value
 //! into a `String`) and letting serde escape them byte by byte cost more than the lookups.
+//! A PUT's small answer through serde and axum's `Json` cost about 1,000 instructions, a
+//! twentieth of the whole request.
 //! Strings without characters JSON must escape (the common case: printable text) are copied
 //! as they are; the others go through serde_json.
 
-use crate::types::{GetOk, KeyResult};
+use crate::types::{GetOk, KeyResult, PutOk};
 
 /// Appends `s` as a JSON string.
 pub(crate) fn write_str(out: &mut Vec<u8>, s: &str) {
@@ -50,6 +52,20 @@ pub(crate) fn write_found(out: &mut Vec<u8>, key: &str, ok: &GetOk) {
     out.push(b'}');
 }
 
+/// Appends a PUT's answer: the same fields, in the same order, as serializing [`PutOk`] would
+/// give.
+pub(crate) fn write_put_ok(out: &mut Vec<u8>, ok: &PutOk) {
+    out.extend_from_slice(b"{\"key\":");
+    write_str(out, &ok.key);
+    out.extend_from_slice(b",\"version\":");
+    write_u64(out, ok.version);
+    out.extend_from_slice(b",\"bucket\":");
+    write_u64(out, u64::from(ok.bucket));
+    out.extend_from_slice(b",\"node\":");
+    write_u64(out, ok.node);
+    out.push(b'}');
+}
+
 /// Appends any other result through serde.
 pub(crate) fn write_result(out: &mut Vec<u8>, result: &KeyResult) {
     let _ = serde_json::to_writer(&mut *out, result);
@@ -88,6 +104,16 @@ mod tests {
                 ..Default::default()
             };
             assert_eq!(String::from_utf8(fast).expect("utf8"), serde_json::to_string(&reference).expect("json"));
+        }
+    }
+
+    #[test]
+    fn the_fast_put_answer_equals_serde_s() {
+        for key in ["plain", "quote\"key", "ünï", "tab\tand\u{1}control", ""] {
+            let ok = PutOk { key: key.into(), version: u64::MAX, bucket: 999, node: 12 };
+            let mut fast = Vec::new();
+            write_put_ok(&mut fast, &ok);
+            assert_eq!(String::from_utf8(fast).expect("utf8"), serde_json::to_string(&ok).expect("json"));
         }
     }
 }

@@ -476,7 +476,9 @@ pub(crate) async fn put_key_at<N: ShoalApi>(node: Arc<N>, key: Result<String, Ap
         let ctx = route_context(&parts.headers, q.redirect.as_deref())?;
         let (value, _admitted) = admitted_body(&*node, &parts.headers, body, limits.max_value_bytes).await?;
         let ok = node.put(PutItem { key, value, options }, ctx).await?;
-        Ok(Json(ok).into_response())
+        let mut out = Vec::with_capacity(64 + ok.key.len());
+        json::write_put_ok(&mut out, &ok);
+        Ok(([(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))], out).into_response())
     }
     .await;
     with_redirect(result, &parts.uri)
@@ -534,17 +536,46 @@ pub(crate) async fn admitted_body<N: ShoalApi>(
     Ok((read_body(body, limit).await?, permit))
 }
 
-/// Reads a body of at most `limit` bytes; a longer one is refused whole with 413.
-pub(crate) async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
-    axum::body::to_bytes(body, limit).await.map_err(|e| {
-        let too_large = std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>())
-            || e.to_string().contains("length limit");
-        if too_large {
-            ApiError::ValueTooLarge { limit }
-        } else {
-            ApiError::BadRequest(format!("could not read the request body: {e}"))
+/// Reads a body of at most `limit` bytes; a longer one is refused whole with 413. A body that
+/// arrives in one piece (the usual small value) is kept as it came, without a copy or the
+/// bookkeeping of a general collector.
+pub(crate) async fn read_body(mut body: Body, limit: usize) -> Result<Bytes, ApiError> {
+    use http_body_util::BodyExt;
+    let mut first = Bytes::new();
+    // Only when the body comes in several pieces: they are gathered.
+    let mut gathered: Option<bytes::BytesMut> = None;
+    let mut len = 0usize;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| {
+            let too_large = std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>())
+                || e.to_string().contains("length limit");
+            if too_large {
+                ApiError::ValueTooLarge { limit }
+            } else {
+                ApiError::BadRequest(format!("could not read the request body: {e}"))
+            }
+        })?;
+        // Trailers carry no value bytes.
+        let Ok(data) = frame.into_data() else { continue };
+        len += data.len();
+        if len > limit {
+            return Err(ApiError::ValueTooLarge { limit });
         }
-    })
+        match &mut gathered {
+            Some(buf) => buf.extend_from_slice(&data),
+            None if first.is_empty() => first = data,
+            None if data.is_empty() => {}
+            None => {
+                // The announced length (Content-Length), when there is one, is allocated once.
+                let announced = usize::try_from(axum::body::HttpBody::size_hint(&body).lower()).unwrap_or(limit);
+                let mut buf = bytes::BytesMut::with_capacity(announced.min(limit).saturating_add(len).max(len));
+                buf.extend_from_slice(&first);
+                buf.extend_from_slice(&data);
+                gathered = Some(buf);
+            }
+        }
+    }
+    Ok(gathered.map_or(first, bytes::BytesMut::freeze))
 }
 
 async fn read_json<N: ShoalApi, T: DeserializeOwned>(

@@ -773,3 +773,19 @@ async fn a_map_watch_answers_a_newer_map_at_once_and_the_current_one_after_its_t
         assert_eq!(status, StatusCode::BAD_REQUEST, "{bad}");
     }
 }
+
+#[tokio::test]
+async fn a_body_in_one_piece_or_many_reads_whole_and_one_over_the_limit_is_refused() {
+    let pieces = |n: usize| {
+        let chunks: Vec<Result<Bytes, std::io::Error>> =
+            (0..n).map(|i| Ok(Bytes::from(vec![b'a' + i as u8; 10]))).collect();
+        Body::from_stream(futures_util::stream::iter(chunks))
+    };
+    let one = crate::kv::read_body(Body::from("hello"), 5).await.expect("fits");
+    assert_eq!(&one[..], b"hello");
+    let many = crate::kv::read_body(pieces(3), 30).await.expect("fits");
+    assert_eq!(&many[..], &[&[b'a'; 10][..], &[b'b'; 10], &[b'c'; 10]].concat()[..]);
+    let refused = crate::kv::read_body(pieces(4), 30).await;
+    assert!(matches!(refused, Err(ApiError::ValueTooLarge { limit: 30 })), "{refused:?}");
+    assert!(crate::kv::read_body(Body::empty(), 0).await.expect("empty").is_empty());
+}
