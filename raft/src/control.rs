@@ -113,7 +113,9 @@ struct Inner {
     /// Held for the whole of a membership change on the leader, so changes never interleave.
     membership_lock: Mutex<()>,
     /// Nodes the reconciler found in Raft's config but not among the members, and since when.
-    stale_since: parking_lot::Mutex<HashMap<NodeId, Instant>>,
+    /// On tokio's clock, not the wall clock: the simulation runs on it, and a grace counted
+    /// on the wall clock never ran out there (a retired node stayed in the Raft config).
+    stale_since: parking_lot::Mutex<HashMap<NodeId, tokio::time::Instant>>,
     reconciler: parking_lot::Mutex<Option<JoinHandle<()>>>,
     /// How many times this node saw the Raft leader change (to another node, or to none),
     /// and the leader it saw last (0: none).
@@ -706,7 +708,7 @@ impl ControlPlane {
         let applied = metrics.last_applied.map(|l| l.index).unwrap_or(0);
         let stale: BTreeSet<NodeId> = {
             let mut since = self.inner.stale_since.lock();
-            let now = Instant::now();
+            let now = tokio::time::Instant::now();
             let non_members: Vec<NodeId> = membership
                 .nodes()
                 .map(|(id, _)| *id)

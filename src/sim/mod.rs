@@ -541,6 +541,17 @@ fn converged(cluster: &SimCluster) -> Option<String> {
         if members != ids {
             return Some(format!("host {h} sees members {members:?}, running {ids:?}"));
         }
+        // The leader keeps no node that left or failed in Raft's configuration.
+        if service.control.is_leader() {
+            let metrics = service.control.raft_metrics();
+            let raft: std::collections::BTreeSet<_> =
+                metrics.membership_config.membership().nodes().map(|(id, _)| *id).collect();
+            if raft != ids {
+                return Some(format!(
+                    "the leader, host {h}, has nodes {raft:?} in Raft's configuration, running {ids:?}"
+                ));
+            }
+        }
         if let Some(check) = service.api.readiness().into_iter().find(|c| !c.ok) {
             let me = service.control.node_id();
             return Some(format!(
