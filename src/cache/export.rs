@@ -259,22 +259,23 @@ impl CacheStore {
         use std::hash::BuildHasher;
         let now = self.clock.now_ms();
         for group in changes.chunks(APPLY_GROUP) {
-            let mut built: Vec<Option<Item>> = group
+            // Items and hashes are made before the lock is taken.
+            let mut built: Vec<(u64, Option<Item>)> = group
                 .iter()
                 .map(|change| match change {
                     Change::Put(item) => {
                         let mut new = self.item_of(item, now);
                         new.set_version(item.version);
-                        Some(new)
+                        (self.hasher.hash_one(&item.key[..]), Some(new))
                     }
-                    Change::Delete { .. } => None,
+                    Change::Delete { key, .. } => (self.hasher.hash_one(&key[..]), None),
                 })
                 .collect();
             self.mutate(bucket, |b, hasher| {
-                for (change, new) in group.iter().zip(built.iter_mut()) {
+                for (change, (hash, new)) in group.iter().zip(built.iter_mut()) {
+                    let hash = *hash;
                     match change {
                         Change::Put(item) => {
-                            let hash = self.hasher.hash_one(&item.key[..]);
                             if b.get(hash, &item.key).is_some_and(|old| old.version() > item.version) {
                                 continue;
                             }
@@ -282,7 +283,6 @@ impl CacheStore {
                             b.insert(hasher, hash, new.take().expect("built above"));
                         }
                         Change::Delete { key, version } => {
-                            let hash = self.hasher.hash_one(&key[..]);
                             if b.get(hash, key).is_some_and(|old| old.version() <= *version) {
                                 b.remove(hasher, hash, key);
                             }
