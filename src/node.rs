@@ -536,6 +536,7 @@ pub async fn start_in(
         config: transfer_config,
         progress: progress.clone(),
         facts: core.facts().clone(),
+        replicator: replicator.clone(),
     };
     let service = Arc::new(PeerService {
         control: control.clone(),

@@ -246,8 +246,14 @@ impl NodeApi {
         let state = self.control.state();
         let check = |name: &str, ok: bool, detail: String| Check { name: name.into(), ok, detail };
         let incoming = state.incoming_of(self.node_id).len();
-        let restoring =
-            state.map.buckets_of(self.node_id).into_iter().filter(|&b| self.core.facts().is_restoring(b)).count();
+        // A lost bucket stays marked for restoring until it is found or cleared; nobody holds
+        // it, and it does not make this node unready.
+        let restoring = state
+            .map
+            .buckets_of(self.node_id)
+            .into_iter()
+            .filter(|&b| self.core.facts().is_restoring(b) && !state.is_lost(b))
+            .count();
         let (attached, owned) = self.replicator.attached_count(&state);
         let in_place = self.replicator.in_place(&state);
         let alone = state.members.len() <= 1;

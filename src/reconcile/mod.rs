@@ -281,7 +281,8 @@ impl Reconciler {
                 }
             }
             self.follow_progress(&state, &mut memory);
-            if !memory.emptied.is_empty() && self.facts.restoring().is_empty() {
+            // Lost buckets stay marked until found or cleared: they do not hold the line back.
+            if !memory.emptied.is_empty() && self.facts.restoring().iter().all(|&b| state.is_lost(b)) {
                 let emptied = std::mem::take(&mut memory.emptied);
                 tracing::warn!(
                     node_id = self.me,

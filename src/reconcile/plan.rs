@@ -320,7 +320,7 @@ pub fn plan(previous: &ClusterState, state: &ClusterState, f: &Facts) -> Vec<Act
 /// After a restart: every bucket this node owns comes back from the holder of its complete
 /// replica, else from a shadow; one of which no source holds a copy serves again, empty (its
 /// every copy died: a full stop, or the holder restarted too). Buckets it does not own, or
-/// that a promotion covers, are unmarked. Nothing is decided before the node has caught up
+/// that a promotion covers, are unmarked; lost ones wait until they are found or cleared. Nothing is decided before the node has caught up
 /// with the leader: its own disk may be behind.
 fn plan_restores(state: &ClusterState, f: &Facts, out: &mut Vec<Action>) {
     if f.restoring.is_empty() {
@@ -341,8 +341,15 @@ fn plan_restores(state: &ClusterState, f: &Facts, out: &mut Vec<Action>) {
             continue;
         }
         let owned = state.map.owner_of(bucket) == Some(me);
-        if !owned || state.promoted.contains_key(&bucket.0) || state.is_lost(bucket) {
+        if !owned || state.promoted.contains_key(&bucket.0) {
             out.push(Action::Unmark { bucket });
+            continue;
+        }
+        // A lost bucket stays marked until it is found or cleared: this process holds nothing
+        // of it, and a `Found` an earlier life of this node proposed may still commit (its
+        // copy is then at the heir). One given back to this process is unmarked as it is
+        // installed.
+        if state.is_lost(bucket) {
             continue;
         }
         let tried = f.no_copy.get(&bucket);

@@ -55,6 +55,9 @@ pub struct Exporter {
     pub progress: Arc<Progress>,
     /// What this node knows of its buckets (whether it holds their data yet).
     pub facts: Arc<LocalFacts>,
+    /// Replication (a lost bucket given back is sent to this node's heir before it counts
+    /// found).
+    pub replicator: Arc<crate::replication::Replicator>,
 }
 
 /// Why a stream is refused: an HTTP status and the reason.

@@ -8,10 +8,19 @@
 //!  returned node R (failed)                          owner H of lost bucket b
 //!    LostOf { R } ──▶ leader: [(b, H, addr)]   (the lost buckets R served last)
 //!    POST /internal/found/b  (R's items of b) ──▶   lock b; still lost, last served by R, owned by H?
-//!                                                   install the items; Found { H, R, [b] } ──▶ Raft
+//!                                                   install the items
+//!                                                   send b whole to H's heir (its replica)
+//!                                                   Found { H, R, [b] } ──▶ Raft
 //!    ◀── 204 ───────────────────────────────────   (b serves again)
 //!    then: discard the data, rejoin as a new member
 //! ```
+//!
+//! Why the heir gets the copy first: `Found` is a Raft entry, and an entry H appended may commit
+//! after H's process died (H restarts with the entry in its log and commits it as the next
+//! leader, say). The bucket then counts found while H's memory, which held the copy, is gone,
+//! and R lets go of its copy. So H sends the copy to its heir before proposing `Found`: a
+//! restarted H restores it from there (it keeps an owned lost bucket marked for restoring
+//! until the bucket is found or cleared), and a failover of H installs it there.
 //!
 //! Why R's copy is the newest there is: R acknowledged every write of b (it served b until it
 //! was failed, and nobody else did: a heir serves a promoted bucket only once its report is
@@ -69,6 +78,15 @@ impl Exporter {
         self.cache.take_bucket(bucket);
         self.cache.apply_changes(bucket, &changes);
         self.cache.raise_version_counter(bucket, counter);
+        // This process holds the bucket now: after a restart it was marked to be restored,
+        // and it must not be once it is found (restoring would drop the copy just installed).
+        self.facts.restored(bucket);
+        // The heir gets the copy before Raft may count it found: `Found` can commit after this
+        // process died (it stays in the log, and this node may commit it once it restarts),
+        // and the copy must not die with the process while its last server lets go of it.
+        if let Err(e) = self.replicator.seed_heir(bucket).await {
+            return Err((503, format!("could not send bucket {bucket} to this node's heir: {e}")));
+        }
         let request = AdminRequest::Found { owner: me, from, buckets: vec![bucket.0] };
         if let Err(e) = self.control.admin(request).await {
             return Err((503, format!("could not mark bucket {bucket} found: {e}")));

@@ -168,8 +168,10 @@ fn mirror_reads_find_no_violation() {
 /// then died: no majority ever again), 6082 (the only member left was killed and restarted:
 /// its buckets served again empty without saying so), 26854 (a restarted member cut off while
 /// the cluster failed it asked its heir for its buckets back after the heal; the heir, which
-/// served them by then, said it held no copy, and the member served them again empty).
-const REGRESSIONS: &[u64] = &[106, 124, 197, 1275, 1541, 1594, 6082, 26854];
+/// served them by then, said it held no copy, and the member served them again empty), 3048
+/// (the owner of a lost bucket took its copy back and was killed before `Found` committed; it
+/// committed the entry itself once it restarted, and served the bucket from its empty memory).
+const REGRESSIONS: &[u64] = &[106, 124, 197, 1275, 1541, 1594, 3048, 6082, 26854];
 
 /// Seeds that once found a bug with every read balanced over mirrors: 8554 (a new owner
 /// acknowledged writes its shadow missed; the owner and its replica holder were then cut off

@@ -84,6 +84,33 @@ fn a_restarted_node_catches_up_then_restores_from_the_complete_replica_and_serve
     assert!(actions.contains(&Action::ServeEmpty { buckets: vec![b] }), "no copy anywhere: every copy died");
 }
 
+/// A restarted node owns a lost bucket: it holds nothing of it, and a `Found` an earlier life
+/// of the node proposed may commit later (simulation seed 3048). The bucket stays marked while
+/// it is lost, and is restored from the heir (which got the copy before `Found` was proposed)
+/// once it is found; it is never served from what this process holds.
+#[test]
+fn a_restarted_node_keeps_an_owned_lost_bucket_marked_until_it_is_found() {
+    let mut s = three_nodes();
+    let b = s.map.buckets_of(2)[0];
+    let mut f = facts(2);
+    f.restoring = [b].into();
+    s.lost.insert(b.0);
+    s.last_server.insert(b.0, 3);
+    let actions = plan(&s, &s, &f);
+    assert!(
+        !actions
+            .iter()
+            .any(|a| matches!(a, Action::Unmark { .. } | Action::Restore { .. } | Action::ServeEmpty { .. })),
+        "lost: nothing to restore yet, and it stays marked: {actions:?}"
+    );
+    assert_eq!(crate::bucket::phase_of(&s, 2, b, f.of(b)), Phase::Lost);
+    let before = s.clone();
+    s.apply(&shoal_raft::ClusterCommand::Found { owner: 2, from: 3, buckets: vec![b.0] });
+    assert!(!s.is_lost(b), "found");
+    assert_eq!(crate::bucket::phase_of(&s, 2, b, f.of(b)), Phase::Restoring, "not served empty");
+    let heir = s.heir_of(2).expect("an heir");
+    assert!(plan(&before, &s, &f).contains(&Action::Restore { bucket: b, from: heir }));
+}
 /// A member back from maintenance pulls its buckets back while it still catches up after its
 /// restart: a bucket whose pull is flipping to it is not restored from the heir (which, now its
 /// shadow, holds no replica of it: restoring would drop the pulled copy and serve it empty).
