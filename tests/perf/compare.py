@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""Side-by-side benchmark of shoal and Redis on this machine (run it through compare.sh).
+"""Side-by-side benchmark of shoal and Redis on this machine (compare.sh builds shoal and runs it).
+
+Installs Redis (the Debian packages) first if it is missing.
 
 Every figure is the median of --runs clean runs. A run during which other processes used more
 than 0.1 core (measured from /proc/stat) is repeated. Servers listen on 127.0.0.1 only and
@@ -385,6 +387,18 @@ def single_report(args, procs, tmp):
 HEADER = ("figure", "redis / base", "shoal", "ratio", "target", "")
 
 
+def install_redis():
+    """Installs Redis (the Debian packages) when its server or tools are missing."""
+    if shutil.which("redis-server") and shutil.which("redis-benchmark") and shutil.which("redis-cli"):
+        return
+    print("compare.py: installing redis-server and redis-tools", file=sys.stderr)
+    sudo = [] if os.geteuid() == 0 else ["sudo", "-n"]
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    subprocess.run(sudo + ["apt-get", "update", "-qq"], check=True, env=env)
+    subprocess.run(sudo + ["apt-get", "install", "-y", "-qq", "redis-server", "redis-tools"],
+                   check=True, env=env, stdout=subprocess.DEVNULL)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shoal", required=True)
@@ -398,9 +412,10 @@ def main():
     ap.add_argument("--only", choices=["cluster", "single"], help="measure only part (for quick iterations)")
     ap.add_argument("--baseline", help="with --only single: another shoal binary measured in the same run")
     args = ap.parse_args()
+    install_redis()
     for tool in ("redis-server", "redis-benchmark", "redis-cli", "taskset", "curl"):
         if not shutil.which(tool):
-            sys.exit(f"compare.py: {tool} is missing (compare.sh installs it)")
+            sys.exit(f"compare.py: {tool} is missing")
     procs = Processes()
     tmp = tempfile.mkdtemp(prefix="shoal-perf-")
     try:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Side-by-side performance of shoal and Redis on this machine, in one run.
 #
-# Installs redis-server (Debian package) if missing, builds shoal in release mode, then runs
-# tests/perf/compare.py, which starts Redis and shoal on loopback only, measures, stops every
+# Builds shoal in release mode, then runs tests/perf/compare.py, which installs redis-server
+# (Debian package) if missing, starts Redis and shoal on loopback only, measures, stops every
 # process it started by its PID, and prints one table. Takes about 10 minutes on 2 cores.
 #
 #   tests/perf/compare.sh            # 3 runs per figure, 5 s each, medians reported
@@ -10,11 +10,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-if ! command -v redis-server >/dev/null || ! command -v redis-benchmark >/dev/null; then
-    echo "compare.sh: installing redis-server and redis-tools" >&2
-    sudo=""; [ "$(id -u)" -ne 0 ] && sudo="sudo -n"
-    $sudo apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq redis-server redis-tools >/dev/null
-fi
 cargo build --release --locked --bin shoal
 exec python3 tests/perf/compare.py --shoal target/release/shoal "$@"
