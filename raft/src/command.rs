@@ -140,6 +140,12 @@ pub enum ClusterCommand {
         from: NodeId,
         /// The buckets.
         buckets: Vec<u16>,
+        /// The heir the owner sent the copies to before, and that heir's holding period then:
+        /// refused if the heir or its period changed since (the entry may commit after the
+        /// owner's process died, and then the heir's copy is the only one). None: the owner
+        /// had no heir, or an entry of an earlier version (not checked).
+        #[serde(default)]
+        heir: Option<(NodeId, u64)>,
     },
     /// An operator acknowledges lost buckets: they serve again, empty.
     ClearLost {

@@ -494,8 +494,8 @@ impl ControlPlane {
                 let pending = state.promoted.keys().filter(|b| state.last_server.get(b) == Some(&node_id)).count();
                 Ok(AdminResponse::LostOf { buckets, pending })
             }
-            AdminRequest::Found { owner, from, buckets } => {
-                self.write(ClusterCommand::Found { owner, from, buckets }).await?;
+            AdminRequest::Found { owner, from, buckets, heir } => {
+                self.write(ClusterCommand::Found { owner, from, buckets, heir }).await?;
                 Ok(AdminResponse::Done)
             }
             AdminRequest::ClearLost { buckets } => match self.write(ClusterCommand::ClearLost { buckets }).await? {

@@ -315,7 +315,7 @@ fn command_events(
             d.buckets = buckets.clone();
             vec![d]
         }
-        C::Found { owner, from, buckets } => {
+        C::Found { owner, from, buckets, .. } => {
             let found: Vec<u16> =
                 buckets.iter().copied().filter(|b| before.lost.contains(b) && !after.lost.contains(b)).collect();
             if found.is_empty() {

@@ -174,12 +174,23 @@ impl Reconciler {
         }
     }
 
-    /// Gets `bucket` back from `from` (its replica holder or its shadow) after a restart.
+    /// Gets `bucket` back from `from` (its replica holder or its shadow) after a restart. Under
+    /// the bucket's lock, and only while it is still marked: a lost bucket given back to this
+    /// process meanwhile (`crate::transfer::found`) is installed and unmarked under the same
+    /// lock, and must not be emptied for a restore.
     pub(super) async fn restore(&self, bucket: BucketId, from: NodeId) -> Done {
-        let outcome = match self.puller.restore(&self.control, &self.store, &self.progress, bucket, from).await {
+        let lock = self.facts.lock(bucket).await;
+        if !self.facts.is_restoring(bucket) {
+            return Done::Restored { bucket, from, outcome: Fetched::Installed };
+        }
+        let result = self.puller.restore(&self.control, &self.store, &self.progress, bucket, from).await;
+        if result.is_ok() {
+            self.facts.restored(bucket);
+        }
+        drop(lock);
+        let outcome = match result {
             Ok(bytes) => {
                 tracing::debug!(node_id = self.me, bucket = bucket.0, from, bytes, "bucket restored");
-                self.facts.restored(bucket);
                 Fetched::Installed
             }
             Err(PullError::Refused { status: 404, .. }) => Fetched::NoCopy,

@@ -383,6 +383,13 @@ fn plan_promotions(state: &ClusterState, f: &Facts, out: &mut Vec<Action>) {
     }
     let (mut installed, mut lost) = (Vec::new(), Vec::new());
     for (bucket, from) in promotions {
+        // A lost bucket stays lost, whatever copy is here: its last server may still give it
+        // back, and only `Found` ends its wait (a copy here may come from an owner that took
+        // the bucket back and failed before `Found` committed).
+        if state.is_lost(bucket) {
+            lost.push(bucket);
+            continue;
+        }
         if f.installed.contains(&bucket) {
             installed.push(bucket);
         } else if f.replicas.get(&bucket) == Some(&from) {

@@ -394,19 +394,21 @@ impl Replicator {
     /// caller holds it); nothing to do when there is no other member. A lost bucket given
     /// back is sent there before the cluster counts it found: if this process dies before
     /// its last server has let go of it, the copy outlives it (a restart restores it from
-    /// there, a failover installs it).
-    pub async fn seed_heir(&self, bucket: BucketId) -> Result<(), ReplicaError> {
+    /// there, a failover installs it). Answers the heir and its holding period then.
+    pub async fn seed_heir(&self, bucket: BucketId) -> Result<Option<(NodeId, u64)>, ReplicaError> {
         let state = self.control.state();
-        let Some(heir) = state.heir_of(self.me).filter(|&h| h != self.me) else { return Ok(()) };
-        let Some(member) = state.member_of(heir) else { return Ok(()) };
+        let Some(heir) = state.heir_of(self.me).filter(|&h| h != self.me) else { return Ok(None) };
+        let Some(member) = state.member_of(heir) else { return Ok(None) };
+        let period = state.replica_period(self.me, heir).unwrap_or(0);
         let holder = Holder {
             id: heir,
             peer_addr: member.peer_addr.clone(),
             map_version: state.map.version,
             epoch: state.epoch_of(bucket),
-            period: state.replica_period(self.me, heir).unwrap_or(0),
+            period,
         };
-        self.send_snapshot(bucket, &holder).await
+        self.send_snapshot(bucket, &holder).await?;
+        Ok(Some((heir, period)))
     }
 
     /// Sends one request to `holder`: a snapshot alone, changes with the other writes in

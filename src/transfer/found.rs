@@ -20,7 +20,10 @@
 //! leader, say). The bucket then counts found while H's memory, which held the copy, is gone,
 //! and R lets go of its copy. So H sends the copy to its heir before proposing `Found`: a
 //! restarted H restores it from there (it keeps an owned lost bucket marked for restoring
-//! until the bucket is found or cleared), and a failover of H installs it there.
+//! until the bucket is found or cleared), and a failover of H after it is found installs it
+//! there (before, the heir reports it lost and R gives it again). `Found` names
+//! that heir and its holding period, and Raft refuses it if they changed (the old heir may drop
+//! the copy).
 //!
 //! Why R's copy is the newest there is: R acknowledged every write of b (it served b until it
 //! was failed, and nobody else did: a heir serves a promoted bucket only once its report is
@@ -84,10 +87,12 @@ impl Exporter {
         // The heir gets the copy before Raft may count it found: `Found` can commit after this
         // process died (it stays in the log, and this node may commit it once it restarts),
         // and the copy must not die with the process while its last server lets go of it.
-        if let Err(e) = self.replicator.seed_heir(bucket).await {
-            return Err((503, format!("could not send bucket {bucket} to this node's heir: {e}")));
-        }
-        let request = AdminRequest::Found { owner: me, from, buckets: vec![bucket.0] };
+        // Raft refuses `Found` if the heir changed since (it may have dropped the copy).
+        let heir = match self.replicator.seed_heir(bucket).await {
+            Ok(heir) => heir,
+            Err(e) => return Err((503, format!("could not send bucket {bucket} to this node's heir: {e}"))),
+        };
+        let request = AdminRequest::Found { owner: me, from, buckets: vec![bucket.0], heir };
         if let Err(e) = self.control.admin(request).await {
             return Err((503, format!("could not mark bucket {bucket} found: {e}")));
         }

@@ -13,8 +13,9 @@ use std::time::Duration;
 
 use shoal_raft::ControlPlane;
 
-/// Waits until this node knows a leader and has applied everything it knows to be committed,
-/// after a few heartbeats: the buckets it owns are then the ones the cluster says. No bound:
+/// Waits until this node knows a leader it can commit through and has applied everything it
+/// knows to be committed, after a few heartbeats: the buckets it owns are then the ones the
+/// cluster says. No bound:
 /// until then every bucket answers `bucket_restoring` (a node that cannot reach a leader could
 /// not acknowledge writes anyway), rather than one flipped here before the restart being
 /// served empty.
@@ -27,7 +28,10 @@ pub async fn catch_up(control: &ControlPlane) {
             said = tokio::time::Instant::now();
         }
     };
-    while control.leader().is_none() {
+    // A leader this node can commit through: one that restarted as leader (Raft restores the
+    // lead from its own stored vote) counts only once a majority answered it, else it would
+    // trust the commit index on its own disk, which may be behind.
+    while control.commit_refusal().is_some() {
         waiting("a Raft leader");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

@@ -131,6 +131,9 @@ pub enum AdminRequest {
         from: NodeId,
         /// The buckets.
         buckets: Vec<u16>,
+        /// The heir the owner sent the copies to, and its holding period then.
+        #[serde(default)]
+        heir: Option<(NodeId, u64)>,
     },
     /// An operator acknowledges lost buckets (all when empty).
     ClearLost {

@@ -141,9 +141,22 @@ impl ClusterState {
         CommandResponse::Done
     }
 
-    pub(super) fn found(&mut self, owner: NodeId, from: NodeId, buckets: &[u16]) -> CommandResponse {
+    pub(super) fn found(
+        &mut self,
+        owner: NodeId,
+        from: NodeId,
+        buckets: &[u16],
+        heir: Option<(NodeId, u64)>,
+    ) -> CommandResponse {
         if !self.is_member(owner) {
             return rejected(&format!("node {owner} is not a member"));
+        }
+        if let Some((heir, period)) = heir {
+            if self.heir_of(owner) != Some(heir) || self.replica_period(owner, heir) != Some(period) {
+                return rejected(&format!(
+                    "the holder of node {owner}'s replica changed since it got the copies (node {heir} in period {period})"
+                ));
+            }
         }
         for b in buckets {
             let still = self.lost.contains(b)

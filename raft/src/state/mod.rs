@@ -256,7 +256,7 @@ impl ClusterState {
             ClusterCommand::HandOver { node_id, heir } => self.hand_over(*node_id, *heir),
             ClusterCommand::Promoted { node_id, buckets, lost } => self.promoted(*node_id, buckets, lost),
             ClusterCommand::ClearLost { buckets } => self.clear_lost(buckets),
-            ClusterCommand::Found { owner, from, buckets } => self.found(*owner, *from, buckets),
+            ClusterCommand::Found { owner, from, buckets, heir } => self.found(*owner, *from, buckets, *heir),
             ClusterCommand::ReplicaMoved { owner, holder } => self.replica_moved(*owner, *holder),
             ClusterCommand::BucketsLost { node_id, buckets } => self.buckets_lost(*node_id, buckets),
             ClusterCommand::SetDraining { node_id, draining } => {

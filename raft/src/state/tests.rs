@@ -380,13 +380,22 @@ fn a_lost_bucket_s_last_server_is_the_member_that_served_it_and_only_its_copy_br
     // Another member's copy, or another owner's install, changes nothing.
     let first = &lost_of_1[0].0 .0;
     let rest: Vec<u16> = lost_of_1[1..].iter().map(|(b, _)| b.0).collect();
-    s.apply(&ClusterCommand::Found { owner: heir, from: 2, buckets: vec![*first] });
+    s.apply(&ClusterCommand::Found { owner: heir, from: 2, buckets: vec![*first], heir: None });
     let other = s.member_ids().into_iter().find(|&m| m != heir).expect("another member");
-    s.apply(&ClusterCommand::Found { owner: other, from: 1, buckets: vec![*first] });
+    s.apply(&ClusterCommand::Found { owner: other, from: 1, buckets: vec![*first], heir: None });
     assert!(s.is_lost(BucketId(*first)));
+    // The owner sent the copy to its heir first: a `Found` naming a heir that is no longer
+    // the owner's (or in another holding period) changes nothing (that heir may have dropped
+    // the copy).
+    let owner_heir = s.heir_of(heir).expect("the owner has an heir");
+    let period = s.replica_period(heir, owner_heir).expect("a holding period");
+    let stale = Some((owner_heir, period + 1));
+    s.apply(&ClusterCommand::Found { owner: heir, from: 1, buckets: vec![*first], heir: stale });
+    assert!(s.is_lost(BucketId(*first)), "the heir's holding period changed");
     // Node 1 gives its copies back: they serve again, in a new ownership period.
     let epoch = s.epoch_of(BucketId(*first));
-    s.apply(&ClusterCommand::Found { owner: heir, from: 1, buckets: vec![*first] });
+    let checked = Some((owner_heir, period));
+    s.apply(&ClusterCommand::Found { owner: heir, from: 1, buckets: vec![*first], heir: checked });
     assert!(!s.is_lost(BucketId(*first)) && !s.last_server.contains_key(first));
     assert_eq!(s.epoch_of(BucketId(*first)), epoch + 1, "a move begun before cannot flip it");
     assert_eq!(s.lost_of(1).len(), rest.len());
@@ -415,7 +424,7 @@ fn a_bucket_found_again_no_longer_counts_its_transfer_shadow_as_a_copy() {
     s.lost.insert(bucket.0);
     s.last_server.insert(bucket.0, last);
     assert_eq!(s.shadow_of(bucket), Some(shadow));
-    s.apply(&ClusterCommand::Found { owner, from: last, buckets: vec![bucket.0] });
+    s.apply(&ClusterCommand::Found { owner, from: last, buckets: vec![bucket.0], heir: None });
     assert!(!s.is_lost(bucket));
     assert_eq!(s.shadow_of(bucket), None, "the shadow is no complete copy any more");
 }

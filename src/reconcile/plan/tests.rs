@@ -105,7 +105,7 @@ fn a_restarted_node_keeps_an_owned_lost_bucket_marked_until_it_is_found() {
     );
     assert_eq!(crate::bucket::phase_of(&s, 2, b, f.of(b)), Phase::Lost);
     let before = s.clone();
-    s.apply(&shoal_raft::ClusterCommand::Found { owner: 2, from: 3, buckets: vec![b.0] });
+    s.apply(&shoal_raft::ClusterCommand::Found { owner: 2, from: 3, buckets: vec![b.0], heir: None });
     assert!(!s.is_lost(b), "found");
     assert_eq!(crate::bucket::phase_of(&s, 2, b, f.of(b)), Phase::Restoring, "not served empty");
     let heir = s.heir_of(2).expect("an heir");
@@ -130,6 +130,30 @@ fn a_restarted_node_does_not_restore_a_bucket_it_is_pulling() {
     );
     f.running.pulls.clear();
     assert!(plan(&s, &s, &f).contains(&Action::ServeEmpty { buckets: vec![b] }), "without the pull it has no copy");
+}
+
+/// The owner of a lost bucket took it back and sent it to its heir, then failed before `Found`
+/// committed: the heir holds a copy, but the bucket is still lost and its last server waits to
+/// give it back. The heir reports it lost (installing it would end the last server's wait while
+/// the bucket stays lost).
+#[test]
+fn a_promoted_bucket_that_is_lost_is_reported_lost_even_with_a_copy_here() {
+    let mut s = three_nodes();
+    let b = s.map.buckets_of(2)[0];
+    s.lost.insert(b.0);
+    s.last_server.insert(b.0, 3);
+    testing::apply(&mut s, &Step::Fail(1));
+    let heir = s.map.owner_of(b).expect("an heir");
+    assert_eq!(s.last_server.get(&b.0), Some(&3), "a lost bucket keeps its last server");
+    let mut f = facts(heir);
+    f.replicas = [(b, 2)].into();
+    let actions = plan(&s, &s, &f);
+    assert!(!actions.contains(&Action::Install { bucket: b, from: 2 }), "{actions:?}");
+    let lost = actions.iter().find_map(|x| match x {
+        Action::ReportPromoted { lost, .. } => Some(lost.clone()),
+        _ => None,
+    });
+    assert!(lost.is_some_and(|l| l.contains(&b)), "{actions:?}");
 }
 
 #[test]
