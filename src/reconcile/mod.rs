@@ -50,6 +50,9 @@ const LEFT_LINGER: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// How often the loop plans even when nothing woke it.
 const TICK: Duration = Duration::from_millis(500);
+/// How long the async queue's sender waits for more changes once the queue is empty before it
+/// ends (the loop starts the next one).
+const SEND_LINGER: Duration = Duration::from_millis(100);
 /// How long a job that could not finish its work waits before the loop plans it again.
 pub(crate) const RETRY: Duration = Duration::from_millis(500);
 
@@ -582,10 +585,19 @@ impl Reconciler {
                 let me = self.clone();
                 jobs.spawn(
                     async move {
-                        // Batch after batch until the queue is empty: under a steady load
-                        // the loop is not woken (and does not plan) once per batch.
-                        while me.replicator.queue_waiting() {
-                            me.replicator.send_queued().await;
+                        // Batch after batch until the queue stays empty for a while: under a
+                        // steady load the loop is not woken (and does not plan) once per
+                        // batch, nor once per lull between two batches (planning each time
+                        // took 7% of a node's CPU). A change queued as the job ends wakes the
+                        // loop (the notification is kept for it).
+                        loop {
+                            while me.replicator.queue_waiting() {
+                                me.replicator.send_queued().await;
+                            }
+                            let queued = me.replicator.queued().notified();
+                            if tokio::time::timeout(SEND_LINGER, queued).await.is_err() {
+                                break;
+                            }
                         }
                         Done::Sent
                     },
