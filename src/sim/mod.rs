@@ -504,7 +504,6 @@ impl Writers {
     }
 }
 
-/// Polls `done` every 200 ms of simulated time until it holds or `timeout` passes.
 /// Whether member `node_id` is away in maintenance, as the running members that answer in time
 /// see it (the operator's look at `GET /v1/cluster` after an unclear answer).
 async fn away_in_maintenance(cluster: &SimCluster, node_id: NodeId) -> bool {
@@ -518,6 +517,7 @@ async fn away_in_maintenance(cluster: &SimCluster, node_id: NodeId) -> bool {
     false
 }
 
+/// Polls `done` every 200 ms of simulated time until it holds or `timeout` passes.
 async fn wait_until(cluster: &SimCluster, timeout: Duration, done: impl Fn(&SimCluster) -> bool) -> bool {
     let deadline = Instant::now() + timeout;
     loop {
