@@ -23,7 +23,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use openraft::error::{ClientWriteError, InitializeError, RaftError as OpenRaftError};
+use openraft::error::{CheckIsLeaderError, ClientWriteError, InitializeError, RaftError as OpenRaftError};
 use openraft::{ChangeMembers, ServerState};
 use tokio::sync::Mutex;
 use tokio::task::JoinHandle;
@@ -280,6 +280,15 @@ impl ControlPlane {
         is_voter
     }
 
+    /// The index up to which this node must apply the log to see everything the cluster
+    /// committed before this call (see [`AdminRequest::ReadIndex`]), through the leader.
+    pub async fn read_index(&self) -> Result<u64, ControlError> {
+        match self.admin(AdminRequest::ReadIndex).await? {
+            AdminResponse::ReadIndex { index } => Ok(index),
+            other => Err(ControlError::Fatal { detail: format!("unexpected answer to a read index: {other:?}") }),
+        }
+    }
+
     /// The last committed Raft log index this node knows of.
     pub fn commit_index(&self) -> u64 {
         self.inner.log_store.committed_index()
@@ -473,6 +482,14 @@ impl ControlPlane {
             AdminRequest::Promoted { node_id, buckets, lost } => {
                 self.write(ClusterCommand::Promoted { node_id, buckets, lost }).await?;
                 Ok(AdminResponse::Done)
+            }
+            AdminRequest::ReadIndex => {
+                let confirm = self.inner.raft.get_read_log_id();
+                let (read, _) = tokio::time::timeout(self.inner.config.change_timeout, confirm)
+                    .await
+                    .map_err(|_| ControlError::Timeout { what: "a majority to confirm the leader".into() })?
+                    .map_err(read_index_error)?;
+                Ok(AdminResponse::ReadIndex { index: read.map_or(0, |l| l.index) })
             }
             AdminRequest::LostOf { node_id } => {
                 let state = self.state();
@@ -844,6 +861,18 @@ fn fatal(e: impl std::fmt::Display) -> ControlError {
 
 fn unexpected(response: CommandResponse) -> ControlError {
     ControlError::Fatal { detail: format!("unexpected command response {response:?}") }
+}
+
+fn read_index_error(e: OpenRaftError<NodeId, CheckIsLeaderError<NodeId, MemberNode>>) -> ControlError {
+    match e {
+        OpenRaftError::APIError(CheckIsLeaderError::ForwardToLeader(f)) => {
+            ControlError::NotLeader { leader: f.leader_id, leader_peer_addr: f.leader_node.map(|n| n.peer_addr) }
+        }
+        OpenRaftError::APIError(CheckIsLeaderError::QuorumNotEnough(e)) => {
+            ControlError::NoLeader { detail: format!("this node may no longer lead: {e}") }
+        }
+        OpenRaftError::Fatal(e) => ControlError::Fatal { detail: e.to_string() },
+    }
 }
 
 fn write_error(e: OpenRaftError<NodeId, ClientWriteError<NodeId, MemberNode>>) -> ControlError {

@@ -13,12 +13,21 @@ use std::time::Duration;
 
 use shoal_raft::ControlPlane;
 
-/// Waits until this node knows a leader it can commit through and has applied everything it
-/// knows to be committed, after a few heartbeats: the buckets it owns are then the ones the
-/// cluster says. No bound:
-/// until then every bucket answers `bucket_restoring` (a node that cannot reach a leader could
-/// not acknowledge writes anyway), rather than one flipped here before the restart being
-/// served empty.
+/// How long a restarted node asks the leader for its read index before it settles for what it
+/// knows itself (a leader of an earlier version does not know the request, and says so at once).
+const READ_INDEX_FOR: Duration = Duration::from_secs(30);
+/// How long one read index request may take.
+const READ_INDEX_WAIT: Duration = Duration::from_secs(5);
+
+/// Waits until this node has applied everything the cluster committed before it asked: the
+/// leader confirms with a majority that it still leads and answers its commit index (the
+/// leader this node knew may have been replaced while it was down, and one that restarted as
+/// leader from its stored vote knows no more than its own disk). The buckets it owns are then
+/// the ones the cluster says. Until then every bucket answers `bucket_restoring` (a node that
+/// cannot reach a leader could not acknowledge writes anyway), rather than one flipped here
+/// before the restart being served empty. If no leader answers within `READ_INDEX_FOR`, it
+/// waits for a leader it can commit through and for the commit index that leader's heartbeats
+/// bring, as nodes of earlier versions did.
 pub async fn catch_up(control: &ControlPlane) {
     let started = tokio::time::Instant::now();
     let mut said = tokio::time::Instant::now();
@@ -28,16 +37,36 @@ pub async fn catch_up(control: &ControlPlane) {
             said = tokio::time::Instant::now();
         }
     };
-    // A leader this node can commit through: one that restarted as leader (Raft restores the
-    // lead from its own stored vote) counts only once a majority answered it, else it would
-    // trust the commit index on its own disk, which may be behind.
-    while control.commit_refusal().is_some() {
-        waiting("a Raft leader");
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    let mut target = None;
+    while started.elapsed() < READ_INDEX_FOR {
+        match tokio::time::timeout(READ_INDEX_WAIT, control.read_index()).await {
+            Ok(Ok(index)) => {
+                target = Some(index);
+                break;
+            }
+            Ok(Err(e)) if e.to_string().contains("unknown variant") => {
+                tracing::debug!(error = %e, "the leader does not know read index requests");
+                break;
+            }
+            Ok(Err(e)) => tracing::debug!(error = %e, "asking the leader for its read index"),
+            Err(_) => tracing::debug!("asking the leader for its read index: no answer in time"),
+        }
+        waiting("the leader's read index");
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    // The leader's next heartbeats carry its commit index.
-    tokio::time::sleep(Duration::from_millis(600)).await;
-    while control.raft_metrics().last_applied.map_or(0, |l| l.index) < control.commit_index() {
+    let target = match target {
+        Some(index) => index,
+        None => {
+            while control.commit_refusal().is_some() {
+                waiting("a Raft leader");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            // The leader's next heartbeats carry its commit index.
+            tokio::time::sleep(Duration::from_millis(600)).await;
+            control.commit_index()
+        }
+    };
+    while control.raft_metrics().last_applied.map_or(0, |l| l.index) < target {
         waiting("the Raft log to be applied");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

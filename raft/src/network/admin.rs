@@ -123,6 +123,10 @@ pub enum AdminRequest {
         /// The returned node.
         node_id: NodeId,
     },
+    /// The index up to which a node must apply the log to see everything committed before it
+    /// asked: the leader confirms with a majority that it still leads, then answers its
+    /// commit index (a restarted node catches up to it before it restores its buckets).
+    ReadIndex,
     /// `owner` installed the copies `from` gave back of these lost buckets.
     Found {
         /// The owner.
@@ -216,6 +220,11 @@ pub enum AdminResponse {
         /// may still turn lost).
         #[serde(default)]
         pending: usize,
+    },
+    /// See [`AdminRequest::ReadIndex`].
+    ReadIndex {
+        /// The log index.
+        index: u64,
     },
 }
 
