@@ -425,7 +425,7 @@ impl ControlTransport for SimTransport {
             match self.net.exchange(self.host, self.generation, &peer_addr, timeout, handler).await {
                 Ok(Ok(answer)) => Ok(answer),
                 Ok(Err(ServeError::Misdirected(reason))) => Err(TransportError::Misdirected(reason)),
-                Ok(Err(ServeError::BadRequest(reason))) => Err(TransportError::Failed(reason)),
+                Ok(Err(ServeError::BadRequest(reason))) => Err(TransportError::BadRequest(reason)),
                 Err(CallError::Unreachable(reason)) => Err(TransportError::Unreachable(reason)),
                 Err(e) => Err(TransportError::Failed(e.to_string())),
             }

@@ -11,7 +11,7 @@
 
 use std::time::Duration;
 
-use shoal_raft::ControlPlane;
+use shoal_raft::{ControlError, ControlPlane};
 
 /// How long a restarted node asks the leader for its read index before it settles for what it
 /// knows itself (a leader of an earlier version does not know the request, and says so at once).
@@ -44,7 +44,7 @@ pub async fn catch_up(control: &ControlPlane) {
                 target = Some(index);
                 break;
             }
-            Ok(Err(e)) if e.to_string().contains("unknown variant") => {
+            Ok(Err(e @ ControlError::Rejected { .. })) => {
                 tracing::debug!(error = %e, "the leader does not know read index requests");
                 break;
             }

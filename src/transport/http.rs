@@ -491,6 +491,9 @@ impl ControlTransport for HttpTransport {
                 StatusCode::MISDIRECTED_REQUEST => {
                     Err(TransportError::Misdirected(String::from_utf8_lossy(&answer.body).into_owned()))
                 }
+                StatusCode::BAD_REQUEST => {
+                    Err(TransportError::BadRequest(String::from_utf8_lossy(&answer.body).into_owned()))
+                }
                 s => Err(TransportError::Failed(format!("HTTP {s}: {}", String::from_utf8_lossy(&answer.body)))),
             }
         })

@@ -63,3 +63,32 @@ async fn a_single_node_restarts_as_the_same_cluster() {
     assert_eq!(c.get(0, "kept-in-memory").await.as_deref(), Some("w"));
     c.shutdown().await;
 }
+
+/// A restarted node catches up to the leader's read index before it restores its buckets:
+/// whichever node asks, the index covers everything the leader had committed before. A
+/// request a peer cannot read (a leader of an earlier version) is refused with a 400, which
+/// the asker takes as final and does not retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_node_reads_an_index_that_covers_the_leaders_commits() {
+    let c = TestCluster::start(3).await;
+    c.wait_for_counts(&[333, 333, 334]).await;
+    let leader = wait_for("a leader", || async { c.node(0).control().leader() }).await;
+    let leader_slot = (0..3).find(|&s| c.id(s) == leader).expect("the leader is a member");
+    for slot in 0..3 {
+        let committed = c.node(leader_slot).control().commit_index();
+        let index = c.node(slot).control().read_index().await.expect("a read index");
+        assert!(index >= committed, "slot {slot}: read index {index} < the leader's commit index {committed}");
+    }
+    let peer = c.node(1).peer_addr();
+    let r = c
+        .http
+        .post(format!("http://{peer}/internal/admin?forwarded=true"))
+        .header("content-type", "application/json")
+        .body(r#"{"type":"read_index_of_a_later_version"}"#)
+        .send()
+        .await
+        .expect("an answer");
+    assert_eq!(r.status(), 400);
+    assert!(r.text().await.expect("body").contains("unknown variant"));
+    c.shutdown().await;
+}

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::{ControlRpc, ControlTransport};
+use super::{ControlRpc, ControlTransport, TransportError};
 
 use crate::distribution::NodeId;
 use crate::error::ControlError;
@@ -291,11 +291,13 @@ impl AdminClient {
     ) -> Result<AdminResponse, ControlError> {
         let body = serde_json::to_vec(request).map_err(|e| network(peer_addr, &e))?;
         let rpc = ControlRpc::Admin { forwarded };
-        let answer = self
-            .transport
-            .control(peer_addr, None, rpc, body, self.timeout)
-            .await
-            .map_err(|e| network(peer_addr, &e))?;
+        let answer = self.transport.control(peer_addr, None, rpc, body, self.timeout).await.map_err(|e| match e {
+            // Asking again (or another node of the same version) would be refused again.
+            TransportError::BadRequest(reason) => {
+                ControlError::Rejected { reason: format!("peer {peer_addr} could not read the request: {reason}") }
+            }
+            e => network(peer_addr, &e),
+        })?;
         let result: Result<AdminResponse, ControlError> =
             serde_json::from_slice(&answer).map_err(|e| network(peer_addr, &e))?;
         result

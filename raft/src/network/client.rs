@@ -53,16 +53,17 @@ impl PeerConnection {
         let network =
             |e: &dyn std::error::Error| RpcError::Network(NetworkError::new(&std::io::Error::other(e.to_string())));
         let body = serde_json::to_vec(req).map_err(|e| network(&e))?;
-        let answer =
-            self.transport.control(&self.peer_addr, Some(self.target), rpc, body, option.hard_ttl()).await.map_err(
-                |e| match e {
-                    // Nothing listens there, or another node does: openraft backs off.
-                    TransportError::Unreachable(_) | TransportError::Misdirected(_) => {
-                        RpcError::Unreachable(Unreachable::new(&e))
-                    }
-                    TransportError::Failed(_) => RpcError::Network(NetworkError::new(&e)),
-                },
-            )?;
+        let answer = self
+            .transport
+            .control(&self.peer_addr, Some(self.target), rpc, body, option.hard_ttl())
+            .await
+            .map_err(|e| match e {
+                // Nothing listens there, or another node does: openraft backs off.
+                TransportError::Unreachable(_) | TransportError::Misdirected(_) => {
+                    RpcError::Unreachable(Unreachable::new(&e))
+                }
+                TransportError::Failed(_) | TransportError::BadRequest(_) => RpcError::Network(NetworkError::new(&e)),
+            })?;
         let result: Result<Resp, RaftError<E>> = serde_json::from_slice(&answer).map_err(|e| network(&e))?;
         result.map_err(|e| RpcError::RemoteError(RemoteError::new(self.target, e)))
     }

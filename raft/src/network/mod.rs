@@ -65,6 +65,10 @@ pub enum TransportError {
     /// Another node now listens at the address (it asked for another node id).
     #[error("misdirected: {0}")]
     Misdirected(String),
+    /// The receiver could not read the message (a node of another version, say): sending it
+    /// again will not help.
+    #[error("refused: {0}")]
+    BadRequest(String),
 }
 
 /// Carries control-plane messages to peers (see the module docs).
