@@ -47,6 +47,10 @@ impl BodyBudget {
         if kib == 0 {
             return Ok(BodyPermit::unbounded());
         }
+        // Room at once (the usual case) needs no timer.
+        if let Ok(permit) = self.kib.clone().try_acquire_many_owned(kib) {
+            return Ok(BodyPermit::new(permit));
+        }
         match tokio::time::timeout(ADMIT_WAIT, self.kib.clone().acquire_many_owned(kib)).await {
             Ok(Ok(permit)) => Ok(BodyPermit::new(permit)),
             _ => Err(ApiError::unavailable(

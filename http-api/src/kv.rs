@@ -287,7 +287,32 @@ pub(crate) fn check_key(key: &str, limits: &Limits) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// A 200 answer of JSON written by hand: the response is built once with its one header
+/// (a tuple's `into_response` sets `application/octet-stream` first, then replaces it).
+fn json_response(body: Vec<u8>) -> Response {
+    let mut response = Response::new(Body::from(body));
+    response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
+}
+
+/// Whether any header is one of those nodes send each other (`x-shoal-...`). A client's
+/// request has a few headers and none of these: one pass over their names costs less than
+/// looking each of ours up (every lookup hashes the name).
+fn has_peer_headers(headers: &HeaderMap) -> bool {
+    headers.keys().any(|name| name.as_str().starts_with("x-shoal-"))
+}
+
+/// How to route a key operation: the client's `?redirect=`, and for another node's forward
+/// the map version it routed with and its deadline.
 fn route_context(headers: &HeaderMap, redirect: Option<&str>) -> Result<RouteContext, ApiError> {
+    context_of(headers, redirect, has_peer_headers(headers))
+}
+
+/// [`route_context`], told whether the request has any of the nodes' headers (`peer`).
+fn context_of(headers: &HeaderMap, redirect: Option<&str>, peer: bool) -> Result<RouteContext, ApiError> {
+    if !peer {
+        return Ok(RouteContext { redirect: flag("redirect", redirect)?, ..RouteContext::default() });
+    }
     let forwarded_map_version = match headers.get(HEADER_FORWARDED_MAP_VERSION) {
         None => None,
         Some(v) => Some(
@@ -320,10 +345,11 @@ fn read_context(
     read: Option<&str>,
     max_staleness: Option<&str>,
 ) -> Result<RouteContext, ApiError> {
-    let mut ctx = route_context(headers, redirect)?;
+    let peer = has_peer_headers(headers);
+    let mut ctx = context_of(headers, redirect, peer)?;
     ctx.read = read.map(|r| r.parse::<ReadFrom>().map_err(ApiError::BadRequest)).transpose()?;
     ctx.max_staleness = max_staleness.map(staleness).transpose()?;
-    if let Some(v) = headers.get(HEADER_MIRROR_READ) {
+    if let Some(v) = peer.then(|| headers.get(HEADER_MIRROR_READ)).flatten() {
         let ms = v
             .to_str()
             .ok()
@@ -478,7 +504,7 @@ pub(crate) async fn put_key_at<N: ShoalApi>(node: Arc<N>, key: Result<String, Ap
         let ok = node.put(PutItem { key, value, options }, ctx).await?;
         let mut out = Vec::with_capacity(64 + ok.key.len());
         json::write_put_ok(&mut out, &ok);
-        Ok(([(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))], out).into_response())
+        Ok(json_response(out))
     }
     .await;
     with_redirect(result, &parts.uri)
@@ -667,7 +693,7 @@ pub(crate) async fn bulk_get<N: ShoalApi>(
             }
         }
         out.extend_from_slice(b"]}");
-        Ok(([(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))], out).into_response())
+        Ok(json_response(out))
     }
     .await;
     result.unwrap_or_else(|e: ApiError| e.into_response())

@@ -100,14 +100,15 @@ impl<'a> WritePermit<'a> {
     /// names it (the transfer ended, or the cluster failed that node).
     pub async fn commit(mut self) -> Result<(), DataError> {
         let core = self.core;
-        let started = std::time::Instant::now();
         // The lease again, after the writes: a node paused between the decision and the write
         // must not acknowledge it.
         if let Some(refusal) = write_refusal(core.health.node_facts()) {
             self.undo();
             return Err(refusal);
         }
-        if !self.done.is_empty() {
+        // A bucket with no copy elsewhere (a single node) has nothing to send.
+        if !self.done.is_empty() && self.plan.has_copies() {
+            let started = std::time::Instant::now();
             let changes: Vec<Change> = self.done.iter().map(|d| d.change.clone()).collect();
             let bucket = self.plan.bucket;
             let shadow = self.plan.shadow.clone();

@@ -197,7 +197,10 @@ impl NodeApi {
     async fn state_for(&self, ctx: RouteContext) -> Result<Arc<ClusterState>, DataError> {
         let want = ctx.forwarded_map_version.unwrap_or(0);
         let state = self.control.state();
-        if state.map.version < want && !ctx.from_peer {
+        if state.map.version >= want {
+            return Ok(state);
+        }
+        if !ctx.from_peer {
             return Err(DataError::MapBehind { have: state.map.version, want });
         }
         Ok(self.state_at_least(want).await)
@@ -237,8 +240,8 @@ impl NodeApi {
         R: Fn(NodeId, String, u64) -> RF,
         RF: Future<Output = Result<T, ApiError>>,
     {
-        let frozen_until = tokio::time::Instant::now() + FROZEN_WAIT;
-        let passing_until = tokio::time::Instant::now() + PASSING_WAIT;
+        let now = tokio::time::Instant::now();
+        let (frozen_until, passing_until) = (now + FROZEN_WAIT, now + PASSING_WAIT);
         let may_wait = || tokio::time::Instant::now() < passing_until;
         let mut attempts = 0;
         while attempts < ROUTE_ATTEMPTS {

@@ -31,11 +31,13 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# The sum of a callgrind dump's events, and the inclusive count of one function.
-total_of() { callgrind_annotate "$1" 2> /dev/null | awk '/PROGRAM TOTALS/ {gsub(",", "", $1); print $1; exit}'; }
+# The sum of a callgrind dump's events, and the inclusive count of one function. awk reads
+# to the end (an early exit would kill callgrind_annotate with SIGPIPE, and pipefail this
+# script).
+total_of() { callgrind_annotate "$1" 2> /dev/null | awk '!done && /PROGRAM TOTALS/ {gsub(",", "", $1); print $1; done = 1}'; }
 serve_of() {
     callgrind_annotate --inclusive=yes "$1" 2> /dev/null \
-        | awk '/http_server::serve::\{\{closure\}\}::\{\{closure\}\} \[/ {gsub(",", "", $1); print $1; exit}'
+        | awk '!done && /http_server::serve::\{\{closure\}\}::\{\{closure\}\} \[/ {gsub(",", "", $1); print $1; done = 1}'
 }
 
 printf '%-40s %-4s %9s %14s %14s\n' binary op requests "all/request" "serve/request"
