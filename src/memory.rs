@@ -85,4 +85,28 @@ mod tests {
         drop(huge);
         assert_eq!(budget.in_use(), 0);
     }
+
+    /// Small bodies that find room at once do not overtake a large one already waiting: the
+    /// room freed goes to the waiter first.
+    #[tokio::test]
+    async fn a_waiting_body_is_not_overtaken_by_small_ones() {
+        let budget = Arc::new(BodyBudget::new(4 << 20));
+        let small = budget.admit(1 << 20).await.expect("room for 2 MiB");
+        let first = budget.admit(512 << 10).await.expect("room for 1 MiB more");
+        let waiting = tokio::spawn({
+            let budget = budget.clone();
+            async move { budget.admit(3 << 19).await.map(|_| ()) }
+        });
+        // The large body (3 MiB with its copy) waits for room: 1 MiB is free.
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!waiting.is_finished(), "3 MiB do not fit in the 1 MiB left");
+        drop(first);
+        // 2 MiB are free, but they are the waiter's: a small body finds none until it is in.
+        let meanwhile = futures::FutureExt::now_or_never(budget.admit(10));
+        assert!(meanwhile.is_none(), "a small body did not wait behind the large one");
+        drop(small);
+        waiting.await.expect("task").expect("the waiting body is admitted once there is room");
+    }
 }
