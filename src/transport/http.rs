@@ -37,17 +37,17 @@ use shoal_raft::{BoxFuture, ControlRpc, ControlTransport, NodeId, TransportError
 use super::{CallError, FrameStream, PeerAnswer, PeerRequest, ReplicaAnswer, Replicate, StreamRequest, Transport};
 
 /// The header that carries the cluster secret on every request to a peer listener.
-pub const SECRET_HEADER: &str = "x-shoal-cluster-secret";
+pub const SECRET_HEADER: HeaderName = HeaderName::from_static("x-shoal-cluster-secret");
 /// The header naming the Raft node a Raft message is meant for.
-pub const HEADER_RAFT_TARGET: &str = "x-shoal-raft-target";
+pub const HEADER_RAFT_TARGET: HeaderName = HeaderName::from_static("x-shoal-raft-target");
 /// `POST /internal/replicate/{bucket}`: the sending owner.
-pub const HEADER_FROM: &str = "x-shoal-from";
+pub const HEADER_FROM: HeaderName = HeaderName::from_static("x-shoal-from");
 /// `POST /internal/replicate/{bucket}`: the sender's map version; on a 409, the holder's.
-pub const HEADER_MAP_VERSION: &str = "x-shoal-map-version";
+pub const HEADER_MAP_VERSION: HeaderName = HeaderName::from_static("x-shoal-map-version");
 /// `POST /internal/replicate/{bucket}`: `1` for a whole bucket.
-pub const HEADER_SNAPSHOT: &str = "x-shoal-snapshot";
+pub const HEADER_SNAPSHOT: HeaderName = HeaderName::from_static("x-shoal-snapshot");
 /// `POST /internal/replicate/{bucket}`: the request's sequence number.
-pub const HEADER_SEQ: &str = "x-shoal-seq";
+pub const HEADER_SEQ: HeaderName = HeaderName::from_static("x-shoal-seq");
 /// The media type of bucket streams and replication bodies.
 pub const TRANSFER_MEDIA_TYPE: &str = "application/vnd.shoal.transfer";
 
@@ -170,13 +170,13 @@ impl HttpTransport {
         &self,
         method: Method,
         uri: String,
-        headers: &[(&'static str, String)],
+        headers: &[(HeaderName, HeaderValue)],
         body: Bytes,
         timeout: Duration,
     ) -> Result<Answer, CallError> {
         let mut builder = self.builder(method, uri, true)?;
         for (name, value) in headers {
-            builder = builder.header(*name, value);
+            builder = builder.header(name, value);
         }
         let request = builder.body(Full::new(body)).map_err(|e| CallError::Broken(e.to_string()))?;
         self.exchange(request, timeout).await
@@ -243,7 +243,7 @@ impl HttpTransport {
         timeout: Duration,
     ) -> Result<Answer, CallError> {
         let body = serde_json::to_vec(body).map_err(|e| CallError::Broken(e.to_string()))?;
-        let headers = [(CONTENT_TYPE.as_str(), "application/json".to_string())];
+        let headers = [(CONTENT_TYPE, HeaderValue::from_static("application/json"))];
         self.peer(Method::POST, self.url(peer_addr, path), &headers, body.into(), timeout).await
     }
 
@@ -266,10 +266,10 @@ impl HttpTransport {
         match request {
             PeerRequest::Replicate(r) => {
                 let headers = [
-                    (HEADER_FROM, r.from.to_string()),
-                    (HEADER_MAP_VERSION, r.map_version.to_string()),
-                    (HEADER_SNAPSHOT, if r.snapshot { "1" } else { "0" }.to_string()),
-                    (HEADER_SEQ, r.seq.to_string()),
+                    (HEADER_FROM, HeaderValue::from(r.from)),
+                    (HEADER_MAP_VERSION, HeaderValue::from(r.map_version)),
+                    (HEADER_SNAPSHOT, HeaderValue::from_static(if r.snapshot { "1" } else { "0" })),
+                    (HEADER_SEQ, HeaderValue::from(r.seq)),
                 ];
                 let uri = self.url(addr, &format!("/internal/replicate/{}", r.bucket.0));
                 let answer = self.peer(Method::POST, uri, &headers, r.body, timeout).await?;
@@ -289,7 +289,8 @@ impl HttpTransport {
                 let from = requests.first().map_or(0, |r| r.from);
                 let uri = self.url(addr, "/internal/replicate");
                 let body = encode_batch(&requests);
-                let answer = self.peer(Method::POST, uri, &[(HEADER_FROM, from.to_string())], body, timeout).await?;
+                let answer =
+                    self.peer(Method::POST, uri, &[(HEADER_FROM, HeaderValue::from(from))], body, timeout).await?;
                 refused_unless_success(&answer)?;
                 Ok(PeerAnswer::ReplicatedBatch(json(&answer.body)?))
             }
@@ -301,13 +302,14 @@ impl HttpTransport {
             }
             PeerRequest::GiveBack { from, bucket, body } => {
                 let uri = self.url(addr, &format!("/internal/found/{}", bucket.0));
-                let answer = self.peer(Method::POST, uri, &[(HEADER_FROM, from.to_string())], body, timeout).await?;
+                let answer =
+                    self.peer(Method::POST, uri, &[(HEADER_FROM, HeaderValue::from(from))], body, timeout).await?;
                 refused_unless_success(&answer)?;
                 Ok(PeerAnswer::Found)
             }
             PeerRequest::Ping(ping) => {
                 let body = serde_json::to_vec(&ping).map_err(|e| CallError::Broken(e.to_string()))?;
-                let headers = [(CONTENT_TYPE.as_str(), "application/json".to_string())];
+                let headers = [(CONTENT_TYPE, HeaderValue::from_static("application/json"))];
                 let answer =
                     self.peer(Method::POST, self.url(addr, "/internal/ping"), &headers, body.into(), timeout).await?;
                 refused_unless_success(&answer)?;
@@ -478,9 +480,9 @@ impl ControlTransport for HttpTransport {
         };
         let uri = self.url(peer_addr, &path);
         Box::pin(async move {
-            let mut headers = vec![(CONTENT_TYPE.as_str(), "application/json".to_string())];
+            let mut headers = vec![(CONTENT_TYPE, HeaderValue::from_static("application/json"))];
             if let Some(t) = target {
-                headers.push((HEADER_RAFT_TARGET, t.to_string()));
+                headers.push((HEADER_RAFT_TARGET, HeaderValue::from(t)));
             }
             let answer = self.peer(method, uri, &headers, Bytes::from(body), timeout).await.map_err(|e| match e {
                 CallError::Unreachable(d) => TransportError::Unreachable(d),

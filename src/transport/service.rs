@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
-use axum::extract::{Path, Query, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{HeaderMap, HeaderName, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -234,26 +234,36 @@ fn bucket_of_path(bucket: u16) -> Result<BucketId, (StatusCode, String)> {
     Ok(BucketId(bucket))
 }
 
-fn header_u64(headers: &HeaderMap, name: &str) -> Option<u64> {
+fn header_u64(headers: &HeaderMap, name: &HeaderName) -> Option<u64> {
     headers.get(name)?.to_str().ok()?.parse().ok()
 }
 
-async fn replicate(
-    State(s): State<Arc<PeerService>>,
-    Path(bucket): Path<u16>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
+/// A request's headers and whole body, taken apart (axum's `HeaderMap` extractor would copy
+/// every header: a measurable share of a replication exchange).
+async fn headers_and_body(request: Request) -> Result<(HeaderMap, Bytes), Response> {
+    let (parts, body) = request.into_parts();
+    match axum::body::to_bytes(body, usize::MAX).await {
+        Ok(body) => Ok((parts.headers, body)),
+        Err(e) => Err((StatusCode::BAD_REQUEST, format!("reading the body: {e}")).into_response()),
+    }
+}
+
+async fn replicate(State(s): State<Arc<PeerService>>, Path(bucket): Path<u16>, request: Request) -> Response {
     let bucket = match bucket_of_path(bucket) {
         Ok(b) => b,
         Err(refusal) => return refusal.into_response(),
     };
-    let (Some(from), Some(map_version)) = (header_u64(&headers, HEADER_FROM), header_u64(&headers, HEADER_MAP_VERSION))
+    let (headers, body) = match headers_and_body(request).await {
+        Ok(taken) => taken,
+        Err(refusal) => return refusal,
+    };
+    let (Some(from), Some(map_version)) =
+        (header_u64(&headers, &HEADER_FROM), header_u64(&headers, &HEADER_MAP_VERSION))
     else {
         return (StatusCode::BAD_REQUEST, "missing sender or map version").into_response();
     };
     let snapshot = headers.get(HEADER_SNAPSHOT).is_some_and(|v| v == "1");
-    let seq = header_u64(&headers, HEADER_SEQ).unwrap_or(0);
+    let seq = header_u64(&headers, &HEADER_SEQ).unwrap_or(0);
     let request = Replicate { bucket, from, map_version, snapshot, seq, body };
     match s.replicator.receive(request).await {
         ReplicaAnswer::Applied => StatusCode::NO_CONTENT.into_response(),
@@ -267,8 +277,12 @@ async fn replicate(
 
 /// Several buckets' changes of one sender (`http::encode_batch`): each is applied or refused
 /// as if it came alone; the answers, in order, as JSON.
-async fn replicate_batch(State(s): State<Arc<PeerService>>, headers: HeaderMap, body: Bytes) -> Response {
-    let Some(from) = header_u64(&headers, HEADER_FROM) else {
+async fn replicate_batch(State(s): State<Arc<PeerService>>, request: Request) -> Response {
+    let (headers, body) = match headers_and_body(request).await {
+        Ok(taken) => taken,
+        Err(refusal) => return refusal,
+    };
+    let Some(from) = header_u64(&headers, &HEADER_FROM) else {
         return (StatusCode::BAD_REQUEST, "missing sender").into_response();
     };
     let requests = match super::http::decode_batch(from, body) {
@@ -299,7 +313,7 @@ async fn found(
         Ok(b) => b,
         Err(refusal) => return refusal.into_response(),
     };
-    let Some(from) = header_u64(&headers, HEADER_FROM) else {
+    let Some(from) = header_u64(&headers, &HEADER_FROM) else {
         return (StatusCode::BAD_REQUEST, "missing sender").into_response();
     };
     match s.exporter.take_back(from, bucket, body).await {
