@@ -103,7 +103,8 @@ mod tests {
         }
         assert!(!waiting.is_finished(), "3 MiB do not fit in the 1 MiB left");
         drop(first);
-        // 2 MiB are free, but they are the waiter's: a small body finds none until it is in.
+        // The 1 MiB freed goes to the waiter (which still needs 1 MiB more): a small body
+        // finds no room until the waiter is in.
         let meanwhile = futures::FutureExt::now_or_never(budget.admit(10));
         assert!(meanwhile.is_none(), "a small body did not wait behind the large one");
         drop(small);

@@ -280,8 +280,7 @@ impl ControlPlane {
         is_voter
     }
 
-    /// The index up to which this node must apply the log to see everything the cluster
-    /// committed before this call (see [`AdminRequest::ReadIndex`]), through the leader.
+    /// The leader's read index (see [`AdminRequest::ReadIndex`]), asked through the leader.
     pub async fn read_index(&self) -> Result<u64, ControlError> {
         match self.admin(AdminRequest::ReadIndex).await? {
             AdminResponse::ReadIndex { index } => Ok(index),

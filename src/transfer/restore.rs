@@ -19,15 +19,23 @@ const READ_INDEX_FOR: Duration = Duration::from_secs(30);
 /// How long one read index request may take.
 const READ_INDEX_WAIT: Duration = Duration::from_secs(5);
 
-/// Waits until this node has applied everything the cluster committed before it asked: the
-/// leader confirms with a majority that it still leads and answers its commit index (the
-/// leader this node knew may have been replaced while it was down, and one that restarted as
-/// leader from its stored vote knows no more than its own disk). The buckets it owns are then
-/// the ones the cluster says. Until then every bucket answers `bucket_restoring` (a node that
-/// cannot reach a leader could not acknowledge writes anyway), rather than one flipped here
-/// before the restart being served empty. If no leader answers within `READ_INDEX_FOR`, it
-/// waits for a leader it can commit through and for the commit index that leader's heartbeats
-/// bring, as nodes of earlier versions did.
+/// Waits until this node has applied everything the cluster committed before it asked; the
+/// buckets it owns are then the ones the cluster says. It takes two bounds and waits for the
+/// higher:
+/// - the leader's read index: the leader confirms with a majority that it still leads and
+///   answers at least the index of its term's first entry, which covers everything committed
+///   before its term. This covers a leader this node knew from its stored vote that was
+///   replaced while the node was down. Asked for up to `READ_INDEX_FOR`; a leader that cannot
+///   read the request (an earlier version) refuses it at once.
+/// - the commit index this node knows once a leader it can commit through is known (one that
+///   restarted as leader from its stored vote counts only once a majority answered it) and a
+///   few of its heartbeats went by. This covers a leader that restarted within its own term:
+///   its read index comes from the commit index on its disk, which may be behind entries of
+///   that term committed before the restart.
+///
+/// Until then every bucket answers `bucket_restoring` (a node that cannot reach a leader could
+/// not acknowledge writes anyway), rather than one flipped here before the restart being
+/// served empty.
 pub async fn catch_up(control: &ControlPlane) {
     let started = tokio::time::Instant::now();
     let mut said = tokio::time::Instant::now();
@@ -37,11 +45,11 @@ pub async fn catch_up(control: &ControlPlane) {
             said = tokio::time::Instant::now();
         }
     };
-    let mut target = None;
+    let mut read_index = 0;
     while started.elapsed() < READ_INDEX_FOR {
         match tokio::time::timeout(READ_INDEX_WAIT, control.read_index()).await {
             Ok(Ok(index)) => {
-                target = Some(index);
+                read_index = index;
                 break;
             }
             Ok(Err(e @ ControlError::Rejected { .. })) => {
@@ -54,18 +62,13 @@ pub async fn catch_up(control: &ControlPlane) {
         waiting("the leader's read index");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let target = match target {
-        Some(index) => index,
-        None => {
-            while control.commit_refusal().is_some() {
-                waiting("a Raft leader");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            // The leader's next heartbeats carry its commit index.
-            tokio::time::sleep(Duration::from_millis(600)).await;
-            control.commit_index()
-        }
-    };
+    while control.commit_refusal().is_some() {
+        waiting("a Raft leader");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The leader's next heartbeats carry its commit index.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let target = read_index.max(control.commit_index());
     while control.raft_metrics().last_applied.map_or(0, |l| l.index) < target {
         waiting("the Raft log to be applied");
         tokio::time::sleep(Duration::from_millis(50)).await;

@@ -123,9 +123,10 @@ pub enum AdminRequest {
         /// The returned node.
         node_id: NodeId,
     },
-    /// The index up to which a node must apply the log to see everything committed before it
-    /// asked: the leader confirms with a majority that it still leads, then answers its
-    /// commit index (a restarted node catches up to it before it restores its buckets).
+    /// The leader's read index: it confirms with a majority that it still leads and answers
+    /// the higher of its term's first entry and its commit index. A node that applied the log
+    /// up to it has seen everything committed before the leader's term (a restarted node
+    /// catches up to it before it restores its buckets).
     ReadIndex,
     /// `owner` installed the copies `from` gave back of these lost buckets.
     Found {
