@@ -14,7 +14,6 @@ use std::time::Duration;
 
 use hyper::server::conn::http1;
 use hyper_util::rt::TokioIo;
-use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
@@ -49,7 +48,9 @@ where
     S::Future: Send + 'static,
 {
     tokio::spawn(async move {
-        let graceful = GracefulShutdown::new();
+        // Every connection's task holds a clone of `open_tx`; once they all ended, `open_rx`
+        // reads `None`: that is how the drain below knows the connections are done.
+        let (open_tx, mut open_rx) = tokio::sync::mpsc::channel::<()>(1);
         let mut builder = http1::Builder::new();
         // No timer, hence no header-read timeout: hyper would arm one for every request (a
         // measurable share of a GET's CPU), and idle clients are harmless here, as with
@@ -72,38 +73,52 @@ where
                     metrics.open.increment(1.0);
                     let io = Counted { tcp, metrics: metrics.clone() };
                     let service = TowerToHyperService::new(router.clone());
-                    let open = metrics.open.clone();
-                    match &tls {
-                        None => {
-                            let connection = graceful.watch(builder.serve_connection(TokioIo::new(io), service));
-                            tokio::spawn(async move {
-                                let _ = connection.await;
-                                open.decrement(1.0);
-                            });
-                        }
-                        Some(acceptor) => {
-                            let (handshake, watcher, builder) = (acceptor.accept(io), graceful.watcher(), builder.clone());
-                            tokio::spawn(async move {
-                                match tokio::time::timeout(crate::tls::HANDSHAKE_TIMEOUT, handshake).await {
-                                    Ok(Ok(stream)) => {
-                                        let _ = watcher.watch(builder.serve_connection(TokioIo::new(stream), service)).await;
-                                    }
+                    let (open, builder, stop, held) = (metrics.open.clone(), builder.clone(), shutdown.clone(), open_tx.clone());
+                    let tls = tls.clone();
+                    tokio::spawn(async move {
+                        match tls {
+                            None => serve_connection(&builder, io, service, stop).await,
+                            Some(acceptor) => {
+                                match tokio::time::timeout(crate::tls::HANDSHAKE_TIMEOUT, acceptor.accept(io)).await {
+                                    Ok(Ok(stream)) => serve_connection(&builder, stream, service, stop).await,
                                     Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
                                     Err(_) => tracing::debug!("TLS handshake timed out"),
                                 }
-                                open.decrement(1.0);
-                            });
+                            }
                         }
-                    }
+                        open.decrement(1.0);
+                        drop(held);
+                    });
                 }
                 () = stopped(&mut shutdown) => break,
             }
         }
         drop(listener);
-        if tokio::time::timeout(DRAIN_TIMEOUT, graceful.shutdown()).await.is_err() {
+        drop(open_tx);
+        if tokio::time::timeout(DRAIN_TIMEOUT, open_rx.recv()).await.is_err() {
             tracing::warn!("requests still running after {DRAIN_TIMEOUT:?}; closing their connections");
         }
     })
+}
+
+/// Serves one connection until it ends; once `shutdown` turns true it finishes the request in
+/// flight and closes. A connection may be upgraded (a peer link, `transport::link`): it then
+/// leaves hyper, and its new owner watches the shutdown itself.
+async fn serve_connection<I, S>(builder: &http1::Builder, io: I, service: S, mut shutdown: watch::Receiver<bool>)
+where
+    I: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+    S: hyper::service::HttpService<hyper::body::Incoming, ResBody = axum::body::Body> + Send,
+    S::Future: Send + 'static,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let connection = builder.serve_connection(TokioIo::new(io), service).with_upgrades();
+    tokio::pin!(connection);
+    tokio::select! {
+        _ = connection.as_mut() => return,
+        () = stopped(&mut shutdown) => {}
+    }
+    connection.as_mut().graceful_shutdown();
+    let _ = connection.await;
 }
 
 /// Resolves once `shutdown` is true (or its sender is gone).

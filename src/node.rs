@@ -375,7 +375,7 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
     let serve = move |service: Arc<PeerService>, shutdown: &watch::Sender<bool>| {
         // The checks are layered only when there is something to check: a layer costs every
         // request a boxed future and a clone of the service behind it.
-        let mut peer_router = crate::transport::service::peer_routes(service.clone());
+        let mut peer_router = crate::transport::service::peer_routes(service.clone(), shutdown.subscribe());
         if cluster_secret.is_some() {
             peer_router = peer_router
                 .layer(axum::middleware::from_fn_with_state(cluster_secret.clone(), crate::auth::require_secret));

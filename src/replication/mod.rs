@@ -6,7 +6,7 @@
 //!
 //! ```text
 //!  owner A (active)                                  holder H (the write plan names it)
-//!  PUT k ─ permit ─ apply ─┬─ sync:  H's lane ─ POST /internal/replicate ──▶ per write: fence, apply
+//!  PUT k ─ permit ─ apply ─┬─ sync:  H's lane ─ peer link (or HTTP) ─────▶ per write: fence, apply
 //!                          │         ◀──────────── each write's answer ────────────┘
 //!                          │  2xx to the client only now; on failure the write is taken back
 //!                          │  and the client gets 503 replication_failed
@@ -16,7 +16,9 @@
 //! Sync writes of different buckets waiting for the same holder at once travel in one
 //! exchange (`batch.rs`: a lone write goes at once, alone); the holder answers each as if it
 //! came alone, so a batch may half fail and each writer sees its own answer. A bucket
-//! snapshot goes alone (`/internal/replicate/{bucket}`).
+//! snapshot goes alone. The exchanges travel on the transport's peer link to the holder when
+//! one is open (`transport::link`: one long-lived connection, many exchanges in flight), else
+//! as HTTP requests (`POST /internal/replicate`, `/internal/replicate/{bucket}`).
 //!
 //! # Which holder
 //! The holder of a member's *complete* replica is recorded in Raft (`replica_holders`): it has

@@ -16,12 +16,12 @@ use base64::Engine;
 use bytes::Bytes;
 use futures::StreamExt;
 use http_body_util::{BodyExt, BodyStream, Full};
-use hyper::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE};
+use hyper::header::{HeaderMap, HeaderName, HeaderValue, CONNECTION, CONTENT_TYPE, UPGRADE};
 use hyper::{Method, Request, StatusCode, Uri};
 use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -34,6 +34,7 @@ use shoal_http_api::{
 };
 use shoal_raft::{BoxFuture, ControlRpc, ControlTransport, NodeId, TransportError};
 
+use super::link::{self, LinkError, Links, OpenError, Route};
 use super::{CallError, FrameStream, PeerAnswer, PeerRequest, ReplicaAnswer, Replicate, StreamRequest, Transport};
 
 /// The header that carries the cluster secret on every request to a peer listener.
@@ -78,6 +79,8 @@ pub struct HttpTransport {
     secret: Option<HeaderValue>,
     /// `Bearer <client token>`, for key operations sent to another node's API.
     bearer: Option<HeaderValue>,
+    /// Long-lived connections to peer listeners for replica writes (`transport::link`).
+    links: Links,
 }
 
 /// An answer: status, headers, whole body.
@@ -137,6 +140,7 @@ impl HttpTransport {
             scheme,
             secret: secret.and_then(sensitive),
             bearer: client_token.and_then(|t| sensitive(&format!("Bearer {t}"))),
+            links: Links::default(),
         }
     }
 
@@ -263,6 +267,19 @@ impl HttpTransport {
     }
 
     async fn send(&self, addr: &str, request: PeerRequest, timeout: Duration) -> Result<PeerAnswer, CallError> {
+        let request = match request {
+            PeerRequest::Replicate(r) => {
+                match self.replicate_over_link(addr, std::slice::from_ref(&r), timeout).await {
+                    Some(answers) => return Ok(PeerAnswer::Replicated(one_answer(answers?)?)),
+                    None => PeerRequest::Replicate(r),
+                }
+            }
+            PeerRequest::ReplicateBatch(requests) => match self.replicate_over_link(addr, &requests, timeout).await {
+                Some(answers) => return Ok(PeerAnswer::ReplicatedBatch(answers?)),
+                None => PeerRequest::ReplicateBatch(requests),
+            },
+            other => other,
+        };
         match request {
             PeerRequest::Replicate(r) => {
                 let headers = [
@@ -428,6 +445,84 @@ impl HttpTransport {
         }
     }
 
+    /// Sends replica writes over the link to the peer listener at `addr` when one is open (one
+    /// is opened in the background when none is); `None` when they must go over HTTP instead
+    /// (no link yet, or the writes are too large to share one).
+    async fn replicate_over_link(
+        &self,
+        addr: &str,
+        requests: &[Replicate],
+        timeout: Duration,
+    ) -> Option<Result<Vec<ReplicaAnswer>, CallError>> {
+        let size: usize = requests.iter().map(|r| BATCH_PART_HEADER + r.body.len()).sum();
+        if size > link::MAX_REQUEST {
+            return None;
+        }
+        let link = match self.links.get(addr) {
+            Route::Link(link) => link,
+            Route::Other { open } => {
+                if open {
+                    self.open_link(addr);
+                }
+                return None;
+            }
+        };
+        let from = requests.first().map_or(0, |r| r.from);
+        let payload = |out: &mut Vec<u8>| {
+            out.reserve(8 + size);
+            out.extend_from_slice(&from.to_be_bytes());
+            encode_batch_into(out, requests);
+        };
+        let answer = match link.call(LINK_REPLICATE, payload, timeout).await {
+            Ok(answer) => answer,
+            Err(LinkError::NotSent) => return None,
+            Err(LinkError::Broken) => return Some(Err(CallError::Broken("the link to the peer broke".into()))),
+            Err(LinkError::Timeout) => return Some(Err(CallError::Timeout)),
+        };
+        Some(match answer.kind {
+            LINK_REPLICATED => decode_answers(&answer.payload)
+                .filter(|answers| answers.len() == requests.len())
+                .ok_or_else(|| CallError::Broken("an unreadable answer to replica writes".into())),
+            _ => Err(link_refusal(&answer.payload)),
+        })
+    }
+
+    /// Starts opening a link to the peer listener at `addr`: an HTTP upgrade, with the
+    /// cluster secret.
+    fn open_link(&self, addr: &str) {
+        let uri: Result<Uri, _> = self.url(addr, "/internal/link").parse();
+        let (client, secret) = (self.calls.clone(), self.secret.clone());
+        self.links.open(addr, async move {
+            let mut builder = Request::builder()
+                .method(Method::GET)
+                .uri(uri.map_err(|_| OpenError::Unsupported)?)
+                .header(CONNECTION, HeaderValue::from_static("upgrade"))
+                .header(UPGRADE, HeaderValue::from_static(link::PROTOCOL));
+            if let Some(secret) = secret {
+                builder = builder.header(SECRET_HEADER, secret);
+            }
+            let request = builder.body(Full::new(Bytes::new())).map_err(|_| OpenError::Unsupported)?;
+            let response = tokio::time::timeout(CONNECT_TIMEOUT, client.request(request))
+                .await
+                .map_err(|_| OpenError::Unreachable)?
+                .map_err(|_| OpenError::Unreachable)?;
+            if response.status() != StatusCode::SWITCHING_PROTOCOLS {
+                tracing::debug!(status = %response.status(), "the peer has no links: replica writes go over HTTP");
+                return Err(OpenError::Unsupported);
+            }
+            let upgraded = tokio::time::timeout(CONNECT_TIMEOUT, hyper::upgrade::on(response))
+                .await
+                .map_err(|_| OpenError::Unreachable)?
+                .map_err(|_| OpenError::Unreachable)?;
+            Ok(TokioIo::new(upgraded))
+        });
+    }
+
+    /// Whether a link to the peer listener at `addr` is open.
+    pub fn has_link(&self, addr: &str) -> bool {
+        self.links.is_open(addr)
+    }
+
     async fn stream(
         &self,
         peer_addr: &str,
@@ -565,6 +660,12 @@ const BATCH_PART_HEADER: usize = 23;
 pub fn encode_batch(requests: &[Replicate]) -> Bytes {
     let size: usize = requests.iter().map(|r| BATCH_PART_HEADER + r.body.len()).sum();
     let mut out = Vec::with_capacity(size);
+    encode_batch_into(&mut out, requests);
+    Bytes::from(out)
+}
+
+/// [`encode_batch`], appended to `out`.
+fn encode_batch_into(out: &mut Vec<u8>, requests: &[Replicate]) {
     for r in requests {
         out.extend_from_slice(&r.bucket.0.to_be_bytes());
         out.push(u8::from(r.snapshot));
@@ -573,7 +674,93 @@ pub fn encode_batch(requests: &[Replicate]) -> Bytes {
         out.extend_from_slice(&(r.body.len() as u32).to_be_bytes());
         out.extend_from_slice(&r.body);
     }
-    Bytes::from(out)
+}
+
+/// A link request: replica writes of one sender (its id, then [`encode_batch`]'s bytes).
+pub const LINK_REPLICATE: u8 = 1;
+/// A link answer: what the holder did with each write ([`encode_answers`]).
+pub const LINK_REPLICATED: u8 = 2;
+/// A link answer: the request was refused whole (HTTP status, then the reason).
+pub const LINK_REFUSED: u8 = 3;
+
+/// The answers to replica writes on a link: per answer a tag (0 applied, 1 needs a snapshot,
+/// 2 fenced with the holder's map version, 3 refused), then for all but the first the reason
+/// (length u32, UTF-8).
+pub fn encode_answers(answers: &[ReplicaAnswer]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(answers.len() * 2);
+    let reason = |out: &mut Vec<u8>, text: &str| {
+        out.extend_from_slice(&(text.len() as u32).to_be_bytes());
+        out.extend_from_slice(text.as_bytes());
+    };
+    for answer in answers {
+        match answer {
+            ReplicaAnswer::Applied => out.push(0),
+            ReplicaAnswer::NeedSnapshot(why) => {
+                out.push(1);
+                reason(&mut out, why);
+            }
+            ReplicaAnswer::Fenced { map_version, reason: why } => {
+                out.push(2);
+                out.extend_from_slice(&map_version.to_be_bytes());
+                reason(&mut out, why);
+            }
+            ReplicaAnswer::Refused(why) => {
+                out.push(3);
+                reason(&mut out, why);
+            }
+        }
+    }
+    out
+}
+
+/// Reads [`encode_answers`]'s bytes; `None` if they are malformed.
+pub fn decode_answers(mut bytes: &[u8]) -> Option<Vec<ReplicaAnswer>> {
+    fn take<'a>(bytes: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
+        let (head, rest) = (bytes.get(..n)?, bytes.get(n..)?);
+        *bytes = rest;
+        Some(head)
+    }
+    fn reason(bytes: &mut &[u8]) -> Option<String> {
+        let len = u32::from_be_bytes(take(bytes, 4)?.try_into().ok()?) as usize;
+        Some(String::from_utf8_lossy(take(bytes, len)?).into_owned())
+    }
+    let mut answers = Vec::new();
+    while let Some(tag) = take(&mut bytes, 1) {
+        answers.push(match tag[0] {
+            0 => ReplicaAnswer::Applied,
+            1 => ReplicaAnswer::NeedSnapshot(reason(&mut bytes)?),
+            2 => {
+                let map_version = u64::from_be_bytes(take(&mut bytes, 8)?.try_into().ok()?);
+                ReplicaAnswer::Fenced { map_version, reason: reason(&mut bytes)? }
+            }
+            3 => ReplicaAnswer::Refused(reason(&mut bytes)?),
+            _ => return None,
+        });
+    }
+    Some(answers)
+}
+
+/// A [`LINK_REFUSED`] answer's payload.
+pub fn encode_refusal(status: u16, reason: &str) -> Vec<u8> {
+    let mut out = status.to_be_bytes().to_vec();
+    out.extend_from_slice(reason.as_bytes());
+    out
+}
+
+/// The error a [`LINK_REFUSED`] answer (or any other answer than the one expected) stands for.
+fn link_refusal(payload: &[u8]) -> CallError {
+    match payload {
+        [high, low, reason @ ..] => CallError::Refused {
+            status: u16::from_be_bytes([*high, *low]),
+            reason: String::from_utf8_lossy(reason).into_owned(),
+        },
+        _ => CallError::Broken("an unreadable answer on a peer link".into()),
+    }
+}
+
+/// The one answer to one replica write.
+fn one_answer(answers: Vec<ReplicaAnswer>) -> Result<ReplicaAnswer, CallError> {
+    answers.into_iter().next().ok_or_else(|| CallError::Broken("no answer to a replica write".into()))
 }
 
 /// The requests of a batch body from sender `from`, or why it is malformed (nothing of a
@@ -733,11 +920,17 @@ fn bulk_item(item: &PutItem) -> BulkPutItem {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use axum::extract::Request;
+    use axum::routing::{get, post};
     use bytes::Bytes;
     use shoal_raft::BucketId;
 
-    use super::{decode_batch, encode_batch};
-    use crate::transport::Replicate;
+    use super::*;
+    use crate::transport::{link, Replicate};
 
     fn request(bucket: u16, body: &'static [u8]) -> Replicate {
         Replicate {
@@ -774,5 +967,163 @@ mod tests {
         let mut bad = whole.to_vec();
         bad[0..2].copy_from_slice(&1000u16.to_be_bytes());
         assert!(decode_batch(7, Bytes::from(bad)).expect_err("no such bucket").contains("no bucket 1000"));
+    }
+
+    #[test]
+    fn replica_answers_read_back_as_written() {
+        let answers = vec![
+            ReplicaAnswer::Applied,
+            ReplicaAnswer::NeedSnapshot("no snapshot of bucket 3".into()),
+            ReplicaAnswer::Fenced { map_version: 77, reason: "not the owner".into() },
+            ReplicaAnswer::Refused(String::new()),
+            ReplicaAnswer::Applied,
+        ];
+        let bytes = encode_answers(&answers);
+        assert_eq!(decode_answers(&bytes), Some(answers));
+        assert_eq!(decode_answers(&[]), Some(Vec::new()));
+        for cut in 1..bytes.len() {
+            let read = decode_answers(&bytes[..cut]);
+            assert!(read.is_none() || read.as_ref().is_some_and(|a| a.len() < 5), "cut at {cut}: {read:?}");
+        }
+        assert_eq!(decode_answers(&[9]), None, "an unknown tag");
+    }
+
+    /// What a test peer listener saw: replica writes over HTTP and over a link, link requests.
+    #[derive(Default)]
+    struct Seen {
+        http: AtomicUsize,
+        link: AtomicUsize,
+        upgrades: AtomicUsize,
+    }
+
+    /// A peer listener on loopback that applies every replica write (alone, batched over HTTP,
+    /// or over a link when `links`), checking the cluster secret; its address and what it saw.
+    async fn peer(links: bool) -> (String, Arc<Seen>, tokio::sync::watch::Sender<bool>) {
+        let seen = Arc::new(Seen::default());
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let handler: link::Handler = {
+            let seen = seen.clone();
+            Arc::new(move |kind, payload| {
+                let seen = seen.clone();
+                Box::pin(async move {
+                    assert_eq!(kind, LINK_REPLICATE);
+                    let requests = decode_batch(7, payload.slice(8..)).expect("a batch");
+                    seen.link.fetch_add(requests.len(), Ordering::SeqCst);
+                    (LINK_REPLICATED, encode_answers(&vec![ReplicaAnswer::Applied; requests.len()]))
+                })
+            })
+        };
+        let secret = |request: &Request| request.headers().get(SECRET_HEADER).is_some_and(|v| v == "s3cret");
+        let mut router = axum::Router::new()
+            .route(
+                "/internal/replicate/{bucket}",
+                post({
+                    let seen = seen.clone();
+                    move |request: Request| async move {
+                        assert!(secret(&request));
+                        seen.http.fetch_add(1, Ordering::SeqCst);
+                        axum::http::StatusCode::NO_CONTENT
+                    }
+                }),
+            )
+            .route(
+                "/internal/replicate",
+                post({
+                    let seen = seen.clone();
+                    move |request: Request| async move {
+                        let body = axum::body::to_bytes(request.into_body(), usize::MAX).await.expect("body");
+                        let n = decode_batch(7, body).expect("a batch").len();
+                        seen.http.fetch_add(n, Ordering::SeqCst);
+                        axum::Json(vec![ReplicaAnswer::Applied; n])
+                    }
+                }),
+            );
+        if links {
+            let (seen, stopped) = (seen.clone(), stopped.clone());
+            router = router.route(
+                "/internal/link",
+                get(move |request: Request| {
+                    assert!(secret(&request));
+                    seen.upgrades.fetch_add(1, Ordering::SeqCst);
+                    link::accept(request, handler.clone(), stopped.clone())
+                }),
+            );
+        } else {
+            let seen = seen.clone();
+            router = router.fallback(move || async move {
+                seen.upgrades.fetch_add(1, Ordering::SeqCst);
+                axum::http::StatusCode::NOT_FOUND
+            });
+        }
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("address").to_string();
+        crate::http_server::serve(listener, router, crate::metrics::ListenerMetrics::none(), None, stopped);
+        (addr, seen, stop)
+    }
+
+    fn transport() -> HttpTransport {
+        HttpTransport::new(None, Some("s3cret"), None, Duration::from_secs(2), None)
+    }
+
+    async fn write(transport: &HttpTransport, addr: &str, writes: usize) {
+        let requests: Vec<Replicate> = (0..writes as u16).map(|b| request(b, b"change")).collect();
+        let answer = if writes == 1 {
+            transport.call(addr, PeerRequest::Replicate(requests[0].clone()), Duration::from_secs(5)).await
+        } else {
+            transport.call(addr, PeerRequest::ReplicateBatch(requests), Duration::from_secs(5)).await
+        };
+        match answer.expect("answered") {
+            PeerAnswer::Replicated(a) => assert_eq!(a, ReplicaAnswer::Applied),
+            PeerAnswer::ReplicatedBatch(a) => assert_eq!(a, vec![ReplicaAnswer::Applied; writes]),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// Polls `condition` until it holds, for at most ten seconds.
+    async fn eventually(what: &str, condition: impl Fn() -> bool) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while !condition() {
+            assert!(tokio::time::Instant::now() < deadline, "{what}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn replica_writes_go_over_http_until_a_link_opens_then_over_the_link() {
+        let (addr, seen, stop) = peer(true).await;
+        let transport = transport();
+        write(&transport, &addr, 1).await;
+        assert_eq!(seen.http.load(Ordering::SeqCst), 1, "the first write goes over HTTP");
+        eventually("a link opens", || transport.has_link(&addr)).await;
+        write(&transport, &addr, 1).await;
+        write(&transport, &addr, 3).await;
+        assert_eq!((seen.http.load(Ordering::SeqCst), seen.link.load(Ordering::SeqCst)), (1, 4));
+        assert_eq!(seen.upgrades.load(Ordering::SeqCst), 1);
+
+        // A write too large to share the link goes over HTTP.
+        let mut large = request(5, b"");
+        large.body = Bytes::from(vec![0u8; link::MAX_REQUEST + 1]);
+        transport.call(&addr, PeerRequest::Replicate(large), Duration::from_secs(5)).await.expect("answered");
+        assert_eq!(seen.http.load(Ordering::SeqCst), 2);
+
+        // The peer stops: its link closes, and the next write does not go over it.
+        stop.send_replace(true);
+        eventually("the link closes", || !transport.has_link(&addr)).await;
+        let after = transport.call(&addr, PeerRequest::Replicate(request(1, b"x")), Duration::from_secs(5)).await;
+        assert!(matches!(after, Err(CallError::Unreachable(_))), "{after:?}");
+    }
+
+    #[tokio::test]
+    async fn replica_writes_to_a_peer_without_links_stay_on_http() {
+        let (addr, seen, _stop) = peer(false).await;
+        let transport = transport();
+        write(&transport, &addr, 1).await;
+        eventually("the upgrade is refused", || seen.upgrades.load(Ordering::SeqCst) == 1).await;
+        for _ in 0..5 {
+            write(&transport, &addr, 2).await;
+        }
+        assert!(!transport.has_link(&addr));
+        assert_eq!((seen.http.load(Ordering::SeqCst), seen.link.load(Ordering::SeqCst)), (11, 0));
+        assert_eq!(seen.upgrades.load(Ordering::SeqCst), 1, "not asked again at once");
     }
 }

@@ -25,10 +25,14 @@
 //!   shadow writes).
 //! - `lanes.rs`: [`lanes::Lanes`], requests to one peer that wait at the same time sent in one
 //!   exchange (replica writes, forwarded key operations).
+//! - `link.rs`: [`link::Links`], one long-lived connection per peer (an HTTP upgrade) that
+//!   carries replica writes as small binary messages, many in flight at once, instead of an
+//!   HTTP exchange each; HTTP remains the way while no link is open.
 
 pub mod frame;
 pub mod http;
 pub mod lanes;
+pub mod link;
 pub mod service;
 #[cfg(test)]
 pub mod testing;

@@ -17,9 +17,10 @@ use shoal_http_api::ShoalApi;
 use shoal_raft::{BucketId, ControlError, ControlPlane, ControlRpc, NodeId, ServeError, BUCKET_COUNT};
 
 use super::http::{
-    MaintenanceAsk, HEADER_FROM, HEADER_MAP_VERSION, HEADER_RAFT_TARGET, HEADER_SEQ, HEADER_SNAPSHOT,
-    TRANSFER_MEDIA_TYPE,
+    encode_answers, encode_refusal, MaintenanceAsk, HEADER_FROM, HEADER_MAP_VERSION, HEADER_RAFT_TARGET, HEADER_SEQ,
+    HEADER_SNAPSHOT, LINK_REFUSED, LINK_REPLICATE, LINK_REPLICATED, TRANSFER_MEDIA_TYPE,
 };
+use super::link;
 use super::{CallError, FrameStream, PeerAnswer, PeerRequest, Ping, ReplicaAnswer, Replicate, StreamRequest};
 use crate::health::Health;
 use crate::proxy::NodeApi;
@@ -139,6 +140,24 @@ impl PeerService {
         futures::future::join_all(requests.into_iter().map(|r| self.replicator.receive(r))).await
     }
 
+    /// Answers a request that came over a peer link (`transport::link`): its kind and payload
+    /// in, the answer's out.
+    pub async fn serve_link_request(&self, kind: u8, payload: Bytes) -> (u8, Vec<u8>) {
+        let refused = |reason: &str| (LINK_REFUSED, encode_refusal(400, reason));
+        match kind {
+            LINK_REPLICATE => {
+                let Some(from) = payload.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_be_bytes) else {
+                    return refused("replica writes without their sender");
+                };
+                match super::http::decode_batch(from, payload.slice(8..)) {
+                    Ok(requests) => (LINK_REPLICATED, encode_answers(&self.receive_batch(requests).await)),
+                    Err(reason) => refused(&reason),
+                }
+            }
+            other => refused(&format!("unknown link request kind {other}")),
+        }
+    }
+
     /// A control-plane message.
     pub async fn control(&self, target: Option<NodeId>, rpc: ControlRpc, body: &[u8]) -> Result<Vec<u8>, ServeError> {
         // A node the cluster failed no longer hears from the leader: the leader it would
@@ -160,14 +179,25 @@ impl PeerService {
 /// The peer listener's routes (the cluster secret is checked in front of them, `crate::auth`):
 /// Raft (`/raft/{append,vote,snapshot}`), admin (`/internal/admin`, `/internal/members/{id}`),
 /// replication (`/internal/replicate/{bucket}`), shadows (`/internal/shadow/{bucket}`), pings
-/// (`/internal/ping`), transfer status and bucket streams (`/internal/transfer/...`).
+/// (`/internal/ping`), transfer status and bucket streams (`/internal/transfer/...`), and peer
+/// links (`/internal/link`, an upgrade; the links it opens end when `shutdown` turns true).
 ///
 /// Bodies have no size limit here: a replica snapshot carries a whole bucket and a
 /// replicated write a whole value (up to `--max-value-bytes`), and only members that know
 /// the cluster secret send them. (axum's default of 2 MB refused every bucket snapshot
 /// larger than that, so such buckets never got their replica.)
-pub fn peer_routes(service: Arc<PeerService>) -> Router {
+pub fn peer_routes(service: Arc<PeerService>, shutdown: tokio::sync::watch::Receiver<bool>) -> Router {
     Router::new()
+        .route(
+            "/internal/link",
+            get(move |State(s): State<Arc<PeerService>>, request: Request| {
+                let handler: link::Handler = Arc::new(move |kind, payload| {
+                    let s = s.clone();
+                    Box::pin(async move { s.serve_link_request(kind, payload).await })
+                });
+                link::accept(request, handler, shutdown.clone())
+            }),
+        )
         .route("/raft/append", post(raft_append))
         .route("/raft/vote", post(raft_vote))
         .route("/raft/snapshot", post(raft_snapshot))
