@@ -4,7 +4,8 @@
 //! pipelines requests would see each answer wait for the next read. Every connection gets
 //! TCP_NODELAY (Nagle would add 40 ms stalls to pipelined answers). On shutdown the listener
 //! closes at once, idle connections close, and in-flight requests get [`DRAIN_TIMEOUT`] to
-//! finish. Each listener counts its open connections and the bytes its connections read and
+//! finish. A connection upgraded to a peer link (`transport::link`) leaves the server, and
+//! the link drains itself; the node's shutdown waits for both. Each listener counts its open connections and the bytes its connections read and
 //! write (one atomic add per read or write call, none per byte).
 
 use std::io;

@@ -375,7 +375,15 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
     let serve = move |service: Arc<PeerService>, shutdown: &watch::Sender<bool>| {
         // The checks are layered only when there is something to check: a layer costs every
         // request a boxed future and a clone of the service behind it.
-        let mut peer_router = crate::transport::service::peer_routes(service.clone(), shutdown.subscribe());
+        // Peer links leave the HTTP server once upgraded: the node's shutdown waits for them
+        // (and the requests they are handling) separately, as it waits for the servers.
+        let (served, all_served) = crate::transport::link::served();
+        let mut links_stop = shutdown.subscribe();
+        let links_done = tokio::spawn(async move {
+            let _ = links_stop.wait_for(|stop| *stop).await;
+            let _ = tokio::time::timeout(2 * http_server::DRAIN_TIMEOUT, all_served.wait()).await;
+        });
+        let mut peer_router = crate::transport::service::peer_routes(service.clone(), shutdown.subscribe(), served);
         if cluster_secret.is_some() {
             peer_router = peer_router
                 .layer(axum::middleware::from_fn_with_state(cluster_secret.clone(), crate::auth::require_secret));
@@ -403,6 +411,7 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
                 acceptor,
                 shutdown.subscribe(),
             ),
+            links_done,
         ];
         starting_stop.send_replace(true);
         servers

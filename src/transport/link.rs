@@ -18,15 +18,20 @@
 //! A link only ever speeds up what HTTP would do; what a caller sees on failure is what the
 //! HTTP exchange would have given it:
 //! - While no link to a peer is open, requests go over HTTP and one is opened in the
-//!   background. A peer that does not know links (an older version) answers the upgrade with
+//!   background. A peer that does not serve links (an older version) answers the upgrade with
 //!   something else than 101, and is asked again only after [`RETRY_UNSUPPORTED`].
 //! - A link that breaks fails the requests in flight on it (`Broken`: the peer may or may not
 //!   have handled them), as a broken connection fails an HTTP exchange.
-//! - A request that gets no answer in time fails with `Timeout` and closes the link: a
-//!   connection that stalled (a frozen peer, a partition) is not reused, and the next request
-//!   opens a new one once the peer answers again, as hyper's pool would.
-//! - The serving side stops reading when its node shuts down, lets the requests it took finish
-//!   (at most [`crate::http_server::DRAIN_TIMEOUT`]), answers them and closes.
+//! - A request that gets no answer in time fails with `Timeout`. If nothing at all came back
+//!   on the link since the request was sent, the connection has stalled (a frozen peer, a
+//!   partition) and is closed, so it is never reused, as hyper's pool would not reuse it; the
+//!   next request opens a new one once the peer answers again. A link that still answers other
+//!   requests stays open: one slow request does not fail the others.
+//! - The serving side handles at most [`MAX_IN_FLIGHT`] requests of a link at once (it reads
+//!   no more until one ends). When its node shuts down it answers every request it had taken
+//!   (for at most [`crate::http_server::DRAIN_TIMEOUT`]), and each one that comes meanwhile with
+//!   [`GOING_AWAY`]: not handled, so the opener sends it another way (over HTTP, to a listener
+//!   that is closed: unreachable, as if the link had never been there).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -35,22 +40,26 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use parking_lot::Mutex;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::{mpsc, oneshot, watch};
-use tokio::task::AbortHandle;
+use tokio::task::{AbortHandle, JoinSet};
 
 /// The value of the `Upgrade` header that asks for a link.
 pub const PROTOCOL: &str = "shoal-link/1";
+/// The answer of a serving side that is stopping: the request was not handled.
+pub const GOING_AWAY: u8 = 255;
 /// Bytes before a message's payload.
 const HEADER_LEN: usize = 13;
-/// The largest payload a side accepts; a larger one is a protocol error and closes the link.
-/// (The sender sends only requests much smaller than this over a link: [`MAX_REQUEST`].)
-const MAX_PAYLOAD: usize = 64 << 20;
 /// Requests larger than this go over HTTP: a link carries one message at a time in each
 /// direction, and a large one would hold up every small one behind it.
 pub const MAX_REQUEST: usize = 2 << 20;
+/// The largest payload a side accepts (room for a request of [`MAX_REQUEST`] and what its
+/// kind puts around it); a larger one is a protocol error and closes the link.
+const MAX_PAYLOAD: usize = MAX_REQUEST + 64 * 1024;
+/// Requests of one link a serving side handles at once.
+pub const MAX_IN_FLIGHT: usize = 64;
 /// How long after a failed attempt to open a link (the peer unreachable) the next one may start.
 const RETRY_UNREACHABLE: Duration = Duration::from_secs(1);
 /// How long a peer that refused the upgrade (an older version) is left on HTTP.
@@ -61,13 +70,14 @@ const BUFFER: usize = 64 * 1024;
 /// Why a request over a link got no answer.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LinkError {
-    /// The link was closed before the request was sent: it may go another way.
+    /// The request was not handled (the link was closed before it was sent, or the serving
+    /// side is stopping): it may go another way.
     #[error("the link is closed")]
     NotSent,
     /// The link broke with the request in flight: the peer may or may not have handled it.
     #[error("the link to the peer broke")]
     Broken,
-    /// No answer in time (the link is closed).
+    /// No answer in time.
     #[error("no answer in time")]
     Timeout,
 }
@@ -95,45 +105,74 @@ pub fn encode(id: u64, kind: u8, payload: impl FnOnce(&mut Vec<u8>)) -> Bytes {
     Bytes::from(out)
 }
 
-/// Reads the next message; `None` at a clean end (the other side closed between messages).
-pub async fn read_message<R: AsyncRead + Unpin>(reader: &mut R) -> std::io::Result<Option<Message>> {
-    let mut header = [0u8; HEADER_LEN];
-    match reader.read_exact(&mut header[..1]).await {
-        Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
-        Err(e) => return Err(e),
-    }
-    reader.read_exact(&mut header[1..]).await?;
-    let id = u64::from_be_bytes(header[0..8].try_into().unwrap_or_default());
-    let len = u32::from_be_bytes(header[9..13].try_into().unwrap_or_default()) as usize;
-    if len > MAX_PAYLOAD {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!("a link message of {len} bytes (at most {MAX_PAYLOAD})"),
-        ));
-    }
-    let mut payload = BytesMut::zeroed(len);
-    reader.read_exact(&mut payload).await?;
-    Ok(Some(Message { id, kind: header[8], payload: payload.freeze() }))
+/// Reads messages from a connection. Cancel-safe: what was read of a message stays in the
+/// buffer, so [`Self::next`] may race other futures in a `select!`. A message that arrived
+/// whole is a slice of the buffer, not a copy.
+pub struct MessageReader<R> {
+    io: R,
+    buf: BytesMut,
 }
 
-/// Writes what `messages` brings, everything that waits in one write, until it closes.
-async fn write_messages<W: AsyncWrite + Unpin>(writer: W, mut messages: mpsc::UnboundedReceiver<Bytes>) {
-    let mut writer = BufWriter::with_capacity(BUFFER, writer);
-    while let Some(first) = messages.recv().await {
-        if writer.write_all(&first).await.is_err() {
-            return;
-        }
-        while let Ok(next) = messages.try_recv() {
-            if writer.write_all(&next).await.is_err() {
-                return;
+impl<R: AsyncRead + Unpin> MessageReader<R> {
+    /// A reader of `io`.
+    pub fn new(io: R) -> Self {
+        MessageReader { io, buf: BytesMut::with_capacity(BUFFER) }
+    }
+
+    /// The next message; `None` at a clean end (the other side closed between messages).
+    pub async fn next(&mut self) -> std::io::Result<Option<Message>> {
+        loop {
+            let wanted = match self.parse()? {
+                Ok(message) => return Ok(Some(message)),
+                Err(wanted) => wanted,
+            };
+            self.buf.reserve(wanted.max(BUFFER));
+            if self.io.read_buf(&mut self.buf).await? == 0 {
+                if self.buf.is_empty() {
+                    return Ok(None);
+                }
+                return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "a link message was cut"));
             }
         }
-        if writer.flush().await.is_err() {
-            return;
-        }
     }
-    let _ = writer.shutdown().await;
+
+    /// The message at the front of the buffer, or how many more bytes it needs.
+    fn parse(&mut self) -> std::io::Result<Result<Message, usize>> {
+        if self.buf.len() < HEADER_LEN {
+            return Ok(Err(HEADER_LEN - self.buf.len()));
+        }
+        let len = u32::from_be_bytes(self.buf[9..13].try_into().unwrap_or_default()) as usize;
+        if len > MAX_PAYLOAD {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("a link message of {len} bytes (at most {MAX_PAYLOAD})"),
+            ));
+        }
+        if self.buf.len() < HEADER_LEN + len {
+            return Ok(Err(HEADER_LEN + len - self.buf.len()));
+        }
+        let id = self.buf.get_u64();
+        let kind = self.buf.get_u8();
+        self.buf.advance(4);
+        Ok(Ok(Message { id, kind, payload: self.buf.split_to(len).freeze() }))
+    }
+}
+
+/// Writes what `messages` brings, everything that waits in one write, until it closes (then
+/// shuts the connection's sending side) or a write fails (the error).
+async fn write_messages<W: AsyncWrite + Unpin>(
+    writer: W,
+    mut messages: mpsc::UnboundedReceiver<Bytes>,
+) -> std::io::Result<()> {
+    let mut writer = BufWriter::with_capacity(BUFFER, writer);
+    while let Some(first) = messages.recv().await {
+        writer.write_all(&first).await?;
+        while let Ok(next) = messages.try_recv() {
+            writer.write_all(&next).await?;
+        }
+        writer.flush().await?;
+    }
+    writer.shutdown().await
 }
 
 type Waiter = oneshot::Sender<Message>;
@@ -145,6 +184,10 @@ struct Link {
     /// Requests sent and not answered yet; `None` once the link is closed.
     pending: Mutex<Option<HashMap<u64, Waiter>>>,
     next_id: AtomicU64,
+    /// When the link was opened: the clock of `last_read`.
+    opened: Instant,
+    /// When a message last came in, in microseconds since `opened`.
+    last_read: AtomicU64,
     /// The reader's and the writer's tasks.
     tasks: Mutex<Vec<AbortHandle>>,
 }
@@ -159,6 +202,11 @@ impl Link {
         // none may wait from now on.
         self.pending.lock().take();
     }
+
+    /// Microseconds since the link opened.
+    fn now(&self) -> u64 {
+        self.opened.elapsed().as_micros() as u64
+    }
 }
 
 /// Whether a link to a peer is open, being opened, or not to be tried before some time.
@@ -167,6 +215,8 @@ enum Slot {
     Open(Arc<Link>),
     Closed { until: Instant },
 }
+
+type Slots = Arc<Mutex<HashMap<String, Slot>>>;
 
 /// The links of one node to its peers, by peer address. Dropping it closes them.
 #[derive(Default)]
@@ -222,21 +272,21 @@ impl Links {
         F: Future<Output = Result<S, OpenError>> + Send + 'static,
         S: AsyncRead + AsyncWrite + Send + 'static,
     {
-        let slots = Arc::downgrade(&self.slots);
-        let addr = addr.to_string();
+        // Whatever ends the attempt (a panic, a runtime shutting down), the slot does not stay
+        // `Opening`: the guard closes it for a while unless the link was installed.
+        let mut guard = Opening { slots: Some(Arc::downgrade(&self.slots)), addr: addr.to_string() };
         tokio::spawn(async move {
             let connected = connect.await;
-            let Some(slots) = slots.upgrade() else { return };
-            match connected {
-                Ok(io) => install(&slots, &addr, io),
-                Err(e) => {
-                    let retry = match e {
-                        OpenError::Unreachable => RETRY_UNREACHABLE,
-                        OpenError::Unsupported => RETRY_UNSUPPORTED,
-                    };
-                    slots.lock().insert(addr, Slot::Closed { until: Instant::now() + retry });
+            let Some(slots) = guard.slots.as_ref().and_then(Weak::upgrade) else { return };
+            let retry = match connected {
+                Ok(io) => {
+                    install(&slots, &guard.addr, io);
+                    return guard.end(Duration::ZERO);
                 }
-            }
+                Err(OpenError::Unreachable) => RETRY_UNREACHABLE,
+                Err(OpenError::Unsupported) => RETRY_UNSUPPORTED,
+            };
+            guard.end(retry);
         });
     }
 
@@ -256,6 +306,30 @@ impl Links {
     }
 }
 
+/// An attempt to open a link: when it ends with the slot still `Opening` (no link installed),
+/// the slot is closed for a while.
+struct Opening {
+    slots: Option<Weak<Mutex<HashMap<String, Slot>>>>,
+    addr: String,
+}
+
+impl Opening {
+    /// The attempt ended: unless a link was installed, none is tried for `retry`.
+    fn end(&mut self, retry: Duration) {
+        let Some(slots) = self.slots.take().and_then(|slots| slots.upgrade()) else { return };
+        let mut slots = slots.lock();
+        if matches!(slots.get(&self.addr), Some(Slot::Opening)) {
+            slots.insert(self.addr.clone(), Slot::Closed { until: Instant::now() + retry });
+        }
+    }
+}
+
+impl Drop for Opening {
+    fn drop(&mut self) {
+        self.end(RETRY_UNREACHABLE);
+    }
+}
+
 /// Why a link could not be opened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OpenError {
@@ -264,8 +338,6 @@ pub enum OpenError {
     /// The peer answered the upgrade with something else than 101 (an older version).
     Unsupported,
 }
-
-type Slots = Arc<Mutex<HashMap<String, Slot>>>;
 
 /// Starts the tasks of a link over `io` and makes it the link to `addr`.
 fn install<S>(slots: &Slots, addr: &str, io: S)
@@ -278,11 +350,21 @@ where
         out,
         pending: Mutex::new(Some(HashMap::new())),
         next_id: AtomicU64::new(1),
+        opened: Instant::now(),
+        last_read: AtomicU64::new(0),
         tasks: Mutex::default(),
     });
-    let writer = tokio::spawn(write_messages(write, messages));
+    let (weak, weak_slots, at) = (Arc::downgrade(&link), Arc::downgrade(slots), addr.to_string());
+    let writer = tokio::spawn(async move {
+        // A write that fails leaves the requests queued unsent: the link is done.
+        if write_messages(write, messages).await.is_err() {
+            if let Some(link) = weak.upgrade() {
+                forget(&weak_slots, &at, &link);
+            }
+        }
+    });
     let reader = tokio::spawn(read_answers(
-        BufReader::with_capacity(BUFFER, read),
+        MessageReader::new(read),
         Arc::downgrade(&link),
         Arc::downgrade(slots),
         addr.to_string(),
@@ -304,27 +386,34 @@ impl Drop for Links {
 /// Closes `link` and forgets it, if it is still the link to `addr` (the next request may open
 /// a new one at once).
 fn forget(slots: &Weak<Mutex<HashMap<String, Slot>>>, addr: &str, link: &Arc<Link>) {
+    retire(slots, addr, link);
+    link.close();
+}
+
+/// Stops sending new requests over `link` (if it is still the link to `addr`), without
+/// closing it: the requests in flight get their answers until the peer closes it.
+fn retire(slots: &Weak<Mutex<HashMap<String, Slot>>>, addr: &str, link: &Arc<Link>) {
     if let Some(slots) = slots.upgrade() {
         let mut slots = slots.lock();
         if matches!(slots.get(addr), Some(Slot::Open(open)) if Arc::ptr_eq(open, link)) {
             slots.insert(addr.to_string(), Slot::Closed { until: Instant::now() });
         }
     }
-    link.close();
 }
 
 /// Hands each answer to its request, until the link ends; then forgets the link.
 async fn read_answers<R: AsyncRead + Unpin>(
-    mut reader: R,
+    mut reader: MessageReader<R>,
     link: Weak<Link>,
     slots: Weak<Mutex<HashMap<String, Slot>>>,
     addr: String,
 ) {
     loop {
-        let message = read_message(&mut reader).await;
+        let message = reader.next().await;
         let Some(link) = link.upgrade() else { return };
         match message {
             Ok(Some(answer)) => {
+                link.last_read.store(link.now(), Ordering::Relaxed);
                 // An answer nobody waits for any more (its request timed out) is dropped.
                 if let Some(waiter) = link.pending.lock().as_mut().and_then(|p| p.remove(&answer.id)) {
                     let _ = waiter.send(answer);
@@ -354,16 +443,26 @@ impl LinkRef {
             Some(pending) => pending.insert(id, waiter),
             None => return Err(LinkError::NotSent),
         };
+        let sent_at = link.now();
         if link.out.send(encode(id, kind, payload)).is_err() {
             link.pending.lock().as_mut().map(|p| p.remove(&id));
             return Err(LinkError::NotSent);
         }
         match tokio::time::timeout(timeout, answer).await {
+            Ok(Ok(answer)) if answer.kind == GOING_AWAY => {
+                // The peer is stopping: no new request goes over this link, and the ones in
+                // flight still get their answers until the peer closes it.
+                retire(&self.slots, &self.addr, link);
+                Err(LinkError::NotSent)
+            }
             Ok(Ok(answer)) => Ok(answer),
             Ok(Err(_)) => Err(LinkError::Broken),
             Err(_) => {
                 link.pending.lock().as_mut().map(|p| p.remove(&id));
-                forget(&self.slots, &self.addr, link);
+                if link.last_read.load(Ordering::Relaxed) < sent_at {
+                    // Nothing came back since this request went out: the connection stalled.
+                    forget(&self.slots, &self.addr, link);
+                }
                 Err(LinkError::Timeout)
             }
         }
@@ -374,43 +473,80 @@ impl LinkRef {
 /// answer's kind and payload out.
 pub type Handler = Arc<dyn Fn(u8, Bytes) -> Pin<Box<dyn Future<Output = (u8, Vec<u8>)> + Send>> + Send + Sync>;
 
-/// Serves a link opened by a peer: each request is handled in a task of its own and answered
-/// when it is done. Ends when the peer closes the link, or when `shutdown` turns true: then
-/// no further request is read, and the ones taken are answered first (within
-/// [`crate::http_server::DRAIN_TIMEOUT`]).
-pub async fn serve<S>(io: S, handler: Handler, mut shutdown: watch::Receiver<bool>)
+/// Counts the links a listener serves (and their requests being handled), so that its node's
+/// shutdown can wait for them: an upgraded connection leaves the HTTP server, whose drain no
+/// longer sees it.
+#[derive(Clone)]
+pub struct Served(#[allow(dead_code)] mpsc::Sender<()>);
+
+/// Resolves once every [`Served`] is gone.
+pub struct AllServed(mpsc::Receiver<()>);
+
+/// A counter of served links and its waiter.
+pub fn served() -> (Served, AllServed) {
+    let (tx, rx) = mpsc::channel(1);
+    (Served(tx), AllServed(rx))
+}
+
+impl AllServed {
+    /// Waits until every link and every request of one ended.
+    pub async fn wait(mut self) {
+        let _ = self.0.recv().await;
+    }
+}
+
+/// Serves a link opened by a peer: each request is handled in a task of its own (at most
+/// [`MAX_IN_FLIGHT`] at once) and answered when it is done. Ends when the peer closes the
+/// link, or when `shutdown` turns true and the requests taken are answered (those that come
+/// meanwhile get [`GOING_AWAY`]), at most [`crate::http_server::DRAIN_TIMEOUT`] later.
+pub async fn serve<S>(io: S, handler: Handler, mut shutdown: watch::Receiver<bool>, served: Served)
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
     let (read, write) = tokio::io::split(io);
-    let mut reader = BufReader::with_capacity(BUFFER, read);
+    let mut reader = MessageReader::new(read);
     let (out, messages) = mpsc::unbounded_channel();
     let mut writer = tokio::spawn(write_messages(write, messages));
+    let mut handlers = JoinSet::new();
+    let mut deadline: Option<tokio::time::Instant> = None;
     loop {
-        let request = tokio::select! {
-            request = read_message(&mut reader) => request,
-            _ = shutdown.wait_for(|stop| *stop) => break,
-        };
-        match request {
-            Ok(Some(request)) => {
-                let (handler, out) = (handler.clone(), out.clone());
-                tokio::spawn(async move {
-                    let (kind, payload) = handler(request.kind, request.payload).await;
-                    let _ = out.send(encode(request.id, kind, |buf| buf.extend_from_slice(&payload)));
-                });
+        if deadline.is_some() && handlers.is_empty() {
+            break;
+        }
+        // Biased: a shutdown is seen before any request that came after it.
+        tokio::select! {
+            biased;
+            _ = shutdown.wait_for(|stop| *stop), if deadline.is_none() => {
+                deadline = Some(tokio::time::Instant::now() + crate::http_server::DRAIN_TIMEOUT);
             }
-            Ok(None) => break,
-            Err(e) => {
-                tracing::debug!(error = %e, "a peer link broke");
-                break;
-            }
+            Some(_) = handlers.join_next(), if !handlers.is_empty() => {}
+            request = reader.next(), if handlers.len() < MAX_IN_FLIGHT => match request {
+                Ok(Some(request)) if deadline.is_some() => {
+                    let _ = out.send(encode(request.id, GOING_AWAY, |_| {}));
+                }
+                Ok(Some(request)) => {
+                    let (handler, out, served) = (handler.clone(), out.clone(), served.clone());
+                    handlers.spawn(async move {
+                        let (kind, payload) = handler(request.kind, request.payload).await;
+                        let _ = out.send(encode(request.id, kind, |buf| buf.extend_from_slice(&payload)));
+                        drop(served);
+                    });
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::debug!(error = %e, "a peer link broke");
+                    break;
+                }
+            },
+            () = tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now)), if deadline.is_some() => break,
         }
     }
-    // The writer ends once every request taken is answered (each holds a sender).
+    // Requests still being handled (the peer left, or the drain ran out) finish on their own;
+    // the writer ends once their answers are out (each holds a sender), at most the drain later.
+    handlers.detach_all();
     drop(out);
-    if tokio::time::timeout(crate::http_server::DRAIN_TIMEOUT, &mut writer).await.is_err() {
-        writer.abort();
-    }
+    let _ = tokio::time::timeout(crate::http_server::DRAIN_TIMEOUT, &mut writer).await;
+    writer.abort();
 }
 
 /// Answers an HTTP request for a link (`Upgrade: shoal-link/1`) with 101 and serves the link
@@ -419,6 +555,7 @@ pub async fn accept(
     mut request: axum::extract::Request,
     handler: Handler,
     shutdown: watch::Receiver<bool>,
+    served: Served,
 ) -> axum::response::Response {
     use axum::http::{header, StatusCode};
     use axum::response::IntoResponse;
@@ -428,7 +565,7 @@ pub async fn accept(
     let upgraded = hyper::upgrade::on(&mut request);
     tokio::spawn(async move {
         match upgraded.await {
-            Ok(io) => serve(hyper_util::rt::TokioIo::new(io), handler, shutdown).await,
+            Ok(io) => serve(hyper_util::rt::TokioIo::new(io), handler, shutdown, served).await,
             Err(e) => tracing::debug!(error = %e, "a peer link did not open"),
         }
     });
@@ -461,12 +598,12 @@ mod tests {
             let write = tokio::spawn(async move {
                 tx.write_all(&bytes).await.expect("write");
             });
-            let mut rx = BufReader::new(rx);
+            let mut rx = MessageReader::new(rx);
             for m in &sent {
-                assert_eq!(read_message(&mut rx).await.expect("read").as_ref(), Some(m));
+                assert_eq!(rx.next().await.expect("read").as_ref(), Some(m));
             }
             write.await.expect("writer");
-            assert_eq!(read_message(&mut rx).await.expect("a clean end"), None);
+            assert_eq!(rx.next().await.expect("a clean end"), None);
         }
     }
 
@@ -474,23 +611,22 @@ mod tests {
     async fn a_cut_message_or_an_oversized_one_is_an_error() {
         let whole = encode(5, 1, |out| out.extend_from_slice(b"abcdef"));
         for cut in [3, HEADER_LEN, whole.len() - 1] {
-            let mut reader = &whole[..cut];
-            assert!(read_message(&mut reader).await.is_err(), "cut at {cut}");
+            assert!(MessageReader::new(&whole[..cut]).next().await.is_err(), "cut at {cut}");
         }
         let mut huge = encode(5, 1, |_| {}).to_vec();
         huge[9..13].copy_from_slice(&((MAX_PAYLOAD + 1) as u32).to_be_bytes());
-        let mut reader = &huge[..];
-        let error = read_message(&mut reader).await.expect_err("too large");
+        let error = MessageReader::new(&huge[..]).next().await.expect_err("too large");
         assert_eq!(error.kind(), std::io::ErrorKind::InvalidData);
     }
 
-    /// A handler that echoes the payload reversed, after waiting as many milliseconds as its
-    /// first byte says (so answers come back out of order), with the kind plus one.
+    /// A handler that echoes the payload reversed, after waiting ten times as many
+    /// milliseconds as its first byte says (so answers come back out of order), with the kind
+    /// plus one.
     fn echo() -> Handler {
         Arc::new(|kind, payload: Bytes| {
             Box::pin(async move {
                 let wait = payload.first().copied().unwrap_or(0);
-                tokio::time::sleep(Duration::from_millis(u64::from(wait))).await;
+                tokio::time::sleep(Duration::from_millis(10 * u64::from(wait))).await;
                 (kind + 1, payload.iter().rev().copied().collect())
             })
         })
@@ -500,7 +636,7 @@ mod tests {
     fn linked(handler: Handler) -> (Links, watch::Sender<bool>, tokio::task::JoinHandle<()>) {
         let (near, far) = tokio::io::duplex(64 * 1024);
         let (stop, stopped) = watch::channel(false);
-        let server = tokio::spawn(serve(far, handler, stopped));
+        let server = tokio::spawn(serve(far, handler, stopped, served().0));
         let links = Links::default();
         assert!(matches!(links.get("peer"), Route::Other { open: true }));
         assert!(matches!(links.get("peer"), Route::Other { open: false }), "one opener at a time");
@@ -538,12 +674,28 @@ mod tests {
     async fn a_request_without_an_answer_in_time_closes_the_link() {
         let (links, _stop, _server) = linked(echo());
         let link = open(&links);
-        let late = link.call(1, |out| out.push(200), Duration::from_millis(20)).await;
+        let late = link.call(1, |out| out.push(200), Duration::from_millis(50)).await;
         assert_eq!(late, Err(LinkError::Timeout));
         assert!(!links.is_open("peer"));
         assert_eq!(link.call(1, |out| out.push(0), Duration::from_secs(5)).await, Err(LinkError::NotSent));
         // The next request may open a new link at once.
         assert!(matches!(links.get("peer"), Route::Other { open: true }));
+    }
+
+    #[tokio::test]
+    async fn a_slow_request_does_not_close_a_link_that_answers_others() {
+        let (links, _stop, _server) = linked(echo());
+        let link = open(&links);
+        // `join!` polls in order: the slow request goes out first, the quick one after it, and
+        // the quick one's answer comes back while the slow one waits.
+        let (slow, quick) = tokio::join!(
+            link.call(1, |out| out.push(250), Duration::from_secs(1)),
+            link.call(1, |out| out.push(0), Duration::from_secs(10)),
+        );
+        assert_eq!(slow, Err(LinkError::Timeout));
+        assert_eq!(quick.expect("answered").payload.as_ref(), &[0]);
+        assert!(links.is_open("peer"), "the link answered since the slow request went out");
+        assert!(link.call(1, |out| out.push(0), Duration::from_secs(10)).await.is_ok());
     }
 
     #[tokio::test]
@@ -555,8 +707,8 @@ mod tests {
         let link = open(&links);
         let call = tokio::spawn(async move { link.call(1, |out| out.push(0), Duration::from_secs(30)).await });
         // The peer reads the request, then dies without answering.
-        let mut far = BufReader::new(far);
-        assert!(read_message(&mut far).await.expect("request").is_some());
+        let mut far = MessageReader::new(far);
+        assert!(far.next().await.expect("request").is_some());
         drop(far);
         assert_eq!(call.await.expect("task"), Err(LinkError::Broken));
         tokio::time::timeout(Duration::from_secs(5), async {
@@ -589,6 +741,11 @@ mod tests {
         let call = tokio::spawn(async move { link.call(1, |out| out.push(100), Duration::from_secs(30)).await });
         has_taken.recv().await.expect("the request reaches the handler");
         stop.send_replace(true);
+        // A request that comes while the serving side stops is not handled, and no further
+        // one goes over the link; the one taken still gets its answer.
+        let late = open(&links);
+        assert_eq!(late.call(1, |out| out.push(7), Duration::from_secs(30)).await, Err(LinkError::NotSent));
+        assert!(!links.is_open("peer"));
         release.notify_one();
         let answer = call.await.expect("task").expect("answered before the link closed");
         assert_eq!(answer.payload.as_ref(), &[100]);
@@ -600,6 +757,21 @@ mod tests {
         })
         .await
         .expect("the link closes");
+    }
+
+    #[tokio::test]
+    async fn an_attempt_to_open_that_dies_does_not_leave_the_peer_opening() {
+        let links = Links::default();
+        assert!(matches!(links.get("peer"), Route::Other { open: true }));
+        links.open::<_, tokio::io::DuplexStream>("peer", async { panic!("the opener dies") });
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while matches!(links.slots.lock().get("peer"), Some(Slot::Opening)) {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("the slot leaves Opening");
+        assert!(matches!(links.get("peer"), Route::Other { open: false }), "closed for a while");
     }
 
     #[test]

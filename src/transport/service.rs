@@ -180,13 +180,18 @@ impl PeerService {
 /// Raft (`/raft/{append,vote,snapshot}`), admin (`/internal/admin`, `/internal/members/{id}`),
 /// replication (`/internal/replicate/{bucket}`), shadows (`/internal/shadow/{bucket}`), pings
 /// (`/internal/ping`), transfer status and bucket streams (`/internal/transfer/...`), and peer
-/// links (`/internal/link`, an upgrade; the links it opens end when `shutdown` turns true).
+/// links (`/internal/link`, an upgrade; the links it opens end when `shutdown` turns true, and
+/// `served` counts them while they run).
 ///
 /// Bodies have no size limit here: a replica snapshot carries a whole bucket and a
 /// replicated write a whole value (up to `--max-value-bytes`), and only members that know
 /// the cluster secret send them. (axum's default of 2 MB refused every bucket snapshot
 /// larger than that, so such buckets never got their replica.)
-pub fn peer_routes(service: Arc<PeerService>, shutdown: tokio::sync::watch::Receiver<bool>) -> Router {
+pub fn peer_routes(
+    service: Arc<PeerService>,
+    shutdown: tokio::sync::watch::Receiver<bool>,
+    served: link::Served,
+) -> Router {
     Router::new()
         .route(
             "/internal/link",
@@ -195,7 +200,7 @@ pub fn peer_routes(service: Arc<PeerService>, shutdown: tokio::sync::watch::Rece
                     let s = s.clone();
                     Box::pin(async move { s.serve_link_request(kind, payload).await })
                 });
-                link::accept(request, handler, shutdown.clone())
+                link::accept(request, handler, shutdown.clone(), served.clone())
             }),
         )
         .route("/raft/append", post(raft_append))
