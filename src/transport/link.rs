@@ -44,7 +44,7 @@ use bytes::{Buf, Bytes, BytesMut};
 use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::{mpsc, oneshot, watch};
-use tokio::task::{AbortHandle, JoinSet};
+use tokio::task::AbortHandle;
 
 /// The value of the `Upgrade` header that asks for a link.
 pub const PROTOCOL: &str = "shoal-link/1";
@@ -507,43 +507,64 @@ where
     let mut reader = MessageReader::new(read);
     let (out, messages) = mpsc::unbounded_channel();
     let mut writer = tokio::spawn(write_messages(write, messages));
-    let mut handlers = JoinSet::new();
-    let mut deadline: Option<tokio::time::Instant> = None;
+    // A permit per request being handled: at most `MAX_IN_FLIGHT` (no further request is read
+    // meanwhile), and all of them back once every handler ended.
+    let permits = Arc::new(tokio::sync::Semaphore::new(MAX_IN_FLIGHT));
+    // Made once, not at every turn of the loop: a watch's `wait_for` registers a waiter each
+    // time it is created (a measurable share of a message's cost).
+    let stop = shutdown.wait_for(|stop| *stop);
+    tokio::pin!(stop);
+    let mut stopping = false;
     loop {
-        if deadline.is_some() && handlers.is_empty() {
-            break;
-        }
+        let Ok(permit) = permits.clone().acquire_owned().await else { break };
         // Biased: a shutdown is seen before any request that came after it.
-        tokio::select! {
+        let request = tokio::select! {
             biased;
-            _ = shutdown.wait_for(|stop| *stop), if deadline.is_none() => {
-                deadline = Some(tokio::time::Instant::now() + crate::http_server::DRAIN_TIMEOUT);
+            _ = &mut stop => {
+                stopping = true;
+                break;
             }
-            Some(_) = handlers.join_next(), if !handlers.is_empty() => {}
-            request = reader.next(), if handlers.len() < MAX_IN_FLIGHT => match request {
-                Ok(Some(request)) if deadline.is_some() => {
-                    let _ = out.send(encode(request.id, GOING_AWAY, |_| {}));
-                }
-                Ok(Some(request)) => {
-                    let (handler, out, served) = (handler.clone(), out.clone(), served.clone());
-                    handlers.spawn(async move {
-                        let (kind, payload) = handler(request.kind, request.payload).await;
-                        let _ = out.send(encode(request.id, kind, |buf| buf.extend_from_slice(&payload)));
-                        drop(served);
-                    });
-                }
-                Ok(None) => break,
-                Err(e) => {
-                    tracing::debug!(error = %e, "a peer link broke");
-                    break;
-                }
-            },
-            () = tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now)), if deadline.is_some() => break,
+            request = reader.next() => request,
+        };
+        match request {
+            Ok(Some(request)) => {
+                let (handler, out, served) = (handler.clone(), out.clone(), served.clone());
+                tokio::spawn(async move {
+                    let (kind, payload) = handler(request.kind, request.payload).await;
+                    let _ = out.send(encode(request.id, kind, |buf| buf.extend_from_slice(&payload)));
+                    drop((permit, served));
+                });
+            }
+            Ok(None) => break,
+            Err(e) => {
+                tracing::debug!(error = %e, "a peer link broke");
+                break;
+            }
+        }
+    }
+    if stopping {
+        // Until every request taken is answered (or the drain runs out), requests that come
+        // are not handled.
+        let all_answered = permits.acquire_many(MAX_IN_FLIGHT as u32);
+        tokio::pin!(all_answered);
+        let drained = tokio::time::sleep(crate::http_server::DRAIN_TIMEOUT);
+        tokio::pin!(drained);
+        loop {
+            tokio::select! {
+                biased;
+                _ = &mut all_answered => break,
+                () = &mut drained => break,
+                request = reader.next() => match request {
+                    Ok(Some(request)) => {
+                        let _ = out.send(encode(request.id, GOING_AWAY, |_| {}));
+                    }
+                    _ => break,
+                },
+            }
         }
     }
     // Requests still being handled (the peer left, or the drain ran out) finish on their own;
     // the writer ends once their answers are out (each holds a sender), at most the drain later.
-    handlers.detach_all();
     drop(out);
     let _ = tokio::time::timeout(crate::http_server::DRAIN_TIMEOUT, &mut writer).await;
     writer.abort();
