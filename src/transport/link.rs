@@ -665,6 +665,16 @@ mod tests {
         (links, stop, server)
     }
 
+    /// Yields until `condition` holds, for at most five seconds.
+    async fn until(what: &str, condition: impl Fn() -> bool) {
+        let wait = async {
+            while !condition() {
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(5), wait).await.expect(what);
+    }
+
     fn open(links: &Links) -> LinkRef {
         match links.get("peer") {
             Route::Link(link) => link,
@@ -732,13 +742,7 @@ mod tests {
         assert!(far.next().await.expect("request").is_some());
         drop(far);
         assert_eq!(call.await.expect("task"), Err(LinkError::Broken));
-        tokio::time::timeout(Duration::from_secs(5), async {
-            while links.is_open("peer") {
-                tokio::task::yield_now().await;
-            }
-        })
-        .await
-        .expect("the link is forgotten");
+        until("the link is forgotten", || !links.is_open("peer")).await;
     }
 
     #[tokio::test]
@@ -771,13 +775,7 @@ mod tests {
         let answer = call.await.expect("task").expect("answered before the link closed");
         assert_eq!(answer.payload.as_ref(), &[100]);
         tokio::time::timeout(Duration::from_secs(5), server).await.expect("the server ends").expect("task");
-        tokio::time::timeout(Duration::from_secs(5), async {
-            while links.is_open("peer") {
-                tokio::task::yield_now().await;
-            }
-        })
-        .await
-        .expect("the link closes");
+        until("the link closes", || !links.is_open("peer")).await;
     }
 
     #[tokio::test]
@@ -785,13 +783,7 @@ mod tests {
         let links = Links::default();
         assert!(matches!(links.get("peer"), Route::Other { open: true }));
         links.open::<_, tokio::io::DuplexStream>("peer", async { panic!("the opener dies") });
-        tokio::time::timeout(Duration::from_secs(5), async {
-            while matches!(links.slots.lock().get("peer"), Some(Slot::Opening)) {
-                tokio::task::yield_now().await;
-            }
-        })
-        .await
-        .expect("the slot leaves Opening");
+        until("the slot leaves Opening", || !matches!(links.slots.lock().get("peer"), Some(Slot::Opening))).await;
         assert!(matches!(links.get("peer"), Route::Other { open: false }), "closed for a while");
     }
 
