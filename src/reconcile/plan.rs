@@ -416,7 +416,8 @@ fn plan_promotions(state: &ClusterState, f: &Facts, out: &mut Vec<Action>) {
 /// Keeps the replica of what this node owns complete: every bucket it serves is sent whole
 /// to the holder of its complete replica (or, without one, the holder join order names) and
 /// to the holder join order names; once that one has them all, it becomes the holder of the
-/// complete replica.
+/// complete replica. The holder join order names is sent nothing while it still has buckets
+/// to pull (see [`prepares_replica_now`]).
 fn plan_replicas(state: &ClusterState, f: &Facts, out: &mut Vec<Action>) {
     let me = f.me;
     let Some(desired) = state.replica_of(me) else { return };
@@ -426,7 +427,8 @@ fn plan_replicas(state: &ClusterState, f: &Facts, out: &mut Vec<Action>) {
     let serving: Vec<BucketId> =
         owned.iter().copied().filter(|&b| phase_of(state, me, b, f.of(b)) == Phase::Serving).collect();
     if !f.running.attach {
-        for holder in [required, desired] {
+        let holders = [Some(required), Some(desired).filter(|&d| d == required || prepares_replica_now(state, d))];
+        for holder in holders.into_iter().flatten() {
             let missing: Vec<BucketId> =
                 serving.iter().copied().filter(|&b| !f.attached.contains(&(b, holder))).take(ATTACH_BATCH).collect();
             if !missing.is_empty() {
@@ -443,6 +445,16 @@ fn plan_replicas(state: &ClusterState, f: &Facts, out: &mut Vec<Action>) {
     if committed != Some(desired) && complete && !leaving && !f.running.move_replica {
         out.push(Action::MoveReplica { holder: desired });
     }
+}
+
+/// Whether a member may be sent replica copies it only prepares to hold (it is the holder join
+/// order names, not yet the complete one): not while the target still gives it buckets to
+/// pull. A joiner gets its share first: the replica copies would compete with its pulls for
+/// the same links and cores, and a copy of a bucket the joiner is about to own would be thrown
+/// away as the bucket arrives. The complete holder keeps every write meanwhile, so no bucket
+/// has fewer copies for the wait; only the replica's move to the new holder comes later.
+pub fn prepares_replica_now(state: &ClusterState, holder: NodeId) -> bool {
+    state.incoming_of(holder).is_empty()
 }
 
 /// A leaving member, once its leave's target is set and it still serves buckets, hands them

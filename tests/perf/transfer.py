@@ -2,7 +2,8 @@
 """State-transfer benchmark: load ~1 GiB into 3 nodes, join a fourth, and measure the transfer.
 
 Reports, per run and as medians over --runs: transfer time (join to settled), bytes moved,
-MB/s, the replica snapshots the nodes sent meanwhile, the four nodes' CPU time (user + system,
+MB/s, the replica snapshots the nodes sent meanwhile, the time until every node is ready (its
+replica in place) and the replica snapshots sent until then, the four nodes' CPU time (user + system,
 from /proc) and that per KB moved, and the client p99 latency of GETs during the transfer
 against before it (from 1-second `shoal bench` windows: those before the join, and those whose
 middle falls inside the transfer). Everything listens on 127.0.0.1 and every process is stopped by its PID.
@@ -22,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 
 
@@ -72,6 +74,24 @@ class Cluster:
         while not self.settled():
             if time.time() > end:
                 raise RuntimeError("the cluster did not settle")
+            time.sleep(0.2)
+
+    def ready(self):
+        """Every node answers /readyz with 200: among other checks, its replica is in place."""
+        for addr in self.addrs:
+            try:
+                with urllib.request.urlopen(f"http://{addr}/readyz", timeout=10) as r:
+                    if r.status != 200:
+                        return False
+            except urllib.error.HTTPError:
+                return False
+        return True
+
+    def wait_ready(self, limit=1800):
+        end = time.time() + limit
+        while not self.ready():
+            if time.time() > end:
+                raise RuntimeError("the nodes did not get ready")
             time.sleep(0.2)
 
     def stop(self):
@@ -126,6 +146,7 @@ def one_run(args, tmp):
         c.start_node(join=first)
         c.start_node(join=first)
         c.wait_settled()
+        c.wait_ready()
         t0 = time.time()
         subprocess.run([args.shoal, "bench", "--addr", first, "--keys", str(args.items), "--value-size", "1024",
                         "--duration", "0s"], check=True, capture_output=True, timeout=1800)
@@ -153,9 +174,14 @@ def one_run(args, tmp):
         done_at = time.time()
         # The fourth node's CPU counts from its start.
         node_cpu = cpu_seconds(p.pid for p in c.procs) - cpu_before
+        replica_bytes = replica_snapshot_bytes(c.addrs) - replicas_before
+        # The replicas may settle after the share: the holder join order names for the
+        # member before the joiner gets its copies once the joiner has pulled its share.
+        c.wait_ready()
+        ready_at = time.time()
+        replica_bytes_ready = replica_snapshot_bytes(c.addrs) - replicas_before
         stop.set()
         t.join()
-        replica_bytes = replica_snapshot_bytes(c.addrs) - replicas_before
         after = totals()
         moved = sum(b - before_totals.get(n, (0, 0))[0] for n, (b, _) in after.items())
         received = sum(r - before_totals.get(n, (0, 0))[1] for n, (_, r) in after.items())
@@ -169,6 +195,8 @@ def one_run(args, tmp):
             "bytes_moved": received,
             "mb_per_sec": received / seconds / 1e6,
             "replica_snapshot_bytes": replica_bytes,
+            "ready_seconds": ready_at - join_at,
+            "replica_snapshot_bytes_ready": replica_bytes_ready,
             "node_cpu_seconds": node_cpu,
             "node_cpu_us_per_kb": node_cpu * 1e6 / (received / 1e3),
             "p99_before_ms": statistics.median(w[0] for w in before),
@@ -207,6 +235,8 @@ def main():
     print(f"  bytes moved        {med('bytes_moved') / 1e6:8.1f} MB")
     print(f"  throughput         {med('mb_per_sec'):8.1f} MB/s")
     print(f"  replica snapshots  {med('replica_snapshot_bytes') / 1e6:8.1f} MB   (sent by the nodes meanwhile)")
+    print(f"  every node ready   {med('ready_seconds'):8.1f} s    (from the join; replicas in place)")
+    print(f"  replica snapshots  {med('replica_snapshot_bytes_ready') / 1e6:8.1f} MB   (sent until then)")
     print(f"  node CPU           {med('node_cpu_seconds'):8.2f} s    ({med('node_cpu_us_per_kb'):.1f} µs per KB moved, four nodes)")
     print(f"  client p99 before  {med('p99_before_ms'):8.2f} ms   ({med('gets_per_sec_before'):,.0f} GET/s, 10 connections)")
     print(f"  client p99 during  {med('p99_during_ms'):8.2f} ms   ({med('gets_per_sec_during'):,.0f} GET/s)")

@@ -254,6 +254,45 @@ fn the_replica_moves_to_the_new_holder_only_once_it_has_every_bucket() {
     assert_eq!(drops, owned.len());
 }
 
+#[test]
+fn a_joiner_gets_its_share_before_replica_copies_it_only_prepares_to_hold() {
+    let mut s = three_nodes();
+    s.apply(&shoal_raft::ClusterCommand::ReplicaMoved { owner: 3, holder: 1 });
+    testing::apply(&mut s, &Step::Join);
+    testing::apply(&mut s, &Step::EndTransition);
+    // Half of node 4's share has moved; node 3's replica is to move from node 1 to node 4.
+    testing::apply(&mut s, &Step::Move(4));
+    assert!(!s.incoming_of(4).is_empty());
+    assert_eq!((s.committed_holder_of(3), s.replica_of(3)), (Some(1), Some(4)));
+    let mut f = facts(3);
+    let attaches = |s: &ClusterState, f: &Facts| -> Vec<NodeId> {
+        plan(s, s, f)
+            .into_iter()
+            .filter_map(|a| match a {
+                Action::Attach { holder, .. } => Some(holder),
+                _ => None,
+            })
+            .collect()
+    };
+    assert_eq!(attaches(&s, &f), vec![1], "the complete holder is kept complete meanwhile");
+    f.attached = s.map.buckets_of(3).into_iter().map(|b| (b, 1)).collect();
+    assert_eq!(attaches(&s, &f), Vec::<NodeId>::new(), "nothing goes to node 4 while it pulls");
+    assert!(!plan(&s, &s, &f).iter().any(|a| matches!(a, Action::MoveReplica { .. })));
+    // Node 4 pulls none of node 3's buckets any more: only what node 3 keeps goes to it.
+    testing::apply(&mut s, &Step::Move(8));
+    assert!(s.incoming_of(4).is_empty());
+    f.attached = s.map.buckets_of(3).into_iter().map(|b| (b, 1)).collect();
+    let sent: Vec<BucketId> = plan(&s, &s, &f)
+        .into_iter()
+        .flat_map(|a| match a {
+            Action::Attach { holder: 4, buckets } => buckets,
+            _ => Vec::new(),
+        })
+        .collect();
+    assert!(!sent.is_empty());
+    assert!(sent.iter().all(|&b| s.map.owner_of(b) == Some(3)), "{sent:?}");
+}
+
 /// Random local facts of node `me` on `state`.
 fn facts_of(state: &ClusterState, me: NodeId, bits: &[u64; 4]) -> Facts {
     let pick = |k: usize, b: BucketId| bits[k] >> (b.0 % 64) & 1 == 1;
