@@ -377,7 +377,8 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
         // request a boxed future and a clone of the service behind it.
         // Peer links leave the HTTP server once upgraded: the node's shutdown waits for them
         // (and the requests they are handling) separately, as it waits for the servers.
-        let (served, all_served) = crate::transport::link::served();
+        let metrics = service.api.metrics();
+        let (served, all_served) = crate::transport::link::served(metrics.peer_listener.open.clone());
         let mut links_stop = shutdown.subscribe();
         let links_done = tokio::spawn(async move {
             let _ = links_stop.wait_for(|stop| *stop).await;
@@ -395,7 +396,6 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
         }
         // The key routes' fast path skips the router, hence its layers: only without tokens.
         let api_router = shoal_http_api::service(service.api.clone(), api_router, !tokens.any());
-        let metrics = service.api.metrics();
         let servers = vec![
             http_server::serve(
                 peer_listener,

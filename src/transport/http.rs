@@ -1045,7 +1045,7 @@ mod tests {
                 get(move |request: Request| {
                     assert!(secret(&request));
                     seen.upgrades.fetch_add(1, Ordering::SeqCst);
-                    link::accept(request, handler.clone(), stopped.clone(), link::served().0)
+                    link::accept(request, handler.clone(), stopped.clone(), link::served(metrics::Gauge::noop()).0)
                 }),
             );
         } else {

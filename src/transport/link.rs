@@ -475,17 +475,37 @@ pub type Handler = Arc<dyn Fn(u8, Bytes) -> Pin<Box<dyn Future<Output = (u8, Vec
 
 /// Counts the links a listener serves (and their requests being handled), so that its node's
 /// shutdown can wait for them: an upgraded connection leaves the HTTP server, whose drain no
-/// longer sees it.
+/// longer sees it. Each link served also counts in `open`, the listener's gauge of open
+/// connections, until it ends: the connection is still open after it left the HTTP server.
 #[derive(Clone)]
-pub struct Served(#[allow(dead_code)] mpsc::Sender<()>);
+pub struct Served {
+    _held: mpsc::Sender<()>,
+    open: metrics::Gauge,
+}
 
 /// Resolves once every [`Served`] is gone.
 pub struct AllServed(mpsc::Receiver<()>);
 
-/// A counter of served links and its waiter.
-pub fn served() -> (Served, AllServed) {
+/// A counter of served links and its waiter; the links count in `open` while they run.
+pub fn served(open: metrics::Gauge) -> (Served, AllServed) {
     let (tx, rx) = mpsc::channel(1);
-    (Served(tx), AllServed(rx))
+    (Served { _held: tx, open }, AllServed(rx))
+}
+
+/// Counts one served link in its listener's open connections while it lives.
+struct OpenLink(metrics::Gauge);
+
+impl OpenLink {
+    fn new(open: &metrics::Gauge) -> Self {
+        open.increment(1.0);
+        OpenLink(open.clone())
+    }
+}
+
+impl Drop for OpenLink {
+    fn drop(&mut self) {
+        self.0.decrement(1.0);
+    }
 }
 
 impl AllServed {
@@ -503,6 +523,7 @@ pub async fn serve<S>(io: S, handler: Handler, mut shutdown: watch::Receiver<boo
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
+    let _open = OpenLink::new(&served.open);
     let (read, write) = tokio::io::split(io);
     let mut reader = MessageReader::new(read);
     let (out, messages) = mpsc::unbounded_channel();
@@ -657,7 +678,7 @@ mod tests {
     fn linked(handler: Handler) -> (Links, watch::Sender<bool>, tokio::task::JoinHandle<()>) {
         let (near, far) = tokio::io::duplex(64 * 1024);
         let (stop, stopped) = watch::channel(false);
-        let server = tokio::spawn(serve(far, handler, stopped, served().0));
+        let server = tokio::spawn(serve(far, handler, stopped, served(metrics::Gauge::noop()).0));
         let links = Links::default();
         assert!(matches!(links.get("peer"), Route::Other { open: true }));
         assert!(matches!(links.get("peer"), Route::Other { open: false }), "one opener at a time");
@@ -727,6 +748,26 @@ mod tests {
         assert_eq!(quick.expect("answered").payload.as_ref(), &[0]);
         assert!(links.is_open("peer"), "the link answered since the slow request went out");
         assert!(link.call(1, |out| out.push(0), Duration::from_secs(10)).await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn a_served_link_counts_as_an_open_connection_until_it_ends() {
+        let count = Arc::new(AtomicU64::new(0f64.to_bits()));
+        let gauge = || f64::from_bits(count.load(Ordering::SeqCst));
+        let (served, all_served) = served(metrics::Gauge::from_arc(count.clone()));
+        let (near, far) = tokio::io::duplex(1024);
+        let (_stop, stopped) = watch::channel(false);
+        let server = tokio::spawn(serve(far, echo(), stopped, served));
+        let links = Links::default();
+        let _ = links.get("peer");
+        links.opened("peer", near);
+        let answer = open(&links).call(1, |out| out.push(0), Duration::from_secs(10)).await;
+        assert_eq!(answer.expect("answered").kind, 2);
+        assert_eq!(gauge(), 1.0);
+        drop(links);
+        server.await.expect("served");
+        assert_eq!(gauge(), 0.0);
+        tokio::time::timeout(Duration::from_secs(5), all_served.wait()).await.expect("every link ended");
     }
 
     #[tokio::test]
