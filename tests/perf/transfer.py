@@ -39,8 +39,9 @@ def get_json(addr, path):
 
 
 class Cluster:
-    def __init__(self, shoal, tmp):
+    def __init__(self, shoal, tmp, extra=()):
         self.shoal, self.tmp, self.procs, self.addrs = shoal, tmp, [], []
+        self.extra = list(extra)
 
     def start_node(self, join=None):
         n = len(self.procs)
@@ -48,6 +49,7 @@ class Cluster:
         addr = f"127.0.0.1:{api}"
         cmd = [self.shoal, "serve", "--listen", addr, "--peer-listen", f"127.0.0.1:{peer}",
                "--data-dir", os.path.join(self.tmp, f"n{n}"), "--cache-size", "2GiB", "--worker-threads", "1"]
+        cmd += self.extra
         if join:
             cmd += ["--join", join]
         log = open(os.path.join(self.tmp, f"n{n}.log"), "w")
@@ -140,7 +142,7 @@ def bench_window(shoal, addr, keys, seconds=1):
 
 
 def one_run(args, tmp):
-    c = Cluster(args.shoal, tmp)
+    c = Cluster(args.shoal, tmp, args.serve_arg)
     try:
         first = c.start_node()
         c.start_node(join=first)
@@ -214,6 +216,8 @@ def main():
     ap.add_argument("--shoal", required=True)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--items", type=int, default=1_000_000, help="1 KiB items to load (1M: about 1 GiB)")
+    ap.add_argument("--serve-arg", action="append", default=[],
+                    help="an argument for every node's `shoal serve` (repeat; e.g. --serve-arg=--transfer-rate=50MB)")
     ap.add_argument("--windows", type=int, default=5, help="1-second latency windows before the join")
     args = ap.parse_args()
     runs = []
