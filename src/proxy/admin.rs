@@ -278,10 +278,16 @@ impl NodeApi {
             check(
                 "replicas",
                 alone || in_place,
-                format!(
-                    "{attached} of {owned} owned buckets attached to their replica{}",
-                    if attached == owned { ", which moves to the holder join order names" } else { "" }
-                ),
+                format!("{attached} of {owned} owned buckets attached to their replica{}", {
+                    let next = state.replica_of(self.node_id).filter(|_| attached == owned);
+                    match next {
+                        Some(next) if !crate::reconcile::plan::prepares_replica_now(&state, self.node_id, next) => {
+                            format!(", which moves to node {next} once that node has pulled its buckets")
+                        }
+                        Some(next) => format!(", which moves to node {next}, the holder join order names"),
+                        None => String::new(),
+                    }
+                }),
             ),
         ]
     }

@@ -427,7 +427,7 @@ fn plan_replicas(state: &ClusterState, f: &Facts, out: &mut Vec<Action>) {
     let serving: Vec<BucketId> =
         owned.iter().copied().filter(|&b| phase_of(state, me, b, f.of(b)) == Phase::Serving).collect();
     if !f.running.attach {
-        let holders = [Some(required), Some(desired).filter(|&d| d == required || prepares_replica_now(state, d))];
+        let holders = [Some(required), Some(desired).filter(|&d| d == required || prepares_replica_now(state, me, d))];
         for holder in holders.into_iter().flatten() {
             let missing: Vec<BucketId> =
                 serving.iter().copied().filter(|&b| !f.attached.contains(&(b, holder))).take(ATTACH_BATCH).collect();
@@ -447,14 +447,23 @@ fn plan_replicas(state: &ClusterState, f: &Facts, out: &mut Vec<Action>) {
     }
 }
 
-/// Whether a member may be sent replica copies it only prepares to hold (it is the holder join
-/// order names, not yet the complete one): not while the target still gives it buckets to
-/// pull. A joiner gets its share first: the replica copies would compete with its pulls for
-/// the same links and cores, and a copy of a bucket the joiner is about to own would be thrown
-/// away as the bucket arrives. The complete holder keeps every write meanwhile, so no bucket
-/// has fewer copies for the wait; only the replica's move to the new holder comes later.
-pub fn prepares_replica_now(state: &ClusterState, holder: NodeId) -> bool {
-    state.incoming_of(holder).is_empty()
+/// Whether `owner` may send replica copies to `holder`, which only prepares to hold them (it
+/// is the holder join order names, not yet the complete one): not while the running or the
+/// pending map still gives `holder` buckets to pull. A joiner gets its share first: the replica
+/// copies would compete with its pulls for the same links and cores, and a copy of a bucket
+/// the joiner is about to own would be thrown away as the bucket arrives. The complete holder
+/// keeps every write meanwhile, so no bucket has fewer copies for the wait; only the
+/// replica's move to the new holder comes later. Unless the complete holder is on its way out
+/// (leaving, or stopping): then the copies go at once, so that the owner's replica is whole
+/// elsewhere as early as it can be.
+pub fn prepares_replica_now(state: &ClusterState, owner: NodeId, holder: NodeId) -> bool {
+    let complete_goes = state
+        .committed_holder_of(owner)
+        .is_some_and(|h| state.draining.contains(&h) || state.member_of(h).is_some_and(|m| m.leaving));
+    let pending_gives = state.transition.as_ref().is_some_and(|t| {
+        BucketId::all().any(|b| t.to.owner_of(b) == Some(holder) && state.map.owner_of(b) != Some(holder))
+    });
+    complete_goes || (state.incoming_of(holder).is_empty() && !pending_gives)
 }
 
 /// A leaving member, once its leave's target is set and it still serves buckets, hands them

@@ -259,12 +259,6 @@ fn a_joiner_gets_its_share_before_replica_copies_it_only_prepares_to_hold() {
     let mut s = three_nodes();
     s.apply(&shoal_raft::ClusterCommand::ReplicaMoved { owner: 3, holder: 1 });
     testing::apply(&mut s, &Step::Join);
-    testing::apply(&mut s, &Step::EndTransition);
-    // Half of node 4's share has moved; node 3's replica is to move from node 1 to node 4.
-    testing::apply(&mut s, &Step::Move(4));
-    assert!(!s.incoming_of(4).is_empty());
-    assert_eq!((s.committed_holder_of(3), s.replica_of(3)), (Some(1), Some(4)));
-    let mut f = facts(3);
     let attaches = |s: &ClusterState, f: &Facts| -> Vec<NodeId> {
         plan(s, s, f)
             .into_iter()
@@ -274,10 +268,27 @@ fn a_joiner_gets_its_share_before_replica_copies_it_only_prepares_to_hold() {
             })
             .collect()
     };
+    let mut f = facts(3);
+    f.attached = s.map.buckets_of(3).into_iter().map(|b| (b, 1)).collect();
+    assert!(s.transition.is_some() && s.target.is_none());
+    assert_eq!(attaches(&s, &f), Vec::<NodeId>::new(), "the pending map gives node 4 buckets to pull already");
+    testing::apply(&mut s, &Step::EndTransition);
+    // Half of node 4's share has moved; node 3's replica is to move from node 1 to node 4.
+    testing::apply(&mut s, &Step::Move(4));
+    assert!(!s.incoming_of(4).is_empty());
+    assert_eq!((s.committed_holder_of(3), s.replica_of(3)), (Some(1), Some(4)));
+    f.attached.clear();
     assert_eq!(attaches(&s, &f), vec![1], "the complete holder is kept complete meanwhile");
     f.attached = s.map.buckets_of(3).into_iter().map(|b| (b, 1)).collect();
     assert_eq!(attaches(&s, &f), Vec::<NodeId>::new(), "nothing goes to node 4 while it pulls");
     assert!(!plan(&s, &s, &f).iter().any(|a| matches!(a, Action::MoveReplica { .. })));
+    // The complete holder stops (or leaves): the copies go to node 4 at once.
+    let mut stopping = s.clone();
+    stopping.draining.insert(1);
+    assert_eq!(attaches(&stopping, &f), vec![4]);
+    let mut leaving = s.clone();
+    leaving.members.iter_mut().filter(|m| m.id == 1).for_each(|m| m.leaving = true);
+    assert_eq!(attaches(&leaving, &f), vec![4]);
     // Node 4 pulls none of node 3's buckets any more: only what node 3 keeps goes to it.
     testing::apply(&mut s, &Step::Move(8));
     assert!(s.incoming_of(4).is_empty());
