@@ -72,11 +72,7 @@ class Cluster:
         return v["transition"] is None and v["transfer"] is None and counts == share
 
     def wait_settled(self, limit=1800):
-        end = time.time() + limit
-        while not self.settled():
-            if time.time() > end:
-                raise RuntimeError("the cluster did not settle")
-            time.sleep(0.2)
+        wait_until(self.settled, "the cluster did not settle", limit)
 
     def ready(self):
         """Every node answers /readyz with 200: among other checks, its replica is in place."""
@@ -90,11 +86,7 @@ class Cluster:
         return True
 
     def wait_ready(self, limit=1800):
-        end = time.time() + limit
-        while not self.ready():
-            if time.time() > end:
-                raise RuntimeError("the nodes did not get ready")
-            time.sleep(0.2)
+        wait_until(self.ready, "the nodes did not get ready", limit)
 
     def stop(self):
         for p in self.procs:
@@ -106,6 +98,15 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+def wait_until(condition, failure, limit):
+    """Polls `condition` every 0.2 s; raises `failure` if it does not hold within `limit` s."""
+    end = time.time() + limit
+    while not condition():
+        if time.time() > end:
+            raise RuntimeError(failure)
+        time.sleep(0.2)
 
 
 def cpu_seconds(pids):
