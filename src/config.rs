@@ -327,7 +327,7 @@ pub struct ServeConfig {
     /// Most bytes per second one bucket transfer sends (0: unlimited). The default keeps
     /// clients' latency low while buckets move on a node with few cores; raise it (or 0) to
     /// move faster where cores and network are to spare.
-    #[arg(long, env = "SHOAL_TRANSFER_RATE", default_value = "200MB", value_parser = parse_size)]
+    #[arg(long, env = "SHOAL_TRANSFER_RATE", default_value = "100MB", value_parser = parse_size)]
     pub transfer_rate: u64,
 
     /// Connect timeout of node-to-node connections; 2 more attempts follow, 2 s apart (5s–30s).
@@ -822,7 +822,7 @@ mod tests {
         assert_eq!(c.peer_listen_addr(), Ok("127.0.0.1:17000".parse().expect("addr")));
         assert_eq!(c.cache_size, 1 << 30);
         assert_eq!(c.max_value_bytes, 16 << 20);
-        assert_eq!(c.transfer_rate, 200_000_000);
+        assert_eq!(c.transfer_rate, 100_000_000);
         assert_eq!(c.max_key_bytes, 4096);
         assert_eq!(c.voters, 3);
         assert!(c.validate().is_ok());
