@@ -24,6 +24,8 @@ const APPLY_WAIT: Duration = Duration::from_secs(5);
 const ELECT_RETRY: Duration = Duration::from_millis(500);
 /// How long a failed node waits for a member to say which lost buckets it served last.
 const LOST_OF_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a restarted node waits for one way of telling the cluster it runs.
+const MARK_RUNNING_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a failed node tries to give back the lost buckets it served last before it
 /// rejoins anyway.
 const GIVE_BACK_FOR: Duration = Duration::from_secs(60);
@@ -150,6 +152,12 @@ impl Reconciler {
         Done::Elected
     }
 
+    /// Tells the cluster this node runs (it may have been marked stopping before a restart),
+    /// through its own control plane (it may lead) and through every other member at once:
+    /// the first that gets it committed counts. One at a time, a dead member's connect
+    /// attempts came first, and a leader still marked stopping for those seconds had its
+    /// successor stand for election again and again, which kept the commit from happening
+    /// (a full stop where the restarted leader stayed marked stopping for 30 s and more).
     pub(super) async fn mark_running(&self) -> Done {
         let request = AdminRequest::SetDraining { node_id: self.me, draining: false };
         let mut pause = Duration::from_millis(500);
@@ -158,16 +166,39 @@ impl Reconciler {
             if !state.is_member(self.me) || state.members.len() <= 1 {
                 return Done::MarkedRunning;
             }
-            for member in state.members.iter().filter(|m| m.id != self.me) {
-                match self.control.admin_client().call(&member.peer_addr, &request).await {
-                    Ok(_) => {
-                        tracing::debug!(node_id = self.me, "told the cluster this node runs");
-                        return Done::MarkedRunning;
-                    }
-                    Err(e) => {
-                        tracing::debug!(node_id = self.me, via = member.id, error = %e, "telling the cluster this node runs")
-                    }
+            let request = &request;
+            let mut asks: Vec<futures::future::BoxFuture<'_, Result<(), String>>> = state
+                .members
+                .iter()
+                .filter(|m| m.id != self.me)
+                .map(|member| {
+                    Box::pin(async move {
+                        match tokio::time::timeout(
+                            MARK_RUNNING_TIMEOUT,
+                            self.control.admin_client().call(&member.peer_addr, request),
+                        )
+                        .await
+                        {
+                            Ok(Ok(_)) => Ok(()),
+                            Ok(Err(e)) => Err(format!("via {}: {e}", member.id)),
+                            Err(_) => Err(format!("via {}: no answer within {MARK_RUNNING_TIMEOUT:?}", member.id)),
+                        }
+                    }) as futures::future::BoxFuture<'_, Result<(), String>>
+                })
+                .collect();
+            asks.push(Box::pin(async move {
+                match tokio::time::timeout(MARK_RUNNING_TIMEOUT, self.control.admin(request.clone())).await {
+                    Ok(Ok(_)) => Ok(()),
+                    Ok(Err(e)) => Err(format!("here: {e}")),
+                    Err(_) => Err(format!("here: no answer within {MARK_RUNNING_TIMEOUT:?}")),
                 }
+            }));
+            match futures::future::select_ok(asks).await {
+                Ok(_) => {
+                    tracing::debug!(node_id = self.me, "told the cluster this node runs");
+                    return Done::MarkedRunning;
+                }
+                Err(e) => tracing::debug!(node_id = self.me, error = %e, "telling the cluster this node runs"),
             }
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(Duration::from_secs(5));
