@@ -214,6 +214,9 @@ pub struct NodeMetrics {
     pub client_listener: ListenerMetrics,
     /// The peer listener's connections and bytes.
     pub peer_listener: ListenerMetrics,
+    /// Requests served over peer links: replica writes (one per batch), reads (forwarded and
+    /// mirror reads, single or bulk).
+    pub link_requests: LinkRequests,
 }
 
 /// Connections and bytes of one listener (`listener="client"` or `"peer"`).
@@ -250,6 +253,14 @@ impl ListenerMetrics {
             sent: r.register_counter(&key("shoal_network_sent_bytes_total"), &METADATA),
         }
     }
+}
+
+/// See [`NodeMetrics::link_requests`].
+pub struct LinkRequests {
+    /// Batches of replica writes.
+    pub replica_writes: Counter,
+    /// Forwarded and mirror reads.
+    pub reads: Counter,
 }
 
 static METADATA: Metadata<'static> = Metadata::new("shoal", Level::INFO, Some(module_path!()));
@@ -416,6 +427,18 @@ impl NodeMetrics {
             },
             client_listener: ListenerMetrics::register(r, "client"),
             peer_listener: ListenerMetrics::register(r, "peer"),
+            link_requests: {
+                describe(
+                    r,
+                    "shoal_peer_link_requests_total",
+                    "Requests this node served over peer links, by kind (replica_writes: one per batch; reads: forwarded and mirror reads). The rest of the node-to-node traffic is HTTP exchanges.",
+                );
+                let kind = |kind: &'static str| {
+                    let key = Key::from_parts("shoal_peer_link_requests_total", vec![Label::new("kind", kind)]);
+                    r.register_counter(&key, &METADATA)
+                };
+                LinkRequests { replica_writes: kind("replica_writes"), reads: kind("reads") }
+            },
             hits: counter("shoal_cache_hits_total", "Reads that found their key."),
             misses: counter("shoal_cache_misses_total", "Reads that did not find their key."),
             forwarded: counter("shoal_forwarded_operations_total", "Key operations forwarded to their owner."),

@@ -22,7 +22,7 @@ use shoal_raft::NodeId;
 use super::api_error;
 use crate::transport::http::FORWARD_TIMEOUT;
 use crate::transport::lanes::{Exchange, LaneLimits, Lanes};
-use crate::transport::{unexpected, PeerAnswer, PeerRequest, Transport};
+use crate::transport::{unexpected, Addrs, PeerAnswer, PeerRequest, Transport};
 
 /// Lanes of forwarded operations, per owner API address.
 pub(super) type Forwards = Lanes<KeyOps>;
@@ -67,12 +67,14 @@ impl KeyOp {
 }
 
 /// A forwarded operation with where it goes: the owner the sender's map (at `map_version`)
-/// names.
+/// names, whose peer listener is at `peer_addr` (reads go over the link to it when one is
+/// open; the lane is the owner's API address).
 #[derive(Debug, Clone)]
 pub(super) struct Forwarded {
     pub op: KeyOp,
     pub owner: NodeId,
     pub map_version: u64,
+    pub peer_addr: String,
 }
 
 /// What the owner did.
@@ -105,15 +107,23 @@ impl KeyOps {
         self.0.call(addr, request, FORWARD_TIMEOUT).await.map_err(|e| api_error(addr, e))
     }
 
+    /// A read (`Get`, `BulkGet`) to the owner at API address `addr` and `peer_addr`.
+    async fn read(&self, addr: &str, peer_addr: &str, request: PeerRequest) -> Result<PeerAnswer, ApiError> {
+        let to = Addrs { api: addr.to_string(), peer: peer_addr.to_string() };
+        self.0.read(&to, request, FORWARD_TIMEOUT).await.map_err(|e| api_error(addr, e))
+    }
+
     /// One operation alone, as the single-key request.
     async fn alone(&self, addr: &str, f: Forwarded) -> Answer {
         let map_version = f.map_version;
         let answer = match f.op {
-            KeyOp::Get(key) => match self.call(addr, PeerRequest::Get { key, map_version, mirror: None }).await {
-                Ok(PeerAnswer::Got(ok)) => return Ok(KeyDone::Got(Some(ok))),
-                Err(ApiError::NotFound) => return Ok(KeyDone::Got(None)),
-                other => other,
-            },
+            KeyOp::Get(key) => {
+                match self.read(addr, &f.peer_addr, PeerRequest::Get { key, map_version, mirror: None }).await {
+                    Ok(PeerAnswer::Got(ok)) => return Ok(KeyDone::Got(Some(ok))),
+                    Err(ApiError::NotFound) => return Ok(KeyDone::Got(None)),
+                    other => other,
+                }
+            }
             KeyOp::Put(item) => match self.call(addr, PeerRequest::Put { item, map_version }).await {
                 Ok(PeerAnswer::Put(ok)) => return Ok(KeyDone::Put(ok)),
                 other => other,
@@ -149,7 +159,11 @@ impl KeyOps {
             KeyOp::Delete { .. } => PeerRequest::BulkDelete { keys: keys(), map_version },
         };
         let owner = |i: usize| ops[i].owner;
-        let done: Vec<Answer> = match self.call(addr, request).await {
+        let sent = match request {
+            PeerRequest::BulkGet { .. } => self.read(addr, &ops[0].peer_addr, request).await,
+            other => self.call(addr, other).await,
+        };
+        let done: Vec<Answer> = match sent {
             Ok(PeerAnswer::BulkGot(results)) => results
                 .into_iter()
                 .enumerate()
@@ -341,6 +355,11 @@ mod tests {
         }
     }
 
+    /// Where the fake owner is reached (the fake transport answers wherever a call goes).
+    fn owner_addrs() -> Addrs {
+        Addrs { api: "owner".into(), peer: "owner-peer".into() }
+    }
+
     fn item(key: &str, value_bytes: usize) -> PutItem {
         PutItem { key: key.to_string(), value: Bytes::from(vec![b'x'; value_bytes]), options: PutOptions::default() }
     }
@@ -350,9 +369,9 @@ mod tests {
     async fn operate(peers: &Peers, i: usize) -> Result<String, ApiError> {
         let key = format!("k{i}");
         match (i / 3) % 3 {
-            0 => peers.get("owner", OWNER, &key, 4).await.map(|found| format!("{found:?}")),
-            1 => peers.put("owner", OWNER, &item(&key, 100), 4).await.map(|ok| format!("{ok:?}")),
-            _ => peers.delete("owner", OWNER, &key, None, 4).await.map(|existed| format!("{existed}")),
+            0 => peers.get(&owner_addrs(), OWNER, &key, 4).await.map(|found| format!("{found:?}")),
+            1 => peers.put(&owner_addrs(), OWNER, &item(&key, 100), 4).await.map(|ok| format!("{ok:?}")),
+            _ => peers.delete(&owner_addrs(), OWNER, &key, None, 4).await.map(|existed| format!("{existed}")),
         }
     }
 
@@ -419,15 +438,15 @@ mod tests {
         let owner = Arc::new(Owner::default());
         let peers = peers_of(&owner);
         let (small, big) = (item("k1", 100), item("k1", 1 << 20));
+        let to = owner_addrs();
         let puts = futures::future::join_all(
-            (0..20).map(|i| peers.put("owner", OWNER, if i % 2 == 0 { &small } else { &big }, 4)),
+            (0..20).map(|i| peers.put(&to, OWNER, if i % 2 == 0 { &small } else { &big }, 4)),
         )
         .await;
         assert!(puts.iter().all(|p| p.is_ok()), "{puts:?}");
-        let deletes = futures::future::join_all(
-            (0..20).map(|i| peers.delete("owner", OWNER, "k4", (i % 2 == 0).then_some(3), 4)),
-        )
-        .await;
+        let deletes =
+            futures::future::join_all((0..20).map(|i| peers.delete(&to, OWNER, "k4", (i % 2 == 0).then_some(3), 4)))
+                .await;
         assert!(deletes.iter().all(|d| d == &Ok(true)), "{deletes:?}");
         assert_eq!(owner.bulk.load(Ordering::SeqCst), 0);
         assert_eq!(owner.exchanges.load(Ordering::SeqCst), 40);

@@ -1,7 +1,8 @@
 //! [`Peers`]: the typed calls a node makes to other nodes, over its [`Transport`].
 //!
-//! A forwarded key request goes to the owner's public API with the sender's map version; a
-//! broadcast asks each member for its own keys only. Answers come back as the same types and
+//! A forwarded key request goes to the owner's public API with the sender's map version (a
+//! read over the peer link to the owner when one is open: `Transport::read`); a broadcast asks
+//! each member for its own keys only. Answers come back as the same types and
 //! errors the local path produces, so a client cannot tell a forwarded answer from a local
 //! one; what the network did (unreachable, no answer in time) becomes `owner_unreachable`.
 //! Forwarded key operations waiting for the same owner at once share exchanges (`forward.rs`).
@@ -22,8 +23,8 @@ use shoal_raft::{BucketId, NodeId};
 use crate::balance::BucketReport;
 use crate::transport::http::FORWARD_TIMEOUT;
 use crate::transport::{
-    unexpected, CallError, FrameStream, PeerAnswer, PeerRequest, Ping, Pong, ReplicaAnswer, Replicate, StreamRequest,
-    Transport, PEER_CALL_TIMEOUT,
+    unexpected, Addrs, CallError, FrameStream, PeerAnswer, PeerRequest, Ping, Pong, ReplicaAnswer, Replicate,
+    StreamRequest, Transport, PEER_CALL_TIMEOUT,
 };
 
 /// How long the figures of one member may take in `GET /v1/cluster`.
@@ -76,43 +77,38 @@ impl Peers {
         self.forwards.exchanges()
     }
 
-    /// Forwards a key operation to `owner` at `api_addr`, with others waiting for it when
-    /// it is small.
+    /// Forwards a key operation to `owner` at `to`, with others waiting for it when it is
+    /// small.
     async fn forward_op(
         &self,
-        api_addr: &str,
+        to: &Addrs,
         owner: NodeId,
         op: forward::KeyOp,
         map_version: u64,
     ) -> Result<forward::KeyDone, ApiError> {
-        forward::forward(&self.forwards, api_addr, forward::Forwarded { op, owner, map_version }).await
+        let forwarded = forward::Forwarded { op, owner, map_version, peer_addr: to.peer.clone() };
+        forward::forward(&self.forwards, &to.api, forwarded).await
     }
 
     /// Forwards a GET to `owner`; `None`: the key does not exist.
-    pub async fn get(
-        &self,
-        api_addr: &str,
-        owner: NodeId,
-        key: &str,
-        map_version: u64,
-    ) -> Result<Option<GetOk>, ApiError> {
-        match self.forward_op(api_addr, owner, forward::KeyOp::Get(key.to_string()), map_version).await? {
+    pub async fn get(&self, to: &Addrs, owner: NodeId, key: &str, map_version: u64) -> Result<Option<GetOk>, ApiError> {
+        match self.forward_op(to, owner, forward::KeyOp::Get(key.to_string()), map_version).await? {
             forward::KeyDone::Got(found) => Ok(found),
             other => Err(ApiError::Internal(format!("a forwarded read was answered with {other:?}"))),
         }
     }
 
-    /// A mirror read: `key` from the replica copy of the mirror at `api_addr`, if that copy is
-    /// fresh within `staleness`. The call's own error is kept (the caller counts it by kind).
+    /// A mirror read: `key` from the replica copy of the mirror at `to`, if that copy is fresh
+    /// within `staleness`. The call's own error is kept (the caller counts it by kind).
     pub async fn mirror_get(
         &self,
-        api_addr: &str,
+        to: &Addrs,
         key: &str,
         map_version: u64,
         staleness: Duration,
     ) -> Result<Option<GetOk>, CallError> {
         let request = PeerRequest::Get { key: key.to_string(), map_version, mirror: Some(staleness) };
-        match self.transport.call(api_addr, request, MIRROR_TIMEOUT).await {
+        match self.transport.read(to, request, MIRROR_TIMEOUT).await {
             Ok(PeerAnswer::Got(ok)) => Ok(Some(ok)),
             Err(CallError::Api(ApiError::NotFound)) => Ok(None),
             Err(e) => Err(e),
@@ -120,17 +116,17 @@ impl Peers {
         }
     }
 
-    /// Mirror reads of keys whose buckets the mirror at `api_addr` holds replicas of.
+    /// Mirror reads of keys whose buckets the mirror at `to` holds replicas of.
     pub async fn mirror_bulk_get(
         &self,
-        api_addr: &str,
+        to: &Addrs,
         mirror: NodeId,
         keys: Vec<String>,
         map_version: u64,
         staleness: Duration,
     ) -> Result<Vec<Result<Option<GetOk>, ApiError>>, CallError> {
         let request = PeerRequest::BulkGet { keys, map_version, mirror: Some(staleness) };
-        match self.transport.call(api_addr, request, MIRROR_TIMEOUT).await? {
+        match self.transport.read(to, request, MIRROR_TIMEOUT).await? {
             PeerAnswer::BulkGot(results) => {
                 Ok(results.into_iter().map(|r| r.map(|found| found.map(|ok| GetOk { node: mirror, ..ok }))).collect())
             }
@@ -139,14 +135,8 @@ impl Peers {
     }
 
     /// Forwards a PUT to `owner`.
-    pub async fn put(
-        &self,
-        api_addr: &str,
-        owner: NodeId,
-        item: &PutItem,
-        map_version: u64,
-    ) -> Result<PutOk, ApiError> {
-        match self.forward_op(api_addr, owner, forward::KeyOp::Put(item.clone()), map_version).await? {
+    pub async fn put(&self, to: &Addrs, owner: NodeId, item: &PutItem, map_version: u64) -> Result<PutOk, ApiError> {
+        match self.forward_op(to, owner, forward::KeyOp::Put(item.clone()), map_version).await? {
             forward::KeyDone::Put(ok) => Ok(ok),
             other => Err(ApiError::Internal(format!("a forwarded write was answered with {other:?}"))),
         }
@@ -155,14 +145,14 @@ impl Peers {
     /// Forwards a DELETE to `owner`; `false`: the key did not exist.
     pub async fn delete(
         &self,
-        api_addr: &str,
+        to: &Addrs,
         owner: NodeId,
         key: &str,
         cas: Option<u64>,
         map_version: u64,
     ) -> Result<bool, ApiError> {
         let op = forward::KeyOp::Delete { key: key.to_string(), cas };
-        match self.forward_op(api_addr, owner, op, map_version).await? {
+        match self.forward_op(to, owner, op, map_version).await? {
             forward::KeyDone::Deleted(existed) => Ok(existed),
             other => Err(ApiError::Internal(format!("a forwarded delete was answered with {other:?}"))),
         }
@@ -171,16 +161,17 @@ impl Peers {
     /// Forwards a bulk GET of keys `owner` holds.
     pub async fn bulk_get(
         &self,
-        api_addr: &str,
+        to: &Addrs,
         owner: NodeId,
         keys: Vec<String>,
         map_version: u64,
     ) -> Result<Vec<Result<Option<GetOk>, ApiError>>, ApiError> {
-        match self.forward(api_addr, PeerRequest::BulkGet { keys, map_version, mirror: None }).await? {
+        let request = PeerRequest::BulkGet { keys, map_version, mirror: None };
+        match self.transport.read(to, request, FORWARD_TIMEOUT).await.map_err(|e| api_error(&to.api, e))? {
             PeerAnswer::BulkGot(results) => {
                 Ok(results.into_iter().map(|r| r.map(|found| found.map(|ok| GetOk { node: owner, ..ok }))).collect())
             }
-            other => Err(api_error(api_addr, unexpected(&other))),
+            other => Err(api_error(&to.api, unexpected(&other))),
         }
     }
 

@@ -11,13 +11,14 @@ use shoal_http_api::{ApiError, PutItem};
 use shoal_raft::{bucket_of, BucketId, NodeId};
 
 use super::{
-    api_addr_of, is_moving, is_passing, is_passing_answer, routing, write_of, NodeApi, FROZEN_WAIT, PASSING_WAIT,
+    addrs_of, is_moving, is_passing, is_passing_answer, routing, write_of, NodeApi, FROZEN_WAIT, PASSING_WAIT,
     ROUTE_ATTEMPTS,
 };
 use crate::bucket::Route;
 use crate::error::DataError;
 use crate::metrics::Op;
 use crate::mirror::{outcome_of, Outcome};
+use crate::transport::Addrs;
 
 /// The results of the keys of one bucket written here, by index into the request.
 type LocalResults<T> = Vec<(usize, Result<T, DataError>)>;
@@ -34,7 +35,7 @@ impl NodeApi {
         key_of: impl Fn(&I) -> &str,
         ctx: RouteContext,
         local: impl Fn(BucketId, Vec<usize>) -> LF,
-        remote: impl Fn(String, NodeId, Vec<I>, u64) -> RF,
+        remote: impl Fn(Addrs, NodeId, Vec<I>, u64) -> RF,
     ) -> Result<Vec<Result<T, ApiError>>, ApiError>
     where
         I: Clone,
@@ -72,7 +73,7 @@ impl NodeApi {
             let version = state.map.version;
             let mut calls = Vec::new();
             for (owner, idx) in groups {
-                let api_addr = match api_addr_of(&state, owner) {
+                let to = match addrs_of(&state, owner) {
                     Ok(a) => a,
                     Err(e) => {
                         idx.into_iter().for_each(|i| results[i] = Some(Err(e.clone())));
@@ -81,7 +82,7 @@ impl NodeApi {
                 };
                 let batch: Vec<I> = idx.iter().map(|&i| items[i].clone()).collect();
                 self.metrics.forwarded.increment(idx.len() as u64);
-                let call = remote(api_addr, owner, batch, version);
+                let call = remote(to, owner, batch, version);
                 calls.push(async move { (idx, call.await) });
             }
             // Buckets here at once: each waits for its own replica, not for the others'.
@@ -206,9 +207,9 @@ impl NodeApi {
                 found
             }
         };
-        let remote = |api: String, owner: NodeId, batch: Vec<String>, v: u64| {
+        let remote = |to: Addrs, owner: NodeId, batch: Vec<String>, v: u64| {
             let peers = &self.peers;
-            async move { peers.bulk_get(&api, owner, batch, v).await }
+            async move { peers.bulk_get(&to, owner, batch, v).await }
         };
         let result = self.bulk(&keys, |k| k.as_str(), ctx, local, remote).await.map(|results| {
             for (i, r) in left.into_iter().zip(results) {
@@ -254,10 +255,10 @@ impl NodeApi {
                         })
                         .collect())
                 } else {
-                    match api_addr_of(state, holder) {
-                        Ok(api) => {
+                    match addrs_of(state, holder) {
+                        Ok(to) => {
                             let batch = idx.iter().map(|&i| keys[i].clone()).collect();
-                            self.peers.mirror_bulk_get(&api, holder, batch, state.map.version, staleness).await
+                            self.peers.mirror_bulk_get(&to, holder, batch, state.map.version, staleness).await
                         }
                         Err(_) => Err(crate::transport::CallError::Broken("not a member".into())),
                     }
@@ -322,9 +323,9 @@ impl NodeApi {
                 done
             }
         };
-        let remote = |api: String, owner: NodeId, batch: Vec<PutItem>, v: u64| {
+        let remote = |to: Addrs, owner: NodeId, batch: Vec<PutItem>, v: u64| {
             let peers = &self.peers;
-            async move { peers.bulk_put(&api, owner, batch, v).await }
+            async move { peers.bulk_put(&to.api, owner, batch, v).await }
         };
         let result = self.bulk(&items, |i| i.key.as_str(), ctx, local, remote).await;
         self.timed(Op::BulkPut, started, result)
@@ -371,17 +372,17 @@ impl NodeApi {
                 done
             }
         };
-        let remote = |api: String, owner: NodeId, batch: Vec<(String, Option<u64>)>, v: u64| {
+        let remote = |to: Addrs, owner: NodeId, batch: Vec<(String, Option<u64>)>, v: u64| {
             let peers = &self.peers;
             async move {
                 if batch.iter().all(|(_, cas)| cas.is_none()) {
                     let keys = batch.into_iter().map(|(k, _)| k).collect();
-                    return peers.bulk_delete(&api, keys, v).await;
+                    return peers.bulk_delete(&to.api, keys, v).await;
                 }
                 // Versioned deletes (rare: a bucket that moved away meanwhile) go one by one.
                 let mut results = Vec::with_capacity(batch.len());
                 for (key, cas) in &batch {
-                    results.push(match peers.delete(&api, owner, key, *cas, v).await {
+                    results.push(match peers.delete(&to, owner, key, *cas, v).await {
                         Ok(existed) => Ok(existed),
                         Err(e @ ApiError::NotOwner { .. }) => return Err(e),
                         Err(e) => Err(e),

@@ -49,6 +49,7 @@ use crate::mirror::{outcome_of, Mirrors, Outcome};
 use crate::peer::Peers;
 use crate::replication::Replicator;
 use crate::transfer::progress::Progress;
+use crate::transport::Addrs;
 
 /// How long a node waits to catch up with a newer map version before answering.
 const MAP_CATCH_UP: Duration = Duration::from_secs(2);
@@ -65,11 +66,11 @@ const PASSING_WAIT: Duration = Duration::from_secs(3);
 /// How long one wait for passing ownership watches for a newer map before looking again.
 const PASSING_POLL: Duration = Duration::from_millis(100);
 
-/// The API address of member `id` in `state`.
-fn api_addr_of(state: &ClusterState, id: NodeId) -> Result<String, ApiError> {
+/// Where member `id` in `state` is reached.
+fn addrs_of(state: &ClusterState, id: NodeId) -> Result<Addrs, ApiError> {
     state
         .member_of(id)
-        .map(|m| m.api_addr.clone())
+        .map(|m| Addrs { api: m.api_addr.clone(), peer: m.peer_addr.clone() })
         .ok_or_else(|| ApiError::Internal(format!("owner {id} not a member")))
 }
 
@@ -184,9 +185,9 @@ impl NodeApi {
 
     /// A redirect to `owner`'s API (`https://` when this cluster serves TLS).
     fn redirect_to(&self, state: &ClusterState, owner: NodeId) -> ApiError {
-        match api_addr_of(state, owner) {
-            Ok(api_addr) if self.https => ApiError::Redirect { api_addr: format!("https://{api_addr}") },
-            Ok(api_addr) => ApiError::Redirect { api_addr },
+        match addrs_of(state, owner) {
+            Ok(to) if self.https => ApiError::Redirect { api_addr: format!("https://{}", to.api) },
+            Ok(to) => ApiError::Redirect { api_addr: to.api },
             Err(e) => e,
         }
     }
@@ -237,7 +238,7 @@ impl NodeApi {
     where
         L: Fn() -> LF,
         LF: Future<Output = Result<T, DataError>>,
-        R: Fn(NodeId, String, u64) -> RF,
+        R: Fn(NodeId, Addrs, u64) -> RF,
         RF: Future<Output = Result<T, ApiError>>,
     {
         let now = tokio::time::Instant::now();
@@ -267,10 +268,10 @@ impl NodeApi {
                 Route::Forward { owner } => {
                     attempts += 1;
                     let version = state.map.version;
-                    let api_addr = api_addr_of(&state, owner)?;
+                    let to = addrs_of(&state, owner)?;
                     self.metrics.forwarded.increment(1);
                     let answer = tokio::select! {
-                        answer = remote(owner, api_addr, version) => answer,
+                        answer = remote(owner, to, version) => answer,
                         () = self.health.silent(owner) => Err(DataError::OwnerUnreachable { owner, bucket }.into()),
                     };
                     match answer {
@@ -405,8 +406,8 @@ impl NodeApi {
                 Outcome::Refused
             })
         } else {
-            let api_addr = api_addr_of(&state, holder).map_err(|_| None)?;
-            self.peers.mirror_get(&api_addr, key, state.map.version, staleness).await.map_err(|e| outcome_of(&e))
+            let to = addrs_of(&state, holder).map_err(|_| None)?;
+            self.peers.mirror_get(&to, key, state.map.version, staleness).await.map_err(|e| outcome_of(&e))
         };
         match answer {
             Ok(Some(found)) => {
@@ -490,9 +491,9 @@ impl ShoalApi for NodeApi {
             }
         }
         let local = || self.local_get(&key, bucket);
-        let remote = |owner: NodeId, api: String, v: u64| {
+        let remote = |owner: NodeId, to: Addrs, v: u64| {
             let (peers, key) = (&self.peers, &key);
-            async move { peers.get(&api, owner, key, v).await }
+            async move { peers.get(&to, owner, key, v).await }
         };
         let result = self.route(bucket, ctx, local, remote).await.and_then(|found| found.ok_or(ApiError::NotFound));
         if let Some(owner) = to_owner {
@@ -516,9 +517,9 @@ impl ShoalApi for NodeApi {
         }
         let bucket = bucket_of(item.key.as_bytes());
         let local = || self.local_put(&item, bucket);
-        let remote = |owner: NodeId, api: String, v: u64| {
+        let remote = |owner: NodeId, to: Addrs, v: u64| {
             let (peers, item) = (&self.peers, &item);
-            async move { peers.put(&api, owner, item, v).await }
+            async move { peers.put(&to, owner, item, v).await }
         };
         let result = self.route(bucket, ctx, local, remote).await;
         self.timed(Op::Put, started, result)
@@ -531,9 +532,9 @@ impl ShoalApi for NodeApi {
         }
         let bucket = bucket_of(key.as_bytes());
         let local = || self.local_delete(&key, cas, bucket);
-        let remote = |owner: NodeId, api: String, v: u64| {
+        let remote = |owner: NodeId, to: Addrs, v: u64| {
             let (peers, key) = (&self.peers, &key);
-            async move { peers.delete(&api, owner, key, cas, v).await }
+            async move { peers.delete(&to, owner, key, cas, v).await }
         };
         let result = self.route(bucket, ctx, local, remote).await.and_then(|deleted| {
             if deleted {

@@ -35,7 +35,9 @@ use shoal_http_api::{
 use shoal_raft::{BoxFuture, ControlRpc, ControlTransport, NodeId, TransportError};
 
 use super::link::{self, LinkError, Links, OpenError, Route};
-use super::{CallError, FrameStream, PeerAnswer, PeerRequest, ReplicaAnswer, Replicate, StreamRequest, Transport};
+use super::{
+    reads, Addrs, CallError, FrameStream, PeerAnswer, PeerRequest, ReplicaAnswer, Replicate, StreamRequest, Transport,
+};
 
 /// The header that carries the cluster secret on every request to a peer listener.
 pub const SECRET_HEADER: HeaderName = HeaderName::from_static("x-shoal-cluster-secret");
@@ -79,7 +81,8 @@ pub struct HttpTransport {
     secret: Option<HeaderValue>,
     /// `Bearer <client token>`, for key operations sent to another node's API.
     bearer: Option<HeaderValue>,
-    /// Long-lived connections to peer listeners for replica writes (`transport::link`).
+    /// Long-lived connections to peer listeners for replica writes and forwarded reads
+    /// (`transport::link`).
     links: Links,
 }
 
@@ -458,15 +461,7 @@ impl HttpTransport {
         if size > link::MAX_REQUEST {
             return None;
         }
-        let link = match self.links.get(addr) {
-            Route::Link(link) => link,
-            Route::Other { open } => {
-                if open {
-                    self.open_link(addr);
-                }
-                return None;
-            }
-        };
+        let link = self.link_to(addr)?;
         let from = requests.first().map_or(0, |r| r.from);
         let payload = |out: &mut Vec<u8>| {
             out.reserve(8 + size);
@@ -485,6 +480,57 @@ impl HttpTransport {
                 .ok_or_else(|| CallError::Broken("an unreadable answer to replica writes".into())),
             _ => Err(link_refusal(&answer.payload)),
         })
+    }
+
+    /// Sends a forwarded or mirror read over the link to the peer listener at `peer_addr` when
+    /// one is open (one is opened in the background when none is); `None` when it must go over
+    /// HTTP instead: no link yet, keys too many for one message, values too large to come back
+    /// on one, or a peer whose links carry no reads.
+    async fn read_over_link(
+        &self,
+        peer_addr: &str,
+        request: &PeerRequest,
+        timeout: Duration,
+    ) -> Option<Result<PeerAnswer, CallError>> {
+        let keys = match request {
+            PeerRequest::Get { key, .. } => std::slice::from_ref(key),
+            PeerRequest::BulkGet { keys, .. } => keys.as_slice(),
+            _ => return None,
+        };
+        if reads::request_size(keys) > link::MAX_REQUEST {
+            return None;
+        }
+        let link = self.link_to(peer_addr)?;
+        let answer = match link
+            .call(
+                reads::LINK_READ,
+                |out| {
+                    reads::encode_request(request, out);
+                },
+                timeout,
+            )
+            .await
+        {
+            Ok(answer) => answer,
+            Err(LinkError::NotSent) => return None,
+            Err(LinkError::Broken) => return Some(Err(CallError::Broken("the link to the peer broke".into()))),
+            Err(LinkError::Timeout) => return Some(Err(CallError::Timeout)),
+        };
+        reads::decode_answer(request, answer.kind, &answer.payload)
+    }
+
+    /// The open link to the peer listener at `addr`; `None` while there is none (the first
+    /// caller to find none starts opening one in the background).
+    fn link_to(&self, addr: &str) -> Option<link::LinkRef> {
+        match self.links.get(addr) {
+            Route::Link(link) => Some(link),
+            Route::Other { open } => {
+                if open {
+                    self.open_link(addr);
+                }
+                None
+            }
+        }
     }
 
     /// Starts opening a link to the peer listener at `addr`: an HTTP upgrade, with the
@@ -507,7 +553,7 @@ impl HttpTransport {
                 .map_err(|_| OpenError::Unreachable)?
                 .map_err(|_| OpenError::Unreachable)?;
             if response.status() != StatusCode::SWITCHING_PROTOCOLS {
-                tracing::debug!(status = %response.status(), "the peer has no links: replica writes go over HTTP");
+                tracing::debug!(status = %response.status(), "the peer has no links: replica writes and forwarded reads go over HTTP");
                 return Err(OpenError::Unsupported);
             }
             let upgraded = tokio::time::timeout(CONNECT_TIMEOUT, hyper::upgrade::on(response))
@@ -606,6 +652,21 @@ impl Transport for HttpTransport {
     ) -> BoxFuture<'_, Result<PeerAnswer, CallError>> {
         let addr = addr.to_string();
         Box::pin(async move { self.send(&addr, request, timeout).await })
+    }
+
+    fn read(
+        &self,
+        to: &Addrs,
+        request: PeerRequest,
+        timeout: Duration,
+    ) -> BoxFuture<'_, Result<PeerAnswer, CallError>> {
+        let to = to.clone();
+        Box::pin(async move {
+            match self.read_over_link(&to.peer, &request, timeout).await {
+                Some(answer) => answer,
+                None => self.send(&to.api, request, timeout).await,
+            }
+        })
     }
 
     fn open_stream(
@@ -1111,6 +1172,124 @@ mod tests {
         eventually("the link closes", || !transport.has_link(&addr)).await;
         let after = transport.call(&addr, PeerRequest::Replicate(request(1, b"x")), Duration::from_secs(5)).await;
         assert!(matches!(after, Err(CallError::Unreachable(_))), "{after:?}");
+    }
+
+    /// What the test owner answers a read of `key`: found, absent, refused with a 503 and its
+    /// retry-after, or a value too large for a link.
+    fn read_of(key: &str) -> Result<GetOk, ApiError> {
+        let found = |value: Bytes| GetOk { value, version: 9, bucket: 321, node: 2, lag_ms: None };
+        match key {
+            "found" => Ok(found(Bytes::from_static(b"the value"))),
+            "moving" => Err(ApiError::Unavailable {
+                code: Unavailable::BucketMoving,
+                detail: "bucket 321 is moving".into(),
+                retry_after: Duration::from_secs(3),
+            }),
+            "large" => Ok(found(Bytes::from(vec![7u8; link::MAX_REQUEST + 1]))),
+            _ => Err(ApiError::NotFound),
+        }
+    }
+
+    /// An owner on loopback: its API answers `GET /v1/kv/{key}` as `read_of` says, and its peer
+    /// listener serves links that carry reads (when `reads`; else only replica writes, as an
+    /// older version's do). Its API and peer addresses, the reads each way saw, and its stop.
+    async fn owner(reads: bool) -> (Addrs, Arc<Seen>, tokio::sync::watch::Sender<bool>) {
+        let seen = Arc::new(Seen::default());
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let handler: link::Handler = {
+            let seen = seen.clone();
+            Arc::new(move |kind, payload| {
+                let seen = seen.clone();
+                Box::pin(async move {
+                    if !reads || kind != reads::LINK_READ {
+                        return (LINK_REFUSED, encode_refusal(400, "unknown link request kind"));
+                    }
+                    seen.link.fetch_add(1, Ordering::SeqCst);
+                    let answer = match reads::decode_request(&payload).expect("a read") {
+                        PeerRequest::Get { key, map_version: 5, mirror: None } => read_of(&key).map(PeerAnswer::Got),
+                        other => panic!("{other:?}"),
+                    };
+                    reads::encode_answer(answer.map_err(CallError::Api), link::MAX_REQUEST)
+                        .unwrap_or((reads::LINK_READ_ELSEWHERE, Vec::new()))
+                })
+            })
+        };
+        let api = axum::Router::new().route(
+            "/v1/kv/{key}",
+            get({
+                let seen = seen.clone();
+                move |axum::extract::Path(key): axum::extract::Path<String>| async move {
+                    seen.http.fetch_add(1, Ordering::SeqCst);
+                    read_of(&key).map(shoal_http_api::value_response)
+                }
+            }),
+        );
+        let peer = axum::Router::new().route(
+            "/internal/link",
+            get({
+                let stopped = stopped.clone();
+                move |request: Request| {
+                    link::accept(request, handler.clone(), stopped.clone(), link::served(metrics::Gauge::noop()).0)
+                }
+            }),
+        );
+        let mut addrs = Vec::new();
+        for router in [api, peer] {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+            addrs.push(listener.local_addr().expect("address").to_string());
+            crate::http_server::serve(listener, router, crate::metrics::ListenerMetrics::none(), None, stopped.clone());
+        }
+        (Addrs { api: addrs.remove(0), peer: addrs.remove(0) }, seen, stop)
+    }
+
+    async fn read(transport: &HttpTransport, to: &Addrs, key: &str) -> Result<PeerAnswer, CallError> {
+        let request = PeerRequest::Get { key: key.into(), map_version: 5, mirror: None };
+        transport.read(to, request, Duration::from_secs(5)).await
+    }
+
+    /// An answer in one comparable form.
+    fn shown(answer: &Result<PeerAnswer, CallError>) -> String {
+        match answer {
+            Ok(PeerAnswer::Got(ok)) => format!("{ok:?}"),
+            Err(CallError::Api(e)) => format!("{:?} {:?}", e.problem(), e.retry_after()),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn forwarded_reads_go_over_the_link_once_open_and_answer_as_over_http() {
+        let (to, seen, _stop) = owner(true).await;
+        let transport = transport();
+        let keys = ["found", "absent", "moving"];
+        let mut over_http = Vec::new();
+        for key in keys {
+            over_http.push(shown(&read(&transport, &to, key).await));
+        }
+        assert!(seen.http.load(Ordering::SeqCst) >= 1, "the first read goes over HTTP");
+        eventually("a link opens", || transport.has_link(&to.peer)).await;
+        let counts = || (seen.http.load(Ordering::SeqCst), seen.link.load(Ordering::SeqCst));
+        let (http, link) = counts();
+        for (key, answer) in keys.iter().zip(&over_http) {
+            assert_eq!(&shown(&read(&transport, &to, key).await), answer, "{key}: the same answer both ways");
+        }
+        assert_eq!(counts(), (http, link + 3), "no HTTP read once the link is open");
+        assert!(over_http[2].contains("bucket_moving") && over_http[2].contains("3s"), "{}", over_http[2]);
+        // A value too large for a link is read again over HTTP.
+        let large = read(&transport, &to, "large").await;
+        assert!(matches!(&large, Ok(PeerAnswer::Got(ok)) if ok.value.len() == link::MAX_REQUEST + 1), "{large:?}");
+        assert_eq!(counts(), (http + 1, link + 4));
+    }
+
+    #[tokio::test]
+    async fn forwarded_reads_to_a_peer_whose_links_carry_no_reads_go_over_http() {
+        let (to, seen, _stop) = owner(false).await;
+        let transport = transport();
+        assert!(read(&transport, &to, "found").await.is_ok());
+        eventually("a link opens", || transport.has_link(&to.peer)).await;
+        for _ in 0..3 {
+            assert!(matches!(read(&transport, &to, "absent").await, Err(CallError::Api(ApiError::NotFound))));
+        }
+        assert_eq!((seen.http.load(Ordering::SeqCst), seen.link.load(Ordering::SeqCst)), (4, 0));
     }
 
     #[tokio::test]

@@ -443,12 +443,17 @@ impl LinkRef {
             Some(pending) => pending.insert(id, waiter),
             None => return Err(LinkError::NotSent),
         };
+        // A caller that gives up (a forwarded read whose client went away) leaves no waiter
+        // behind: the guard takes it out unless the answer came.
+        let mut waiting = Waiting { link, id, answered: false };
         let sent_at = link.now();
         if link.out.send(encode(id, kind, payload)).is_err() {
-            link.pending.lock().as_mut().map(|p| p.remove(&id));
             return Err(LinkError::NotSent);
         }
-        match tokio::time::timeout(timeout, answer).await {
+        let answer = tokio::time::timeout(timeout, answer).await;
+        waiting.answered = matches!(answer, Ok(Ok(_)));
+        drop(waiting);
+        match answer {
             Ok(Ok(answer)) if answer.kind == GOING_AWAY => {
                 // The peer is stopping: no new request goes over this link, and the ones in
                 // flight still get their answers until the peer closes it.
@@ -458,13 +463,27 @@ impl LinkRef {
             Ok(Ok(answer)) => Ok(answer),
             Ok(Err(_)) => Err(LinkError::Broken),
             Err(_) => {
-                link.pending.lock().as_mut().map(|p| p.remove(&id));
                 if link.last_read.load(Ordering::Relaxed) < sent_at {
                     // Nothing came back since this request went out: the connection stalled.
                     forget(&self.slots, &self.addr, link);
                 }
                 Err(LinkError::Timeout)
             }
+        }
+    }
+}
+
+/// A request sent on a link whose answer has not come: dropping it takes its waiter out.
+struct Waiting<'a> {
+    link: &'a Link,
+    id: u64,
+    answered: bool,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        if !self.answered {
+            self.link.pending.lock().as_mut().map(|p| p.remove(&self.id));
         }
     }
 }
@@ -732,6 +751,19 @@ mod tests {
         assert_eq!(link.call(1, |out| out.push(0), Duration::from_secs(5)).await, Err(LinkError::NotSent));
         // The next request may open a new link at once.
         assert!(matches!(links.get("peer"), Route::Other { open: true }));
+    }
+
+    #[tokio::test]
+    async fn a_caller_that_gives_up_leaves_no_waiter_behind() {
+        let (links, _stop, _server) = linked(echo());
+        let link = open(&links);
+        let call = link.call(1, |out| out.push(100), Duration::from_secs(30));
+        // The request goes out, then its caller is dropped before the answer (a second) comes.
+        assert!(tokio::time::timeout(Duration::from_millis(50), call).await.is_err());
+        let pending = || link.link.pending.lock().as_ref().map_or(0, HashMap::len);
+        assert_eq!(pending(), 0);
+        assert!(link.call(1, |out| out.push(0), Duration::from_secs(10)).await.is_ok());
+        assert_eq!(pending(), 0);
     }
 
     #[tokio::test]

@@ -26,13 +26,15 @@
 //! - `lanes.rs`: [`lanes::Lanes`], requests to one peer that wait at the same time sent in one
 //!   exchange (replica writes, forwarded key operations).
 //! - `link.rs`: [`link::Links`], one long-lived connection per peer (an HTTP upgrade) that
-//!   carries replica writes as small binary messages, many in flight at once, instead of an
-//!   HTTP exchange each; HTTP remains the way while no link is open.
+//!   carries replica writes and forwarded reads as small binary messages, many in flight at
+//!   once, instead of an HTTP exchange each; HTTP remains the way while no link is open.
+//! - `reads.rs`: the wire format of forwarded and mirror reads on links.
 
 pub mod frame;
 pub mod http;
 pub mod lanes;
 pub mod link;
+pub mod reads;
 pub mod service;
 #[cfg(test)]
 pub mod testing;
@@ -351,12 +353,34 @@ pub enum CallError {
     },
 }
 
+/// Where a member is reached: its public API and its peer listener.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Addrs {
+    /// The public API address (`host:port`).
+    pub api: String,
+    /// The peer listener's address.
+    pub peer: String,
+}
+
 /// Carries every node-to-node message (see the module docs). Implementations: HTTP
 /// ([`HttpTransport`]) and the simulated network (`crate::sim`).
 pub trait Transport: ControlTransport {
     /// Sends `request` to the node at `addr` and waits at most `timeout` for its answer.
     fn call(&self, addr: &str, request: PeerRequest, timeout: Duration)
         -> BoxFuture<'_, Result<PeerAnswer, CallError>>;
+
+    /// Sends a forwarded or mirror read (`Get`, `BulkGet`) to the member at `to`, which
+    /// answers it as its public API would. By default, and whenever a faster way is not open,
+    /// it is a [`Self::call`] to the API address; [`HttpTransport`] sends it over the peer
+    /// link to the member when one is open.
+    fn read(
+        &self,
+        to: &Addrs,
+        request: PeerRequest,
+        timeout: Duration,
+    ) -> BoxFuture<'_, Result<PeerAnswer, CallError>> {
+        self.call(&to.api, request, timeout)
+    }
 
     /// Opens a stream at the node at `peer_addr`; waits at most `timeout` for it to start.
     fn open_stream(

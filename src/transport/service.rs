@@ -20,7 +20,7 @@ use super::http::{
     encode_answers, encode_refusal, MaintenanceAsk, HEADER_FROM, HEADER_MAP_VERSION, HEADER_RAFT_TARGET, HEADER_SEQ,
     HEADER_SNAPSHOT, LINK_REFUSED, LINK_REPLICATE, LINK_REPLICATED, TRANSFER_MEDIA_TYPE,
 };
-use super::link;
+use super::{link, reads};
 use super::{CallError, FrameStream, PeerAnswer, PeerRequest, Ping, ReplicaAnswer, Replicate, StreamRequest};
 use crate::health::Health;
 use crate::proxy::NodeApi;
@@ -144,8 +144,10 @@ impl PeerService {
     /// in, the answer's out.
     pub async fn serve_link_request(&self, kind: u8, payload: Bytes) -> (u8, Vec<u8>) {
         let refused = |reason: &str| (LINK_REFUSED, encode_refusal(400, reason));
+        let counted = &self.api.metrics().link_requests;
         match kind {
             LINK_REPLICATE => {
+                counted.replica_writes.increment(1);
                 let Some(from) = payload.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_be_bytes) else {
                     return refused("replica writes without their sender");
                 };
@@ -154,8 +156,35 @@ impl PeerService {
                     Err(reason) => refused(&reason),
                 }
             }
+            reads::LINK_READ => match reads::decode_request(&payload) {
+                Ok(request) => {
+                    counted.reads.increment(1);
+                    self.serve_link_read(request).await
+                }
+                Err(reason) => refused(&reason),
+            },
             other => refused(&format!("unknown link request kind {other}")),
         }
+    }
+
+    /// A forwarded or mirror read that came over a peer link: served as any read from another
+    /// node ([`Self::serve`]); a bulk read's values are admitted into the node's budget for
+    /// answer bodies while they are copied into the answer, as the bulk route admits them.
+    /// Values too large for a link are read again over HTTP.
+    async fn serve_link_read(&self, request: PeerRequest) -> (u8, Vec<u8>) {
+        let bulk = matches!(request, PeerRequest::BulkGet { .. });
+        let answer = self.serve(request).await;
+        let _admitted = match &answer {
+            Ok(PeerAnswer::BulkGot(items)) if bulk => {
+                let values = items.iter().flatten().flatten().map(|ok| ok.value.len()).sum();
+                match self.api.admit_body(values).await {
+                    Ok(permit) => Some(permit),
+                    Err(e) => return reads::failed(&e),
+                }
+            }
+            _ => None,
+        };
+        reads::encode_answer(answer, link::MAX_REQUEST).unwrap_or((reads::LINK_READ_ELSEWHERE, Vec::new()))
     }
 
     /// A control-plane message.

@@ -214,13 +214,18 @@ async fn with_nodeads_a_stopped_mirror_gets_no_reads_and_serves_again_after_it_r
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_nodeads_a_slow_mirror_gets_a_share_of_reads_by_its_latency_weight() {
     let mut c = TestCluster::start_with(2, nodeads).await;
-    // The third member: the others reach its API (forwards, mirror reads) through a link that
-    // holds every chunk 50 ms each way (far slower than anything two busy cores add).
-    let target = Arc::new(OnceLock::new());
-    let proxy = delaying_proxy(target.clone(), Duration::from_millis(50)).await;
+    // The third member: the others reach its API, and the peer links that carry reads to it
+    // once open, through connections that hold every chunk 50 ms each way (far slower than
+    // anything two busy cores add). The rest of its peer traffic (Raft, pings, transfers)
+    // passes at once.
+    let (api, peer) = (Arc::new(OnceLock::new()), Arc::new(OnceLock::new()));
+    let api_proxy = delaying_proxy(api.clone(), Duration::from_millis(50), None).await;
+    let peer_proxy = delaying_proxy(peer.clone(), Duration::from_millis(50), Some("shoal-link")).await;
     c.add_node_configured(|config| {
-        let _ = target.set(config.listen);
-        config.advertise = Some(proxy.to_string());
+        let _ = api.set(config.listen);
+        let _ = peer.set(config.peer_listen.expect("a peer listener"));
+        config.advertise = Some(api_proxy.to_string());
+        config.peer_advertise = Some(peer_proxy.to_string());
     })
     .await;
     c.wait_all_attached().await;
@@ -278,8 +283,11 @@ async fn with_nodeads_a_slow_mirror_gets_a_share_of_reads_by_its_latency_weight(
 }
 
 /// A TCP proxy to `target` that holds every chunk for `delay` in each direction: a slow link
-/// to one node (the kernel here has no netem). Runs until the test ends.
-async fn delaying_proxy(target: Arc<OnceLock<SocketAddr>>, delay: Duration) -> SocketAddr {
+/// to one node (the kernel here has no netem). With `only`, a connection is slow only from the
+/// first chunk from the client that contains it on (an HTTP connection may be upgraded to a
+/// peer link after other requests); before that it passes at once. Runs until the test ends.
+async fn delaying_proxy(target: Arc<OnceLock<SocketAddr>>, delay: Duration, only: Option<&'static str>) -> SocketAddr {
+    use std::sync::atomic::{AtomicBool, Ordering};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
@@ -291,23 +299,33 @@ async fn delaying_proxy(target: Arc<OnceLock<SocketAddr>>, delay: Duration) -> S
             let _ = server.set_nodelay(true);
             let (cr, cw) = client.into_split();
             let (sr, sw) = server.into_split();
-            let pipe = |mut from: tokio::net::tcp::OwnedReadHalf, mut to: tokio::net::tcp::OwnedWriteHalf| async move {
-                let mut buf = vec![0u8; 64 * 1024];
-                loop {
-                    match from.read(&mut buf).await {
-                        Ok(0) | Err(_) => break,
-                        Ok(n) => {
-                            tokio::time::sleep(delay).await;
-                            if to.write_all(&buf[..n]).await.is_err() {
-                                break;
+            let slow = Arc::new(AtomicBool::new(only.is_none()));
+            let pipe = |mut from: tokio::net::tcp::OwnedReadHalf, mut to: tokio::net::tcp::OwnedWriteHalf, client| {
+                let slow = slow.clone();
+                async move {
+                    let mut buf = vec![0u8; 64 * 1024];
+                    loop {
+                        let n = match from.read(&mut buf).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n,
+                        };
+                        if let (true, Some(what)) = (client, only) {
+                            if buf[..n].windows(what.len()).any(|w| w == what.as_bytes()) {
+                                slow.store(true, Ordering::SeqCst);
                             }
                         }
+                        if slow.load(Ordering::SeqCst) {
+                            tokio::time::sleep(delay).await;
+                        }
+                        if to.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
                     }
+                    let _ = to.shutdown().await;
                 }
-                let _ = to.shutdown().await;
             };
-            tokio::spawn(pipe(cr, sw));
-            tokio::spawn(pipe(sr, cw));
+            tokio::spawn(pipe(cr, sw, true));
+            tokio::spawn(pipe(sr, cw, false));
         }
     });
     addr

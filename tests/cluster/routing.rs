@@ -331,6 +331,19 @@ async fn forwarded_operations_in_flight_together_share_exchanges_and_each_gets_i
     let (forwarded, exchanges) = (value("shoal_forwarded_operations_total "), value("shoal_forward_exchanges_total "));
     assert!(forwarded >= 1600.0, "{forwarded} forwarded");
     assert!(exchanges < forwarded, "{exchanges} exchanges for {forwarded} forwarded operations");
+    // Forwarded reads go over the peer link to the owner once the first one opened it, and
+    // answer as the owner's API does (the reads above, found and not found, came that way).
+    let link_reads = || async {
+        let text = c.http.get(c.url(1, "/metrics")).send().await.expect("metrics").text().await.expect("text");
+        text.lines()
+            .find_map(|l| l.strip_prefix("shoal_peer_link_requests_total{kind=\"reads\"} ")?.trim().parse::<f64>().ok())
+            .expect("link reads counted")
+    };
+    crate::harness::wait_for("a forwarded read over the peer link", || async {
+        assert_eq!(c.get(0, &keys[0]).await, None);
+        (link_reads().await > 0.0).then_some(())
+    })
+    .await;
     cluster.shutdown().await;
 }
 
