@@ -32,6 +32,27 @@ const GIVE_BACK_FOR: Duration = Duration::from_secs(60);
 /// Buckets given back at once.
 const GIVE_BACK_PARALLELISM: usize = 8;
 
+/// One way of asking something, by its name for errors.
+type Ask<'a, T> = futures::future::BoxFuture<'a, Result<T, String>>;
+
+/// The first of `asks` to succeed, each run at once and given at most `timeout`; when every one
+/// failed, the last failure, prefixed with its name.
+async fn first_answer<T>(asks: Vec<(String, Ask<'_, T>)>, timeout: Duration) -> Result<T, String> {
+    if asks.is_empty() {
+        return Err("no one to ask".into());
+    }
+    let bounded = asks.into_iter().map(|(name, ask)| {
+        Box::pin(async move {
+            match tokio::time::timeout(timeout, ask).await {
+                Ok(Ok(answer)) => Ok(answer),
+                Ok(Err(e)) => Err(format!("{name}: {e}")),
+                Err(_) => Err(format!("{name}: no answer within {timeout:?}")),
+            }
+        })
+    });
+    futures::future::select_ok(bounded).await.map(|(answer, _)| answer)
+}
+
 impl Reconciler {
     /// The cluster failed this node. The buckets it served last that their heir had no copy
     /// of are lost, and this node holds their newest copy (`crate::transfer::found`): it gives
@@ -89,33 +110,24 @@ impl Reconciler {
     /// be restarting).
     async fn lost_of_me(&self) -> Option<(Vec<LostBucket>, usize)> {
         let state = self.control.state();
-        let request = AdminRequest::LostOf { node_id: self.me };
-        let asks: Vec<_> = state
+        let request = &AdminRequest::LostOf { node_id: self.me };
+        let asks = state
             .members
             .iter()
             .filter(|m| m.id != self.me)
             .map(|member| {
-                let request = &request;
-                Box::pin(async move {
-                    let answer = tokio::time::timeout(
-                        LOST_OF_TIMEOUT,
-                        self.control.admin_client().call(&member.peer_addr, request),
-                    );
-                    match answer.await {
-                        Ok(Ok(AdminResponse::LostOf { buckets, pending })) => Ok((buckets, pending)),
-                        Ok(Ok(other)) => Err(format!("via {}: unexpected answer {other:?}", member.id)),
-                        Ok(Err(e)) => Err(format!("via {}: {e}", member.id)),
-                        Err(_) => Err(format!("via {}: no answer within {LOST_OF_TIMEOUT:?}", member.id)),
+                let ask: Ask<'_, _> = Box::pin(async move {
+                    match self.control.admin_client().call(&member.peer_addr, request).await {
+                        Ok(AdminResponse::LostOf { buckets, pending }) => Ok((buckets, pending)),
+                        Ok(other) => Err(format!("unexpected answer {other:?}")),
+                        Err(e) => Err(e.to_string()),
                     }
-                })
+                });
+                (format!("via {}", member.id), ask)
             })
             .collect();
-        if asks.is_empty() {
-            return None;
-        }
-        let first = futures::future::select_ok(asks).await;
-        match first {
-            Ok((answer, _)) => Some(answer),
+        match first_answer(asks, LOST_OF_TIMEOUT).await {
+            Ok(answer) => Some(answer),
             Err(e) => {
                 tracing::debug!(error = %e, "asking for lost buckets");
                 None
@@ -136,10 +148,6 @@ impl Reconciler {
         Done::Acked
     }
 
-    /// A member that was stopping (SIGTERM) tells the cluster it runs again once it does, so
-    /// that it counts as its leader's successor again. Asked on every start, through another
-    /// member (its own state may not show that it was stopping): harmless when it was not.
-    /// Retried with backoff until a member answers.
     /// Stands for election once, then waits a moment before the loop may plan it again. The
     /// other voters refuse while they still hear the stopping leader (its lease); the leader
     /// itself grants the vote and steps down, or, once it stopped, the lease runs out.
@@ -153,8 +161,10 @@ impl Reconciler {
     }
 
     /// Tells the cluster this node runs (it may have been marked stopping before a restart),
-    /// through its own control plane (it may lead) and through every other member at once:
-    /// the first that gets it committed counts. One at a time, a dead member's connect
+    /// so that it counts as its leader's successor again; asked on every start, harmless when
+    /// it was not stopping. Through its own control plane (it may lead) and through every
+    /// other member at once (its own state may not show that it was stopping): the first that
+    /// gets it committed counts; retried with backoff until one does. One at a time, a dead member's connect
     /// attempts came first, and a leader still marked stopping for those seconds had its
     /// successor stand for election again and again, which kept the commit from happening
     /// (a full stop where the restarted leader stayed marked stopping for 30 s and more).
@@ -167,34 +177,28 @@ impl Reconciler {
                 return Done::MarkedRunning;
             }
             let request = &request;
-            let mut asks: Vec<futures::future::BoxFuture<'_, Result<(), String>>> = state
+            let mut asks: Vec<(String, Ask<'_, ()>)> = state
                 .members
                 .iter()
                 .filter(|m| m.id != self.me)
                 .map(|member| {
-                    Box::pin(async move {
-                        match tokio::time::timeout(
-                            MARK_RUNNING_TIMEOUT,
-                            self.control.admin_client().call(&member.peer_addr, request),
-                        )
-                        .await
-                        {
-                            Ok(Ok(_)) => Ok(()),
-                            Ok(Err(e)) => Err(format!("via {}: {e}", member.id)),
-                            Err(_) => Err(format!("via {}: no answer within {MARK_RUNNING_TIMEOUT:?}", member.id)),
-                        }
-                    }) as futures::future::BoxFuture<'_, Result<(), String>>
+                    let ask: Ask<'_, ()> = Box::pin(async move {
+                        self.control
+                            .admin_client()
+                            .call(&member.peer_addr, request)
+                            .await
+                            .map(drop)
+                            .map_err(|e| e.to_string())
+                    });
+                    (format!("via {}", member.id), ask)
                 })
                 .collect();
-            asks.push(Box::pin(async move {
-                match tokio::time::timeout(MARK_RUNNING_TIMEOUT, self.control.admin(request.clone())).await {
-                    Ok(Ok(_)) => Ok(()),
-                    Ok(Err(e)) => Err(format!("here: {e}")),
-                    Err(_) => Err(format!("here: no answer within {MARK_RUNNING_TIMEOUT:?}")),
-                }
-            }));
-            match futures::future::select_ok(asks).await {
-                Ok(_) => {
+            asks.push((
+                "here".into(),
+                Box::pin(async move { self.control.admin(request.clone()).await.map(drop).map_err(|e| e.to_string()) }),
+            ));
+            match first_answer(asks, MARK_RUNNING_TIMEOUT).await {
+                Ok(()) => {
                     tracing::debug!(node_id = self.me, "told the cluster this node runs");
                     return Done::MarkedRunning;
                 }
@@ -422,5 +426,41 @@ impl Reconciler {
         }
         drop(pause);
         Done::HandedOver
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ask<T: Send + 'static>(after: Duration, answer: Result<T, &'static str>) -> Ask<'static, T> {
+        Box::pin(async move {
+            tokio::time::sleep(after).await;
+            answer.map_err(str::to_string)
+        })
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_first_success_counts_whatever_hangs_or_fails_before_it() {
+        let asks = vec![
+            ("via 2".to_string(), ask(Duration::from_secs(3600), Ok(2))),
+            ("via 3".to_string(), ask(Duration::from_millis(10), Err("refused"))),
+            ("here".to_string(), ask(Duration::from_millis(20), Ok(1))),
+        ];
+        let started = tokio::time::Instant::now();
+        assert_eq!(first_answer(asks, Duration::from_secs(5)).await, Ok(1));
+        assert_eq!(started.elapsed(), Duration::from_millis(20), "the hanging ask was not waited for");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn when_every_ask_fails_the_error_names_the_last_and_why() {
+        let asks = vec![
+            ("via 2".to_string(), ask(Duration::from_secs(3600), Ok(()))),
+            ("via 3".to_string(), ask(Duration::from_millis(10), Err("refused"))),
+        ];
+        assert_eq!(first_answer(asks, Duration::from_secs(5)).await, Err("via 2: no answer within 5s".into()));
+        let asks = vec![("via 3".to_string(), ask(Duration::ZERO, Err::<(), _>("refused")))];
+        assert_eq!(first_answer(asks, Duration::from_secs(5)).await, Err("via 3: refused".into()));
+        assert!(first_answer::<()>(Vec::new(), Duration::from_secs(5)).await.is_err());
     }
 }

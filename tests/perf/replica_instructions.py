@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Server instructions per replicated PUT on three nodes, counted by callgrind.
+"""Server instructions per replicated PUT (or per GET) on three nodes, counted by callgrind.
 
 Timed runs of three nodes on this 2-core VM move by tens of percent from one run to the next;
 instruction counts do not. For each build given: three nodes in sync mode (one worker thread
@@ -9,7 +9,13 @@ counters are dumped. Printed per build: PUTs done, and per PUT the instructions 
 processes together (their background work included: under valgrind they serve about a
 thousand PUTs a second, so pings and the reconciler weigh more per PUT than at full speed).
 
+With `--op get` the timed requests are GETs of those keys instead, and with `--routing any`
+each goes to a random node, which forwards the two thirds it does not own: the difference
+between `--routing any` and `--routing direct`, divided by 2/3, is what a forwarded read costs
+the servers.
+
     python3 tests/perf/replica_instructions.py target/release/shoal /tmp/baseline-shoal
+    python3 tests/perf/replica_instructions.py --op get --routing any target/release/shoal
 
 Needs valgrind. Everything listens on 127.0.0.1, and every process is stopped by its PID.
 """
@@ -44,7 +50,7 @@ def total(dump):
     return int(m.group(1).replace(",", "")) if m else 0
 
 
-def measure(shoal, duration):
+def measure(shoal, duration, op, routing):
     tmp = tempfile.mkdtemp(prefix="shoal-cg3-")
     cluster = Callgrind(shoal, tmp, "sync")
     try:
@@ -52,18 +58,19 @@ def measure(shoal, duration):
         for _ in range(2):
             cluster.start_node(join=seed)
         cluster.wait_settled(0, 3, limit=900)
-        bench = [shoal, "bench", "--addr", ",".join(cluster.addrs), "--routing", "direct", "--ratio", "0:1",
-                 "--keys", "2000", "--connections", "8"]
-        subprocess.run(bench + ["--duration", "3s"], check=True, capture_output=True)
+        bench = [shoal, "bench", "--addr", ",".join(cluster.addrs), "--keys", "2000", "--connections", "8"]
+        subprocess.run(bench + ["--routing", "direct", "--ratio", "0:1", "--duration", "3s"], check=True,
+                       capture_output=True)
+        bench += ["--routing", routing, "--ratio", "0:1" if op == "put" else "1:0"]
         for p in cluster.procs:
             subprocess.run(["callgrind_control", "-z", str(p.pid)], capture_output=True)
         out = subprocess.run(bench + ["--duration", duration, "--no-fill", "-o", "json"], check=True,
                              capture_output=True, text=True)
-        puts = json.loads(out.stdout)["requests"]
+        done = json.loads(out.stdout)["requests"]
         for p in cluster.procs:
             subprocess.run(["callgrind_control", "-d", str(p.pid)], capture_output=True)
         instructions = sum(total(d) for d in glob.glob(os.path.join(tmp, "callgrind-n*.out.1")))
-        return puts, instructions
+        return done, instructions
     finally:
         cluster.stop()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -73,13 +80,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("shoal", nargs="+", help="release builds to count")
     ap.add_argument("--duration", default="10s")
+    ap.add_argument("--op", choices=["put", "get"], default="put")
+    ap.add_argument("--routing", choices=["direct", "any"], default="direct")
     args = ap.parse_args()
     if not shutil.which("valgrind"):
         subprocess.run(["apt-get", "install", "-y", "-qq", "valgrind"], check=True)
-    print(f"{'binary':<40} {'PUTs':>8} {'instructions/PUT (3 nodes)':>28}")
+    op = args.op.upper()
+    print(f"{'binary':<40} {op + 's':>8} {f'instructions/{op} (3 nodes)':>28}  routing {args.routing}")
     for shoal in args.shoal:
-        puts, instructions = measure(shoal, args.duration)
-        print(f"{shoal:<40} {puts:>8} {instructions // max(puts, 1):>28,}")
+        done, instructions = measure(shoal, args.duration, args.op, args.routing)
+        print(f"{shoal:<40} {done:>8} {instructions // max(done, 1):>28,}")
 
 
 if __name__ == "__main__":
