@@ -501,21 +501,23 @@ impl HttpTransport {
             return None;
         }
         let link = self.link_to(peer_addr)?;
-        let answer = match link
-            .call(
-                reads::LINK_READ,
-                |out| {
-                    reads::encode_request(request, out);
-                },
-                timeout,
-            )
-            .await
-        {
+        if link.refuses(reads::LINK_READ) {
+            return None;
+        }
+        let payload = |out: &mut Vec<u8>| {
+            reads::encode_request(request, out);
+        };
+        let answer = match link.call(reads::LINK_READ, payload, timeout).await {
             Ok(answer) => answer,
             Err(LinkError::NotSent) => return None,
             Err(LinkError::Broken) => return Some(Err(CallError::Broken("the link to the peer broke".into()))),
             Err(LinkError::Timeout) => return Some(Err(CallError::Timeout)),
         };
+        if answer.kind == LINK_REFUSED {
+            // A peer whose links carry no reads (an older version): the next reads go over
+            // HTTP at once instead of asking the link first.
+            link.refuses_from_now(reads::LINK_READ);
+        }
         reads::decode_answer(request, answer.kind, &answer.payload)
     }
 
@@ -1055,6 +1057,8 @@ mod tests {
         http: AtomicUsize,
         link: AtomicUsize,
         upgrades: AtomicUsize,
+        /// Link requests refused as of an unknown kind.
+        refused: AtomicUsize,
     }
 
     /// A peer listener on loopback that applies every replica write (alone, batched over HTTP,
@@ -1202,6 +1206,7 @@ mod tests {
                 let seen = seen.clone();
                 Box::pin(async move {
                     if !reads || kind != reads::LINK_READ {
+                        seen.refused.fetch_add(1, Ordering::SeqCst);
                         return (LINK_REFUSED, encode_refusal(400, "unknown link request kind"));
                     }
                     seen.link.fetch_add(1, Ordering::SeqCst);
@@ -1290,6 +1295,8 @@ mod tests {
             assert!(matches!(read(&transport, &to, "absent").await, Err(CallError::Api(ApiError::NotFound))));
         }
         assert_eq!((seen.http.load(Ordering::SeqCst), seen.link.load(Ordering::SeqCst)), (4, 0));
+        // The link was asked once: after its refusal, reads go straight over HTTP.
+        assert_eq!(seen.refused.load(Ordering::SeqCst), 1);
     }
 
     #[tokio::test]

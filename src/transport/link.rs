@@ -190,6 +190,10 @@ struct Link {
     last_read: AtomicU64,
     /// The reader's and the writer's tasks.
     tasks: Mutex<Vec<AbortHandle>>,
+    /// Kinds of request (below 64, one bit each) the peer refused as unknown: an older version
+    /// whose links carry fewer kinds. They go another way for as long as this link lives (a
+    /// peer that restarts, upgraded, comes back on a new link).
+    refused: AtomicU64,
 }
 
 impl Link {
@@ -353,6 +357,7 @@ where
         opened: Instant::now(),
         last_read: AtomicU64::new(0),
         tasks: Mutex::default(),
+        refused: AtomicU64::new(0),
     });
     let (weak, weak_slots, at) = (Arc::downgrade(&link), Arc::downgrade(slots), addr.to_string());
     let writer = tokio::spawn(async move {
@@ -428,6 +433,18 @@ async fn read_answers<R: AsyncRead + Unpin>(
 }
 
 impl LinkRef {
+    /// Whether the peer refused requests of `kind` on this link ([`Self::refuses_from_now`]).
+    pub fn refuses(&self, kind: u8) -> bool {
+        kind < 64 && self.link.refused.load(Ordering::Relaxed) & (1 << kind) != 0
+    }
+
+    /// The peer refused a request of `kind` as one it does not know: the next ones go another way.
+    pub fn refuses_from_now(&self, kind: u8) {
+        if kind < 64 {
+            self.link.refused.fetch_or(1 << kind, Ordering::Relaxed);
+        }
+    }
+
     /// Sends a request of `kind` (its payload appended by `payload`) and waits at most
     /// `timeout` for the answer.
     pub async fn call(
