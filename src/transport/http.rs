@@ -1061,23 +1061,29 @@ mod tests {
         refused: AtomicUsize,
     }
 
+    /// A link handler that answers each request with `answer` at once, counting in `seen`.
+    fn handler(
+        seen: &Arc<Seen>,
+        answer: impl Fn(&Seen, u8, Bytes) -> (u8, Vec<u8>) + Send + Sync + 'static,
+    ) -> link::Handler {
+        let (seen, answer) = (seen.clone(), Arc::new(answer));
+        Arc::new(move |kind, payload| {
+            let (seen, answer) = (seen.clone(), answer.clone());
+            Box::pin(async move { answer(&seen, kind, payload) })
+        })
+    }
+
     /// A peer listener on loopback that applies every replica write (alone, batched over HTTP,
     /// or over a link when `links`), checking the cluster secret; its address and what it saw.
     async fn peer(links: bool) -> (String, Arc<Seen>, tokio::sync::watch::Sender<bool>) {
         let seen = Arc::new(Seen::default());
         let (stop, stopped) = tokio::sync::watch::channel(false);
-        let handler: link::Handler = {
-            let seen = seen.clone();
-            Arc::new(move |kind, payload| {
-                let seen = seen.clone();
-                Box::pin(async move {
-                    assert_eq!(kind, LINK_REPLICATE);
-                    let requests = decode_batch(7, payload.slice(8..)).expect("a batch");
-                    seen.link.fetch_add(requests.len(), Ordering::SeqCst);
-                    (LINK_REPLICATED, encode_answers(&vec![ReplicaAnswer::Applied; requests.len()]))
-                })
-            })
-        };
+        let handler = handler(&seen, |seen, kind, payload| {
+            assert_eq!(kind, LINK_REPLICATE);
+            let requests = decode_batch(7, payload.slice(8..)).expect("a batch");
+            seen.link.fetch_add(requests.len(), Ordering::SeqCst);
+            (LINK_REPLICATED, encode_answers(&vec![ReplicaAnswer::Applied; requests.len()]))
+        });
         let secret = |request: &Request| request.headers().get(SECRET_HEADER).is_some_and(|v| v == "s3cret");
         let mut router = axum::Router::new()
             .route(
@@ -1200,25 +1206,19 @@ mod tests {
     async fn owner(reads: bool) -> (Addrs, Arc<Seen>, tokio::sync::watch::Sender<bool>) {
         let seen = Arc::new(Seen::default());
         let (stop, stopped) = tokio::sync::watch::channel(false);
-        let handler: link::Handler = {
-            let seen = seen.clone();
-            Arc::new(move |kind, payload| {
-                let seen = seen.clone();
-                Box::pin(async move {
-                    if !reads || kind != reads::LINK_READ {
-                        seen.refused.fetch_add(1, Ordering::SeqCst);
-                        return (LINK_REFUSED, encode_refusal(400, "unknown link request kind"));
-                    }
-                    seen.link.fetch_add(1, Ordering::SeqCst);
-                    let answer = match reads::decode_request(&payload).expect("a read") {
-                        PeerRequest::Get { key, map_version: 5, mirror: None } => read_of(&key).map(PeerAnswer::Got),
-                        other => panic!("{other:?}"),
-                    };
-                    reads::encode_answer(answer.map_err(CallError::Api), link::MAX_REQUEST)
-                        .unwrap_or((reads::LINK_READ_ELSEWHERE, Vec::new()))
-                })
-            })
-        };
+        let handler = handler(&seen, move |seen, kind, payload| {
+            if !reads || kind != reads::LINK_READ {
+                seen.refused.fetch_add(1, Ordering::SeqCst);
+                return (LINK_REFUSED, encode_refusal(400, "unknown link request kind"));
+            }
+            seen.link.fetch_add(1, Ordering::SeqCst);
+            let answer = match reads::decode_request(&payload).expect("a read") {
+                PeerRequest::Get { key, map_version: 5, mirror: None } => read_of(&key).map(PeerAnswer::Got),
+                other => panic!("{other:?}"),
+            };
+            reads::encode_answer(answer.map_err(CallError::Api), link::MAX_REQUEST)
+                .unwrap_or((reads::LINK_READ_ELSEWHERE, Vec::new()))
+        });
         let api = axum::Router::new().route(
             "/v1/kv/{key}",
             get({
