@@ -504,8 +504,10 @@ impl HttpTransport {
         if link.refuses(reads::LINK_READ) {
             return None;
         }
+        // The deadline a forward over HTTP carries: a read that reaches the owner later is refused.
+        let deadline_ms = shoal_http_api::unix_ms() + FORWARD_TIMEOUT.as_millis() as u64;
         let payload = |out: &mut Vec<u8>| {
-            reads::encode_request(request, out);
+            reads::encode_request(request, deadline_ms, out);
         };
         let answer = match link.call(reads::LINK_READ, payload, timeout).await {
             Ok(answer) => answer,
@@ -664,9 +666,14 @@ impl Transport for HttpTransport {
     ) -> BoxFuture<'_, Result<PeerAnswer, CallError>> {
         let to = to.clone();
         Box::pin(async move {
+            let started = tokio::time::Instant::now();
             match self.read_over_link(&to.peer, &request, timeout).await {
                 Some(answer) => answer,
-                None => self.send(&to.api, request, timeout).await,
+                // Over HTTP in the time that is left: the caller waits `timeout` in all.
+                None => match timeout.checked_sub(started.elapsed()).filter(|left| !left.is_zero()) {
+                    Some(left) => self.send(&to.api, request, left).await,
+                    None => Err(CallError::Timeout),
+                },
             }
         })
     }
@@ -1212,7 +1219,7 @@ mod tests {
                 return (LINK_REFUSED, encode_refusal(400, "unknown link request kind"));
             }
             seen.link.fetch_add(1, Ordering::SeqCst);
-            let answer = match reads::decode_request(&payload).expect("a read") {
+            let answer = match reads::decode_request(&payload).expect("a read").0 {
                 PeerRequest::Get { key, map_version: 5, mirror: None } => read_of(&key).map(PeerAnswer::Got),
                 other => panic!("{other:?}"),
             };

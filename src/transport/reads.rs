@@ -10,8 +10,9 @@
 //! keeps its status and code.
 //!
 //! ```text
-//!  request  = map_version:u64 mirror_ms:u64 single:u8 count:u32 (len:u32 key)*
-//!             (mirror_ms = u64::MAX: not a mirror read)
+//!  request  = deadline_ms:u64 map_version:u64 mirror_ms:u64 single:u8 count:u32 (len:u32 key)*
+//!             (deadline_ms: Unix time after which the sender no longer waits, as a forward
+//!             over HTTP carries it; mirror_ms = u64::MAX: not a mirror read)
 //!  answer   READ_DONE      (tag:u8 item)*   tag 0 absent; 1 found: version:u64 bucket:u16
 //!                                           node:u64 lag_ms:u64 (u64::MAX: none) len:u32 value;
 //!                                           2 failed: len:u32 KeyError JSON
@@ -26,7 +27,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use shoal_http_api::types::{GetOk, KeyError};
-use shoal_http_api::{ApiError, Problem};
+use shoal_http_api::{ApiError, Problem, Unavailable};
 
 use super::{CallError, PeerAnswer, PeerRequest};
 
@@ -41,7 +42,7 @@ pub const LINK_READ_FAILED: u8 = 6;
 pub const LINK_READ_ELSEWHERE: u8 = 7;
 
 /// Bytes of a request before its keys.
-const REQUEST_HEADER: usize = 21;
+const REQUEST_HEADER: usize = 29;
 /// Bytes of a found item before its value.
 const FOUND_HEADER: usize = 1 + 8 + 2 + 8 + 8 + 4;
 /// `mirror_ms` and `lag_ms` when absent.
@@ -52,14 +53,16 @@ pub fn request_size(keys: &[String]) -> usize {
     REQUEST_HEADER + keys.iter().map(|k| 4 + k.len()).sum::<usize>()
 }
 
-/// A read request's payload; `None` for any other request (those do not go on links).
-pub fn encode_request(request: &PeerRequest, out: &mut Vec<u8>) -> bool {
+/// A read request's payload, to be answered before `deadline_ms` (Unix time); false for any
+/// other request (those do not go on links).
+pub fn encode_request(request: &PeerRequest, deadline_ms: u64, out: &mut Vec<u8>) -> bool {
     let (keys, map_version, mirror, single) = match request {
         PeerRequest::Get { key, map_version, mirror } => (std::slice::from_ref(key), *map_version, *mirror, true),
         PeerRequest::BulkGet { keys, map_version, mirror } => (keys.as_slice(), *map_version, *mirror, false),
         _ => return false,
     };
     out.reserve(request_size(keys));
+    out.extend_from_slice(&deadline_ms.to_be_bytes());
     out.extend_from_slice(&map_version.to_be_bytes());
     let mirror_ms = mirror.map_or(NONE, |m| (m.as_millis() as u64).min(NONE - 1));
     out.extend_from_slice(&mirror_ms.to_be_bytes());
@@ -72,10 +75,12 @@ pub fn encode_request(request: &PeerRequest, out: &mut Vec<u8>) -> bool {
     true
 }
 
-/// Reads a payload of [`encode_request`] back into its request, or says why it is malformed.
-pub fn decode_request(payload: &[u8]) -> Result<PeerRequest, String> {
+/// Reads a payload of [`encode_request`] back into its request and deadline, or says why it
+/// is malformed.
+pub fn decode_request(payload: &[u8]) -> Result<(PeerRequest, u64), String> {
     let mut r = Reader(payload);
     let malformed = || "a malformed read".to_string();
+    let deadline_ms = r.u64().ok_or_else(malformed)?;
     let map_version = r.u64().ok_or_else(malformed)?;
     let mirror = match r.u64().ok_or_else(malformed)? {
         NONE => None,
@@ -96,13 +101,14 @@ pub fn decode_request(payload: &[u8]) -> Result<PeerRequest, String> {
     if !r.0.is_empty() {
         return Err(malformed());
     }
-    Ok(match (single, keys.pop()) {
+    let request = match (single, keys.pop()) {
         (true, Some(key)) => PeerRequest::Get { key, map_version, mirror },
         (_, last) => {
             keys.extend(last);
             PeerRequest::BulkGet { keys, map_version, mirror }
         }
-    })
+    };
+    Ok((request, deadline_ms))
 }
 
 /// The link answer (kind and payload) to a read: what [`super::PeerService::serve`] answered.
@@ -142,6 +148,21 @@ pub fn encode_answer(answer: Result<PeerAnswer, CallError>, most: usize) -> Opti
     }
     // Errors' texts count too: many keys that each failed can outgrow a link message.
     (out.len() <= most).then_some((LINK_READ_DONE, out))
+}
+
+/// Whether a read that came over a link at `now_ms` is served now: a slot of `slots` while it
+/// is, or the answer it gets instead: refused if its deadline has passed (as a late forward
+/// over HTTP is: nothing was done), sent elsewhere (over HTTP) when every slot is taken.
+pub fn admit(
+    slots: &tokio::sync::Semaphore,
+    deadline_ms: u64,
+    now_ms: u64,
+) -> Result<tokio::sync::SemaphorePermit<'_>, (u8, Vec<u8>)> {
+    if now_ms > deadline_ms {
+        let late = "the forwarded request arrived after its deadline; nothing was done";
+        return Err(failed(&ApiError::unavailable(Unavailable::Expired, late)));
+    }
+    slots.try_acquire().map_err(|_| (LINK_READ_ELSEWHERE, Vec::new()))
 }
 
 /// A whole read's failure, as its HTTP answer would carry it: the problem document and
@@ -242,8 +263,6 @@ impl<'a> Reader<'a> {
 
 #[cfg(test)]
 mod tests {
-    use shoal_http_api::Unavailable;
-
     use super::*;
 
     fn found(value: &str, lag_ms: Option<u64>) -> GetOk {
@@ -255,9 +274,10 @@ mod tests {
         answer: Result<PeerAnswer, CallError>,
     ) -> Option<Result<PeerAnswer, CallError>> {
         let mut payload = Vec::new();
-        assert!(encode_request(request, &mut payload));
+        assert!(encode_request(request, 1_234_567, &mut payload));
         assert_eq!(payload.len(), request_size(&keys_of(request)));
-        let decoded = decode_request(&payload).expect("a well-formed read");
+        let (decoded, deadline) = decode_request(&payload).expect("a well-formed read");
+        assert_eq!(deadline, 1_234_567);
         assert_eq!(format!("{decoded:?}"), format!("{request:?}"), "the request reads back as sent");
         let (kind, answer) = encode_answer(answer, 1 << 20)?;
         decode_answer(request, kind, &Bytes::from(answer))
@@ -341,19 +361,33 @@ mod tests {
     }
 
     #[test]
+    fn a_late_read_is_refused_and_one_beyond_the_slots_goes_elsewhere() {
+        let slots = tokio::sync::Semaphore::new(1);
+        let late = admit(&slots, 1_000, 1_001).expect_err("late");
+        let refused = decode_answer(&get("k", None), late.0, &Bytes::from(late.1));
+        let Some(Err(CallError::Api(e))) = refused else { panic!("{refused:?}") };
+        assert_eq!((e.status().as_u16(), e.code()), (503, "expired"));
+        let held = admit(&slots, 1_000, 1_000).expect("a slot");
+        assert_eq!(admit(&slots, 1_000, 999).expect_err("no slot left"), (LINK_READ_ELSEWHERE, Vec::new()));
+        drop(held);
+        assert!(admit(&slots, 1_000, 999).is_ok(), "the slot is back");
+    }
+
+    #[test]
     fn malformed_payloads_are_refused_not_trusted() {
         let mut payload = Vec::new();
         encode_request(
             &PeerRequest::BulkGet { keys: vec!["a".into(), "bc".into()], map_version: 1, mirror: None },
+            0,
             &mut payload,
         );
         for cut in 0..payload.len() {
             assert!(decode_request(&payload[..cut]).is_err(), "cut at {cut}");
         }
         let mut lying = payload.clone();
-        lying[17..21].copy_from_slice(&u32::MAX.to_be_bytes());
+        lying[25..29].copy_from_slice(&u32::MAX.to_be_bytes());
         assert!(decode_request(&lying).is_err());
-        assert!(!encode_request(&PeerRequest::NodeStats, &mut Vec::new()));
+        assert!(!encode_request(&PeerRequest::NodeStats, 0, &mut Vec::new()));
         let (kind, answer) =
             encode_answer(Ok(PeerAnswer::BulkGot(vec![Ok(Some(found("v", None)))])), 1 << 20).expect("small");
         for cut in 0..answer.len() {

@@ -39,7 +39,13 @@ pub struct PeerService {
     pub exporter: Exporter,
     /// Pings.
     pub health: Arc<Health>,
+    /// Reads served over peer links at once ([`LINK_READ_SLOTS`]).
+    pub link_reads: tokio::sync::Semaphore,
 }
+
+/// Reads over peer links a node serves at once, on all its links together: half of what one
+/// link serves at once, so that reads waiting on one link leave room for its replica writes.
+pub const LINK_READ_SLOTS: usize = link::MAX_IN_FLIGHT / 2;
 
 fn forwarded(map_version: u64) -> RouteContext {
     RouteContext { forwarded_map_version: Some(map_version), from_peer: true, ..RouteContext::default() }
@@ -157,9 +163,9 @@ impl PeerService {
                 }
             }
             reads::LINK_READ => match reads::decode_request(&payload) {
-                Ok(request) => {
+                Ok((request, deadline_ms)) => {
                     counted.reads.increment(1);
-                    self.serve_link_read(request).await
+                    self.serve_link_read(request, deadline_ms).await
                 }
                 Err(reason) => refused(&reason),
             },
@@ -168,15 +174,28 @@ impl PeerService {
     }
 
     /// A forwarded or mirror read that came over a peer link: served as any read from another
-    /// node ([`Self::serve`]); a bulk read's values are admitted into the node's budget for
+    /// node ([`Self::serve`]), unless it arrived after its sender's deadline (refused as a late
+    /// forward over HTTP is); a bulk read's values are admitted into the node's budget for
     /// answer bodies while they are copied into the answer, as the bulk route admits them.
-    /// Values too large for a link are read again over HTTP.
-    async fn serve_link_read(&self, request: PeerRequest) -> (u8, Vec<u8>) {
+    ///
+    /// Sent "elsewhere" (over HTTP) instead: values too large for a link, and every read that
+    /// comes while [`LINK_READ_SLOTS`] others are being served. A read may wait (a bucket that
+    /// is passing, a map to catch up with), and a link serves a bounded number of requests at
+    /// once: reads may not take the slots its replica writes need.
+    async fn serve_link_read(&self, request: PeerRequest, deadline_ms: u64) -> (u8, Vec<u8>) {
+        let elsewhere = || (reads::LINK_READ_ELSEWHERE, Vec::new());
+        let _slot = match reads::admit(&self.link_reads, deadline_ms, shoal_http_api::unix_ms()) {
+            Ok(slot) => slot,
+            Err(answer) => return answer,
+        };
         let bulk = matches!(request, PeerRequest::BulkGet { .. });
         let answer = self.serve(request).await;
         let _admitted = match &answer {
             Ok(PeerAnswer::BulkGot(items)) if bulk => {
                 let values = items.iter().flatten().flatten().map(|ok| ok.value.len()).sum();
+                if values > link::MAX_REQUEST {
+                    return elsewhere();
+                }
                 match self.api.admit_body(values).await {
                     Ok(permit) => Some(permit),
                     Err(e) => return reads::failed(&e),
@@ -184,7 +203,7 @@ impl PeerService {
             }
             _ => None,
         };
-        reads::encode_answer(answer, link::MAX_REQUEST).unwrap_or((reads::LINK_READ_ELSEWHERE, Vec::new()))
+        reads::encode_answer(answer, link::MAX_REQUEST).unwrap_or_else(elsewhere)
     }
 
     /// A control-plane message.
