@@ -108,9 +108,9 @@ impl KeyOps {
     }
 
     /// A read (`Get`, `BulkGet`) to the owner at API address `addr` and `peer_addr`.
-    async fn read(&self, addr: &str, peer_addr: &str, request: PeerRequest) -> Result<PeerAnswer, ApiError> {
-        let to = Addrs { api: addr.to_string(), peer: peer_addr.to_string() };
-        self.0.read(&to, request, FORWARD_TIMEOUT).await.map_err(|e| api_error(addr, e))
+    async fn read(&self, addr: &str, peer_addr: String, request: PeerRequest) -> Result<PeerAnswer, ApiError> {
+        let to = Addrs { api: addr.to_string(), peer: peer_addr };
+        self.0.read(to, request, FORWARD_TIMEOUT).await.map_err(|e| api_error(addr, e))
     }
 
     /// One operation alone, as the single-key request.
@@ -118,7 +118,7 @@ impl KeyOps {
         let map_version = f.map_version;
         let answer = match f.op {
             KeyOp::Get(key) => {
-                match self.read(addr, &f.peer_addr, PeerRequest::Get { key, map_version, mirror: None }).await {
+                match self.read(addr, f.peer_addr, PeerRequest::Get { key, map_version, mirror: None }).await {
                     Ok(PeerAnswer::Got(ok)) => return Ok(KeyDone::Got(Some(ok))),
                     Err(ApiError::NotFound) => return Ok(KeyDone::Got(None)),
                     other => other,
@@ -160,7 +160,7 @@ impl KeyOps {
         };
         let owner = |i: usize| ops[i].owner;
         let sent = match request {
-            PeerRequest::BulkGet { .. } => self.read(addr, &ops[0].peer_addr, request).await,
+            PeerRequest::BulkGet { .. } => self.read(addr, ops[0].peer_addr.clone(), request).await,
             other => self.call(addr, other).await,
         };
         let done: Vec<Answer> = match sent {

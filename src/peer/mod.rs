@@ -102,7 +102,7 @@ impl Peers {
     /// within `staleness`. The call's own error is kept (the caller counts it by kind).
     pub async fn mirror_get(
         &self,
-        to: &Addrs,
+        to: Addrs,
         key: &str,
         map_version: u64,
         staleness: Duration,
@@ -119,7 +119,7 @@ impl Peers {
     /// Mirror reads of keys whose buckets the mirror at `to` holds replicas of.
     pub async fn mirror_bulk_get(
         &self,
-        to: &Addrs,
+        to: Addrs,
         mirror: NodeId,
         keys: Vec<String>,
         map_version: u64,
@@ -167,7 +167,7 @@ impl Peers {
         map_version: u64,
     ) -> Result<Vec<Result<Option<GetOk>, ApiError>>, ApiError> {
         let request = PeerRequest::BulkGet { keys, map_version, mirror: None };
-        match self.transport.read(to, request, FORWARD_TIMEOUT).await.map_err(|e| api_error(&to.api, e))? {
+        match self.transport.read(to.clone(), request, FORWARD_TIMEOUT).await.map_err(|e| api_error(&to.api, e))? {
             PeerAnswer::BulkGot(results) => {
                 Ok(results.into_iter().map(|r| r.map(|found| found.map(|ok| GetOk { node: owner, ..ok }))).collect())
             }

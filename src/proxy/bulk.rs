@@ -258,7 +258,7 @@ impl NodeApi {
                     match addrs_of(state, holder) {
                         Ok(to) => {
                             let batch = idx.iter().map(|&i| keys[i].clone()).collect();
-                            self.peers.mirror_bulk_get(&to, holder, batch, state.map.version, staleness).await
+                            self.peers.mirror_bulk_get(to, holder, batch, state.map.version, staleness).await
                         }
                         Err(_) => Err(crate::transport::CallError::Broken("not a member".into())),
                     }

@@ -407,7 +407,7 @@ impl NodeApi {
             })
         } else {
             let to = addrs_of(&state, holder).map_err(|_| None)?;
-            self.peers.mirror_get(&to, key, state.map.version, staleness).await.map_err(|e| outcome_of(&e))
+            self.peers.mirror_get(to, key, state.map.version, staleness).await.map_err(|e| outcome_of(&e))
         };
         match answer {
             Ok(Some(found)) => {

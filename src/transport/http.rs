@@ -658,13 +658,7 @@ impl Transport for HttpTransport {
         Box::pin(async move { self.send(&addr, request, timeout).await })
     }
 
-    fn read(
-        &self,
-        to: &Addrs,
-        request: PeerRequest,
-        timeout: Duration,
-    ) -> BoxFuture<'_, Result<PeerAnswer, CallError>> {
-        let to = to.clone();
+    fn read(&self, to: Addrs, request: PeerRequest, timeout: Duration) -> BoxFuture<'_, Result<PeerAnswer, CallError>> {
         Box::pin(async move {
             let started = tokio::time::Instant::now();
             match self.read_over_link(&to.peer, &request, timeout).await {
@@ -1256,7 +1250,7 @@ mod tests {
 
     async fn read(transport: &HttpTransport, to: &Addrs, key: &str) -> Result<PeerAnswer, CallError> {
         let request = PeerRequest::Get { key: key.into(), map_version: 5, mirror: None };
-        transport.read(to, request, Duration::from_secs(5)).await
+        transport.read(to.clone(), request, Duration::from_secs(5)).await
     }
 
     /// An answer in one comparable form.

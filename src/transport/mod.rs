@@ -373,12 +373,7 @@ pub trait Transport: ControlTransport {
     /// answers it as its public API would. By default, and whenever a faster way is not open,
     /// it is a [`Self::call`] to the API address; [`HttpTransport`] sends it over the peer
     /// link to the member when one is open.
-    fn read(
-        &self,
-        to: &Addrs,
-        request: PeerRequest,
-        timeout: Duration,
-    ) -> BoxFuture<'_, Result<PeerAnswer, CallError>> {
+    fn read(&self, to: Addrs, request: PeerRequest, timeout: Duration) -> BoxFuture<'_, Result<PeerAnswer, CallError>> {
         self.call(&to.api, request, timeout)
     }
 
