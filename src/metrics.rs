@@ -261,6 +261,8 @@ pub struct LinkRequests {
     pub replica_writes: Counter,
     /// Forwarded and mirror reads.
     pub reads: Counter,
+    /// Forwarded writes and deletes.
+    pub writes: Counter,
 }
 
 static METADATA: Metadata<'static> = Metadata::new("shoal", Level::INFO, Some(module_path!()));
@@ -431,13 +433,13 @@ impl NodeMetrics {
                 describe(
                     r,
                     "shoal_peer_link_requests_total",
-                    "Requests this node served over peer links, by kind (replica_writes: one per batch; reads: forwarded and mirror reads). The rest of the node-to-node traffic is HTTP exchanges.",
+                    "Requests this node served over peer links, by kind (replica_writes: one per batch; reads: forwarded and mirror reads; writes: forwarded writes and deletes). The rest of the node-to-node traffic is HTTP exchanges.",
                 );
                 let kind = |kind: &'static str| {
                     let key = Key::from_parts("shoal_peer_link_requests_total", vec![Label::new("kind", kind)]);
                     r.register_counter(&key, &METADATA)
                 };
-                LinkRequests { replica_writes: kind("replica_writes"), reads: kind("reads") }
+                LinkRequests { replica_writes: kind("replica_writes"), reads: kind("reads"), writes: kind("writes") }
             },
             hits: counter("shoal_cache_hits_total", "Reads that found their key."),
             misses: counter("shoal_cache_misses_total", "Reads that did not find their key."),

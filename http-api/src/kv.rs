@@ -277,7 +277,8 @@ fn split_tags(text: Option<&str>) -> Vec<String> {
     text.map(|t| t.split(',').map(str::to_string).collect()).unwrap_or_default()
 }
 
-pub(crate) fn check_key(key: &str, limits: &Limits) -> Result<(), ApiError> {
+/// Refuses an empty key, or one longer than `limits` allow.
+pub fn check_key(key: &str, limits: &Limits) -> Result<(), ApiError> {
     if key.is_empty() {
         return Err(ApiError::BadRequest("the key is empty".into()));
     }

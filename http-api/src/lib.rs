@@ -41,7 +41,7 @@ pub use cluster::{
 };
 pub use error::{ApiError, Problem, Unavailable, PROBLEM_JSON};
 pub use fast::{service, ApiService};
-pub use kv::{format_duration, parse_duration, put_options, unix_ms, value_response, MAX_EXPIRY};
+pub use kv::{check_key, format_duration, parse_duration, put_options, unix_ms, value_response, MAX_EXPIRY};
 
 use axum::http::HeaderName;
 

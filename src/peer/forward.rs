@@ -57,7 +57,8 @@ impl KeyOp {
     /// gives up (a split, a timeout) and its request is dropped, the forward is dropped with it
     /// and cannot land later, after the client wrote a newer value. In a shared exchange it
     /// travelled on with the others and was applied late (fault test
-    /// `a_majorities_ring_loses_nothing_and_reads_never_go_back`: old values came back).
+    /// `a_majorities_ring_loses_nothing_and_reads_never_go_back`: old values came back). On a
+    /// peer link it is a message of its own, cancelled at the owner when its caller gives up.
     fn shared(&self) -> bool {
         match self {
             KeyOp::Get(_) => true,
@@ -107,10 +108,11 @@ impl KeyOps {
         self.0.call(addr, request, FORWARD_TIMEOUT).await.map_err(|e| api_error(addr, e))
     }
 
-    /// A read (`Get`, `BulkGet`) to the owner at API address `addr` and `peer_addr`.
-    async fn read(&self, addr: &str, peer_addr: String, request: PeerRequest) -> Result<PeerAnswer, ApiError> {
+    /// A key operation (`Get`, `BulkGet`, `Put`, `Delete`) to the owner at API address `addr`
+    /// and `peer_addr`: over the link to it when one is open.
+    async fn send(&self, addr: &str, peer_addr: String, request: PeerRequest) -> Result<PeerAnswer, ApiError> {
         let to = Addrs { api: addr.to_string(), peer: peer_addr };
-        self.0.read(to, request, FORWARD_TIMEOUT).await.map_err(|e| api_error(addr, e))
+        self.0.key_op(to, request, FORWARD_TIMEOUT).await.map_err(|e| api_error(addr, e))
     }
 
     /// One operation alone, as the single-key request.
@@ -118,21 +120,23 @@ impl KeyOps {
         let map_version = f.map_version;
         let answer = match f.op {
             KeyOp::Get(key) => {
-                match self.read(addr, f.peer_addr, PeerRequest::Get { key, map_version, mirror: None }).await {
+                match self.send(addr, f.peer_addr, PeerRequest::Get { key, map_version, mirror: None }).await {
                     Ok(PeerAnswer::Got(ok)) => return Ok(KeyDone::Got(Some(ok))),
                     Err(ApiError::NotFound) => return Ok(KeyDone::Got(None)),
                     other => other,
                 }
             }
-            KeyOp::Put(item) => match self.call(addr, PeerRequest::Put { item, map_version }).await {
+            KeyOp::Put(item) => match self.send(addr, f.peer_addr, PeerRequest::Put { item, map_version }).await {
                 Ok(PeerAnswer::Put(ok)) => return Ok(KeyDone::Put(ok)),
                 other => other,
             },
-            KeyOp::Delete { key, cas } => match self.call(addr, PeerRequest::Delete { key, cas, map_version }).await {
-                Ok(PeerAnswer::Deleted) => return Ok(KeyDone::Deleted(true)),
-                Err(ApiError::NotFound) => return Ok(KeyDone::Deleted(false)),
-                other => other,
-            },
+            KeyOp::Delete { key, cas } => {
+                match self.send(addr, f.peer_addr, PeerRequest::Delete { key, cas, map_version }).await {
+                    Ok(PeerAnswer::Deleted) => return Ok(KeyDone::Deleted(true)),
+                    Err(ApiError::NotFound) => return Ok(KeyDone::Deleted(false)),
+                    other => other,
+                }
+            }
         };
         Err(answer.map_or_else(|e| e, |other| api_error(addr, unexpected(&other))))
     }
@@ -160,7 +164,7 @@ impl KeyOps {
         };
         let owner = |i: usize| ops[i].owner;
         let sent = match request {
-            PeerRequest::BulkGet { .. } => self.read(addr, ops[0].peer_addr.clone(), request).await,
+            PeerRequest::BulkGet { .. } => self.send(addr, ops[0].peer_addr.clone(), request).await,
             other => self.call(addr, other).await,
         };
         let done: Vec<Answer> = match sent {

@@ -1,7 +1,7 @@
 //! [`Peers`]: the typed calls a node makes to other nodes, over its [`Transport`].
 //!
-//! A forwarded key request goes to the owner's public API with the sender's map version (a
-//! read over the peer link to the owner when one is open: `Transport::read`); a broadcast asks
+//! A forwarded key request goes to the owner's public API with the sender's map version (over
+//! the peer link to the owner when one is open: `Transport::key_op`); a broadcast asks
 //! each member for its own keys only. Answers come back as the same types and
 //! errors the local path produces, so a client cannot tell a forwarded answer from a local
 //! one; what the network did (unreachable, no answer in time) becomes `owner_unreachable`.
@@ -108,7 +108,7 @@ impl Peers {
         staleness: Duration,
     ) -> Result<Option<GetOk>, CallError> {
         let request = PeerRequest::Get { key: key.to_string(), map_version, mirror: Some(staleness) };
-        match self.transport.read(to, request, MIRROR_TIMEOUT).await {
+        match self.transport.key_op(to, request, MIRROR_TIMEOUT).await {
             Ok(PeerAnswer::Got(ok)) => Ok(Some(ok)),
             Err(CallError::Api(ApiError::NotFound)) => Ok(None),
             Err(e) => Err(e),
@@ -126,7 +126,7 @@ impl Peers {
         staleness: Duration,
     ) -> Result<Vec<Result<Option<GetOk>, ApiError>>, CallError> {
         let request = PeerRequest::BulkGet { keys, map_version, mirror: Some(staleness) };
-        match self.transport.read(to, request, MIRROR_TIMEOUT).await? {
+        match self.transport.key_op(to, request, MIRROR_TIMEOUT).await? {
             PeerAnswer::BulkGot(results) => {
                 Ok(results.into_iter().map(|r| r.map(|found| found.map(|ok| GetOk { node: mirror, ..ok }))).collect())
             }
@@ -167,7 +167,7 @@ impl Peers {
         map_version: u64,
     ) -> Result<Vec<Result<Option<GetOk>, ApiError>>, ApiError> {
         let request = PeerRequest::BulkGet { keys, map_version, mirror: None };
-        match self.transport.read(to.clone(), request, FORWARD_TIMEOUT).await.map_err(|e| api_error(&to.api, e))? {
+        match self.transport.key_op(to.clone(), request, FORWARD_TIMEOUT).await.map_err(|e| api_error(&to.api, e))? {
             PeerAnswer::BulkGot(results) => {
                 Ok(results.into_iter().map(|r| r.map(|found| found.map(|ok| GetOk { node: owner, ..ok }))).collect())
             }

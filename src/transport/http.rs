@@ -36,7 +36,8 @@ use shoal_raft::{BoxFuture, ControlRpc, ControlTransport, NodeId, TransportError
 
 use super::link::{self, LinkError, Links, OpenError, Route};
 use super::{
-    reads, Addrs, CallError, FrameStream, PeerAnswer, PeerRequest, ReplicaAnswer, Replicate, StreamRequest, Transport,
+    reads, writes, Addrs, CallError, FrameStream, PeerAnswer, PeerRequest, ReplicaAnswer, Replicate, StreamRequest,
+    Transport,
 };
 
 /// The header that carries the cluster secret on every request to a peer listener.
@@ -482,45 +483,59 @@ impl HttpTransport {
         })
     }
 
-    /// Sends a forwarded or mirror read over the link to the peer listener at `peer_addr` when
-    /// one is open (one is opened in the background when none is); `None` when it must go over
-    /// HTTP instead: no link yet, keys too many for one message, values too large to come back
-    /// on one, or a peer whose links carry no reads.
-    async fn read_over_link(
+    /// Sends a forwarded or mirror read, or a forwarded write or delete, over the link to the
+    /// peer listener at `peer_addr` when one is open (one is opened in the background when none
+    /// is); `None` when it must go over HTTP instead: no link yet, a request too large for one
+    /// message, values too large to come back on one, every slot at the peer taken, or a peer
+    /// whose links carry no such requests.
+    async fn key_op_over_link(
         &self,
         peer_addr: &str,
         request: &PeerRequest,
         timeout: Duration,
     ) -> Option<Result<PeerAnswer, CallError>> {
-        let keys = match request {
-            PeerRequest::Get { key, .. } => std::slice::from_ref(key),
-            PeerRequest::BulkGet { keys, .. } => keys.as_slice(),
+        let (kind, size) = match request {
+            PeerRequest::Get { key, .. } => (reads::LINK_READ, reads::request_size(std::slice::from_ref(key))),
+            PeerRequest::BulkGet { keys, .. } => (reads::LINK_READ, reads::request_size(keys)),
+            PeerRequest::Put { .. } | PeerRequest::Delete { .. } => {
+                (writes::LINK_WRITE, writes::request_size(request)?)
+            }
             _ => return None,
         };
-        if reads::request_size(keys) > link::MAX_REQUEST {
+        if size > link::MAX_REQUEST {
             return None;
         }
         let link = self.link_to(peer_addr)?;
-        if link.refuses(reads::LINK_READ) {
+        if link.refuses(kind) {
             return None;
         }
-        // The deadline a forward over HTTP carries: a read that reaches the owner later is refused.
+        // The deadline a forward over HTTP carries: a request that reaches the owner later is
+        // refused, and nothing is done.
         let deadline_ms = shoal_http_api::unix_ms() + FORWARD_TIMEOUT.as_millis() as u64;
         let payload = |out: &mut Vec<u8>| {
-            reads::encode_request(request, deadline_ms, out);
+            if kind == reads::LINK_READ {
+                reads::encode_request(request, deadline_ms, out);
+            } else {
+                writes::encode_request(request, deadline_ms, out);
+            }
         };
-        let answer = match link.call(reads::LINK_READ, payload, timeout).await {
+        let answer = match link.call(kind, payload, timeout).await {
             Ok(answer) => answer,
             Err(LinkError::NotSent) => return None,
             Err(LinkError::Broken) => return Some(Err(CallError::Broken("the link to the peer broke".into()))),
             Err(LinkError::Timeout) => return Some(Err(CallError::Timeout)),
         };
         if answer.kind == LINK_REFUSED {
-            // A peer whose links carry no reads (an older version): the next reads go over
-            // HTTP at once instead of asking the link first.
-            link.refuses_from_now(reads::LINK_READ);
+            // A peer whose links do not carry this kind (an older version): the next ones go
+            // over HTTP at once instead of asking the link first. Refused, it did nothing.
+            link.refuses_from_now(kind);
+            return None;
         }
-        reads::decode_answer(request, answer.kind, &answer.payload)
+        if kind == reads::LINK_READ {
+            reads::decode_answer(request, answer.kind, &answer.payload)
+        } else {
+            writes::decode_answer(request, answer.kind, &answer.payload)
+        }
     }
 
     /// The open link to the peer listener at `addr`; `None` while there is none (the first
@@ -658,10 +673,15 @@ impl Transport for HttpTransport {
         Box::pin(async move { self.send(&addr, request, timeout).await })
     }
 
-    fn read(&self, to: Addrs, request: PeerRequest, timeout: Duration) -> BoxFuture<'_, Result<PeerAnswer, CallError>> {
+    fn key_op(
+        &self,
+        to: Addrs,
+        request: PeerRequest,
+        timeout: Duration,
+    ) -> BoxFuture<'_, Result<PeerAnswer, CallError>> {
         Box::pin(async move {
             let started = tokio::time::Instant::now();
-            match self.read_over_link(&to.peer, &request, timeout).await {
+            match self.key_op_over_link(&to.peer, &request, timeout).await {
                 Some(answer) => answer,
                 // Over HTTP in the time that is left: the caller waits `timeout` in all.
                 None => match timeout.checked_sub(started.elapsed()).filter(|left| !left.is_zero()) {
@@ -1218,7 +1238,7 @@ mod tests {
                 other => panic!("{other:?}"),
             };
             reads::encode_answer(answer.map_err(CallError::Api), link::MAX_REQUEST)
-                .unwrap_or((reads::LINK_READ_ELSEWHERE, Vec::new()))
+                .unwrap_or((reads::LINK_ELSEWHERE, Vec::new()))
         });
         let api = axum::Router::new().route(
             "/v1/kv/{key}",
@@ -1250,7 +1270,7 @@ mod tests {
 
     async fn read(transport: &HttpTransport, to: &Addrs, key: &str) -> Result<PeerAnswer, CallError> {
         let request = PeerRequest::Get { key: key.into(), map_version: 5, mirror: None };
-        transport.read(to.clone(), request, Duration::from_secs(5)).await
+        transport.key_op(to.clone(), request, Duration::from_secs(5)).await
     }
 
     /// An answer in one comparable form.

@@ -27,6 +27,11 @@
 //!   partition) and is closed, so it is never reused, as hyper's pool would not reuse it; the
 //!   next request opens a new one once the peer answers again. A link that still answers other
 //!   requests stays open: one slow request does not fail the others.
+//! - A request of a kind with the [`CANCELLABLE`] bit lives only as long as its caller: a caller
+//!   that gives up (or times out) sends [`CANCEL`] with the request's id, and the serving side
+//!   stops handling it where it is; when the link ends, the serving side stops every such
+//!   request it is still handling. A forwarded write must not land after its client gave up,
+//!   as it would not over HTTP, whose connection closes with the caller.
 //! - The serving side handles at most [`MAX_IN_FLIGHT`] requests of a link at once (it reads
 //!   no more until one ends). When its node shuts down it answers every request it had taken
 //!   (for at most [`crate::http_server::DRAIN_TIMEOUT`]), and each one that comes meanwhile with
@@ -50,6 +55,12 @@ use tokio::task::AbortHandle;
 pub const PROTOCOL: &str = "shoal-link/1";
 /// The answer of a serving side that is stopping: the request was not handled.
 pub const GOING_AWAY: u8 = 255;
+/// A message from the opener: its caller gave up on the request of this id (one of a
+/// [`CANCELLABLE`] kind); the serving side stops handling it, and answers nothing.
+pub const CANCEL: u8 = 254;
+/// The bit of a request kind whose requests may be cancelled ([`CANCEL`]), and are stopped when
+/// the link ends.
+pub const CANCELLABLE: u8 = 0x40;
 /// Bytes before a message's payload.
 const HEADER_LEN: usize = 13;
 /// Requests larger than this go over HTTP: a link carries one message at a time in each
@@ -190,8 +201,8 @@ struct Link {
     last_read: AtomicU64,
     /// The reader's and the writer's tasks.
     tasks: Mutex<Vec<AbortHandle>>,
-    /// Kinds of request (below 64, one bit each) the peer refused as unknown: an older version
-    /// whose links carry fewer kinds. They go another way for as long as this link lives (a
+    /// Kinds of request (one bit each, by the kind's low six bits) the peer refused as unknown:
+    /// an older version whose links carry fewer kinds. They go another way for as long as this link lives (a
     /// peer that restarts, upgraded, comes back on a new link).
     refused: AtomicU64,
 }
@@ -435,18 +446,17 @@ async fn read_answers<R: AsyncRead + Unpin>(
 impl LinkRef {
     /// Whether the peer refused requests of `kind` on this link ([`Self::refuses_from_now`]).
     pub fn refuses(&self, kind: u8) -> bool {
-        kind < 64 && self.link.refused.load(Ordering::Relaxed) & (1 << kind) != 0
+        self.link.refused.load(Ordering::Relaxed) & (1 << (kind & 63)) != 0
     }
 
     /// The peer refused a request of `kind` as one it does not know: the next ones go another way.
     pub fn refuses_from_now(&self, kind: u8) {
-        if kind < 64 {
-            self.link.refused.fetch_or(1 << kind, Ordering::Relaxed);
-        }
+        self.link.refused.fetch_or(1 << (kind & 63), Ordering::Relaxed);
     }
 
     /// Sends a request of `kind` (its payload appended by `payload`) and waits at most
-    /// `timeout` for the answer.
+    /// `timeout` for the answer. A request of a [`CANCELLABLE`] kind that gets no answer (it
+    /// timed out, or the caller dropped this future) is cancelled at the peer.
     pub async fn call(
         &self,
         kind: u8,
@@ -462,7 +472,7 @@ impl LinkRef {
         };
         // A caller that gives up (a forwarded read whose client went away) leaves no waiter
         // behind: the guard takes it out unless the answer came.
-        let mut waiting = Waiting { link, id, answered: false };
+        let mut waiting = Waiting { link, id, answered: false, cancel: kind & CANCELLABLE != 0 };
         let sent_at = link.now();
         if link.out.send(encode(id, kind, payload)).is_err() {
             return Err(LinkError::NotSent);
@@ -490,17 +500,25 @@ impl LinkRef {
     }
 }
 
-/// A request sent on a link whose answer has not come: dropping it takes its waiter out.
+/// A request sent on a link whose answer has not come: dropping it takes its waiter out, and
+/// cancels a request of a [`CANCELLABLE`] kind at the peer.
 struct Waiting<'a> {
     link: &'a Link,
     id: u64,
     answered: bool,
+    cancel: bool,
 }
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
-        if !self.answered {
-            self.link.pending.lock().as_mut().map(|p| p.remove(&self.id));
+        if self.answered {
+            return;
+        }
+        let waited = self.link.pending.lock().as_mut().and_then(|p| p.remove(&self.id)).is_some();
+        // Not when the answer came meanwhile (the waiter is gone), nor on a closed link (its
+        // serving side stops such requests when the connection ends).
+        if waited && self.cancel {
+            let _ = self.link.out.send(encode(self.id, CANCEL, |_| {}));
         }
     }
 }
@@ -572,6 +590,8 @@ where
     let stop = shutdown.wait_for(|stop| *stop);
     tokio::pin!(stop);
     let mut stopping = false;
+    // Requests of cancellable kinds being handled, by id.
+    let cancellable: Arc<Mutex<HashMap<u64, AbortHandle>>> = Arc::default();
     loop {
         let Ok(permit) = permits.clone().acquire_owned().await else { break };
         // Biased: a shutdown is seen before any request that came after it.
@@ -584,19 +604,36 @@ where
             request = reader.next() => request,
         };
         match request {
+            Ok(Some(cancel)) if cancel.kind == CANCEL => stop_request(&cancellable, cancel.id),
             Ok(Some(request)) => {
                 let (handler, out, served) = (handler.clone(), out.clone(), served.clone());
-                tokio::spawn(async move {
-                    let (kind, payload) = handler(request.kind, request.payload).await;
-                    let _ = out.send(encode(request.id, kind, |buf| buf.extend_from_slice(&payload)));
+                let (id, kind) = (request.id, request.kind);
+                let running = (kind & CANCELLABLE != 0).then(|| cancellable.clone());
+                // Held while the task is spawned and recorded: it cannot take itself out first.
+                let mut recorded = running.is_some().then(|| cancellable.lock());
+                let task = tokio::spawn(async move {
+                    let (kind, payload) = handler(kind, request.payload).await;
+                    if let Some(running) = running {
+                        running.lock().remove(&id);
+                    }
+                    let _ = out.send(encode(id, kind, |buf| buf.extend_from_slice(&payload)));
                     drop((permit, served));
                 });
+                if let Some(recorded) = recorded.as_mut() {
+                    recorded.insert(id, task.abort_handle());
+                }
             }
             Ok(None) => break,
             Err(e) => {
                 tracing::debug!(error = %e, "a peer link broke");
                 break;
             }
+        }
+    }
+    if !stopping {
+        // The opener went away: nobody waits for the answers of cancellable requests any more.
+        for (_, task) in cancellable.lock().drain() {
+            task.abort();
         }
     }
     if stopping {
@@ -612,6 +649,7 @@ where
                 _ = &mut all_answered => break,
                 () = &mut drained => break,
                 request = reader.next() => match request {
+                    Ok(Some(cancel)) if cancel.kind == CANCEL => stop_request(&cancellable, cancel.id),
                     Ok(Some(request)) => {
                         let _ = out.send(encode(request.id, GOING_AWAY, |_| {}));
                     }
@@ -625,6 +663,13 @@ where
     drop(out);
     let _ = tokio::time::timeout(crate::http_server::DRAIN_TIMEOUT, &mut writer).await;
     writer.abort();
+}
+
+/// Stops handling the request `id`, if it is a cancellable one still being handled.
+fn stop_request(running: &Mutex<HashMap<u64, AbortHandle>>, id: u64) {
+    if let Some(task) = running.lock().remove(&id) {
+        task.abort();
+    }
 }
 
 /// Answers an HTTP request for a link (`Upgrade: shoal-link/1`) with 101 and serves the link
@@ -781,6 +826,86 @@ mod tests {
         assert_eq!(pending(), 0);
         assert!(link.call(1, |out| out.push(0), Duration::from_secs(10)).await.is_ok());
         assert_eq!(pending(), 0);
+    }
+
+    /// A handler that waits for `release` before answering, and counts in `done` the requests
+    /// it finished (an aborted one never does): it tells through `taken` when it has one.
+    fn held(release: Arc<tokio::sync::Notify>, done: Arc<AtomicU64>) -> (Handler, mpsc::UnboundedReceiver<u8>) {
+        let (taken, has_taken) = mpsc::unbounded_channel();
+        let handler: Handler = Arc::new(move |kind, payload| {
+            let (taken, release, done) = (taken.clone(), release.clone(), done.clone());
+            Box::pin(async move {
+                let _ = taken.send(kind);
+                release.notified().await;
+                done.fetch_add(1, Ordering::SeqCst);
+                (kind, payload.to_vec())
+            })
+        });
+        (handler, has_taken)
+    }
+
+    #[tokio::test]
+    async fn a_cancellable_request_whose_caller_gives_up_is_stopped_at_the_peer_and_others_are_not() {
+        let (release, done) = (Arc::new(tokio::sync::Notify::new()), Arc::new(AtomicU64::new(0)));
+        let (handler, mut taken) = held(release.clone(), done.clone());
+        let (links, _stop, _server) = linked(handler);
+        let link = open(&links);
+        for kind in [CANCELLABLE | 1, 1] {
+            let call = link.call(kind, |out| out.push(0), Duration::from_secs(30));
+            // The request reaches the handler, then its caller goes away.
+            tokio::select! {
+                _ = call => panic!("answered before it was released"),
+                taken = taken.recv() => assert_eq!(taken, Some(kind)),
+            }
+        }
+        // Released, only the plain request finishes: the cancellable one was stopped.
+        until("the plain request finishes", || {
+            release.notify_waiters();
+            done.load(Ordering::SeqCst) == 1
+        })
+        .await;
+        // A cancellable request that is answered is not stopped, and the link stays open.
+        let answered = tokio::join!(link.call(CANCELLABLE | 2, |out| out.push(5), Duration::from_secs(30)), async {
+            assert_eq!(taken.recv().await, Some(CANCELLABLE | 2));
+            release.notify_waiters();
+        });
+        assert_eq!(answered.0.expect("answered").payload.as_ref(), &[5]);
+        assert_eq!(done.load(Ordering::SeqCst), 2);
+        assert!(links.is_open("peer"));
+    }
+
+    #[tokio::test]
+    async fn cancellable_requests_in_flight_when_the_link_ends_are_stopped() {
+        let (release, done) = (Arc::new(tokio::sync::Notify::new()), Arc::new(AtomicU64::new(0)));
+        let (handler, mut taken) = held(release.clone(), done.clone());
+        let (links, _stop, server) = linked(handler);
+        let link = open(&links);
+        let calls = [CANCELLABLE | 1, 1].map(|kind| {
+            let link = LinkRef { link: link.link.clone(), slots: link.slots.clone(), addr: link.addr.clone() };
+            tokio::spawn(async move { link.call(kind, |out| out.push(0), Duration::from_secs(30)).await })
+        });
+        for _ in 0..2 {
+            taken.recv().await.expect("the requests reach the handler");
+        }
+        // The opener goes away (its node stops): both callers see the link broken.
+        drop(links);
+        link.link.close();
+        for call in calls {
+            assert_eq!(call.await.expect("task"), Err(LinkError::Broken));
+        }
+        until("the plain request finishes", || {
+            release.notify_waiters();
+            done.load(Ordering::SeqCst) >= 1
+        })
+        .await;
+        // The serving side ends once the plain one (which it let finish) is done; the
+        // cancellable one was stopped and never finishes.
+        tokio::time::timeout(Duration::from_secs(5), server).await.expect("the server ends").expect("task");
+        for _ in 0..100 {
+            release.notify_waiters();
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(done.load(Ordering::SeqCst), 1);
     }
 
     #[tokio::test]

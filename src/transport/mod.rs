@@ -26,9 +26,10 @@
 //! - `lanes.rs`: [`lanes::Lanes`], requests to one peer that wait at the same time sent in one
 //!   exchange (replica writes, forwarded key operations).
 //! - `link.rs`: [`link::Links`], one long-lived connection per peer (an HTTP upgrade) that
-//!   carries replica writes and forwarded reads as small binary messages, many in flight at
+//!   carries replica writes and forwarded key operations as small binary messages, many in flight at
 //!   once, instead of an HTTP exchange each; HTTP remains the way while no link is open.
 //! - `reads.rs`: the wire format of forwarded and mirror reads on links.
+//! - `writes.rs`: the wire format of forwarded writes and deletes on links.
 
 pub mod frame;
 pub mod http;
@@ -38,6 +39,7 @@ pub mod reads;
 pub mod service;
 #[cfg(test)]
 pub mod testing;
+pub mod writes;
 
 use std::pin::Pin;
 use std::time::Duration;
@@ -369,11 +371,18 @@ pub trait Transport: ControlTransport {
     fn call(&self, addr: &str, request: PeerRequest, timeout: Duration)
         -> BoxFuture<'_, Result<PeerAnswer, CallError>>;
 
-    /// Sends a forwarded or mirror read (`Get`, `BulkGet`) to the member at `to`, which
-    /// answers it as its public API would. By default, and whenever a faster way is not open,
-    /// it is a [`Self::call`] to the API address; [`HttpTransport`] sends it over the peer
-    /// link to the member when one is open.
-    fn read(&self, to: Addrs, request: PeerRequest, timeout: Duration) -> BoxFuture<'_, Result<PeerAnswer, CallError>> {
+    /// Sends a forwarded or mirror key operation (`Get`, `BulkGet`, and forwarded `Put` and
+    /// `Delete`) to the member at `to`, which answers it as its public API would. By default,
+    /// and whenever a faster way is not open, it is a [`Self::call`] to the API address;
+    /// [`HttpTransport`] sends it over the peer link to the member when one is open (a
+    /// forwarded write there is cancelled when its caller gives up, as its HTTP exchange
+    /// would be).
+    fn key_op(
+        &self,
+        to: Addrs,
+        request: PeerRequest,
+        timeout: Duration,
+    ) -> BoxFuture<'_, Result<PeerAnswer, CallError>> {
         self.call(&to.api, request, timeout)
     }
 

@@ -35,11 +35,11 @@ use super::{CallError, PeerAnswer, PeerRequest};
 pub const LINK_READ: u8 = 4;
 /// A link answer: one result per key.
 pub const LINK_READ_DONE: u8 = 5;
-/// A link answer: the whole read failed.
-pub const LINK_READ_FAILED: u8 = 6;
-/// A link answer: the values found are too large to travel on a link; the reader asks again
-/// over HTTP.
-pub const LINK_READ_ELSEWHERE: u8 = 7;
+/// A link answer: the whole read (or forwarded write, `transport::writes`) failed.
+pub const LINK_FAILED: u8 = 6;
+/// A link answer: the request was not handled (every slot for forwarded requests is taken, or
+/// the values found are too large to travel on a link); the sender sends it again over HTTP.
+pub const LINK_ELSEWHERE: u8 = 7;
 
 /// Bytes of a request before its keys.
 const REQUEST_HEADER: usize = 29;
@@ -150,9 +150,10 @@ pub fn encode_answer(answer: Result<PeerAnswer, CallError>, most: usize) -> Opti
     (out.len() <= most).then_some((LINK_READ_DONE, out))
 }
 
-/// Whether a read that came over a link at `now_ms` is served now: a slot of `slots` while it
-/// is, or the answer it gets instead: refused if its deadline has passed (as a late forward
-/// over HTTP is: nothing was done), sent elsewhere (over HTTP) when every slot is taken.
+/// Whether a forwarded read or write that came over a link at `now_ms` is served now: a slot
+/// of `slots` while it is, or the answer it gets instead: refused if its deadline has passed
+/// (as a late forward over HTTP is: nothing was done), sent elsewhere (over HTTP) when every
+/// slot is taken.
 pub fn admit(
     slots: &tokio::sync::Semaphore,
     deadline_ms: u64,
@@ -162,11 +163,11 @@ pub fn admit(
         let late = "the forwarded request arrived after its deadline; nothing was done";
         return Err(failed(&ApiError::unavailable(Unavailable::Expired, late)));
     }
-    slots.try_acquire().map_err(|_| (LINK_READ_ELSEWHERE, Vec::new()))
+    slots.try_acquire().map_err(|_| (LINK_ELSEWHERE, Vec::new()))
 }
 
-/// A whole read's failure, as its HTTP answer would carry it: the problem document and
-/// `Retry-After` in whole seconds.
+/// A whole read's (or forwarded write's) failure, as its HTTP answer would carry it: the
+/// problem document and `Retry-After` in whole seconds.
 pub fn failed(e: &ApiError) -> (u8, Vec<u8>) {
     if let ApiError::Internal(detail) = e {
         tracing::error!(%detail, "internal error");
@@ -174,27 +175,17 @@ pub fn failed(e: &ApiError) -> (u8, Vec<u8>) {
     let retry_after = e.retry_after().map_or(0, |d| d.as_secs().max(1));
     let mut out = retry_after.to_be_bytes().to_vec();
     out.extend_from_slice(&serde_json::to_vec(&e.problem()).unwrap_or_default());
-    (LINK_READ_FAILED, out)
+    (LINK_FAILED, out)
 }
 
 /// What a read request sent on a link gets: `request`'s answer, rebuilt from the link answer
 /// of `kind` and `payload` as it would have been from HTTP; `None` when it must be read over
-/// HTTP instead ([`LINK_READ_ELSEWHERE`], or the peer does not know link reads).
+/// HTTP instead ([`LINK_ELSEWHERE`], or the peer does not know link reads).
 pub fn decode_answer(request: &PeerRequest, kind: u8, payload: &Bytes) -> Option<Result<PeerAnswer, CallError>> {
     let broken = || CallError::Broken("an unreadable answer to a read on a peer link".into());
     match kind {
         LINK_READ_DONE => {}
-        LINK_READ_FAILED => {
-            let retry_after = payload.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_be_bytes);
-            let problem = payload.get(8..).and_then(|p| serde_json::from_slice::<Problem>(p).ok());
-            return Some(match (retry_after, problem) {
-                (Some(secs), Some(problem)) => {
-                    let retry_after = (secs > 0).then(|| Duration::from_secs(secs));
-                    Err(CallError::Api(ApiError::from_problem(&problem, retry_after)))
-                }
-                _ => Err(broken()),
-            });
-        }
+        LINK_FAILED => return Some(Err(failure(payload))),
         // Too large for a link, or a peer whose links carry no reads (an older version).
         _ => return None,
     }
@@ -209,6 +200,19 @@ pub fn decode_answer(request: &PeerRequest, kind: u8, payload: &Bytes) -> Option
         PeerRequest::BulkGet { keys, .. } if keys.len() == items.len() => Ok(PeerAnswer::BulkGot(items)),
         _ => Err(broken()),
     })
+}
+
+/// The error a [`LINK_FAILED`] answer carries ([`failed`]), as HTTP would have given it.
+pub fn failure(payload: &[u8]) -> CallError {
+    let retry_after = payload.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_be_bytes);
+    let problem = payload.get(8..).and_then(|p| serde_json::from_slice::<Problem>(p).ok());
+    match (retry_after, problem) {
+        (Some(secs), Some(problem)) => {
+            let retry_after = (secs > 0).then(|| Duration::from_secs(secs));
+            CallError::Api(ApiError::from_problem(&problem, retry_after))
+        }
+        _ => CallError::Broken("an unreadable failure on a peer link".into()),
+    }
 }
 
 /// The items of a [`LINK_READ_DONE`] payload; `None` if it is malformed. Values are slices of
@@ -239,24 +243,24 @@ fn decode_items(payload: &Bytes) -> Option<Vec<Result<Option<GetOk>, ApiError>>>
 }
 
 /// Reads big-endian numbers and byte runs off the front of a slice.
-struct Reader<'a>(&'a [u8]);
+pub(super) struct Reader<'a>(pub(super) &'a [u8]);
 
 impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+    pub(super) fn take(&mut self, n: usize) -> Option<&'a [u8]> {
         let (head, rest) = (self.0.get(..n)?, self.0.get(n..)?);
         self.0 = rest;
         Some(head)
     }
 
-    fn u16(&mut self) -> Option<u16> {
+    pub(super) fn u16(&mut self) -> Option<u16> {
         Some(u16::from_be_bytes(self.take(2)?.try_into().ok()?))
     }
 
-    fn u32(&mut self) -> Option<u32> {
+    pub(super) fn u32(&mut self) -> Option<u32> {
         Some(u32::from_be_bytes(self.take(4)?.try_into().ok()?))
     }
 
-    fn u64(&mut self) -> Option<u64> {
+    pub(super) fn u64(&mut self) -> Option<u64> {
         Some(u64::from_be_bytes(self.take(8)?.try_into().ok()?))
     }
 }
@@ -355,7 +359,7 @@ mod tests {
         // Many keys that failed, each with its error's text, count as much as values.
         let failed = vec![Err(ApiError::unavailable(Unavailable::BucketMoving, "x".repeat(100))); 40];
         assert_eq!(encode_answer(Ok(PeerAnswer::BulkGot(failed)), 2048), None);
-        assert!(decode_answer(&get("k", None), LINK_READ_ELSEWHERE, &Bytes::new()).is_none());
+        assert!(decode_answer(&get("k", None), LINK_ELSEWHERE, &Bytes::new()).is_none());
         // A peer whose links carry replica writes only refuses the kind: read over HTTP.
         assert!(decode_answer(&get("k", None), super::super::http::LINK_REFUSED, &Bytes::new()).is_none());
     }
@@ -368,7 +372,7 @@ mod tests {
         let Some(Err(CallError::Api(e))) = refused else { panic!("{refused:?}") };
         assert_eq!((e.status().as_u16(), e.code()), (503, "expired"));
         let held = admit(&slots, 1_000, 1_000).expect("a slot");
-        assert_eq!(admit(&slots, 1_000, 999).expect_err("no slot left"), (LINK_READ_ELSEWHERE, Vec::new()));
+        assert_eq!(admit(&slots, 1_000, 999).expect_err("no slot left"), (LINK_ELSEWHERE, Vec::new()));
         drop(held);
         assert!(admit(&slots, 1_000, 999).is_ok(), "the slot is back");
     }

@@ -20,7 +20,7 @@ use super::http::{
     encode_answers, encode_refusal, MaintenanceAsk, HEADER_FROM, HEADER_MAP_VERSION, HEADER_RAFT_TARGET, HEADER_SEQ,
     HEADER_SNAPSHOT, LINK_REFUSED, LINK_REPLICATE, LINK_REPLICATED, TRANSFER_MEDIA_TYPE,
 };
-use super::{link, reads};
+use super::{link, reads, writes};
 use super::{CallError, FrameStream, PeerAnswer, PeerRequest, Ping, ReplicaAnswer, Replicate, StreamRequest};
 use crate::health::Health;
 use crate::proxy::NodeApi;
@@ -39,13 +39,15 @@ pub struct PeerService {
     pub exporter: Exporter,
     /// Pings.
     pub health: Arc<Health>,
-    /// Reads served over peer links at once ([`LINK_READ_SLOTS`]).
-    pub link_reads: tokio::sync::Semaphore,
+    /// Forwarded reads and writes served over peer links at once ([`LINK_FORWARD_SLOTS`]).
+    pub link_forwards: tokio::sync::Semaphore,
 }
 
-/// Reads over peer links a node serves at once, on all its links together: half of what one
-/// link serves at once, so that reads waiting on one link leave room for its replica writes.
-pub const LINK_READ_SLOTS: usize = link::MAX_IN_FLIGHT / 2;
+/// Forwarded reads and writes over peer links a node serves at once, on all its links
+/// together: half of what one link serves at once, so that forwarded requests waiting on one
+/// link (a write waits for its replica, on another link) leave room for its replica writes,
+/// which wait on no other link.
+pub const LINK_FORWARD_SLOTS: usize = link::MAX_IN_FLIGHT / 2;
 
 fn forwarded(map_version: u64) -> RouteContext {
     RouteContext { forwarded_map_version: Some(map_version), from_peer: true, ..RouteContext::default() }
@@ -169,6 +171,13 @@ impl PeerService {
                 }
                 Err(reason) => refused(&reason),
             },
+            writes::LINK_WRITE => match writes::decode_request(&payload) {
+                Ok((request, deadline_ms)) => {
+                    counted.writes.increment(1);
+                    self.serve_link_write(request, deadline_ms).await
+                }
+                Err(reason) => refused(&reason),
+            },
             other => refused(&format!("unknown link request kind {other}")),
         }
     }
@@ -179,12 +188,12 @@ impl PeerService {
     /// answer bodies while they are copied into the answer, as the bulk route admits them.
     ///
     /// Sent "elsewhere" (over HTTP) instead: values too large for a link, and every read that
-    /// comes while [`LINK_READ_SLOTS`] others are being served. A read may wait (a bucket that
+    /// comes while [`LINK_FORWARD_SLOTS`] others are being served. A read may wait (a bucket that
     /// is passing, a map to catch up with), and a link serves a bounded number of requests at
     /// once: reads may not take the slots its replica writes need.
     async fn serve_link_read(&self, request: PeerRequest, deadline_ms: u64) -> (u8, Vec<u8>) {
-        let elsewhere = || (reads::LINK_READ_ELSEWHERE, Vec::new());
-        let _slot = match reads::admit(&self.link_reads, deadline_ms, shoal_http_api::unix_ms()) {
+        let elsewhere = || (reads::LINK_ELSEWHERE, Vec::new());
+        let _slot = match reads::admit(&self.link_forwards, deadline_ms, shoal_http_api::unix_ms()) {
             Ok(slot) => slot,
             Err(answer) => return answer,
         };
@@ -204,6 +213,37 @@ impl PeerService {
             _ => None,
         };
         reads::encode_answer(answer, link::MAX_REQUEST).unwrap_or_else(elsewhere)
+    }
+
+    /// A forwarded write or delete that came over a peer link: checked against this node's
+    /// limits and its value admitted into the node's body budget, as the key routes do, then
+    /// served as any forward from another node ([`Self::serve`]), unless it arrived after its
+    /// sender's deadline (refused, nothing done). It takes one of the [`LINK_FORWARD_SLOTS`]
+    /// (a write waits for its replica, and must not take the slots the link's replica writes
+    /// need); when none is free it goes over HTTP instead. The link cancels it when its
+    /// sender gives up (`transport::link`).
+    async fn serve_link_write(&self, request: PeerRequest, deadline_ms: u64) -> (u8, Vec<u8>) {
+        let _slot = match reads::admit(&self.link_forwards, deadline_ms, shoal_http_api::unix_ms()) {
+            Ok(slot) => slot,
+            Err(answer) => return answer,
+        };
+        let limits = self.api.limits();
+        let (key, value) = match &request {
+            PeerRequest::Put { item, .. } => (&item.key, item.value.len()),
+            PeerRequest::Delete { key, .. } => (key, 0),
+            _ => return reads::failed(&shoal_http_api::ApiError::Internal("a link write of another kind".into())),
+        };
+        if let Err(e) = shoal_http_api::check_key(key, &limits) {
+            return reads::failed(&e);
+        }
+        if value > limits.max_value_bytes {
+            return reads::failed(&shoal_http_api::ApiError::ValueTooLarge { limit: limits.max_value_bytes });
+        }
+        let _admitted = match self.api.admit_body(value).await {
+            Ok(permit) => permit,
+            Err(e) => return reads::failed(&e),
+        };
+        writes::encode_answer(self.serve(request).await)
     }
 
     /// A control-plane message.

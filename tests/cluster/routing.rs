@@ -333,17 +333,39 @@ async fn forwarded_operations_in_flight_together_share_exchanges_and_each_gets_i
     assert!(exchanges < forwarded, "{exchanges} exchanges for {forwarded} forwarded operations");
     // Forwarded reads go over the peer link to the owner once the first one opened it, and
     // answer as the owner's API does (the reads above, found and not found, came that way).
-    let link_reads = || async {
+    let on_links = |kind: &'static str| async move {
         let text = c.http.get(c.url(1, "/metrics")).send().await.expect("metrics").text().await.expect("text");
-        text.lines()
-            .find_map(|l| l.strip_prefix("shoal_peer_link_requests_total{kind=\"reads\"} ")?.trim().parse::<f64>().ok())
-            .expect("link reads counted")
+        let series = format!("shoal_peer_link_requests_total{{kind=\"{kind}\"}} ");
+        text.lines().find_map(|l| l.strip_prefix(&series)?.trim().parse::<f64>().ok()).expect("link requests counted")
     };
     crate::harness::wait_for("a forwarded read over the peer link", || async {
         assert_eq!(c.get(0, &keys[0]).await, None);
-        (link_reads().await > 0.0).then_some(())
+        (on_links("reads").await > 0.0).then_some(())
     })
     .await;
+    // So do forwarded writes and deletes (the writes and deletes above came that way once the
+    // link was open), and their failures keep the owner's status, code and current version.
+    assert!(on_links("writes").await > 0.0, "forwarded writes went over the peer link");
+    let before = on_links("writes").await;
+    let key = &keys[1];
+    let put = |q: String| c.http.put(c.url(0, &format!("/v1/kv/{key}{q}"))).body("w").send();
+    let version = put(String::new()).await.expect("put").json::<Value>().await.expect("answer")["version"]
+        .as_u64()
+        .expect("version");
+    let stale = put(format!("?cas={}", version + 1)).await.expect("put");
+    assert_eq!(stale.status(), 412);
+    let problem = stale.json::<Value>().await.expect("problem");
+    assert_eq!(
+        (problem["code"].as_str(), problem["current_version"].as_u64()),
+        (Some("precondition_failed"), Some(version))
+    );
+    assert_eq!(put("?mode=add&ttl=5m&tags=a,b&priority=high".into()).await.expect("put").status(), 412);
+    assert_eq!(put(format!("?cas={version}&ttl=5m&tags=a,b&priority=high")).await.expect("put").status(), 200);
+    assert_eq!(c.get(0, key).await.as_deref(), Some("w"));
+    let delete = || c.http.delete(c.url(0, &format!("/v1/kv/{key}"))).send();
+    assert_eq!(delete().await.expect("delete").status(), 204);
+    assert_eq!(delete().await.expect("delete").status(), 404);
+    assert_eq!(on_links("writes").await, before + 6.0, "each write and delete above went over the link");
     cluster.shutdown().await;
 }
 
