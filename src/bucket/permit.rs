@@ -8,7 +8,8 @@
 //! writes through to the shadow and to the replica, and only then counts the writes as done.
 //! If anything fails, every write of the permit is taken back: the item as it was comes back
 //! under a new version (so every copy orders it after the write), and the bucket is sent whole
-//! to its replica before its next change, in case the replica applied the write after all.
+//! to its replica before its next change, in case the replica applied the write after all. A
+//! permit dropped before its commit ended (its caller went away) takes its writes back too.
 
 use std::time::Duration;
 
@@ -160,6 +161,8 @@ impl<'a> WritePermit<'a> {
         if let Some(probe) = &core.probe {
             probe.acknowledged(core.me, self.plan.bucket, self.plan.epoch);
         }
+        // They count: nothing to take back when the permit is dropped.
+        self.done.clear();
         Ok(())
     }
 
@@ -198,6 +201,31 @@ impl<'a> WritePermit<'a> {
         }
         core.replicator.detach(bucket);
         taken_back
+    }
+}
+
+impl Drop for WritePermit<'_> {
+    /// A permit dropped with writes that neither counted nor were taken back takes them back,
+    /// as a failed commit does: its caller went away before the end of the commit (a client's
+    /// request dropped, a forwarded write its sender cancelled, a timeout). Otherwise the store
+    /// would keep and serve a write that may never reach the replica, and a failover would
+    /// take it away again: a read would go back in time. A shadow that may have the writes
+    /// takes them back in the background.
+    fn drop(&mut self) {
+        if self.done.is_empty() {
+            return;
+        }
+        let taken_back = self.undo();
+        tracing::debug!(
+            node_id = self.core.me,
+            bucket = self.plan.bucket.0,
+            "a write whose caller went away before it counted is taken back"
+        );
+        let (Some(shadow), Ok(runtime)) = (&self.plan.shadow, tokio::runtime::Handle::try_current()) else { return };
+        let (peers, addr, bucket) = (self.core.peers.clone(), shadow.peer_addr.clone(), self.plan.bucket);
+        runtime.spawn(async move {
+            let _ = peers.shadow(&addr, bucket, change_body(&taken_back)).await;
+        });
     }
 }
 

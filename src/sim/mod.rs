@@ -703,3 +703,61 @@ pub async fn read(cluster: &SimCluster, h: HostId, key: &str) -> Result<Option<S
         Err(e) => Err(e.to_string()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shoal_http_api::types::PutOptions;
+    use shoal_http_api::PutItem;
+
+    fn item(key: &str, value: &'static str) -> PutItem {
+        PutItem { key: key.into(), value: bytes::Bytes::from_static(value.as_bytes()), options: PutOptions::default() }
+    }
+
+    /// A write whose caller goes away while it waits for its replica (a client's request
+    /// dropped, a forwarded write its sender cancelled) is taken back, as a failed one is: the
+    /// owner neither keeps nor serves a write that may never reach the replica (a failover
+    /// would take it away again, and reads would go back in time).
+    #[test]
+    fn a_write_dropped_while_it_waits_for_its_replica_is_taken_back() {
+        let runtime =
+            tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().expect("a runtime");
+        runtime.block_on(async {
+            let net = SimNetwork::new(11);
+            let cluster = SimCluster::new(net.clone(), 11, |_| {}, None);
+            for _ in 0..2 {
+                let h = cluster.add_host();
+                let joined = wait_until(&cluster, Duration::from_secs(120), |c| {
+                    c.running().iter().any(|(x, _, _)| *x == h) && converged(c).is_none()
+                });
+                assert!(joined.await, "host {h} joins");
+            }
+            let (owner, owner_id, service) = cluster.running()[0].clone();
+            let state = service.control.state();
+            let key = (0..)
+                .map(|i| format!("k{i}"))
+                .find(|k| state.map.owner_of(shoal_raft::bucket_of(k.as_bytes())) == Some(owner_id))
+                .expect("a key the first node owns");
+            let put = |value| service.api.put(item(&key, value), RouteContext::default());
+            // Acknowledged once the replica has it (retried while the replica attaches).
+            let mut first = put("acknowledged").await;
+            for _ in 0..50 {
+                if first.is_ok() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                first = put("acknowledged").await;
+            }
+            first.expect("the first write is acknowledged");
+            // The replica is slow to answer: the next write waits for it, and its caller gives up.
+            net.set_latency(Duration::from_secs(2), Duration::from_secs(2));
+            let dropped = tokio::time::timeout(Duration::from_millis(100), put("dropped")).await;
+            assert!(dropped.is_err(), "the write waited for its replica: {dropped:?}");
+            let got = service.api.get(key.clone(), RouteContext::default()).await.expect("read at the owner");
+            assert_eq!(got.value.as_ref(), b"acknowledged", "host {owner} serves what was acknowledged");
+            net.set_latency(LATENCY.0, LATENCY.1);
+            cluster.kill(owner);
+        });
+        runtime.shutdown_background();
+    }
+}
