@@ -767,6 +767,14 @@ pub const LINK_REPLICATED: u8 = 2;
 /// A link answer: the request was refused whole (HTTP status, then the reason).
 pub const LINK_REFUSED: u8 = 3;
 
+// A link remembers the kinds of request a peer refused by their low six bits: no two kinds of
+// request may share them.
+const _: () = assert!(
+    LINK_REPLICATE & 63 != reads::LINK_READ & 63
+        && LINK_REPLICATE & 63 != writes::LINK_WRITE & 63
+        && reads::LINK_READ & 63 != writes::LINK_WRITE & 63
+);
+
 /// The answers to replica writes on a link: per answer a tag (0 applied, 1 needs a snapshot,
 /// 2 fenced with the holder's map version, 3 refused), then for all but the first the reason
 /// (length u32, UTF-8).

@@ -1,5 +1,5 @@
 //! Peer links: one long-lived connection to each peer for small requests that come often
-//! (replica writes), instead of an HTTP exchange each.
+//! (replica writes, forwarded reads and writes), instead of an HTTP exchange each.
 //!
 //! An HTTP exchange costs both sides hyper's general machinery (the client's pool checkout,
 //! request encoding and response parsing; the server's parsing and routing): about 25k
@@ -630,12 +630,8 @@ where
             }
         }
     }
-    if !stopping {
-        // The opener went away: nobody waits for the answers of cancellable requests any more.
-        for (_, task) in cancellable.lock().drain() {
-            task.abort();
-        }
-    }
+    // Whether the opener's side of the link ended (it closed it, or the connection broke).
+    let mut ended = !stopping;
     if stopping {
         // Until every request taken is answered (or the drain runs out), requests that come
         // are not handled.
@@ -653,9 +649,18 @@ where
                     Ok(Some(request)) => {
                         let _ = out.send(encode(request.id, GOING_AWAY, |_| {}));
                     }
-                    _ => break,
+                    _ => {
+                        ended = true;
+                        break;
+                    }
                 },
             }
+        }
+    }
+    if ended {
+        // Nobody waits for the answers of cancellable requests any more: they stop.
+        for (_, task) in cancellable.lock().drain() {
+            task.abort();
         }
     }
     // Requests still being handled (the peer left, or the drain ran out) finish on their own;

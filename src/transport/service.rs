@@ -165,17 +165,11 @@ impl PeerService {
                 }
             }
             reads::LINK_READ => match reads::decode_request(&payload) {
-                Ok((request, deadline_ms)) => {
-                    counted.reads.increment(1);
-                    self.serve_link_read(request, deadline_ms).await
-                }
+                Ok((request, deadline_ms)) => self.serve_link_read(request, deadline_ms).await,
                 Err(reason) => refused(&reason),
             },
             writes::LINK_WRITE => match writes::decode_request(&payload) {
-                Ok((request, deadline_ms)) => {
-                    counted.writes.increment(1);
-                    self.serve_link_write(request, deadline_ms).await
-                }
+                Ok((request, deadline_ms)) => self.serve_link_write(request, deadline_ms).await,
                 Err(reason) => refused(&reason),
             },
             other => refused(&format!("unknown link request kind {other}")),
@@ -197,6 +191,7 @@ impl PeerService {
             Ok(slot) => slot,
             Err(answer) => return answer,
         };
+        self.api.metrics().link_requests.reads.increment(1);
         let bulk = matches!(request, PeerRequest::BulkGet { .. });
         let answer = self.serve(request).await;
         let _admitted = match &answer {
@@ -227,6 +222,7 @@ impl PeerService {
             Ok(slot) => slot,
             Err(answer) => return answer,
         };
+        self.api.metrics().link_requests.writes.increment(1);
         let limits = self.api.limits();
         let (key, value) = match &request {
             PeerRequest::Put { item, .. } => (&item.key, item.value.len()),
