@@ -1229,18 +1229,35 @@ mod tests {
         }
     }
 
-    /// An owner on loopback: its API answers `GET /v1/kv/{key}` as `read_of` says, and its peer
-    /// listener serves links that carry reads (when `reads`; else only replica writes, as an
-    /// older version's do). Its API and peer addresses, the reads each way saw, and its stop.
-    async fn owner(reads: bool) -> (Addrs, Arc<Seen>, tokio::sync::watch::Sender<bool>) {
+    /// What the test owner answers a write of `key`: done at version 4, or refused as a stale
+    /// conditional write.
+    fn write_of(key: &str) -> Result<shoal_http_api::types::PutOk, ApiError> {
+        match key {
+            "stale" => Err(ApiError::PreconditionFailed { current_version: Some(3) }),
+            _ => Ok(shoal_http_api::types::PutOk { key: key.into(), version: 4, bucket: 321, node: 2 }),
+        }
+    }
+
+    /// An owner on loopback: its API answers `GET /v1/kv/{key}` as `read_of` says and
+    /// `PUT /v1/kv/{key}` as `write_of` says, and its peer listener serves links that carry the
+    /// kinds of request in `carries` (the others are refused, as an older version refuses
+    /// them). Its API and peer addresses, the requests each way saw, and its stop.
+    async fn owner(carries: &'static [u8]) -> (Addrs, Arc<Seen>, tokio::sync::watch::Sender<bool>) {
         let seen = Arc::new(Seen::default());
         let (stop, stopped) = tokio::sync::watch::channel(false);
         let handler = handler(&seen, move |seen, kind, payload| {
-            if !reads || kind != reads::LINK_READ {
+            if !carries.contains(&kind) {
                 seen.refused.fetch_add(1, Ordering::SeqCst);
                 return (LINK_REFUSED, encode_refusal(400, "unknown link request kind"));
             }
             seen.link.fetch_add(1, Ordering::SeqCst);
+            if kind == writes::LINK_WRITE {
+                let answer = match writes::decode_request(&payload).expect("a write").0 {
+                    PeerRequest::Put { item, map_version: 5 } => write_of(&item.key).map(PeerAnswer::Put),
+                    other => panic!("{other:?}"),
+                };
+                return writes::encode_answer(answer.map_err(CallError::Api));
+            }
             let answer = match reads::decode_request(&payload).expect("a read").0 {
                 PeerRequest::Get { key, map_version: 5, mirror: None } => read_of(&key).map(PeerAnswer::Got),
                 other => panic!("{other:?}"),
@@ -1248,13 +1265,23 @@ mod tests {
             reads::encode_answer(answer.map_err(CallError::Api), link::MAX_REQUEST)
                 .unwrap_or((reads::LINK_ELSEWHERE, Vec::new()))
         });
+        let counted = |seen: &Arc<Seen>| {
+            seen.http.fetch_add(1, Ordering::SeqCst);
+        };
         let api = axum::Router::new().route(
             "/v1/kv/{key}",
             get({
                 let seen = seen.clone();
                 move |axum::extract::Path(key): axum::extract::Path<String>| async move {
-                    seen.http.fetch_add(1, Ordering::SeqCst);
+                    counted(&seen);
                     read_of(&key).map(shoal_http_api::value_response)
+                }
+            })
+            .put({
+                let seen = seen.clone();
+                move |axum::extract::Path(key): axum::extract::Path<String>| async move {
+                    counted(&seen);
+                    write_of(&key).map(axum::Json)
                 }
             }),
         );
@@ -1292,7 +1319,7 @@ mod tests {
 
     #[tokio::test]
     async fn forwarded_reads_go_over_the_link_once_open_and_answer_as_over_http() {
-        let (to, seen, _stop) = owner(true).await;
+        let (to, seen, _stop) = owner(&[reads::LINK_READ, writes::LINK_WRITE]).await;
         let transport = transport();
         let keys = ["found", "absent", "moving"];
         let mut over_http = Vec::new();
@@ -1316,7 +1343,7 @@ mod tests {
 
     #[tokio::test]
     async fn forwarded_reads_to_a_peer_whose_links_carry_no_reads_go_over_http() {
-        let (to, seen, _stop) = owner(false).await;
+        let (to, seen, _stop) = owner(&[]).await;
         let transport = transport();
         assert!(read(&transport, &to, "found").await.is_ok());
         eventually("a link opens", || transport.has_link(&to.peer)).await;
@@ -1326,6 +1353,50 @@ mod tests {
         assert_eq!((seen.http.load(Ordering::SeqCst), seen.link.load(Ordering::SeqCst)), (4, 0));
         // The link was asked once: after its refusal, reads go straight over HTTP.
         assert_eq!(seen.refused.load(Ordering::SeqCst), 1);
+    }
+
+    async fn put(transport: &HttpTransport, to: &Addrs, key: &str) -> Result<PeerAnswer, CallError> {
+        let item = PutItem { key: key.into(), value: Bytes::from_static(b"v"), options: Default::default() };
+        transport.key_op(to.clone(), PeerRequest::Put { item, map_version: 5 }, Duration::from_secs(5)).await
+    }
+
+    /// A write's answer in one comparable form.
+    fn put_shown(answer: &Result<PeerAnswer, CallError>) -> String {
+        match answer {
+            Ok(PeerAnswer::Put(ok)) => format!("{ok:?}"),
+            Err(CallError::Api(e)) => format!("{:?} {:?}", e.problem(), e.retry_after()),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn forwarded_writes_go_over_the_link_where_it_carries_them_and_over_http_elsewhere() {
+        for (carries, over_link) in
+            [(&[reads::LINK_READ, writes::LINK_WRITE][..], true), (&[reads::LINK_READ][..], false)]
+        {
+            let (to, seen, _stop) = owner(carries).await;
+            let transport = transport();
+            let first = [put_shown(&put(&transport, &to, "k").await), put_shown(&put(&transport, &to, "stale").await)];
+            assert!(
+                first[1].contains("precondition_failed") && first[1].contains("current_version: Some(3)"),
+                "{first:?}"
+            );
+            eventually("a link opens", || transport.has_link(&to.peer)).await;
+            let counts = || (seen.http.load(Ordering::SeqCst), seen.link.load(Ordering::SeqCst));
+            let before = counts();
+            for _ in 0..3 {
+                let again =
+                    [put_shown(&put(&transport, &to, "k").await), put_shown(&put(&transport, &to, "stale").await)];
+                assert_eq!(again, first, "the same answers both ways");
+            }
+            if over_link {
+                assert_eq!(counts(), (before.0, before.1 + 6), "no HTTP write once the link is open");
+            } else {
+                // The link was asked once: after its refusal, writes go straight over HTTP.
+                assert_eq!(counts(), (before.0 + 6, before.1));
+                assert_eq!(seen.refused.load(Ordering::SeqCst), 1);
+            }
+        }
     }
 
     #[tokio::test]
