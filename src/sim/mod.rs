@@ -707,11 +707,92 @@ pub async fn read(cluster: &SimCluster, h: HostId, key: &str) -> Result<Option<S
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::transport::{CallError, PeerAnswer, PeerRequest};
     use shoal_http_api::types::PutOptions;
     use shoal_http_api::PutItem;
 
     fn item(key: &str, value: &'static str) -> PutItem {
         PutItem { key: key.into(), value: bytes::Bytes::from_static(value.as_bytes()), options: PutOptions::default() }
+    }
+
+    /// Runs `test` on a paused clock, in a simulated cluster of `nodes` nodes configured by
+    /// `configure`, once they have joined.
+    fn in_cluster<F: std::future::Future<Output = ()>>(
+        nodes: usize,
+        configure: fn(&mut crate::config::ServeConfig),
+        test: impl FnOnce(Arc<SimNetwork>, SimCluster) -> F,
+    ) {
+        let runtime =
+            tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().expect("a runtime");
+        runtime.block_on(async {
+            let net = SimNetwork::new(11);
+            let cluster = SimCluster::new(net.clone(), 11, configure, None);
+            for _ in 0..nodes {
+                let h = cluster.add_host();
+                let joined = wait_until(&cluster, Duration::from_secs(120), |c| {
+                    c.running().iter().any(|(x, _, _)| *x == h) && converged(c).is_none()
+                });
+                assert!(joined.await, "host {h} joins");
+            }
+            test(net, cluster).await;
+        });
+        runtime.shutdown_background();
+    }
+
+    /// A forwarded request that comes over a peer link meets the receiver's own limits, as it
+    /// would over HTTP (nodes may be configured differently): a write with a key or value
+    /// longer than they allow fails with the public API's error; a read of such a key, or of
+    /// more keys than a bulk request may have, goes over HTTP, whose route fails it as for a
+    /// client.
+    #[test]
+    fn link_requests_meet_the_receivers_own_limits() {
+        fn small(config: &mut crate::config::ServeConfig) {
+            config.max_key_bytes = 16;
+            config.max_value_bytes = 64;
+        }
+        in_cluster(1, small, |_, cluster| async move {
+            let (_, _, service) = cluster.running()[0].clone();
+            let ask = |request: PeerRequest| {
+                let service = service.clone();
+                async move {
+                    let (kind, mut payload) = (crate::transport::writes::LINK_WRITE, Vec::new());
+                    let deadline = shoal_http_api::unix_ms() + 10_000;
+                    let kind = if crate::transport::writes::encode_request(&request, deadline, &mut payload) {
+                        kind
+                    } else {
+                        assert!(crate::transport::reads::encode_request(&request, deadline, &mut payload));
+                        crate::transport::reads::LINK_READ
+                    };
+                    let (answer, payload) = service.serve_link_request(kind, payload.into()).await;
+                    match kind {
+                        crate::transport::reads::LINK_READ => {
+                            crate::transport::reads::decode_answer(&request, answer, &payload.into())
+                        }
+                        _ => crate::transport::writes::decode_answer(&request, answer, &payload),
+                    }
+                }
+            };
+            let put = |key: &str, value: &'static str| PeerRequest::Put { item: item(key, value), map_version: 0 };
+            let code = |answer: Option<Result<PeerAnswer, CallError>>| match answer {
+                Some(Err(CallError::Api(e))) => e.code().to_string(),
+                other => format!("{other:?}"),
+            };
+            assert!(matches!(ask(put("short", "v")).await, Some(Ok(PeerAnswer::Put(_)))));
+            assert_eq!(code(ask(put("a key longer than sixteen bytes", "v")).await), "key_too_large");
+            let long = "a value longer than sixty-four bytes, which this node does not take at all";
+            assert_eq!(code(ask(put("short", long)).await), "value_too_large");
+            let get = |key: &str| PeerRequest::Get { key: key.into(), map_version: 0, mirror: None };
+            assert!(matches!(ask(get("short")).await, Some(Ok(PeerAnswer::Got(_)))));
+            assert!(ask(get("a key longer than sixteen bytes")).await.is_none(), "read over HTTP");
+            let bulk = |n: usize| PeerRequest::BulkGet {
+                keys: (0..n).map(|i| format!("k{i}")).collect(),
+                map_version: 0,
+                mirror: None,
+            };
+            let most = service.api.limits().max_bulk_keys;
+            assert!(matches!(ask(bulk(2)).await, Some(Ok(PeerAnswer::BulkGot(_)))));
+            assert!(ask(bulk(most + 1)).await.is_none(), "more keys than a bulk read may have");
+        });
     }
 
     /// A write whose caller goes away while it waits for its replica (a client's request
@@ -720,44 +801,35 @@ mod tests {
     /// would take it away again, and reads would go back in time).
     #[test]
     fn a_write_dropped_while_it_waits_for_its_replica_is_taken_back() {
-        let runtime =
-            tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().expect("a runtime");
-        runtime.block_on(async {
-            let net = SimNetwork::new(11);
-            let cluster = SimCluster::new(net.clone(), 11, |_| {}, None);
-            for _ in 0..2 {
-                let h = cluster.add_host();
-                let joined = wait_until(&cluster, Duration::from_secs(120), |c| {
-                    c.running().iter().any(|(x, _, _)| *x == h) && converged(c).is_none()
-                });
-                assert!(joined.await, "host {h} joins");
-            }
-            let (owner, owner_id, service) = cluster.running()[0].clone();
-            let state = service.control.state();
-            let key = (0..)
-                .map(|i| format!("k{i}"))
-                .find(|k| state.map.owner_of(shoal_raft::bucket_of(k.as_bytes())) == Some(owner_id))
-                .expect("a key the first node owns");
-            let put = |value| service.api.put(item(&key, value), RouteContext::default());
-            // Acknowledged once the replica has it (retried while the replica attaches).
-            let mut first = put("acknowledged").await;
-            for _ in 0..50 {
-                if first.is_ok() {
-                    break;
+        in_cluster(
+            2,
+            |_| {},
+            |net, cluster| async move {
+                let (owner, owner_id, service) = cluster.running()[0].clone();
+                let state = service.control.state();
+                let key = (0..)
+                    .map(|i| format!("k{i}"))
+                    .find(|k| state.map.owner_of(shoal_raft::bucket_of(k.as_bytes())) == Some(owner_id))
+                    .expect("a key the first node owns");
+                let put = |value| service.api.put(item(&key, value), RouteContext::default());
+                // Acknowledged once the replica has it (retried while the replica attaches).
+                let mut first = put("acknowledged").await;
+                for _ in 0..50 {
+                    if first.is_ok() {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    first = put("acknowledged").await;
                 }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                first = put("acknowledged").await;
-            }
-            first.expect("the first write is acknowledged");
-            // The replica is slow to answer: the next write waits for it, and its caller gives up.
-            net.set_latency(Duration::from_secs(2), Duration::from_secs(2));
-            let dropped = tokio::time::timeout(Duration::from_millis(100), put("dropped")).await;
-            assert!(dropped.is_err(), "the write waited for its replica: {dropped:?}");
-            let got = service.api.get(key.clone(), RouteContext::default()).await.expect("read at the owner");
-            assert_eq!(got.value.as_ref(), b"acknowledged", "host {owner} serves what was acknowledged");
-            net.set_latency(LATENCY.0, LATENCY.1);
-            cluster.kill(owner);
-        });
-        runtime.shutdown_background();
+                first.expect("the first write is acknowledged");
+                // The replica is slow to answer: the next write waits for it, and its caller gives up.
+                net.set_latency(Duration::from_secs(2), Duration::from_secs(2));
+                let dropped = tokio::time::timeout(Duration::from_millis(100), put("dropped")).await;
+                assert!(dropped.is_err(), "the write waited for its replica: {dropped:?}");
+                let got = service.api.get(key.clone(), RouteContext::default()).await.expect("read at the owner");
+                assert_eq!(got.value.as_ref(), b"acknowledged", "host {owner} serves what was acknowledged");
+                net.set_latency(LATENCY.0, LATENCY.1);
+            },
+        );
     }
 }

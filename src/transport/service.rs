@@ -181,12 +181,24 @@ impl PeerService {
     /// forward over HTTP is); a bulk read's values are admitted into the node's budget for
     /// answer bodies while they are copied into the answer, as the bulk route admits them.
     ///
-    /// Sent "elsewhere" (over HTTP) instead: values too large for a link, and every read that
-    /// comes while [`LINK_FORWARD_SLOTS`] others are being served. A read may wait (a bucket that
-    /// is passing, a map to catch up with), and a link serves a bounded number of requests at
-    /// once: reads may not take the slots its replica writes need.
+    /// Sent "elsewhere" (over HTTP) instead: values too large for a link, keys this node's own
+    /// limits refuse, and every read that comes while [`LINK_FORWARD_SLOTS`] others are being
+    /// served. A read may wait (a bucket that is passing, a map to catch up with), and a link
+    /// serves a bounded number of requests at once: reads may not take the slots its replica
+    /// writes need.
     async fn serve_link_read(&self, request: PeerRequest, deadline_ms: u64) -> (u8, Vec<u8>) {
         let elsewhere = || (reads::LINK_ELSEWHERE, Vec::new());
+        // Keys this node's own limits refuse (nodes configured differently): over HTTP, the
+        // route fails the read, or each such key of a bulk read alone, as it does for a client.
+        let limits = self.api.limits();
+        let keys = match &request {
+            PeerRequest::Get { key, .. } => std::slice::from_ref(key),
+            PeerRequest::BulkGet { keys, .. } => keys.as_slice(),
+            _ => &[],
+        };
+        if keys.len() > limits.max_bulk_keys || keys.iter().any(|k| shoal_http_api::check_key(k, &limits).is_err()) {
+            return elsewhere();
+        }
         let _slot = match reads::admit(&self.link_forwards, deadline_ms, shoal_http_api::unix_ms()) {
             Ok(slot) => slot,
             Err(answer) => return answer,
