@@ -12,7 +12,8 @@
 //! ```
 //!
 //! The opener sends requests; the other side answers each with a message of the same id, in
-//! whatever order its handlers finish. Many requests are in flight at once, and the writer of
+//! whatever order its handlers finish (one that needs no wait is answered at once by the
+//! reader; one that waits goes on in a task of its own). Many requests are in flight at once, and the writer of
 //! each side puts every message that waits into one write.
 //!
 //! A link only ever speeds up what HTTP would do; what a caller sees on failure is what the
@@ -606,13 +607,27 @@ where
         match request {
             Ok(Some(cancel)) if cancel.kind == CANCEL => stop_request(&cancellable, cancel.id),
             Ok(Some(request)) => {
-                let (handler, out, served) = (handler.clone(), out.clone(), served.clone());
                 let (id, kind) = (request.id, request.kind);
+                let mut handling = handler(kind, request.payload);
+                // Most requests need no wait (a read of a key, a replica write applied): served
+                // at once, here, they cost no task and no wake-up. One that must wait goes on
+                // in a task of its own, which polls it again with its own waker. A handler that
+                // panics loses its request only, as in a task.
+                let mut now = std::task::Context::from_waker(std::task::Waker::noop());
+                match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handling.as_mut().poll(&mut now))) {
+                    Ok(std::task::Poll::Ready((kind, payload))) => {
+                        let _ = out.send(encode(id, kind, |buf| buf.extend_from_slice(&payload)));
+                        continue;
+                    }
+                    Ok(std::task::Poll::Pending) => {}
+                    Err(_) => continue,
+                }
+                let (out, served) = (out.clone(), served.clone());
                 let running = (kind & CANCELLABLE != 0).then(|| cancellable.clone());
                 // Held while the task is spawned and recorded: it cannot take itself out first.
                 let mut recorded = running.is_some().then(|| cancellable.lock());
                 let task = tokio::spawn(async move {
-                    let (kind, payload) = handler(kind, request.payload).await;
+                    let (kind, payload) = handling.await;
                     if let Some(running) = running {
                         running.lock().remove(&id);
                     }
