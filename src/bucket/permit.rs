@@ -221,7 +221,16 @@ impl Drop for WritePermit<'_> {
             bucket = self.plan.bucket.0,
             "a write whose caller went away before it counted is taken back"
         );
-        let (Some(shadow), Ok(runtime)) = (&self.plan.shadow, tokio::runtime::Handle::try_current()) else { return };
+        let Some(shadow) = &self.plan.shadow else { return };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!(
+                node_id = self.core.me,
+                bucket = self.plan.bucket.0,
+                shadow = shadow.node,
+                "the shadow keeps writes that were taken back: no runtime to tell it"
+            );
+            return;
+        };
         let (peers, addr, bucket) = (self.core.peers.clone(), shadow.peer_addr.clone(), self.plan.bucket);
         runtime.spawn(async move {
             let _ = peers.shadow(&addr, bucket, change_body(&taken_back)).await;

@@ -12,8 +12,8 @@
 //! ```
 //!
 //! The opener sends requests; the other side answers each with a message of the same id, in
-//! whatever order its handlers finish (one that needs no wait is answered at once by the
-//! reader; one that waits goes on in a task of its own). Many requests are in flight at once, and the writer of
+//! whatever order its handlers finish (a small one that needs no wait is answered at once by
+//! the reader; one that waits, or a large one, goes on in a task of its own). Many requests are in flight at once, and the writer of
 //! each side puts every message that waits into one write.
 //!
 //! A link only ever speeds up what HTTP would do; what a caller sees on failure is what the
@@ -78,6 +78,9 @@ const RETRY_UNREACHABLE: Duration = Duration::from_secs(1);
 pub const RETRY_UNSUPPORTED: Duration = Duration::from_secs(60);
 /// Read and write buffers of a link, per direction.
 const BUFFER: usize = 64 * 1024;
+/// Requests up to this size are first tried at once by the serving side's reader, without a
+/// task of their own; larger ones always get one.
+const INLINE_MOST: usize = 16 * 1024;
 
 /// Why a request over a link got no answer.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -608,19 +611,25 @@ where
             Ok(Some(cancel)) if cancel.kind == CANCEL => stop_request(&cancellable, cancel.id),
             Ok(Some(request)) => {
                 let (id, kind) = (request.id, request.kind);
+                let small = request.payload.len() <= INLINE_MOST;
                 let mut handling = handler(kind, request.payload);
-                // Most requests need no wait (a read of a key, a replica write applied): served
-                // at once, here, they cost no task and no wake-up. One that must wait goes on
-                // in a task of its own, which polls it again with its own waker. A handler that
+                // Most requests are small and need no wait (a read of a key, a replica write
+                // applied): served at once, here, they cost no task and no wake-up. One that
+                // must wait goes on in a task of its own, which polls it again with its own
+                // waker; a large one (a replica snapshot to apply) goes to a task at once, so
+                // that it does not hold up the requests behind it on the link. A handler that
                 // panics loses its request only, as in a task.
-                let mut now = std::task::Context::from_waker(std::task::Waker::noop());
-                match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handling.as_mut().poll(&mut now))) {
-                    Ok(std::task::Poll::Ready((kind, payload))) => {
-                        let _ = out.send(encode(id, kind, |buf| buf.extend_from_slice(&payload)));
-                        continue;
+                if small {
+                    let mut now = std::task::Context::from_waker(std::task::Waker::noop());
+                    let polled = std::panic::AssertUnwindSafe(|| handling.as_mut().poll(&mut now));
+                    match std::panic::catch_unwind(polled) {
+                        Ok(std::task::Poll::Ready((kind, payload))) => {
+                            let _ = out.send(encode(id, kind, |buf| buf.extend_from_slice(&payload)));
+                            continue;
+                        }
+                        Ok(std::task::Poll::Pending) => {}
+                        Err(_) => continue,
                     }
-                    Ok(std::task::Poll::Pending) => {}
-                    Err(_) => continue,
                 }
                 let (out, served) = (out.clone(), served.clone());
                 let running = (kind & CANCELLABLE != 0).then(|| cancellable.clone());
