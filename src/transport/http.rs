@@ -1308,10 +1308,11 @@ mod tests {
         transport.key_op(to.clone(), request, Duration::from_secs(5)).await
     }
 
-    /// An answer in one comparable form.
+    /// A read's or write's answer in one comparable form.
     fn shown(answer: &Result<PeerAnswer, CallError>) -> String {
         match answer {
             Ok(PeerAnswer::Got(ok)) => format!("{ok:?}"),
+            Ok(PeerAnswer::Put(ok)) => format!("{ok:?}"),
             Err(CallError::Api(e)) => format!("{:?} {:?}", e.problem(), e.retry_after()),
             other => panic!("{other:?}"),
         }
@@ -1360,15 +1361,6 @@ mod tests {
         transport.key_op(to.clone(), PeerRequest::Put { item, map_version: 5 }, Duration::from_secs(5)).await
     }
 
-    /// A write's answer in one comparable form.
-    fn put_shown(answer: &Result<PeerAnswer, CallError>) -> String {
-        match answer {
-            Ok(PeerAnswer::Put(ok)) => format!("{ok:?}"),
-            Err(CallError::Api(e)) => format!("{:?} {:?}", e.problem(), e.retry_after()),
-            other => panic!("{other:?}"),
-        }
-    }
-
     #[tokio::test]
     async fn forwarded_writes_go_over_the_link_where_it_carries_them_and_over_http_elsewhere() {
         for (carries, over_link) in
@@ -1376,7 +1368,7 @@ mod tests {
         {
             let (to, seen, _stop) = owner(carries).await;
             let transport = transport();
-            let first = [put_shown(&put(&transport, &to, "k").await), put_shown(&put(&transport, &to, "stale").await)];
+            let first = [shown(&put(&transport, &to, "k").await), shown(&put(&transport, &to, "stale").await)];
             assert!(
                 first[1].contains("precondition_failed") && first[1].contains("current_version: Some(3)"),
                 "{first:?}"
@@ -1385,8 +1377,7 @@ mod tests {
             let counts = || (seen.http.load(Ordering::SeqCst), seen.link.load(Ordering::SeqCst));
             let before = counts();
             for _ in 0..3 {
-                let again =
-                    [put_shown(&put(&transport, &to, "k").await), put_shown(&put(&transport, &to, "stale").await)];
+                let again = [shown(&put(&transport, &to, "k").await), shown(&put(&transport, &to, "stale").await)];
                 assert_eq!(again, first, "the same answers both ways");
             }
             if over_link {
