@@ -21,6 +21,7 @@ use super::BucketCore;
 use crate::cache::{Change, ExportedItem, Write};
 use crate::error::{DataError, ReplicaError};
 use crate::transport::frame::change_body;
+use crate::transport::CallError;
 
 /// One write done under a permit, and how to take it back.
 struct Done {
@@ -140,8 +141,13 @@ impl<'a> WritePermit<'a> {
                     if let Some(shadow) = &shadow {
                         // The shadow has the writes: it takes them back too, as far as it can
                         // be reached (its copy only counts if this node dies before the
-                        // transfer ends).
-                        if let Err(e) = core.peers.shadow(&shadow.peer_addr, bucket, change_body(&taken_back)).await {
+                        // transfer ends). In a task of its own: a caller that goes away
+                        // meanwhile does not stop it half way.
+                        let (peers, addr, body) =
+                            (core.peers.clone(), shadow.peer_addr.clone(), change_body(&taken_back));
+                        let told = tokio::spawn(async move { peers.shadow(&addr, bucket, body).await });
+                        let told = told.await.unwrap_or_else(|e| Err(CallError::Broken(e.to_string())));
+                        if let Err(e) = told {
                             tracing::warn!(node_id = core.me, bucket = bucket.0, shadow = shadow.node, error = %e, %replica_error, plan_version = self.plan.map_version, map_version = core.control.state().map.version, elapsed_ms = started.elapsed().as_millis() as u64, "the shadow keeps writes that were taken back");
                             refused_by = Some(shadow.node);
                         }

@@ -85,6 +85,8 @@ mod tests {
         exchanges: AtomicUsize,
         largest: AtomicUsize,
         dead: AtomicBool,
+        /// The buckets of every write that arrived.
+        arrived: parking_lot::Mutex<Vec<u16>>,
     }
 
     fn answer(r: &Replicate) -> ReplicaAnswer {
@@ -106,10 +108,12 @@ mod tests {
                 Ok(match request {
                     PeerRequest::Replicate(r) => {
                         self.largest.fetch_max(1, Ordering::SeqCst);
+                        self.arrived.lock().push(r.bucket.0);
                         PeerAnswer::Replicated(answer(&r))
                     }
                     PeerRequest::ReplicateBatch(rs) => {
                         self.largest.fetch_max(rs.len(), Ordering::SeqCst);
+                        self.arrived.lock().extend(rs.iter().map(|r| r.bucket.0));
                         PeerAnswer::ReplicatedBatch(rs.iter().map(answer).collect())
                     }
                     other => panic!("unexpected {other:?}"),
@@ -163,6 +167,25 @@ mod tests {
         assert!(holder.largest.load(Ordering::SeqCst) <= 3, "300 KiB writes: at most 3 per exchange");
         let huge = Replicate { body: Bytes::from(vec![0u8; 3 << 20]), ..write(0) };
         assert_eq!(batcher.send("holder", huge).await, Ok(ReplicaAnswer::Applied), "a larger write goes alone");
+    }
+
+    #[tokio::test]
+    async fn a_write_whose_writer_went_away_before_it_was_sent_is_not_sent() {
+        use futures::FutureExt;
+        let holder = Arc::new(Holder::default());
+        let batcher = batcher(peers_of(&holder));
+        // Polled once: the write waits in the lane, its sender not started yet; then its
+        // writer goes away (as a write taken back when its client left).
+        assert!(batcher.send("holder", write(6)).now_or_never().is_none());
+        assert_eq!(batcher.send("holder", write(4)).await, Ok(ReplicaAnswer::Applied));
+        assert_eq!(*holder.arrived.lock(), vec![4], "only the write still wanted reached the holder");
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while !batcher.idle() {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("no sender is left behind");
     }
 
     #[tokio::test]

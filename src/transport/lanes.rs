@@ -141,10 +141,13 @@ async fn drain<E: Exchange>(shared: Arc<Shared<E>>, addr: String) {
 }
 
 /// The oldest waiting requests of the lane, within the limits (at least one), or `None` (and
-/// this sender stops) when none waits.
+/// this sender stops) when none waits. A request whose caller went away before it was taken is
+/// not sent: nobody waits for its answer, and a write that is not wanted any more must not land
+/// (its writer took it back; sent late, it would put on a copy a value the owner no longer has).
 fn take<E: Exchange>(shared: &Shared<E>, addr: &str) -> Option<Vec<(E::Item, Waiter<E>)>> {
     let mut lanes = shared.lanes.lock();
     let lane = lanes.get_mut(addr)?;
+    lane.waiting.retain(|(_, waiter)| !waiter.is_closed());
     if lane.waiting.is_empty() {
         lane.senders -= 1;
         if lane.senders == 0 {

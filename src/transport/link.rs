@@ -595,7 +595,7 @@ where
     tokio::pin!(stop);
     let mut stopping = false;
     // Requests of cancellable kinds being handled, by id.
-    let cancellable: Arc<Mutex<HashMap<u64, AbortHandle>>> = Arc::default();
+    let cancellable: Running = Arc::default();
     loop {
         let Ok(permit) = permits.clone().acquire_owned().await else { break };
         // Biased: a shutdown is seen before any request that came after it.
@@ -636,10 +636,9 @@ where
                 // Held while the task is spawned and recorded: it cannot take itself out first.
                 let mut recorded = running.is_some().then(|| cancellable.lock());
                 let task = tokio::spawn(async move {
+                    let record = Recorded(running.map(|running| (running, id)));
                     let (kind, payload) = handling.await;
-                    if let Some(running) = running {
-                        running.lock().remove(&id);
-                    }
+                    drop(record);
                     let _ = out.send(encode(id, kind, |buf| buf.extend_from_slice(&payload)));
                     drop((permit, served));
                 });
@@ -683,7 +682,8 @@ where
     }
     if ended {
         // Nobody waits for the answers of cancellable requests any more: they stop.
-        for (_, task) in cancellable.lock().drain() {
+        let stopped: Vec<AbortHandle> = cancellable.lock().drain().map(|(_, task)| task).collect();
+        for task in stopped {
             task.abort();
         }
     }
@@ -694,9 +694,26 @@ where
     writer.abort();
 }
 
+/// A cancellable request's place in its link's record of them: taken out when its handling
+/// ends, however it ends (a handler that panics included).
+struct Recorded(Option<(Running, u64)>);
+
+/// A link's cancellable requests being handled, by id.
+type Running = Arc<Mutex<HashMap<u64, AbortHandle>>>;
+
+impl Drop for Recorded {
+    fn drop(&mut self) {
+        if let Some((running, id)) = self.0.take() {
+            running.lock().remove(&id);
+        }
+    }
+}
+
 /// Stops handling the request `id`, if it is a cancellable one still being handled.
 fn stop_request(running: &Mutex<HashMap<u64, AbortHandle>>, id: u64) {
-    if let Some(task) = running.lock().remove(&id) {
+    // Not under the lock: a task that stops takes itself out of it.
+    let task = running.lock().remove(&id);
+    if let Some(task) = task {
         task.abort();
     }
 }
