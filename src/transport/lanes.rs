@@ -10,7 +10,8 @@
 //! exchange means for each request) is the [`Exchange`]'s: replica writes and forwarded key
 //! operations each have one.
 
-use std::collections::HashMap;
+// Keyed by peer addresses from the map: a fast hash, no DoS-safe one.
+use foldhash::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

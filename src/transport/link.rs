@@ -39,7 +39,8 @@
 //!   [`GOING_AWAY`]: not handled, so the opener sends it another way (over HTTP, to a listener
 //!   that is closed: unreachable, as if the link had never been there).
 
-use std::collections::HashMap;
+// Keyed by peer addresses and request ids of this node's own making: a fast hash, no DoS-safe one.
+use foldhash::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -367,7 +368,7 @@ where
     let (out, messages) = mpsc::unbounded_channel();
     let link = Arc::new(Link {
         out,
-        pending: Mutex::new(Some(HashMap::new())),
+        pending: Mutex::new(Some(HashMap::default())),
         next_id: AtomicU64::new(1),
         opened: Instant::now(),
         last_read: AtomicU64::new(0),

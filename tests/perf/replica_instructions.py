@@ -50,7 +50,7 @@ def total(dump):
     return int(m.group(1).replace(",", "")) if m else 0
 
 
-def measure(shoal, duration, op, routing):
+def measure(shoal, duration, op, routing, keep=None):
     tmp = tempfile.mkdtemp(prefix="shoal-cg3-")
     cluster = Callgrind(shoal, tmp, "sync")
     try:
@@ -69,7 +69,12 @@ def measure(shoal, duration, op, routing):
         done = json.loads(out.stdout)["requests"]
         for p in cluster.procs:
             subprocess.run(["callgrind_control", "-d", str(p.pid)], capture_output=True)
-        instructions = sum(total(d) for d in glob.glob(os.path.join(tmp, "callgrind-n*.out.1")))
+        dumps = glob.glob(os.path.join(tmp, "callgrind-n*.out.1"))
+        instructions = sum(total(d) for d in dumps)
+        if keep:
+            os.makedirs(keep, exist_ok=True)
+            for d in dumps:
+                shutil.copy(d, keep)
         return done, instructions
     finally:
         cluster.stop()
@@ -82,13 +87,14 @@ def main():
     ap.add_argument("--duration", default="10s")
     ap.add_argument("--op", choices=["put", "get"], default="put")
     ap.add_argument("--routing", choices=["direct", "any"], default="direct")
+    ap.add_argument("--keep", help="copy the three dumps here (callgrind_annotate reads them); one build only")
     args = ap.parse_args()
     if not shutil.which("valgrind"):
         subprocess.run(["apt-get", "install", "-y", "-qq", "valgrind"], check=True)
     op = args.op.upper()
     print(f"{'binary':<40} {op + 's':>8} {f'instructions/{op} (3 nodes)':>28}  routing {args.routing}")
     for shoal in args.shoal:
-        done, instructions = measure(shoal, args.duration, args.op, args.routing)
+        done, instructions = measure(shoal, args.duration, args.op, args.routing, args.keep)
         print(f"{shoal:<40} {done:>8} {instructions // max(done, 1):>28,}")
 
 
