@@ -383,7 +383,7 @@ impl NodeMetrics {
             ),
             forward_exchanges: counter(
                 "shoal_forward_exchanges_total",
-                "Exchanges with owners that carried forwarded key operations: operations waiting for one owner at once travel together, so forwarded operations per exchange is the batch size.",
+                "Exchanges over HTTP with owners that carried forwarded reads: reads waiting for one owner at once travel together, so reads per exchange is the batch size. Forwarded operations on a peer link (writes, and reads where one is open) are messages of their own, not counted here.",
             ),
             replication_snapshot_bytes: counter(
                 "shoal_replication_snapshot_bytes_total",

@@ -1,4 +1,5 @@
-//! Forwarded reads to one owner that wait at the same time travel together.
+//! Forwarded reads to one owner that wait at the same time travel together, unless a peer link
+//! to the owner carries them (there each is a message of its own).
 //!
 //! A node that receives a key operation for a bucket it does not own forwards it to the owner.
 //! Under load many clients' reads wait for the same owner at once, and each would be an HTTP
@@ -12,6 +13,12 @@
 //!
 //! Writes and deletes go alone (see [`KeyOp::shared`]): a forwarded write must be dropped with
 //! its caller. The exchange still sends bulk writes and deletes when given them together.
+//!
+//! Where a peer link to the owner is open and carries reads, reads go alone as well: on a link
+//! each read is one small message, the link's writer puts whatever waits into one socket write,
+//! and the owner answers it in its link reader, so the lane would only add its sender's task and
+//! a bulk request to take apart (about a quarter less server work per forwarded read, counted with
+//! callgrind). The lanes then carry only what goes over HTTP.
 
 use std::sync::Arc;
 
@@ -95,8 +102,11 @@ pub(super) struct KeyOps(Arc<dyn Transport>);
 type Answer = Result<KeyDone, ApiError>;
 
 /// Sends `f` to the owner at `addr`: through its lane when it may share an exchange, else alone.
+/// A read goes alone too when a link to the owner carries reads: on a link each is one small
+/// message, the link's writer puts whatever waits into one write, and the owner answers it in
+/// its link reader; the lane would only add its sender's task and a bulk request to take apart.
 pub(super) async fn forward(forwards: &Forwards, addr: &str, f: Forwarded) -> Answer {
-    if f.op.shared() {
+    if f.op.shared() && !forwards.exchange().0.reads_on_link(&f.peer_addr) {
         forwards.send(addr, f).await
     } else {
         forwards.exchange().alone(addr, f).await
@@ -270,6 +280,8 @@ mod tests {
         largest: AtomicUsize,
         max_keys: AtomicUsize,
         dead: AtomicBool,
+        /// Reached on a link that carries reads.
+        linked: AtomicBool,
     }
 
     fn number(key: &str) -> usize {
@@ -357,6 +369,10 @@ mod tests {
                 }
             })
         }
+
+        fn reads_on_link(&self) -> bool {
+            self.linked.load(Ordering::SeqCst)
+        }
     }
 
     /// Where the fake owner is reached (the fake transport answers wherever a call goes).
@@ -411,6 +427,20 @@ mod tests {
         assert_eq!(operate(&peers, 1).await, expected(1));
         assert_eq!(owner.exchanges.load(Ordering::SeqCst), before + 1);
         assert_eq!(owner.bulk.load(Ordering::SeqCst), bulk);
+    }
+
+    #[tokio::test]
+    async fn reads_to_an_owner_on_a_link_go_alone_and_each_gets_its_own_answer() {
+        let owner = Arc::new(Owner { linked: AtomicBool::new(true), ..Owner::default() });
+        let peers = peers_of(&owner);
+        let answers = operate_all(&peers, 450).await;
+        for (i, got) in answers.into_iter().enumerate() {
+            assert_eq!(got, expected(i), "operation {i}");
+        }
+        // On a link each read is a message of its own: no lane, no bulk request.
+        assert_eq!(owner.exchanges.load(Ordering::SeqCst), 450);
+        assert_eq!(owner.bulk.load(Ordering::SeqCst), 0);
+        assert_eq!(peers.forward_exchanges(), 0, "no lane exchange");
     }
 
     #[tokio::test]

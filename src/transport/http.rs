@@ -683,13 +683,19 @@ impl Transport for HttpTransport {
             let started = tokio::time::Instant::now();
             match self.key_op_over_link(&to.peer, &request, timeout).await {
                 Some(answer) => answer,
-                // Over HTTP in the time that is left: the caller waits `timeout` in all.
+                // Over HTTP in the time that is left: the caller waits `timeout` in all. Boxed:
+                // an HTTP exchange's future is large, and this one's is moved into a box for
+                // every operation, those on the link too.
                 None => match timeout.checked_sub(started.elapsed()).filter(|left| !left.is_zero()) {
-                    Some(left) => self.send(&to.api, request, left).await,
+                    Some(left) => Box::pin(self.send(&to.api, request, left)).await,
                     None => Err(CallError::Timeout),
                 },
             }
         })
+    }
+
+    fn reads_on_link(&self, peer_addr: &str) -> bool {
+        self.links.carries(peer_addr, reads::LINK_READ)
     }
 
     fn open_stream(
@@ -1322,6 +1328,7 @@ mod tests {
     async fn forwarded_reads_go_over_the_link_once_open_and_answer_as_over_http() {
         let (to, seen, _stop) = owner(&[reads::LINK_READ, writes::LINK_WRITE]).await;
         let transport = transport();
+        assert!(!transport.reads_on_link(&to.peer), "no link yet: forwarded reads share HTTP exchanges");
         let keys = ["found", "absent", "moving"];
         let mut over_http = Vec::new();
         for key in keys {
@@ -1329,6 +1336,7 @@ mod tests {
         }
         assert!(seen.http.load(Ordering::SeqCst) >= 1, "the first read goes over HTTP");
         eventually("a link opens", || transport.has_link(&to.peer)).await;
+        assert!(transport.reads_on_link(&to.peer), "forwarded reads go alone on the link");
         let counts = || (seen.http.load(Ordering::SeqCst), seen.link.load(Ordering::SeqCst));
         let (http, link) = counts();
         for (key, answer) in keys.iter().zip(&over_http) {
@@ -1352,8 +1360,10 @@ mod tests {
             assert!(matches!(read(&transport, &to, "absent").await, Err(CallError::Api(ApiError::NotFound))));
         }
         assert_eq!((seen.http.load(Ordering::SeqCst), seen.link.load(Ordering::SeqCst)), (4, 0));
-        // The link was asked once: after its refusal, reads go straight over HTTP.
+        // The link was asked once: after its refusal, reads go straight over HTTP (and share
+        // exchanges there).
         assert_eq!(seen.refused.load(Ordering::SeqCst), 1);
+        assert!(!transport.reads_on_link(&to.peer));
     }
 
     async fn put(transport: &HttpTransport, to: &Addrs, key: &str) -> Result<PeerAnswer, CallError> {

@@ -285,6 +285,11 @@ impl Links {
         matches!(self.slots.lock().get(addr), Some(Slot::Open(_)))
     }
 
+    /// Whether a link to `addr` is open and its peer has not refused requests of `kind` on it.
+    pub fn carries(&self, addr: &str, kind: u8) -> bool {
+        matches!(self.slots.lock().get(addr), Some(Slot::Open(link)) if link.refused.load(Ordering::Relaxed) & (1 << (kind & 63)) == 0)
+    }
+
     /// Opens a link to `addr` in the background with `connect` (which upgrades a connection
     /// to the peer), after [`Links::get`] told this caller to.
     pub fn open<F, S>(&self, addr: &str, connect: F)

@@ -386,6 +386,13 @@ pub trait Transport: ControlTransport {
         self.call(&to.api, request, timeout)
     }
 
+    /// Whether a read [`Self::key_op`] sends to the member whose peer listener is at
+    /// `peer_addr` goes on a link now: there each read is a small message of its own, and
+    /// waiting to share a request with others would only add hand-offs. By default never.
+    fn reads_on_link(&self, _peer_addr: &str) -> bool {
+        false
+    }
+
     /// Opens a stream at the node at `peer_addr`; waits at most `timeout` for it to start.
     fn open_stream(
         &self,

@@ -13,7 +13,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures::StreamExt;
 use shoal_http_api::types::{BucketsQuery, RebalanceRequest, RouteContext};
-use shoal_http_api::ShoalApi;
+use shoal_http_api::{ApiError, ShoalApi};
 use shoal_raft::{BucketId, ControlError, ControlPlane, ControlRpc, NodeId, ServeError, BUCKET_COUNT};
 
 use super::http::{
@@ -59,6 +59,39 @@ fn read_context(map_version: u64, mirror: Option<Duration>) -> RouteContext {
 }
 
 impl PeerService {
+    /// A read from another node, forwarded or for a mirror (`Get`, `BulkGet`; any other request
+    /// is refused). A function of its own, whose future is only as large as a read's: a link
+    /// moves a request's future into a box for every request it serves, and [`Self::serve`]'s
+    /// holds whatever any request needs (the whole write path among them).
+    async fn serve_read(&self, request: PeerRequest) -> Result<PeerAnswer, CallError> {
+        let failed = CallError::Api;
+        Ok(match request {
+            PeerRequest::Get { key, map_version, mirror } => {
+                PeerAnswer::Got(self.api.get(key, read_context(map_version, mirror)).await.map_err(failed)?)
+            }
+            PeerRequest::BulkGet { keys, map_version, mirror } => {
+                PeerAnswer::BulkGot(self.api.bulk_get(keys, read_context(map_version, mirror)).await.map_err(failed)?)
+            }
+            _ => return Err(CallError::Api(ApiError::Internal("a read of another kind".into()))),
+        })
+    }
+
+    /// A write or delete forwarded from another node (`Put`, `Delete`; any other request is
+    /// refused), in a function of its own for the same reason as [`Self::serve_read`].
+    async fn serve_write(&self, request: PeerRequest) -> Result<PeerAnswer, CallError> {
+        let failed = CallError::Api;
+        Ok(match request {
+            PeerRequest::Put { item, map_version } => {
+                PeerAnswer::Put(self.api.put(item, forwarded(map_version)).await.map_err(failed)?)
+            }
+            PeerRequest::Delete { key, cas, map_version } => {
+                self.api.delete(key, cas, forwarded(map_version)).await.map_err(failed)?;
+                PeerAnswer::Deleted
+            }
+            _ => return Err(CallError::Api(ApiError::Internal("a write of another kind".into()))),
+        })
+    }
+
     /// Answers one request.
     pub async fn serve(&self, request: PeerRequest) -> Result<PeerAnswer, CallError> {
         let api = &self.api;
@@ -84,19 +117,8 @@ impl PeerService {
             PeerRequest::TransferStatus => {
                 PeerAnswer::TransferStatus(self.exporter.progress.status(self.control.node_id()))
             }
-            PeerRequest::Get { key, map_version, mirror } => {
-                PeerAnswer::Got(api.get(key, read_context(map_version, mirror)).await.map_err(failed)?)
-            }
-            PeerRequest::Put { item, map_version } => {
-                PeerAnswer::Put(api.put(item, forwarded(map_version)).await.map_err(failed)?)
-            }
-            PeerRequest::Delete { key, cas, map_version } => {
-                api.delete(key, cas, forwarded(map_version)).await.map_err(failed)?;
-                PeerAnswer::Deleted
-            }
-            PeerRequest::BulkGet { keys, map_version, mirror } => {
-                PeerAnswer::BulkGot(api.bulk_get(keys, read_context(map_version, mirror)).await.map_err(failed)?)
-            }
+            request @ (PeerRequest::Get { .. } | PeerRequest::BulkGet { .. }) => return self.serve_read(request).await,
+            request @ (PeerRequest::Put { .. } | PeerRequest::Delete { .. }) => return self.serve_write(request).await,
             PeerRequest::BulkPut { items, map_version } => {
                 PeerAnswer::BulkPut(api.bulk_put(items, forwarded(map_version)).await.map_err(failed)?)
             }
@@ -151,6 +173,9 @@ impl PeerService {
     /// Answers a request that came over a peer link (`transport::link`): its kind and payload
     /// in, the answer's out.
     pub async fn serve_link_request(&self, kind: u8, payload: Bytes) -> (u8, Vec<u8>) {
+        // Replica writes and forwarded writes are boxed: their futures are large (the whole
+        // write path), and this one is moved into a box for every request the link serves, a
+        // read too; so it stays as small as a read's.
         let refused = |reason: &str| (LINK_REFUSED, encode_refusal(400, reason));
         let counted = &self.api.metrics().link_requests;
         match kind {
@@ -160,7 +185,7 @@ impl PeerService {
                     return refused("replica writes without their sender");
                 };
                 match super::http::decode_batch(from, payload.slice(8..)) {
-                    Ok(requests) => (LINK_REPLICATED, encode_answers(&self.receive_batch(requests).await)),
+                    Ok(requests) => (LINK_REPLICATED, encode_answers(&Box::pin(self.receive_batch(requests)).await)),
                     Err(reason) => refused(&reason),
                 }
             }
@@ -169,7 +194,7 @@ impl PeerService {
                 Err(reason) => refused(&reason),
             },
             writes::LINK_WRITE => match writes::decode_request(&payload) {
-                Ok((request, deadline_ms)) => self.serve_link_write(request, deadline_ms).await,
+                Ok((request, deadline_ms)) => Box::pin(self.serve_link_write(request, deadline_ms)).await,
                 Err(reason) => refused(&reason),
             },
             other => refused(&format!("unknown link request kind {other}")),
@@ -177,7 +202,7 @@ impl PeerService {
     }
 
     /// A forwarded or mirror read that came over a peer link: served as any read from another
-    /// node ([`Self::serve`]), unless it arrived after its sender's deadline (refused as a late
+    /// node ([`Self::serve_read`]), unless it arrived after its sender's deadline (refused as a late
     /// forward over HTTP is); a bulk read's values are admitted into the node's budget for
     /// answer bodies while they are copied into the answer, as the bulk route admits them.
     ///
@@ -205,7 +230,7 @@ impl PeerService {
         };
         self.api.metrics().link_requests.reads.increment(1);
         let bulk = matches!(request, PeerRequest::BulkGet { .. });
-        let answer = self.serve(request).await;
+        let answer = self.serve_read(request).await;
         let _admitted = match &answer {
             Ok(PeerAnswer::BulkGot(items)) if bulk => {
                 let values = items.iter().flatten().flatten().map(|ok| ok.value.len()).sum();
@@ -224,7 +249,7 @@ impl PeerService {
 
     /// A forwarded write or delete that came over a peer link: checked against this node's
     /// limits and its value admitted into the node's body budget, as the key routes do, then
-    /// served as any forward from another node ([`Self::serve`]), unless it arrived after its
+    /// served as any forward from another node ([`Self::serve_write`]), unless it arrived after its
     /// sender's deadline (refused, nothing done). It takes one of the [`LINK_FORWARD_SLOTS`]
     /// (a write waits for its replica, and must not take the slots the link's replica writes
     /// need); when none is free it goes over HTTP instead. The link cancels it when its
@@ -251,7 +276,7 @@ impl PeerService {
             Ok(permit) => permit,
             Err(e) => return reads::failed(&e),
         };
-        writes::encode_answer(self.serve(request).await)
+        writes::encode_answer(self.serve_write(request).await)
     }
 
     /// A control-plane message.

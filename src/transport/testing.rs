@@ -13,6 +13,11 @@ use super::{CallError, FrameStream, PeerAnswer, PeerRequest, StreamRequest, Tran
 pub trait Answers: Send + Sync + 'static {
     /// The answer to `request`.
     fn answer(&self, request: PeerRequest) -> BoxFuture<'_, Result<PeerAnswer, CallError>>;
+
+    /// Whether reads go to it as on a link ([`Transport::reads_on_link`]); by default not.
+    fn reads_on_link(&self) -> bool {
+        false
+    }
 }
 
 /// A transport whose calls the fake peer answers; streams and control messages fail.
@@ -21,6 +26,10 @@ pub struct CallsOnly<A>(pub Arc<A>);
 impl<A: Answers> Transport for CallsOnly<A> {
     fn call(&self, _: &str, request: PeerRequest, _: Duration) -> BoxFuture<'_, Result<PeerAnswer, CallError>> {
         self.0.answer(request)
+    }
+
+    fn reads_on_link(&self, _: &str) -> bool {
+        self.0.reads_on_link()
     }
 
     fn open_stream(&self, _: &str, _: StreamRequest, _: Duration) -> BoxFuture<'_, Result<FrameStream, CallError>> {

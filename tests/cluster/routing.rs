@@ -323,7 +323,8 @@ async fn forwarded_operations_in_flight_together_share_exchanges_and_each_gets_i
     for k in keys.iter().step_by(37) {
         assert_eq!(c.get(0, k).await, None, "{k} was deleted");
     }
-    // The forwards went in fewer exchanges than operations: they were batched.
+    // Fewer lane exchanges than operations: writes and deletes, and reads once the peer link
+    // is open, go as messages of their own on the link; reads before that shared exchanges.
     let text = c.http.get(c.url(0, "/metrics")).send().await.expect("metrics").text().await.expect("text");
     let value = |series: &str| -> f64 {
         text.lines().find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok())).expect(series)

@@ -7,8 +7,10 @@ each --runs round and each of GET and PUT: `shoal bench` (50 connections, 100-by
 random node, which forwards two thirds of them). Builds alternate within a round, so both see
 the same machine. Reported per build: ops/s, server CPU µs per operation both ways, the extra
 server µs per forwarded operation ((any - direct) / (2/3)), and forwarded operations per
-exchange with the owner (`shoal_forward_exchanges_total`; "-" for builds without it). Medians
-of --runs.
+exchange with the owner (`shoal_forward_exchanges_total`; "-" for builds without it). That
+counts the owners' lanes, which carry forwarded reads over HTTP: where a peer link is open,
+reads (since `a2ccc3c`'s successor) and writes go on it one message each and are not counted,
+so the column is then large (only the reads before the links opened). Medians of --runs.
 
     cargo build --release && python3 tests/perf/forwarding.py --shoal target/release/shoal \\
         --baseline /path/to/older/release/shoal
