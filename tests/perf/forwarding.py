@@ -9,7 +9,7 @@ the same machine. Reported per build: ops/s, server CPU µs per operation both w
 server µs per forwarded operation ((any - direct) / (2/3)), and forwarded operations per
 exchange with the owner (`shoal_forward_exchanges_total`; "-" for builds without it). That
 counts the owners' lanes, which carry forwarded reads over HTTP: where a peer link is open,
-reads (since `a2ccc3c`'s successor) and writes go on it one message each and are not counted,
+reads (since `07f0653`) and writes go on it one message each and are not counted,
 so the column is then large (only the reads before the links opened). Medians of --runs.
 
     cargo build --release && python3 tests/perf/forwarding.py --shoal target/release/shoal \\
