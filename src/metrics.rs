@@ -263,6 +263,9 @@ pub struct LinkRequests {
     pub reads: Counter,
     /// Forwarded writes and deletes.
     pub writes: Counter,
+    /// Forwarded reads, writes and deletes sent back to go over HTTP instead: every slot for
+    /// forwarded link requests busy, keys the node's limits refuse, values too large for a link.
+    pub elsewhere: Counter,
 }
 
 static METADATA: Metadata<'static> = Metadata::new("shoal", Level::INFO, Some(module_path!()));
@@ -383,7 +386,7 @@ impl NodeMetrics {
             ),
             forward_exchanges: counter(
                 "shoal_forward_exchanges_total",
-                "Exchanges over HTTP with owners that carried forwarded reads: reads waiting for one owner at once travel together, so reads per exchange is the batch size. Forwarded operations on a peer link (writes, and reads where one is open) are messages of their own, not counted here.",
+                "Exchanges with owners that carried forwarded reads waiting for one owner together (reads forwarded while no peer link to the owner carried reads): reads per exchange is the batch size. Forwarded operations sent on a peer link one message each (writes, and reads where a link is open), and those the owner sent back over HTTP, are not counted here.",
             ),
             replication_snapshot_bytes: counter(
                 "shoal_replication_snapshot_bytes_total",
@@ -433,13 +436,18 @@ impl NodeMetrics {
                 describe(
                     r,
                     "shoal_peer_link_requests_total",
-                    "Requests this node served over peer links, by kind (replica_writes: one per batch; reads: forwarded and mirror reads; writes: forwarded writes and deletes). The rest of the node-to-node traffic is HTTP exchanges.",
+                    "Requests this node served over peer links, by kind (replica_writes: one per batch; reads: forwarded and mirror reads; writes: forwarded writes and deletes; elsewhere: forwarded requests sent back to go over HTTP, because every slot for them was busy, or their keys or values are beyond this node's limits or a link's). The rest of the node-to-node traffic is HTTP exchanges.",
                 );
                 let kind = |kind: &'static str| {
                     let key = Key::from_parts("shoal_peer_link_requests_total", vec![Label::new("kind", kind)]);
                     r.register_counter(&key, &METADATA)
                 };
-                LinkRequests { replica_writes: kind("replica_writes"), reads: kind("reads"), writes: kind("writes") }
+                LinkRequests {
+                    replica_writes: kind("replica_writes"),
+                    reads: kind("reads"),
+                    writes: kind("writes"),
+                    elsewhere: kind("elsewhere"),
+                }
             },
             hits: counter("shoal_cache_hits_total", "Reads that found their key."),
             misses: counter("shoal_cache_misses_total", "Reads that did not find their key."),

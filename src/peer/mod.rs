@@ -5,7 +5,8 @@
 //! each member for its own keys only. Answers come back as the same types and
 //! errors the local path produces, so a client cannot tell a forwarded answer from a local
 //! one; what the network did (unreachable, no answer in time) becomes `owner_unreachable`.
-//! Forwarded key operations waiting for the same owner at once share exchanges (`forward.rs`).
+//! Forwarded reads waiting for the same owner at once share exchanges, unless a peer link to the
+//! owner carries them one message each (`forward.rs`).
 
 mod forward;
 
@@ -77,8 +78,8 @@ impl Peers {
         self.forwards.exchanges()
     }
 
-    /// Forwards a key operation to `owner` at `to`, with others waiting for it when it is
-    /// small.
+    /// Forwards a key operation to `owner` at `to`: a read with others waiting for that owner,
+    /// unless a link to it carries reads (see `forward.rs`).
     async fn forward_op(
         &self,
         to: &Addrs,

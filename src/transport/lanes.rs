@@ -10,12 +10,12 @@
 //! exchange means for each request) is the [`Exchange`]'s: replica writes and forwarded key
 //! operations each have one.
 
-// Keyed by peer addresses from the map: a fast hash, no DoS-safe one.
-use foldhash::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+// Keyed by peer addresses from the map: a fast hash, no DoS-safe one.
+use foldhash::HashMap;
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
 

@@ -39,8 +39,6 @@
 //!   [`GOING_AWAY`]: not handled, so the opener sends it another way (over HTTP, to a listener
 //!   that is closed: unreachable, as if the link had never been there).
 
-// Keyed by peer addresses and request ids of this node's own making: a fast hash, no DoS-safe one.
-use foldhash::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -48,6 +46,8 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
+// Keyed by peer addresses and request ids among authenticated members: a fast hash, no DoS-safe one.
+use foldhash::HashMap;
 use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::{mpsc, oneshot, watch};

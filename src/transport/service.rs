@@ -53,6 +53,14 @@ fn forwarded(map_version: u64) -> RouteContext {
     RouteContext { forwarded_map_version: Some(map_version), from_peer: true, ..RouteContext::default() }
 }
 
+/// `answer`, counted when it sends its request elsewhere (over HTTP).
+fn elsewhere_counted(counted: &crate::metrics::LinkRequests, answer: (u8, Vec<u8>)) -> (u8, Vec<u8>) {
+    if answer.0 == reads::LINK_ELSEWHERE {
+        counted.elsewhere.increment(1);
+    }
+    answer
+}
+
 /// [`forwarded`], and for a mirror read the staleness it allows.
 fn read_context(map_version: u64, mirror: Option<Duration>) -> RouteContext {
     RouteContext { mirror_read: mirror, ..forwarded(map_version) }
@@ -190,11 +198,15 @@ impl PeerService {
                 }
             }
             reads::LINK_READ => match reads::decode_request(&payload) {
-                Ok((request, deadline_ms)) => self.serve_link_read(request, deadline_ms).await,
+                Ok((request, deadline_ms)) => {
+                    elsewhere_counted(counted, self.serve_link_read(request, deadline_ms).await)
+                }
                 Err(reason) => refused(&reason),
             },
             writes::LINK_WRITE => match writes::decode_request(&payload) {
-                Ok((request, deadline_ms)) => Box::pin(self.serve_link_write(request, deadline_ms)).await,
+                Ok((request, deadline_ms)) => {
+                    elsewhere_counted(counted, Box::pin(self.serve_link_write(request, deadline_ms)).await)
+                }
                 Err(reason) => refused(&reason),
             },
             other => refused(&format!("unknown link request kind {other}")),

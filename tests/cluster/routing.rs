@@ -286,7 +286,7 @@ async fn metrics_count_operations_hits_misses_and_forwards() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn forwarded_operations_in_flight_together_share_exchanges_and_each_gets_its_own_answer() {
+async fn forwarded_operations_in_flight_together_each_get_their_own_answer() {
     let cluster = TestCluster::start(2).await;
     let c = &cluster;
     c.wait_for_counts(&[500, 500]).await;
