@@ -123,10 +123,13 @@ impl<'a> WritePermit<'a> {
                         // No answer is not no write: the shadow may have applied them. It
                         // takes them back as far as it can be reached, in the background
                         // (changes apply by version, so later writes cannot be undone by it).
-                        let (peers, addr) = (core.peers.clone(), shadow.peer_addr.clone());
-                        tokio::spawn(async move {
-                            let _ = peers.shadow(&addr, bucket, change_body(&taken_back)).await;
-                        });
+                        drop(take_back_at(
+                            &tokio::runtime::Handle::current(),
+                            core,
+                            &shadow.peer_addr,
+                            bucket,
+                            &taken_back,
+                        ));
                         return Err(DataError::ShadowFailed { bucket, shadow: shadow.node, cause });
                     }
                     tracing::debug!(node_id = core.me, bucket = bucket.0, shadow = shadow.node, error = %cause, "shadow write-through failed after the shadow was dropped");
@@ -141,11 +144,14 @@ impl<'a> WritePermit<'a> {
                     if let Some(shadow) = &shadow {
                         // The shadow has the writes: it takes them back too, as far as it can
                         // be reached (its copy only counts if this node dies before the
-                        // transfer ends). In a task of its own: a caller that goes away
-                        // meanwhile does not stop it half way.
-                        let (peers, addr, body) =
-                            (core.peers.clone(), shadow.peer_addr.clone(), change_body(&taken_back));
-                        let told = tokio::spawn(async move { peers.shadow(&addr, bucket, body).await });
+                        // transfer ends).
+                        let told = take_back_at(
+                            &tokio::runtime::Handle::current(),
+                            core,
+                            &shadow.peer_addr,
+                            bucket,
+                            &taken_back,
+                        );
                         let told = told.await.unwrap_or_else(|e| Err(CallError::Broken(e.to_string())));
                         if let Err(e) = told {
                             tracing::warn!(node_id = core.me, bucket = bucket.0, shadow = shadow.node, error = %e, %replica_error, plan_version = self.plan.map_version, map_version = core.control.state().map.version, elapsed_ms = started.elapsed().as_millis() as u64, "the shadow keeps writes that were taken back");
@@ -237,11 +243,22 @@ impl Drop for WritePermit<'_> {
             );
             return;
         };
-        let (peers, addr, bucket) = (self.core.peers.clone(), shadow.peer_addr.clone(), self.plan.bucket);
-        runtime.spawn(async move {
-            let _ = peers.shadow(&addr, bucket, change_body(&taken_back)).await;
-        });
+        drop(take_back_at(&runtime, self.core, &shadow.peer_addr, self.plan.bucket, &taken_back));
     }
+}
+
+/// Sends the shadow at `addr` the changes that take a permit's writes back, in a task of its own
+/// on `runtime`: a caller that goes away meanwhile does not stop it half way. Its handle answers
+/// whether the shadow took them (dropped, the task goes on).
+fn take_back_at(
+    runtime: &tokio::runtime::Handle,
+    core: &BucketCore,
+    addr: &str,
+    bucket: shoal_raft::BucketId,
+    taken_back: &[Change],
+) -> tokio::task::JoinHandle<Result<(), CallError>> {
+    let (peers, addr, body) = (core.peers.clone(), addr.to_string(), change_body(taken_back));
+    runtime.spawn(async move { peers.shadow(&addr, bucket, body).await })
 }
 
 /// A write the replica refused because this node's map, caught up, no longer gives it the

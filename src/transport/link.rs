@@ -13,8 +13,8 @@
 //!
 //! The opener sends requests; the other side answers each with a message of the same id, in
 //! whatever order its handlers finish (a small one that needs no wait is answered at once by
-//! the reader; one that waits, or a large one, goes on in a task of its own). Many requests are in flight at once, and the writer of
-//! each side puts every message that waits into one write.
+//! the reader; one that waits, or a large one, goes on in a task of its own). Many requests are
+//! in flight at once, and the writer of each side puts every message that waits into one write.
 //!
 //! A link only ever speeds up what HTTP would do; what a caller sees on failure is what the
 //! HTTP exchange would have given it:
@@ -223,6 +223,11 @@ impl Link {
         self.pending.lock().take();
     }
 
+    /// Whether the peer refused requests of `kind` on this link.
+    fn refuses(&self, kind: u8) -> bool {
+        self.refused.load(Ordering::Relaxed) & (1 << (kind & 63)) != 0
+    }
+
     /// Microseconds since the link opened.
     fn now(&self) -> u64 {
         self.opened.elapsed().as_micros() as u64
@@ -287,7 +292,7 @@ impl Links {
 
     /// Whether a link to `addr` is open and its peer has not refused requests of `kind` on it.
     pub fn carries(&self, addr: &str, kind: u8) -> bool {
-        matches!(self.slots.lock().get(addr), Some(Slot::Open(link)) if link.refused.load(Ordering::Relaxed) & (1 << (kind & 63)) == 0)
+        matches!(self.slots.lock().get(addr), Some(Slot::Open(link)) if !link.refuses(kind))
     }
 
     /// Opens a link to `addr` in the background with `connect` (which upgrades a connection
@@ -456,7 +461,7 @@ async fn read_answers<R: AsyncRead + Unpin>(
 impl LinkRef {
     /// Whether the peer refused requests of `kind` on this link ([`Self::refuses_from_now`]).
     pub fn refuses(&self, kind: u8) -> bool {
-        self.link.refused.load(Ordering::Relaxed) & (1 << (kind & 63)) != 0
+        self.link.refuses(kind)
     }
 
     /// The peer refused a request of `kind` as one it does not know: the next ones go another way.
