@@ -184,9 +184,9 @@ async fn write_messages<W: AsyncWrite + Unpin>(
     while let Some(first) = messages.recv().await {
         // The tasks already waiting to run go first, so that what they send goes out in the
         // same write. Without this turn, each message went out in a write of its own: each
-        // sender is a task of its own (a client's request forwarded to its owner), and the
-        // runtime runs the task a wake-up is for (this one) right after the task that woke it.
-        // So the peer also read and answered them one by one.
+        // sender is a task of its own (a client's request forwarded to its owner), and tokio's
+        // multi-threaded runtime runs the task a wake-up is for (this one) right after the task
+        // that woke it, on the same worker. So the peer also read and answered them one by one.
         behind_ready_tasks().await;
         writer.write_all(&first).await?;
         while let Ok(next) = messages.try_recv() {
@@ -197,10 +197,10 @@ async fn write_messages<W: AsyncWrite + Unpin>(
     writer.shutdown().await
 }
 
-/// Resolves once the tasks that were ready to run on this worker have had their turn: it wakes
-/// itself and waits, and the runtime queues a task that woke itself behind the others. (Tokio's
-/// `yield_now` waits longer: until the runtime next polls for I/O, which also costs a system
-/// call whenever the worker has nothing else to do.)
+/// Resolves once the tasks waiting in this worker's queue have usually had their turn: it wakes
+/// itself and waits, and tokio queues a task that woke itself behind the others on its worker
+/// (another worker may take it first). Tokio's `yield_now` waits longer: until the runtime next
+/// polls for I/O, which also costs a system call whenever the worker has nothing else to do.
 async fn behind_ready_tasks() {
     let mut waited = false;
     std::future::poll_fn(|cx| {
