@@ -102,14 +102,34 @@ pub(super) struct KeyOps(Arc<dyn Transport>);
 type Answer = Result<KeyDone, ApiError>;
 
 /// Sends `f` to the owner at `addr`: through its lane when it may share an exchange, else alone.
-/// A read goes alone too when a link to the owner carries reads: on a link each is one small
-/// message, the link's writer puts whatever waits into one write, and the owner answers it in
-/// its link reader; the lane would only add its sender's task and a bulk request to take apart.
+/// A read goes alone on the link to the owner when one carries reads: on a link each is one
+/// small message, the link's writer puts whatever waits into one write, and the owner answers
+/// it in its link reader; the lane would only add its sender's task and a bulk request to take
+/// apart. A read the owner sends back from its link (it was serving as many link requests as it
+/// takes) goes through the lane after all, where reads waiting together share one request,
+/// rather than over HTTP alone, the costliest way.
 pub(super) async fn forward(forwards: &Forwards, addr: &str, f: Forwarded) -> Answer {
-    if f.op.shared() && !forwards.exchange().0.reads_on_link(&f.peer_addr) {
-        forwards.send(addr, f).await
+    if !f.op.shared() {
+        return forwards.exchange().alone(addr, f).await;
+    }
+    let f = if forwards.exchange().0.reads_on_link(&f.peer_addr) {
+        match forwards.exchange().get_on_link(addr, f).await {
+            Ok(answer) => return answer,
+            Err(f) => f,
+        }
     } else {
-        forwards.exchange().alone(addr, f).await
+        f
+    };
+    forwards.send(addr, f).await
+}
+
+/// What a single read's answer says.
+fn got(addr: &str, answer: Result<PeerAnswer, ApiError>) -> Answer {
+    match answer {
+        Ok(PeerAnswer::Got(ok)) => Ok(KeyDone::Got(Some(ok))),
+        Err(ApiError::NotFound) => Ok(KeyDone::Got(None)),
+        Ok(other) => Err(api_error(addr, unexpected(&other))),
+        Err(e) => Err(e),
     }
 }
 
@@ -125,16 +145,28 @@ impl KeyOps {
         self.0.key_op(to, request, FORWARD_TIMEOUT).await.map_err(|e| api_error(addr, e))
     }
 
+    /// A read alone on the link to its owner ([`Transport::get_on_link`]); `Err(f)` when it
+    /// did not go there or came back.
+    async fn get_on_link(&self, addr: &str, f: Forwarded) -> Result<Answer, Forwarded> {
+        let key = match f.op {
+            KeyOp::Get(key) => key,
+            op => return Err(Forwarded { op, ..f }),
+        };
+        match self.0.get_on_link(&f.peer_addr, key, f.map_version, FORWARD_TIMEOUT).await {
+            Ok(answer) => Ok(got(addr, answer.map_err(|e| api_error(addr, e)))),
+            Err(key) => Err(Forwarded { op: KeyOp::Get(key), ..f }),
+        }
+    }
+
     /// One operation alone, as the single-key request.
     async fn alone(&self, addr: &str, f: Forwarded) -> Answer {
         let map_version = f.map_version;
         let answer = match f.op {
             KeyOp::Get(key) => {
-                match self.send(addr, f.peer_addr, PeerRequest::Get { key, map_version, mirror: None }).await {
-                    Ok(PeerAnswer::Got(ok)) => return Ok(KeyDone::Got(Some(ok))),
-                    Err(ApiError::NotFound) => return Ok(KeyDone::Got(None)),
-                    other => other,
-                }
+                return got(
+                    addr,
+                    self.send(addr, f.peer_addr, PeerRequest::Get { key, map_version, mirror: None }).await,
+                );
             }
             KeyOp::Put(item) => match self.send(addr, f.peer_addr, PeerRequest::Put { item, map_version }).await {
                 Ok(PeerAnswer::Put(ok)) => return Ok(KeyDone::Put(ok)),
@@ -282,6 +314,8 @@ mod tests {
         dead: AtomicBool,
         /// Reached on a link that carries reads.
         linked: AtomicBool,
+        /// Sends back every read that comes on the link.
+        full: AtomicBool,
     }
 
     fn number(key: &str) -> usize {
@@ -373,6 +407,10 @@ mod tests {
         fn reads_on_link(&self) -> bool {
             self.linked.load(Ordering::SeqCst)
         }
+
+        fn sends_link_reads_back(&self) -> bool {
+            self.full.load(Ordering::SeqCst)
+        }
     }
 
     /// Where the fake owner is reached (the fake transport answers wherever a call goes).
@@ -441,6 +479,22 @@ mod tests {
         assert_eq!(owner.exchanges.load(Ordering::SeqCst), 450);
         assert_eq!(owner.bulk.load(Ordering::SeqCst), 0);
         assert_eq!(peers.forward_exchanges(), 0, "no lane exchange");
+    }
+
+    #[tokio::test]
+    async fn reads_an_owner_sends_back_from_its_link_share_exchanges_in_the_lane() {
+        let owner = Arc::new(Owner { linked: AtomicBool::new(true), full: AtomicBool::new(true), ..Owner::default() });
+        let peers = peers_of(&owner);
+        let answers = operate_all(&peers, 450).await;
+        for (i, got) in answers.into_iter().enumerate() {
+            assert_eq!(got, expected(i), "operation {i}");
+        }
+        // Not 150 reads over HTTP one by one: they share the lane's exchanges.
+        let exchanges = owner.exchanges.load(Ordering::SeqCst);
+        assert!(exchanges < 300 + 30, "450 operations in flight at once took {exchanges} exchanges");
+        assert!(owner.bulk.load(Ordering::SeqCst) > 0);
+        assert!(peers.forward_exchanges() > 0, "the lane carried them");
+        assert!(peers.forwards.idle(), "no sender is left behind");
     }
 
     #[tokio::test]

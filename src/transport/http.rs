@@ -698,6 +698,26 @@ impl Transport for HttpTransport {
         self.links.carries(peer_addr, reads::LINK_READ)
     }
 
+    fn get_on_link(
+        &self,
+        peer_addr: &str,
+        key: String,
+        map_version: u64,
+        timeout: Duration,
+    ) -> BoxFuture<'_, Result<Result<PeerAnswer, CallError>, String>> {
+        let peer_addr = peer_addr.to_string();
+        Box::pin(async move {
+            let request = PeerRequest::Get { key, map_version, mirror: None };
+            match self.key_op_over_link(&peer_addr, &request, timeout).await {
+                Some(answer) => Ok(answer),
+                None => match request {
+                    PeerRequest::Get { key, .. } => Err(key),
+                    _ => unreachable!("the request made above"),
+                },
+            }
+        })
+    }
+
     fn open_stream(
         &self,
         peer_addr: &str,

@@ -393,6 +393,20 @@ pub trait Transport: ControlTransport {
         false
     }
 
+    /// Reads `key` at the member whose peer listener is at `peer_addr` on the link to it, as
+    /// [`Self::key_op`] would there. `Err(key)` when it did not go on a link (none open, or the
+    /// member's links carry no reads), or the member sent it back (it was serving as many link
+    /// requests as it takes at once): the caller sends it another way. By default it never goes.
+    fn get_on_link(
+        &self,
+        _peer_addr: &str,
+        key: String,
+        _map_version: u64,
+        _timeout: Duration,
+    ) -> BoxFuture<'_, Result<Result<PeerAnswer, CallError>, String>> {
+        Box::pin(async move { Err(key) })
+    }
+
     /// Opens a stream at the node at `peer_addr`; waits at most `timeout` for it to start.
     fn open_stream(
         &self,

@@ -18,6 +18,12 @@ pub trait Answers: Send + Sync + 'static {
     fn reads_on_link(&self) -> bool {
         false
     }
+
+    /// Whether it sends back every read that comes on a link (as a member serving as many link
+    /// requests as it takes at once); by default not.
+    fn sends_link_reads_back(&self) -> bool {
+        false
+    }
 }
 
 /// A transport whose calls the fake peer answers; streams and control messages fail.
@@ -30,6 +36,21 @@ impl<A: Answers> Transport for CallsOnly<A> {
 
     fn reads_on_link(&self, _: &str) -> bool {
         self.0.reads_on_link()
+    }
+
+    fn get_on_link(
+        &self,
+        _: &str,
+        key: String,
+        map_version: u64,
+        _: Duration,
+    ) -> BoxFuture<'_, Result<Result<PeerAnswer, CallError>, String>> {
+        Box::pin(async move {
+            if !self.0.reads_on_link() || self.0.sends_link_reads_back() {
+                return Err(key);
+            }
+            Ok(self.0.answer(PeerRequest::Get { key, map_version, mirror: None }).await)
+        })
     }
 
     fn open_stream(&self, _: &str, _: StreamRequest, _: Duration) -> BoxFuture<'_, Result<FrameStream, CallError>> {
