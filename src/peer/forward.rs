@@ -446,20 +446,24 @@ mod tests {
         futures::future::join_all((0..n).map(|i| operate(peers, i))).await
     }
 
-    #[tokio::test]
-    async fn reads_in_flight_together_share_exchanges_and_each_gets_its_own_answer() {
-        let owner = Arc::new(Owner::default());
-        let peers = peers_of(&owner);
-        let answers = operate_all(&peers, 450).await;
-        for (i, got) in answers.into_iter().enumerate() {
+    /// Runs 450 operations at once through `peers` and checks each one's answer, and that the
+    /// 150 reads among them shared a few exchanges (the 300 writes and deletes go alone).
+    async fn operate_all_reads_shared(owner: &Owner, peers: &Peers) {
+        for (i, got) in operate_all(peers, 450).await.into_iter().enumerate() {
             assert_eq!(got, expected(i), "operation {i}");
         }
-        // 150 reads in a few exchanges; 300 writes and deletes alone.
         let exchanges = owner.exchanges.load(Ordering::SeqCst);
         assert!(exchanges < 300 + 30, "450 operations in flight at once took {exchanges} exchanges");
         assert!(owner.bulk.load(Ordering::SeqCst) > 0);
         assert!(owner.largest.load(Ordering::SeqCst) <= 64);
         assert!(peers.forwards.idle(), "no sender is left behind");
+    }
+
+    #[tokio::test]
+    async fn reads_in_flight_together_share_exchanges_and_each_gets_its_own_answer() {
+        let owner = Arc::new(Owner::default());
+        let peers = peers_of(&owner);
+        operate_all_reads_shared(&owner, &peers).await;
         // A lone read goes alone, at once, as the single-key request.
         let (before, bulk) = (owner.exchanges.load(Ordering::SeqCst), owner.bulk.load(Ordering::SeqCst));
         assert_eq!(operate(&peers, 1).await, expected(1));
@@ -485,16 +489,9 @@ mod tests {
     async fn reads_an_owner_sends_back_from_its_link_share_exchanges_in_the_lane() {
         let owner = Arc::new(Owner { linked: AtomicBool::new(true), full: AtomicBool::new(true), ..Owner::default() });
         let peers = peers_of(&owner);
-        let answers = operate_all(&peers, 450).await;
-        for (i, got) in answers.into_iter().enumerate() {
-            assert_eq!(got, expected(i), "operation {i}");
-        }
         // Not 150 reads over HTTP one by one: they share the lane's exchanges.
-        let exchanges = owner.exchanges.load(Ordering::SeqCst);
-        assert!(exchanges < 300 + 30, "450 operations in flight at once took {exchanges} exchanges");
-        assert!(owner.bulk.load(Ordering::SeqCst) > 0);
+        operate_all_reads_shared(&owner, &peers).await;
         assert!(peers.forward_exchanges() > 0, "the lane carried them");
-        assert!(peers.forwards.idle(), "no sender is left behind");
     }
 
     #[tokio::test]
