@@ -386,7 +386,7 @@ impl NodeMetrics {
             ),
             forward_exchanges: counter(
                 "shoal_forward_exchanges_total",
-                "Exchanges with owners that carried forwarded reads waiting for one owner together (reads forwarded while no peer link to the owner carried reads): reads per exchange is the batch size. Forwarded operations sent on a peer link one message each (writes, and reads where a link is open), and those the owner sent back over HTTP, are not counted here.",
+                "Exchanges with owners that carried forwarded reads waiting for one owner together (reads forwarded while no peer link to the owner carried reads): reads per exchange is the batch size. Forwarded operations sent on a peer link one message each (writes, and reads where a link is open) are not counted here; reads an owner sent back from its link are.",
             ),
             replication_snapshot_bytes: counter(
                 "shoal_replication_snapshot_bytes_total",
@@ -436,7 +436,7 @@ impl NodeMetrics {
                 describe(
                     r,
                     "shoal_peer_link_requests_total",
-                    "Requests this node served over peer links, by kind (replica_writes: one per batch; reads: forwarded and mirror reads; writes: forwarded writes and deletes; elsewhere: forwarded requests sent back to go over HTTP, because every slot for them was busy, or their keys or values are beyond this node's limits or a link's). The rest of the node-to-node traffic is HTTP exchanges.",
+                    "Requests this node served over peer links, by kind (replica_writes: one per batch; reads: forwarded and mirror reads; writes: forwarded writes and deletes; elsewhere: forwarded requests sent back to go another way, because every slot for them was busy, or their keys or values are beyond this node's limits or a link's; a read sent back may come again in a bulk read). The rest of the node-to-node traffic is HTTP exchanges.",
                 );
                 let kind = |kind: &'static str| {
                     let key = Key::from_parts("shoal_peer_link_requests_total", vec![Label::new("kind", kind)]);

@@ -18,7 +18,8 @@
 //! each read is one small message, the link's writer puts whatever waits into one socket write,
 //! and the owner answers it in its link reader, so the lane would only add its sender's task and
 //! a bulk request to take apart (about a quarter less server work per forwarded read, counted with
-//! callgrind). The lanes then carry only what goes over HTTP.
+//! callgrind). The lanes then carry what goes over HTTP, and the reads an owner sends back from
+//! its link (they share one bulk request, which tries the link first).
 
 use std::sync::Arc;
 
@@ -105,9 +106,10 @@ type Answer = Result<KeyDone, ApiError>;
 /// A read goes alone on the link to the owner when one carries reads: on a link each is one
 /// small message, the link's writer puts whatever waits into one write, and the owner answers
 /// it in its link reader; the lane would only add its sender's task and a bulk request to take
-/// apart. A read the owner sends back from its link (it was serving as many link requests as it
-/// takes) goes through the lane after all, where reads waiting together share one request,
-/// rather than over HTTP alone, the costliest way.
+/// apart. A read the owner sends back from its link (it was serving as many forwarded link
+/// requests as it takes, or the read is beyond its limits or a link's) goes through the lane
+/// after all, where reads waiting together share one request, rather than over HTTP alone, the
+/// costliest way.
 pub(super) async fn forward(forwards: &Forwards, addr: &str, f: Forwarded) -> Answer {
     if !f.op.shared() {
         return forwards.exchange().alone(addr, f).await;

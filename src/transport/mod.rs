@@ -395,8 +395,9 @@ pub trait Transport: ControlTransport {
 
     /// Reads `key` at the member whose peer listener is at `peer_addr` on the link to it, as
     /// [`Self::key_op`] would there. `Err(key)` when it did not go on a link (none open, or the
-    /// member's links carry no reads), or the member sent it back (it was serving as many link
-    /// requests as it takes at once): the caller sends it another way. By default it never goes.
+    /// member's links carry no reads), or the member sent it back (it was serving as many
+    /// forwarded link requests as it takes at once, or the read is beyond its limits or a
+    /// link's): the caller sends it another way. By default it never goes.
     fn get_on_link(
         &self,
         _peer_addr: &str,

@@ -53,7 +53,8 @@ fn forwarded(map_version: u64) -> RouteContext {
     RouteContext { forwarded_map_version: Some(map_version), from_peer: true, ..RouteContext::default() }
 }
 
-/// `answer`, counted when it sends its request elsewhere (over HTTP).
+/// `answer`, counted when it sends its request elsewhere (another way: a write over HTTP, a
+/// read through its lane).
 fn elsewhere_counted(counted: &crate::metrics::LinkRequests, answer: (u8, Vec<u8>)) -> (u8, Vec<u8>) {
     if answer.0 == reads::LINK_ELSEWHERE {
         counted.elsewhere.increment(1);
@@ -218,7 +219,7 @@ impl PeerService {
     /// forward over HTTP is); a bulk read's values are admitted into the node's budget for
     /// answer bodies while they are copied into the answer, as the bulk route admits them.
     ///
-    /// Sent "elsewhere" (over HTTP) instead: values too large for a link, keys this node's own
+    /// Sent "elsewhere" instead (the sender reads it through its lane): values too large for a link, keys this node's own
     /// limits refuse, and every read that comes while [`LINK_FORWARD_SLOTS`] others are being
     /// served. A read may wait (a bucket that is passing, a map to catch up with), and a link
     /// serves a bounded number of requests at once: reads may not take the slots its replica
