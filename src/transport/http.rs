@@ -698,17 +698,16 @@ impl Transport for HttpTransport {
         self.links.carries(peer_addr, reads::LINK_READ)
     }
 
-    fn get_on_link(
-        &self,
-        peer_addr: &str,
+    fn get_on_link<'a>(
+        &'a self,
+        peer_addr: &'a str,
         key: String,
         map_version: u64,
         timeout: Duration,
-    ) -> BoxFuture<'_, Result<Result<PeerAnswer, CallError>, String>> {
-        let peer_addr = peer_addr.to_string();
+    ) -> BoxFuture<'a, Result<Result<PeerAnswer, CallError>, String>> {
         Box::pin(async move {
             let request = PeerRequest::Get { key, map_version, mirror: None };
-            match self.key_op_over_link(&peer_addr, &request, timeout).await {
+            match self.key_op_over_link(peer_addr, &request, timeout).await {
                 Some(answer) => Ok(answer),
                 None => match request {
                     PeerRequest::Get { key, .. } => Err(key),

@@ -398,13 +398,13 @@ pub trait Transport: ControlTransport {
     /// member's links carry no reads), or the member sent it back (it was serving as many
     /// forwarded link requests as it takes at once, or the read is beyond its limits or a
     /// link's): the caller sends it another way. By default it never goes.
-    fn get_on_link(
-        &self,
-        _peer_addr: &str,
+    fn get_on_link<'a>(
+        &'a self,
+        _peer_addr: &'a str,
         key: String,
         _map_version: u64,
         _timeout: Duration,
-    ) -> BoxFuture<'_, Result<Result<PeerAnswer, CallError>, String>> {
+    ) -> BoxFuture<'a, Result<Result<PeerAnswer, CallError>, String>> {
         Box::pin(async move { Err(key) })
     }
 

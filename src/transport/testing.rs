@@ -38,13 +38,13 @@ impl<A: Answers> Transport for CallsOnly<A> {
         self.0.reads_on_link()
     }
 
-    fn get_on_link(
-        &self,
-        _: &str,
+    fn get_on_link<'a>(
+        &'a self,
+        _: &'a str,
         key: String,
         map_version: u64,
         _: Duration,
-    ) -> BoxFuture<'_, Result<Result<PeerAnswer, CallError>, String>> {
+    ) -> BoxFuture<'a, Result<Result<PeerAnswer, CallError>, String>> {
         Box::pin(async move {
             if !self.0.reads_on_link() || self.0.sends_link_reads_back() {
                 return Err(key);
