@@ -344,6 +344,7 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
             crate::discover::starting_router(identity.is_some()),
             crate::metrics::ListenerMetrics::none(),
             acceptor.clone(),
+            None,
             starting_rx.clone(),
         ));
     }
@@ -402,6 +403,7 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
                 peer_router,
                 metrics.peer_listener.clone(),
                 acceptor.clone(),
+                None,
                 shutdown.subscribe(),
             ),
             http_server::serve(
@@ -409,6 +411,7 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
                 api_router,
                 metrics.client_listener.clone(),
                 acceptor,
+                Some(shoal_http_api::is_key_request),
                 shutdown.subscribe(),
             ),
             links_done,

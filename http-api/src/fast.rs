@@ -11,6 +11,7 @@
 //! compares the two).
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -47,6 +48,13 @@ impl<N> Clone for ApiService<N> {
     }
 }
 
+/// Whether a request of `method` to `path` (as sent, query included) is one of the key
+/// routes': `GET`, `PUT` or `DELETE` of `/v1/kv/...`. The client listener answers these
+/// without hyper's connection machinery (`http_server::simple` in the node).
+pub fn is_key_request(method: &Method, path: &str) -> bool {
+    (method == Method::GET || method == Method::PUT || method == Method::DELETE) && path.starts_with("/v1/kv/")
+}
+
 /// The decoded key of a `/v1/kv/{key}` path, or `None` for any other path (and for an empty
 /// key, which the router answers as an unknown route).
 fn key_of(path: &str) -> Option<Result<String, ApiError>> {
@@ -60,6 +68,26 @@ fn key_of(path: &str) -> Option<Result<String, ApiError>> {
 }
 
 type Answer = BoxFuture<'static, Result<Response, Infallible>>;
+
+impl<N: ShoalApi> ApiService<N> {
+    /// The answer to a key request (see [`is_key_request`]) straight from its handler, as a
+    /// future of its own type (not boxed, as [`Service::call`]'s must be): for a connection
+    /// that awaits it in place. Any other request, and every request when the fast path is
+    /// off, comes back for [`Service::call`].
+    #[allow(clippy::result_large_err)]
+    pub fn key_answer(&self, request: Request) -> Result<impl Future<Output = Response> + Send + 'static, Request> {
+        if !self.fast || !is_key_request(request.method(), request.uri().path()) {
+            return Err(request);
+        }
+        let Some(key) = key_of(request.uri().path()) else { return Err(request) };
+        let node = self.node.clone();
+        Ok(match *request.method() {
+            Method::GET => Either::Left(Either::Left(kv::get_key_at(node, key, request))),
+            Method::PUT => Either::Left(Either::Right(kv::put_key_at(node, key, request))),
+            _ => Either::Right(kv::delete_key_at(node, key, request)),
+        })
+    }
+}
 
 impl<N, B> Service<Request<B>> for ApiService<N>
 where

@@ -40,7 +40,7 @@ pub use cluster::{
     MAP_WAIT_MAX,
 };
 pub use error::{ApiError, Problem, Unavailable, PROBLEM_JSON};
-pub use fast::{service, ApiService};
+pub use fast::{is_key_request, service, ApiService};
 pub use kv::{check_key, format_duration, parse_duration, put_options, unix_ms, value_response, MAX_EXPIRY};
 
 use axum::http::HeaderName;

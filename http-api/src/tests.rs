@@ -293,9 +293,20 @@ async fn call_router(node: &Arc<FakeNode>, method: Method, uri: &str, body: impl
     router(node.clone()).oneshot(request).await.expect("infallible")
 }
 
-/// Every key request answers the same through the fast path and through the router alone:
-/// status, headers and body, for plain, escaped and invalid keys, queries, conditions and
-/// methods the fast path leaves to the router.
+/// The same request as a connection that awaits key answers in place sends it: the
+/// handler's own future when the service gives one, else the service's call.
+async fn call_in_place(node: &Arc<FakeNode>, method: Method, uri: &str, body: impl Into<Body>) -> Response {
+    let request = Request::builder().method(method).uri(uri).body(body.into()).expect("request");
+    let service = crate::service(node.clone(), router(node.clone()), true);
+    match service.key_answer(request) {
+        Ok(answer) => answer.await,
+        Err(request) => service.oneshot(request).await.expect("infallible"),
+    }
+}
+
+/// Every key request answers the same through the fast path (as a service, and awaited in
+/// place) and through the router alone: status, headers and body, for plain, escaped and
+/// invalid keys, queries, conditions and methods the fast path leaves to the router.
 #[tokio::test]
 async fn the_fast_path_answers_as_the_router() {
     let requests: &[(Method, &str, &str)] = &[
@@ -318,18 +329,23 @@ async fn the_fast_path_answers_as_the_router() {
         (Method::DELETE, "/v1/kv/user:1", ""),
         (Method::DELETE, "/v1/kv/user:1", ""),
     ];
-    let (fast, routed) = (FakeNode::new(), FakeNode::new());
+    let (fast, in_place, routed) = (FakeNode::new(), FakeNode::new(), FakeNode::new());
     for (method, uri, body) in requests {
         let mut a = call(&fast, method.clone(), uri, body.to_string()).await;
         let mut b = call_router(&routed, method.clone(), uri, body.to_string()).await;
+        let mut c = call_in_place(&in_place, method.clone(), uri, body.to_string()).await;
         // The router sets Content-Length itself; over HTTP, hyper writes it from the body's
         // exact size when the fast path's answer has none.
         let exact = axum::body::HttpBody::size_hint(a.body()).exact();
         let (_, length) =
             (a.headers_mut().remove(header::CONTENT_LENGTH), b.headers_mut().remove(header::CONTENT_LENGTH));
         assert_eq!((a.status(), a.headers().clone()), (b.status(), b.headers().clone()), "{method} {uri}");
+        c.headers_mut().remove(header::CONTENT_LENGTH);
+        assert_eq!((a.status(), a.headers()), (c.status(), c.headers()), "{method} {uri}");
         assert!(length.is_none() || exact.is_some(), "{method} {uri}");
-        assert_eq!(body_bytes(a).await, body_bytes(b).await, "{method} {uri}");
+        let body = body_bytes(a).await;
+        assert_eq!(body, body_bytes(b).await, "{method} {uri}");
+        assert_eq!(body, body_bytes(c).await, "{method} {uri}");
     }
 }
 

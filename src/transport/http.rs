@@ -1182,7 +1182,7 @@ mod tests {
         }
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("address").to_string();
-        crate::http_server::serve(listener, router, crate::metrics::ListenerMetrics::none(), None, stopped);
+        crate::http_server::serve(listener, router, crate::metrics::ListenerMetrics::none(), None, None, stopped);
         (addr, seen, stop)
     }
 
@@ -1323,7 +1323,14 @@ mod tests {
         for router in [api, peer] {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
             addrs.push(listener.local_addr().expect("address").to_string());
-            crate::http_server::serve(listener, router, crate::metrics::ListenerMetrics::none(), None, stopped.clone());
+            crate::http_server::serve(
+                listener,
+                router,
+                crate::metrics::ListenerMetrics::none(),
+                None,
+                None,
+                stopped.clone(),
+            );
         }
         (Addrs { api: addrs.remove(0), peer: addrs.remove(0) }, seen, stop)
     }

@@ -6,7 +6,8 @@
 //! closes at once, idle connections close, and in-flight requests get [`DRAIN_TIMEOUT`] to
 //! finish. A connection upgraded to a peer link (`transport::link`) leaves the server, and
 //! the link drains itself; the node's shutdown waits for both. Each listener counts its open connections and the bytes its connections read and
-//! write (one atomic add per read or write call, none per byte).
+//! write (one atomic add per read or write call, none per byte). The client listener's
+//! connections answer single-key requests without hyper's connection machinery ([`simple`]).
 
 use std::io;
 use std::pin::Pin;
@@ -24,17 +25,21 @@ use tokio_rustls::TlsAcceptor;
 
 use crate::metrics::ListenerMetrics;
 
+pub mod simple;
+
 /// How long in-flight requests may run after shutdown starts.
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Serves `router` (the axum router, or the client API's service) on `listener` until `shutdown` turns true, counting into `metrics`; over
 /// TLS when `tls` is given (the handshake runs in the connection's own task, bounded by
-/// [`crate::tls::HANDSHAKE_TIMEOUT`]; the byte counts are of the encrypted stream).
+/// [`crate::tls::HANDSHAKE_TIMEOUT`]; the byte counts are of the encrypted stream). With
+/// `simple`, the requests it names are answered without hyper ([`simple`]).
 pub fn serve<S>(
     listener: TcpListener,
     router: S,
     metrics: ListenerMetrics,
     tls: Option<TlsAcceptor>,
+    simple: Option<simple::Takes>,
     mut shutdown: watch::Receiver<bool>,
 ) -> JoinHandle<()>
 where
@@ -42,11 +47,17 @@ where
             hyper::Request<hyper::body::Incoming>,
             Response = axum::response::Response,
             Error = std::convert::Infallible,
-        > + Clone
+        > + tower::Service<
+            hyper::Request<axum::body::Body>,
+            Response = axum::response::Response,
+            Error = std::convert::Infallible,
+        > + simple::Answers
+        + Clone
         + Send
         + Sync
         + 'static,
-    S::Future: Send + 'static,
+    <S as tower::Service<hyper::Request<hyper::body::Incoming>>>::Future: Send + 'static,
+    <S as tower::Service<hyper::Request<axum::body::Body>>>::Future: Send + 'static,
 {
     tokio::spawn(async move {
         // Every connection's task holds a clone of `open_tx`; once they all ended, `open_rx`
@@ -73,15 +84,15 @@ where
                     metrics.accepted.increment(1);
                     metrics.open.increment(1.0);
                     let io = Counted { tcp, metrics: metrics.clone() };
-                    let service = TowerToHyperService::new(router.clone());
+                    let service = router.clone();
                     let (open, builder, stop, held) = (metrics.open.clone(), builder.clone(), shutdown.clone(), open_tx.clone());
                     let tls = tls.clone();
                     tokio::spawn(async move {
                         match tls {
-                            None => serve_connection(&builder, io, service, stop).await,
+                            None => serve_connection(&builder, io, service, simple, stop).await,
                             Some(acceptor) => {
                                 match tokio::time::timeout(crate::tls::HANDSHAKE_TIMEOUT, acceptor.accept(io)).await {
-                                    Ok(Ok(stream)) => serve_connection(&builder, stream, service, stop).await,
+                                    Ok(Ok(stream)) => serve_connection(&builder, stream, service, simple, stop).await,
                                     Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
                                     Err(_) => tracing::debug!("TLS handshake timed out"),
                                 }
@@ -102,16 +113,55 @@ where
     })
 }
 
-/// Serves one connection until it ends; once `shutdown` turns true it finishes the request in
-/// flight and closes. A connection may be upgraded (a peer link, `transport::link`): it then
-/// leaves hyper, and its new owner watches the shutdown itself.
-async fn serve_connection<I, S>(builder: &http1::Builder, io: I, service: S, mut shutdown: watch::Receiver<bool>)
+/// Serves one connection until it ends: first the requests `simple` names without hyper, then,
+/// from the first it does not name, with hyper. Once `shutdown` turns true it finishes the
+/// request in flight and closes. A connection may be upgraded (a peer link,
+/// `transport::link`): it then leaves hyper, and its new owner watches the shutdown itself.
+async fn serve_connection<I, S>(
+    builder: &http1::Builder,
+    io: I,
+    service: S,
+    simple: Option<simple::Takes>,
+    mut shutdown: watch::Receiver<bool>,
+) where
+    I: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+    S: tower::Service<
+            hyper::Request<hyper::body::Incoming>,
+            Response = axum::response::Response,
+            Error = std::convert::Infallible,
+        > + tower::Service<
+            hyper::Request<axum::body::Body>,
+            Response = axum::response::Response,
+            Error = std::convert::Infallible,
+        > + simple::Answers
+        + Clone
+        + Send
+        + 'static,
+    <S as tower::Service<hyper::Request<hyper::body::Incoming>>>::Future: Send + 'static,
+{
+    match simple {
+        None => serve_hyper(builder, io, service, shutdown).await,
+        Some(takes) => match simple::serve(io, service.clone(), takes, &mut shutdown).await {
+            simple::Ended::Closed => {}
+            simple::Ended::Hyper(io) => serve_hyper(builder, io, service, shutdown).await,
+        },
+    }
+}
+
+/// Serves one connection with hyper until it ends (see [`serve_connection`]).
+async fn serve_hyper<I, S>(builder: &http1::Builder, io: I, service: S, mut shutdown: watch::Receiver<bool>)
 where
     I: AsyncRead + AsyncWrite + Send + Unpin + 'static,
-    S: hyper::service::HttpService<hyper::body::Incoming, ResBody = axum::body::Body> + Send,
+    S: tower::Service<
+            hyper::Request<hyper::body::Incoming>,
+            Response = axum::response::Response,
+            Error = std::convert::Infallible,
+        > + Clone
+        + Send
+        + 'static,
     S::Future: Send + 'static,
-    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
+    let service = TowerToHyperService::new(service);
     let connection = builder.serve_connection(TokioIo::new(io), service).with_upgrades();
     tokio::pin!(connection);
     tokio::select! {

@@ -1,0 +1,587 @@
+//! Key requests answered without hyper's connection machinery.
+//!
+//! Nearly every request a cache serves is a `GET`, `PUT` or `DELETE` of one key with a small
+//! body. For those, hyper's general HTTP/1.1 connection (its state machine, the dispatcher
+//! around the service, the body channel, the encoder for every kind of body) is most of the
+//! server's own instructions per request. The client listener's connections therefore start
+//! in a loop of their own: it parses what arrived with `httparse`, and a request it takes
+//! (HTTP/1.1, a method and path the listener names, a `Content-Length` body of at most
+//! [`MAX_BODY`], no `Transfer-Encoding`, `Expect`, `Upgrade` or `Connection` header) goes to
+//! the same service hyper would call; its answer is written with a `Content-Length` and a
+//! `Date`, as hyper writes it. Answers to requests that arrived together are written together
+//! (a pipelining client gets them without waiting for its next request).
+//!
+//! The first request the loop does not take hands the connection to hyper for good, with the
+//! bytes already read in front of it: from then on hyper serves it as it serves every other
+//! connection. So an unusual request is answered exactly as before, only the usual ones skip
+//! hyper.
+//!
+//! A body is read before the service runs, so a connection holds at most one request head
+//! ([`MAX_HEAD`]) and one [`MAX_BODY`] body before the node's body admission counts it; hyper
+//! holds a read buffer of about the same size.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use axum::body::Body;
+use axum::http::{header, HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode, Uri, Version};
+use axum::response::Response;
+use bytes::{Bytes, BytesMut};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::sync::watch;
+
+/// Which requests a connection answers without hyper, by method and path (the path as sent,
+/// query included).
+pub type Takes = fn(&Method, &str) -> bool;
+
+/// A service whose answers to the requests the loop takes can be awaited in place (not
+/// boxed, as a tower service's future usually is).
+pub trait Answers {
+    /// The answer to `request`, or the request back for the service's `call`.
+    #[allow(clippy::result_large_err)]
+    fn answer(&self, request: Request<Body>) -> Result<impl Future<Output = Response> + Send + 'static, Request<Body>>;
+}
+
+/// The client API: its key routes' handlers.
+impl<N: shoal_http_api::ShoalApi> Answers for shoal_http_api::ApiService<N> {
+    fn answer(&self, request: Request<Body>) -> Result<impl Future<Output = Response> + Send + 'static, Request<Body>> {
+        self.key_answer(request)
+    }
+}
+
+/// A router answers through its `call`.
+impl Answers for axum::Router {
+    fn answer(&self, request: Request<Body>) -> Result<impl Future<Output = Response> + Send + 'static, Request<Body>> {
+        Err::<std::future::Ready<Response>, _>(request)
+    }
+}
+
+/// The largest request head the loop waits for; a longer one goes to hyper (which answers it,
+/// or refuses it as too large).
+pub const MAX_HEAD: usize = 16 * 1024;
+/// The largest body the loop reads itself; a request with a longer one goes to hyper, whose
+/// handler admits the body before reading it.
+pub const MAX_BODY: usize = 64 * 1024;
+/// The most headers a request the loop takes may have.
+const MAX_HEADERS: usize = 32;
+/// Answers gathered past this size are written before the next request is answered.
+const WRITE_AT: usize = 64 * 1024;
+/// How much room a read has at least.
+const READ_AT_LEAST: usize = 8 * 1024;
+
+/// What the start of a connection's buffer holds. (It lives on the stack for one request:
+/// boxing the large variant would cost an allocation per request.)
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Head {
+    /// A request the loop takes, whole (see [`Taken`]).
+    Taken(Taken),
+    /// Not yet a whole request.
+    Partial,
+    /// A request the loop does not take (or not HTTP it understands): hyper's.
+    Other,
+}
+
+/// Where a request [`head`] took lies in the buffer: the lengths of its head and body, and
+/// the positions of its path and headers in the head (so the head is parsed once).
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct Taken {
+    pub head: usize,
+    pub body: usize,
+    method: Method,
+    path: Span,
+    headers: [(Span, Span); MAX_HEADERS],
+    count: usize,
+}
+
+/// A range of a request head (at most [`MAX_HEAD`] long).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct Span {
+    start: u16,
+    len: u16,
+}
+
+impl Span {
+    /// Where `part`, a slice of `buf`, lies in it.
+    fn of(buf: &[u8], part: &[u8]) -> Span {
+        let start = part.as_ptr() as usize - buf.as_ptr() as usize;
+        Span { start: start as u16, len: part.len() as u16 }
+    }
+
+    fn range(self) -> std::ops::Range<usize> {
+        usize::from(self.start)..usize::from(self.start) + usize::from(self.len)
+    }
+}
+
+/// Looks at the start of `buf` (see [`Head`]).
+pub(super) fn head(buf: &[u8], takes: Takes) -> Head {
+    // Left uninitialised: httparse fills what it parses (a zeroed array costs a fifth of the
+    // parse).
+    let mut headers = [const { std::mem::MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+    let mut request = httparse::Request::new(&mut []);
+    let head = match request.parse_with_uninit_headers(buf, &mut headers) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) if buf.len() <= MAX_HEAD => return Head::Partial,
+        _ => return Head::Other,
+    };
+    if head > MAX_HEAD || request.version != Some(1) {
+        return Head::Other;
+    }
+    let (Some(method), Some(path)) = (method_of(request.method), request.path) else { return Head::Other };
+    if !takes(&method, path) {
+        return Head::Other;
+    }
+    let mut body = None;
+    let mut spans = [(Span::default(), Span::default()); MAX_HEADERS];
+    for (h, span) in request.headers.iter().zip(spans.iter_mut()) {
+        let name = h.name.as_bytes();
+        if name.eq_ignore_ascii_case(b"content-length") {
+            match (body, length_of(h.value)) {
+                (None, Some(n)) if n <= MAX_BODY => body = Some(n),
+                _ => return Head::Other,
+            }
+        } else if [&b"transfer-encoding"[..], b"expect", b"upgrade", b"connection"]
+            .iter()
+            .any(|other| name.eq_ignore_ascii_case(other))
+        {
+            return Head::Other;
+        }
+        *span = (Span::of(buf, name), Span::of(buf, h.value));
+    }
+    let body = body.unwrap_or(0);
+    if buf.len() < head + body {
+        return Head::Partial;
+    }
+    let count = request.headers.len();
+    Head::Taken(Taken { head, body, method, path: Span::of(buf, path.as_bytes()), headers: spans, count })
+}
+
+fn method_of(method: Option<&str>) -> Option<Method> {
+    match method? {
+        "GET" => Some(Method::GET),
+        "PUT" => Some(Method::PUT),
+        "DELETE" => Some(Method::DELETE),
+        _ => None,
+    }
+}
+
+/// A `Content-Length` value: digits only, as RFC 9110 has it.
+fn length_of(value: &[u8]) -> Option<usize> {
+    if value.is_empty() || value.len() > 12 || !value.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    value.iter().try_fold(0usize, |n, d| n.checked_mul(10)?.checked_add(usize::from(d - b'0')))
+}
+
+/// The request `taken` describes, from its `head` (the bytes [`head`] looked at, up to the
+/// body) and `body`; `None` if a header or the path is not valid HTTP.
+pub(super) fn request(taken: &Taken, head: &Bytes, body: Bytes) -> Option<Request<Body>> {
+    let uri = Uri::from_maybe_shared(head.slice(taken.path.range())).ok()?;
+    let mut map = HeaderMap::with_capacity(taken.count);
+    for (name, value) in &taken.headers[..taken.count] {
+        let name = HeaderName::from_bytes(&head[name.range()]).ok()?;
+        let value = HeaderValue::from_maybe_shared(head.slice(value.range())).ok()?;
+        map.append(name, value);
+    }
+    let mut request = Request::new(if body.is_empty() { Body::empty() } else { Body::from(body) });
+    *request.method_mut() = taken.method.clone();
+    *request.uri_mut() = uri;
+    *request.version_mut() = Version::HTTP_11;
+    *request.headers_mut() = map;
+    Some(request)
+}
+
+/// Appends `response` (its head, and `body` unless the status has none) to `out`, with a
+/// `Content-Length` and a `Date` where the response has none.
+pub(super) fn encode(out: &mut Vec<u8>, response: &axum::http::response::Parts, body: &[u8]) {
+    let status = response.status;
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(status.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(status.canonical_reason().unwrap_or("<unknown status code>").as_bytes());
+    out.extend_from_slice(b"\r\n");
+    // As hyper: no body, and no length, for 1xx, 204 and 304.
+    let bodyless = status.is_informational() || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED;
+    for (name, value) in &response.headers {
+        if bodyless && name == header::CONTENT_LENGTH {
+            continue;
+        }
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    if !bodyless && !response.headers.contains_key(header::CONTENT_LENGTH) {
+        out.extend_from_slice(b"content-length: ");
+        out.extend_from_slice(itoa::Buffer::new().format(body.len()).as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    if !response.headers.contains_key(header::DATE) {
+        out.extend_from_slice(b"date: ");
+        date(|d| out.extend_from_slice(d));
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+    if !bodyless {
+        out.extend_from_slice(body);
+    }
+}
+
+/// Calls `f` with the current `Date` value (formatted once a second per thread).
+fn date(f: impl FnOnce(&[u8])) {
+    use std::cell::RefCell;
+    use std::time::{SystemTime, UNIX_EPOCH};
+    thread_local! {
+        static DATE: RefCell<(u64, String)> = const { RefCell::new((u64::MAX, String::new())) };
+    }
+    let now = SystemTime::now();
+    let second = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    DATE.with(|cached| {
+        let mut cached = cached.borrow_mut();
+        if cached.0 != second {
+            *cached = (second, httpdate::fmt_http_date(now));
+        }
+        f(cached.1.as_bytes());
+    });
+}
+
+/// A body's bytes: a body in one piece as it is, several pieces gathered. `None` if it failed.
+async fn body_bytes(mut body: Body) -> Option<Bytes> {
+    use http_body_util::BodyExt;
+    let mut whole: Option<BytesMut> = None;
+    let mut first = Bytes::new();
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame.ok()?.into_data() else { continue };
+        match &mut whole {
+            Some(w) => w.extend_from_slice(&data),
+            None if first.is_empty() => first = data,
+            None => {
+                let mut w = BytesMut::with_capacity(first.len() + data.len());
+                w.extend_from_slice(&first);
+                w.extend_from_slice(&data);
+                whole = Some(w);
+            }
+        }
+    }
+    Some(whole.map_or(first, BytesMut::freeze))
+}
+
+/// How a connection's loop ended.
+pub(super) enum Ended<I> {
+    /// The connection is done (closed by the client, an error, or the node's shutdown).
+    Closed,
+    /// A request the loop does not take: hyper serves the connection from here, reading the
+    /// bytes already read first.
+    Hyper(Rewind<I>),
+}
+
+/// Serves `io`'s requests that `takes` names with `service`, until one it does not take (see
+/// the module docs) or the connection ends. Once `shutdown` turns true, the answers of the
+/// requests already read are written and the connection closes.
+pub(super) async fn serve<I, S>(
+    mut io: I,
+    mut service: S,
+    takes: Takes,
+    shutdown: &mut watch::Receiver<bool>,
+) -> Ended<I>
+where
+    I: AsyncRead + AsyncWrite + Unpin,
+    S: tower::Service<Request<Body>, Response = Response, Error = Infallible> + Answers,
+{
+    let mut buf = BytesMut::with_capacity(READ_AT_LEAST);
+    let mut out = Vec::with_capacity(1024);
+    // One wait for the shutdown for the whole connection (not one per read).
+    let mut stop = std::pin::pin!(super::stopped(shutdown));
+    loop {
+        // Every whole request already read is answered before the answers are written.
+        loop {
+            match head(&buf, takes) {
+                Head::Taken(taken) => {
+                    let head = buf.split_to(taken.head).freeze();
+                    let body = buf.split_to(taken.body).freeze();
+                    let Some(request) = request(&taken, &head, body) else {
+                        out.extend_from_slice(
+                            b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n",
+                        );
+                        let _ = write_out(&mut io, &mut out).await;
+                        return Ended::Closed;
+                    };
+                    drop(head);
+                    let response = match service.answer(request) {
+                        Ok(answer) => answer.await,
+                        Err(request) => {
+                            if std::future::poll_fn(|cx| service.poll_ready(cx)).await.is_err() {
+                                return Ended::Closed;
+                            }
+                            let Ok(response) = service.call(request).await;
+                            response
+                        }
+                    };
+                    let (parts, body) = response.into_parts();
+                    let Some(body) = body_bytes(body).await else { return Ended::Closed };
+                    encode(&mut out, &parts, &body);
+                    if out.len() >= WRITE_AT && write_out(&mut io, &mut out).await.is_err() {
+                        return Ended::Closed;
+                    }
+                }
+                Head::Partial => break,
+                Head::Other => {
+                    if write_out(&mut io, &mut out).await.is_err() {
+                        return Ended::Closed;
+                    }
+                    return Ended::Hyper(Rewind { read: buf.freeze(), io });
+                }
+            }
+        }
+        if write_out(&mut io, &mut out).await.is_err() {
+            return Ended::Closed;
+        }
+        buf.reserve(READ_AT_LEAST);
+        // The read first: a connection that has bytes waiting does not poll the shutdown.
+        tokio::select! {
+            biased;
+            read = io.read_buf(&mut buf) => match read {
+                Ok(0) | Err(_) => return Ended::Closed,
+                Ok(_) => {}
+            },
+            () = stop.as_mut() => return Ended::Closed,
+        }
+    }
+}
+
+/// Writes and flushes `out` if it holds anything, and empties it.
+async fn write_out<I: AsyncWrite + Unpin>(io: &mut I, out: &mut Vec<u8>) -> io::Result<()> {
+    if out.is_empty() {
+        return Ok(());
+    }
+    io.write_all(out).await?;
+    out.clear();
+    io.flush().await
+}
+
+/// A connection with bytes already read from it in front: what hyper is given when it takes
+/// a connection over.
+pub(super) struct Rewind<I> {
+    read: Bytes,
+    io: I,
+}
+
+impl<I: AsyncRead + Unpin> AsyncRead for Rewind<I> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        if !self.read.is_empty() {
+            let n = self.read.len().min(buf.remaining());
+            buf.put_slice(&self.read.split_to(n));
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<I: AsyncWrite + Unpin> AsyncWrite for Rewind<I> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, data)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, data)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::extract::Path;
+    use axum::routing::{get, post};
+    use tokio::io::AsyncReadExt;
+
+    fn key_requests(method: &Method, path: &str) -> bool {
+        shoal_http_api::is_key_request(method, path)
+    }
+
+    fn taken(buf: &[u8]) -> Option<(usize, usize)> {
+        match head(buf, key_requests) {
+            Head::Taken(t) => Some((t.head, t.body)),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn only_whole_simple_key_requests_are_taken() {
+        let put = b"PUT /v1/kv/a?ttl=5s HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello";
+        assert_eq!(taken(put), Some((put.len() - 5, 5)));
+        assert_eq!(taken(b"GET /v1/kv/a HTTP/1.1\r\nhost: x\r\n\r\nGET /next"), Some((34, 0)));
+        assert_eq!(taken(b"DELETE /v1/kv/a HTTP/1.1\r\n\r\n"), Some((28, 0)));
+        // Every prefix of a whole request waits for more.
+        for n in 0..put.len() {
+            assert_eq!(head(&put[..n], key_requests), Head::Partial, "{n} bytes");
+        }
+        let others: &[&[u8]] = &[
+            b"POST /v1/kv/a HTTP/1.1\r\n\r\n",
+            b"HEAD /v1/kv/a HTTP/1.1\r\n\r\n",
+            b"GET /v1/status HTTP/1.1\r\n\r\n",
+            b"GET http://x/v1/kv/a HTTP/1.1\r\n\r\n",
+            b"GET /v1/kv/a HTTP/1.0\r\n\r\n",
+            b"PUT /v1/kv/a HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n",
+            b"PUT /v1/kv/a HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 1\r\n\r\n",
+            b"GET /v1/kv/a HTTP/1.1\r\nConnection: close\r\n\r\n",
+            b"GET /v1/kv/a HTTP/1.1\r\nUpgrade: websocket\r\n\r\n",
+            b"PUT /v1/kv/a HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 1\r\n\r\nx",
+            b"PUT /v1/kv/a HTTP/1.1\r\nContent-Length: +1\r\n\r\nx",
+            b"PUT /v1/kv/a HTTP/1.1\r\nContent-Length: 65537\r\n\r\n",
+            b"GET /v1/kv/a HTTP/1.1\r\nbad header\r\n\r\n",
+            b"\x16\x03\x01 not http at all",
+        ];
+        for other in others {
+            assert_eq!(head(other, key_requests), Head::Other, "{}", String::from_utf8_lossy(other));
+        }
+        let many: String = (0..MAX_HEADERS + 1).map(|i| format!("x-{i}: y\r\n")).collect();
+        assert_eq!(head(format!("GET /v1/kv/a HTTP/1.1\r\n{many}\r\n").as_bytes(), key_requests), Head::Other);
+        // A head that never ends is not waited for past the limit.
+        let long = format!("GET /v1/kv/a HTTP/1.1\r\nx: {}", "y".repeat(MAX_HEAD));
+        assert_eq!(head(long.as_bytes(), key_requests), Head::Other);
+    }
+
+    /// A router like the client API's: its key route echoes what it was given, and answers
+    /// with each kind of status the key routes use.
+    fn router() -> axum::Router {
+        async fn key(Path(key): Path<String>, request: Request<Body>) -> Response {
+            use axum::response::IntoResponse;
+            let (parts, body) = request.into_parts();
+            let body = axum::body::to_bytes(body, usize::MAX).await.unwrap_or_default();
+            match key.as_str() {
+                "gone" => StatusCode::NO_CONTENT.into_response(),
+                "same" => (StatusCode::NOT_MODIFIED, [(header::ETAG, "\"3\"")]).into_response(),
+                "missing" => {
+                    (StatusCode::NOT_FOUND, [(header::CONTENT_TYPE, "application/problem+json")], "{}").into_response()
+                }
+                _ => {
+                    let seen = format!(
+                        "{} {} {:?} x-test={:?} body={}",
+                        parts.method,
+                        key,
+                        parts.uri.query(),
+                        parts.headers.get("x-test"),
+                        String::from_utf8_lossy(&body)
+                    );
+                    ([(header::ETAG, "\"1\"")], seen).into_response()
+                }
+            }
+        }
+        axum::Router::new()
+            .route("/v1/kv/{*key}", get(key).put(key).delete(key).post(key))
+            .route("/other", post(|body: String| async move { format!("other {body}") }))
+    }
+
+    /// Everything a server answers on one connection to `requests` (sent in pieces of
+    /// `piece` bytes), the `date` headers' values blanked.
+    async fn answers(simple: bool, requests: &[u8], piece: usize) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (stop, stopped) = watch::channel(false);
+        let takes = simple.then_some(key_requests as Takes);
+        let server =
+            super::super::serve(listener, router(), crate::metrics::ListenerMetrics::none(), None, takes, stopped);
+        let mut tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        for chunk in requests.chunks(piece) {
+            tcp.write_all(chunk).await.expect("write");
+            tokio::task::yield_now().await;
+        }
+        let mut got = Vec::new();
+        tokio::time::timeout(std::time::Duration::from_secs(10), tcp.read_to_end(&mut got))
+            .await
+            .expect("the server closes the connection after the last request")
+            .expect("read");
+        stop.send_replace(true);
+        let _ = server.await;
+        let got = String::from_utf8(got).expect("utf-8");
+        got.lines().map(|l| if l.starts_with("date: ") { "date: -" } else { l }).collect::<Vec<_>>().join("\n")
+    }
+
+    #[tokio::test]
+    async fn a_connection_answers_byte_for_byte_as_hyper_does() {
+        let big = "v".repeat(MAX_BODY + 1);
+        let session = [
+            "PUT /v1/kv/a?ttl=5s HTTP/1.1\r\nHost: x\r\nX-Test: 1\r\nContent-Length: 5\r\n\r\nhello".to_string(),
+            "GET /v1/kv/a%20b HTTP/1.1\r\nhost: x\r\n\r\n".into(),
+            "DELETE /v1/kv/gone HTTP/1.1\r\n\r\n".into(),
+            "GET /v1/kv/same HTTP/1.1\r\nIf-None-Match: \"3\"\r\n\r\n".into(),
+            "GET /v1/kv/missing HTTP/1.1\r\n\r\n".into(),
+            "PUT /v1/kv/empty HTTP/1.1\r\nContent-Length: 0\r\n\r\n".into(),
+            // From here hyper answers (the simple loop hands the connection over).
+            "POST /other HTTP/1.1\r\nContent-Length: 2\r\n\r\nhi".into(),
+            "PUT /v1/kv/c HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n".into(),
+            format!("PUT /v1/kv/big HTTP/1.1\r\nContent-Length: {}\r\n\r\n{big}", big.len()),
+            "GET /v1/kv/a HTTP/1.1\r\nConnection: close\r\n\r\n".into(),
+        ]
+        .concat();
+        let hyper = answers(false, session.as_bytes(), session.len()).await;
+        assert!(hyper.contains("other hi") && hyper.contains("body=abc"), "{hyper}");
+        // All at once (pipelined), and in small pieces.
+        for piece in [session.len(), 7] {
+            let simple = answers(true, session.as_bytes(), piece).await;
+            let differ = simple.bytes().zip(hyper.bytes()).position(|(a, b)| a != b);
+            if let Some(at) = differ.or((simple.len() != hyper.len()).then_some(simple.len().min(hyper.len()))) {
+                let around = |s: &str| s[at.saturating_sub(200)..(at + 100).min(s.len())].to_string();
+                panic!("in pieces of {piece}, at byte {at}:\n{}\n--- hyper:\n{}", around(&simple), around(&hyper));
+            }
+        }
+    }
+
+    /// Runs the simple loop alone over an in-memory connection carrying `requests`.
+    async fn simple_loop(requests: &[u8]) -> (Vec<u8>, bool) {
+        let (mut client, server) = tokio::io::duplex(1 << 20);
+        let (_stop, mut stopped) = watch::channel(false);
+        client.write_all(requests).await.expect("write");
+        client.shutdown().await.expect("shutdown");
+        let handed = matches!(serve(server, router(), key_requests, &mut stopped).await, Ended::Hyper(_));
+        let mut got = Vec::new();
+        client.read_to_end(&mut got).await.expect("read");
+        (got, handed)
+    }
+
+    #[tokio::test]
+    async fn key_requests_stay_in_the_loop_and_another_goes_to_hyper() {
+        let keys = b"PUT /v1/kv/a HTTP/1.1\r\nContent-Length: 1\r\n\r\nxGET /v1/kv/a HTTP/1.1\r\n\r\n";
+        let (got, handed) = simple_loop(keys).await;
+        assert!(!handed);
+        assert_eq!(String::from_utf8_lossy(&got).matches("HTTP/1.1 200 OK").count(), 2);
+        let mixed = b"GET /v1/kv/a HTTP/1.1\r\n\r\nPOST /other HTTP/1.1\r\nContent-Length: 0\r\n\r\n";
+        let (got, handed) = simple_loop(mixed).await;
+        assert!(handed);
+        assert_eq!(String::from_utf8_lossy(&got).matches("HTTP/1.1 200 OK").count(), 1);
+    }
+
+    #[tokio::test]
+    async fn an_idle_connection_closes_at_shutdown() {
+        let (_client, server) = tokio::io::duplex(1024);
+        let (stop, mut stopped) = watch::channel(false);
+        let serving =
+            tokio::spawn(
+                async move { matches!(serve(server, router(), key_requests, &mut stopped).await, Ended::Closed) },
+            );
+        stop.send_replace(true);
+        assert!(tokio::time::timeout(std::time::Duration::from_secs(10), serving)
+            .await
+            .expect("closes")
+            .expect("task"));
+    }
+}
