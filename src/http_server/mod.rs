@@ -1,7 +1,8 @@
 //! The HTTP/1.1 server loop both listeners use.
 //!
 //! `axum::serve` is not used because it cannot turn on hyper's `pipeline_flush`: a client that
-//! pipelines requests would see each answer wait for the next read. Every connection gets
+//! pipelines requests would see each answer wait for the next read (the client listener's own
+//! loop for key requests, [`simple`], writes answers the same way). Every connection gets
 //! TCP_NODELAY (Nagle would add 40 ms stalls to pipelined answers). On shutdown the listener
 //! closes at once, idle connections close, and in-flight requests get [`DRAIN_TIMEOUT`] to
 //! finish. A connection upgraded to a peer link (`transport::link`) leaves the server, and

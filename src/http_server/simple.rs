@@ -16,9 +16,14 @@
 //! connection. So an unusual request is answered exactly as before, only the usual ones skip
 //! hyper.
 //!
+//! Two things differ from hyper, both for a client that closes its side of the connection
+//! (a half-close): a whole request read before the close is answered (hyper drops it), and a
+//! request cut off in its body is not handed to the service (hyper runs the handler, whose
+//! body read fails).
+//!
 //! A body is read before the service runs, so a connection holds at most one request head
-//! ([`MAX_HEAD`]) and one [`MAX_BODY`] body before the node's body admission counts it; hyper
-//! holds a read buffer of about the same size.
+//! ([`MAX_HEAD`]) and one [`MAX_BODY`] body (24 KiB) before the node's body admission counts it;
+//! hyper's first read of a request takes up to 8 KiB of it the same way.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -61,10 +66,10 @@ impl Answers for axum::Router {
 
 /// The largest request head the loop waits for; a longer one goes to hyper (which answers it,
 /// or refuses it as too large).
-pub const MAX_HEAD: usize = 16 * 1024;
+pub const MAX_HEAD: usize = 8 * 1024;
 /// The largest body the loop reads itself; a request with a longer one goes to hyper, whose
 /// handler admits the body before reading it.
-pub const MAX_BODY: usize = 64 * 1024;
+pub const MAX_BODY: usize = 16 * 1024;
 /// The most headers a request the loop takes may have.
 const MAX_HEADERS: usize = 32;
 /// Answers gathered past this size are written before the next request is answered.
@@ -79,7 +84,10 @@ const READ_AT_LEAST: usize = 8 * 1024;
 pub(super) enum Head {
     /// A request the loop takes, whole (see [`Taken`]).
     Taken(Taken),
-    /// Not yet a whole request.
+    /// The head of a request the loop takes, whose body is still arriving: the length of the
+    /// whole request.
+    Waiting(usize),
+    /// Not yet a whole head.
     Partial,
     /// A request the loop does not take (or not HTTP it understands): hyper's.
     Other,
@@ -153,7 +161,7 @@ pub(super) fn head(buf: &[u8], takes: Takes) -> Head {
     }
     let body = body.unwrap_or(0);
     if buf.len() < head + body {
-        return Head::Partial;
+        return Head::Waiting(head + body);
     }
     let count = request.headers.len();
     Head::Taken(Taken { head, body, method, path: Span::of(buf, path.as_bytes()), headers: spans, count })
@@ -178,7 +186,7 @@ fn length_of(value: &[u8]) -> Option<usize> {
 
 /// The request `taken` describes, from its `head` (the bytes [`head`] looked at, up to the
 /// body) and `body`; `None` if a header or the path is not valid HTTP.
-pub(super) fn request(taken: &Taken, head: &Bytes, body: Bytes) -> Option<Request<Body>> {
+pub(super) fn request(taken: &Taken, head: &Bytes, body: &Bytes) -> Option<Request<Body>> {
     let uri = Uri::from_maybe_shared(head.slice(taken.path.range())).ok()?;
     let mut map = HeaderMap::with_capacity(taken.count);
     for (name, value) in &taken.headers[..taken.count] {
@@ -186,7 +194,7 @@ pub(super) fn request(taken: &Taken, head: &Bytes, body: Bytes) -> Option<Reques
         let value = HeaderValue::from_maybe_shared(head.slice(value.range())).ok()?;
         map.append(name, value);
     }
-    let mut request = Request::new(if body.is_empty() { Body::empty() } else { Body::from(body) });
+    let mut request = Request::new(if body.is_empty() { Body::empty() } else { Body::from(body.clone()) });
     *request.method_mut() = taken.method.clone();
     *request.uri_mut() = uri;
     *request.version_mut() = Version::HTTP_11;
@@ -195,13 +203,14 @@ pub(super) fn request(taken: &Taken, head: &Bytes, body: Bytes) -> Option<Reques
 }
 
 /// Appends `response` (its head, and `body` unless the status has none) to `out`, with a
-/// `Content-Length` and a `Date` where the response has none.
-pub(super) fn encode(out: &mut Vec<u8>, response: &axum::http::response::Parts, body: &[u8]) {
+/// `Content-Length` and a `Date` where the response has none, and `connection: close` when
+/// `closing` (and the response does not say so already).
+pub(super) fn encode(out: &mut Vec<u8>, response: &axum::http::response::Parts, body: &[u8], closing: bool) {
     let status = response.status;
     out.extend_from_slice(b"HTTP/1.1 ");
     out.extend_from_slice(status.as_str().as_bytes());
     out.push(b' ');
-    out.extend_from_slice(status.canonical_reason().unwrap_or("<unknown status code>").as_bytes());
+    out.extend_from_slice(status.canonical_reason().unwrap_or("<none>").as_bytes());
     out.extend_from_slice(b"\r\n");
     // As hyper: no body, and no length, for 1xx, 204 and 304.
     let bodyless = status.is_informational() || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED;
@@ -213,6 +222,9 @@ pub(super) fn encode(out: &mut Vec<u8>, response: &axum::http::response::Parts, 
         out.extend_from_slice(b": ");
         out.extend_from_slice(value.as_bytes());
         out.extend_from_slice(b"\r\n");
+    }
+    if closing && !response.headers.contains_key(header::CONNECTION) {
+        out.extend_from_slice(b"connection: close\r\n");
     }
     if !bodyless && !response.headers.contains_key(header::CONTENT_LENGTH) {
         out.extend_from_slice(b"content-length: ");
@@ -279,8 +291,9 @@ pub(super) enum Ended<I> {
 }
 
 /// Serves `io`'s requests that `takes` names with `service`, until one it does not take (see
-/// the module docs) or the connection ends. Once `shutdown` turns true, the answers of the
-/// requests already read are written and the connection closes.
+/// the module docs) or the connection ends. Once `shutdown` turns true, the request being
+/// answered gets its answer with `connection: close` (as hyper's graceful shutdown gives it),
+/// and the connection closes; an idle one closes at once.
 pub(super) async fn serve<I, S>(
     mut io: I,
     mut service: S,
@@ -291,49 +304,77 @@ where
     I: AsyncRead + AsyncWrite + Unpin,
     S: tower::Service<Request<Body>, Response = Response, Error = Infallible> + Answers,
 {
+    use futures::future::Either;
+    let stopping = shutdown.clone();
     let mut buf = BytesMut::with_capacity(READ_AT_LEAST);
     let mut out = Vec::with_capacity(1024);
+    // The length of the request at the start of `buf` whose body is still arriving: its head
+    // is not parsed again until it is all there.
+    let mut waiting = 0;
     // One wait for the shutdown for the whole connection (not one per read).
     let mut stop = std::pin::pin!(super::stopped(shutdown));
     loop {
-        // Every whole request already read is answered before the answers are written.
-        loop {
-            match head(&buf, takes) {
-                Head::Taken(taken) => {
-                    let head = buf.split_to(taken.head).freeze();
-                    let body = buf.split_to(taken.body).freeze();
-                    let Some(request) = request(&taken, &head, body) else {
-                        out.extend_from_slice(
-                            b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n",
-                        );
-                        let _ = write_out(&mut io, &mut out).await;
-                        return Ended::Closed;
-                    };
-                    drop(head);
-                    let response = match service.answer(request) {
-                        Ok(answer) => answer.await,
-                        Err(request) => {
-                            if std::future::poll_fn(|cx| service.poll_ready(cx)).await.is_err() {
-                                return Ended::Closed;
-                            }
-                            let Ok(response) = service.call(request).await;
-                            response
-                        }
-                    };
-                    let (parts, body) = response.into_parts();
-                    let Some(body) = body_bytes(body).await else { return Ended::Closed };
-                    encode(&mut out, &parts, &body);
-                    if out.len() >= WRITE_AT && write_out(&mut io, &mut out).await.is_err() {
-                        return Ended::Closed;
-                    }
+        // Every whole request already read is answered before the answers are written, but
+        // answers made go out before one that has to wait.
+        while buf.len() >= waiting {
+            let taken = match head(&buf, takes) {
+                Head::Taken(taken) => taken,
+                Head::Waiting(len) => {
+                    waiting = len;
+                    break;
                 }
                 Head::Partial => break,
-                Head::Other => {
+                Head::Other => return hyper(io, &mut out, buf).await,
+            };
+            waiting = 0;
+            let head = buf.split_to(taken.head).freeze();
+            let body = buf.split_to(taken.body).freeze();
+            let Some(request) = request(&taken, &head, &body) else {
+                // Not valid HTTP after all (a path `Uri` refuses): hyper answers it as it would.
+                let mut all = BytesMut::with_capacity(head.len() + body.len() + buf.len());
+                all.extend_from_slice(&head);
+                all.extend_from_slice(&body);
+                all.extend_from_slice(&buf);
+                return hyper(io, &mut out, all).await;
+            };
+            drop((head, body));
+            let answer = match service.answer(request) {
+                Ok(answer) => Either::Left(answer),
+                Err(request) => {
+                    if std::future::poll_fn(|cx| service.poll_ready(cx)).await.is_err() {
+                        return Ended::Closed;
+                    }
+                    let call = service.call(request);
+                    Either::Right(async move {
+                        let Ok(response) = call.await;
+                        response
+                    })
+                }
+            };
+            let mut answer = std::pin::pin!(answer);
+            let response = match futures::poll!(answer.as_mut()) {
+                Poll::Ready(response) => response,
+                Poll::Pending => {
                     if write_out(&mut io, &mut out).await.is_err() {
                         return Ended::Closed;
                     }
-                    return Ended::Hyper(Rewind { read: buf.freeze(), io });
+                    answer.await
                 }
+            };
+            let (parts, body) = response.into_parts();
+            let Some(body) = body_bytes(body).await else {
+                let _ = write_out(&mut io, &mut out).await;
+                return close(io).await;
+            };
+            let closing = *stopping.borrow()
+                || parts.headers.get(header::CONNECTION).is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"close"));
+            encode(&mut out, &parts, &body, closing);
+            if closing {
+                let _ = write_out(&mut io, &mut out).await;
+                return close(io).await;
+            }
+            if out.len() >= WRITE_AT && write_out(&mut io, &mut out).await.is_err() {
+                return Ended::Closed;
             }
         }
         if write_out(&mut io, &mut out).await.is_err() {
@@ -344,12 +385,29 @@ where
         tokio::select! {
             biased;
             read = io.read_buf(&mut buf) => match read {
-                Ok(0) | Err(_) => return Ended::Closed,
+                Ok(0) => return close(io).await,
+                Err(_) => return Ended::Closed,
                 Ok(_) => {}
             },
-            () = stop.as_mut() => return Ended::Closed,
+            () = stop.as_mut() => return close(io).await,
         }
     }
+}
+
+/// Hands `io` to hyper once the answers in `out` are written, with `read` (the bytes read and
+/// not answered) in front.
+async fn hyper<I: AsyncWrite + Unpin>(mut io: I, out: &mut Vec<u8>, read: BytesMut) -> Ended<I> {
+    if write_out(&mut io, out).await.is_err() {
+        return Ended::Closed;
+    }
+    Ended::Hyper(Rewind { read: read.freeze(), io })
+}
+
+/// Shuts the connection down (over TLS: says so to the peer), as hyper does when a connection
+/// ends; a peer that does not take it within a second is left.
+async fn close<I: AsyncWrite + Unpin>(mut io: I) -> Ended<I> {
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(1), io.shutdown()).await;
+    Ended::Closed
 }
 
 /// Writes and flushes `out` if it holds anything, and empties it.
@@ -409,9 +467,9 @@ impl<I: AsyncWrite + Unpin> AsyncWrite for Rewind<I> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use axum::extract::Path;
-    use axum::routing::{get, post};
+    use std::sync::Arc;
     use tokio::io::AsyncReadExt;
+    use tokio::sync::Notify;
 
     fn key_requests(method: &Method, path: &str) -> bool {
         shoal_http_api::is_key_request(method, path)
@@ -430,9 +488,15 @@ mod tests {
         assert_eq!(taken(put), Some((put.len() - 5, 5)));
         assert_eq!(taken(b"GET /v1/kv/a HTTP/1.1\r\nhost: x\r\n\r\nGET /next"), Some((34, 0)));
         assert_eq!(taken(b"DELETE /v1/kv/a HTTP/1.1\r\n\r\n"), Some((28, 0)));
-        // Every prefix of a whole request waits for more.
+        // Every prefix of a whole request waits for more; once the head is whole, for the
+        // length of the whole request.
         for n in 0..put.len() {
-            assert_eq!(head(&put[..n], key_requests), Head::Partial, "{n} bytes");
+            let waits = match head(&put[..n], key_requests) {
+                Head::Partial => n < put.len() - 5,
+                Head::Waiting(len) => len == put.len() && n >= put.len() - 5,
+                _ => false,
+            };
+            assert!(waits, "{n} bytes");
         }
         let others: &[&[u8]] = &[
             b"POST /v1/kv/a HTTP/1.1\r\n\r\n",
@@ -446,7 +510,7 @@ mod tests {
             b"GET /v1/kv/a HTTP/1.1\r\nUpgrade: websocket\r\n\r\n",
             b"PUT /v1/kv/a HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 1\r\n\r\nx",
             b"PUT /v1/kv/a HTTP/1.1\r\nContent-Length: +1\r\n\r\nx",
-            b"PUT /v1/kv/a HTTP/1.1\r\nContent-Length: 65537\r\n\r\n",
+            b"PUT /v1/kv/a HTTP/1.1\r\nContent-Length: 16385\r\n\r\n",
             b"GET /v1/kv/a HTTP/1.1\r\nbad header\r\n\r\n",
             b"\x16\x03\x01 not http at all",
         ];
@@ -460,60 +524,131 @@ mod tests {
         assert_eq!(head(long.as_bytes(), key_requests), Head::Other);
     }
 
-    /// A router like the client API's: its key route echoes what it was given, and answers
-    /// with each kind of status the key routes use.
-    fn router() -> axum::Router {
-        async fn key(Path(key): Path<String>, request: Request<Body>) -> Response {
-            use axum::response::IntoResponse;
+    /// A service like the client API: it answers key requests in place (but keys starting
+    /// with `routed`, which go through its `call`), with responses that carry no
+    /// `Content-Length` (as the key handlers' do), echoing what it was given; a few keys give
+    /// the other statuses the key routes use, `slow` waits until it is let go.
+    #[derive(Clone, Default)]
+    struct Direct {
+        slow_started: Arc<Notify>,
+        slow_go: Arc<Notify>,
+    }
+
+    impl Direct {
+        async fn respond(self, request: Request<Body>) -> Response {
             let (parts, body) = request.into_parts();
             let body = axum::body::to_bytes(body, usize::MAX).await.unwrap_or_default();
+            let key = parts.uri.path().rsplit('/').next().unwrap_or_default().to_string();
+            let mut response = Response::new(Body::empty());
             match key.as_str() {
-                "gone" => StatusCode::NO_CONTENT.into_response(),
-                "same" => (StatusCode::NOT_MODIFIED, [(header::ETAG, "\"3\"")]).into_response(),
+                "gone" => *response.status_mut() = StatusCode::NO_CONTENT,
+                "same" => {
+                    *response.status_mut() = StatusCode::NOT_MODIFIED;
+                    response.headers_mut().insert(header::ETAG, HeaderValue::from_static("\"3\""));
+                    response.headers_mut().insert(header::CONTENT_LENGTH, HeaderValue::from_static("0"));
+                }
                 "missing" => {
-                    (StatusCode::NOT_FOUND, [(header::CONTENT_TYPE, "application/problem+json")], "{}").into_response()
+                    *response.status_mut() = StatusCode::NOT_FOUND;
+                    response
+                        .headers_mut()
+                        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+                    *response.body_mut() = Body::from("{}");
                 }
                 _ => {
-                    let seen = format!(
+                    if key == "slow" {
+                        self.slow_started.notify_one();
+                        self.slow_go.notified().await;
+                    }
+                    response.headers_mut().insert(header::ETAG, HeaderValue::from_static("\"1\""));
+                    *response.body_mut() = Body::from(format!(
                         "{} {} {:?} x-test={:?} body={}",
                         parts.method,
                         key,
                         parts.uri.query(),
                         parts.headers.get("x-test"),
                         String::from_utf8_lossy(&body)
-                    );
-                    ([(header::ETAG, "\"1\"")], seen).into_response()
+                    ));
                 }
             }
+            response
         }
-        axum::Router::new()
-            .route("/v1/kv/{*key}", get(key).put(key).delete(key).post(key))
-            .route("/other", post(|body: String| async move { format!("other {body}") }))
     }
 
-    /// Everything a server answers on one connection to `requests` (sent in pieces of
-    /// `piece` bytes), the `date` headers' values blanked.
-    async fn answers(simple: bool, requests: &[u8], piece: usize) -> String {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let (stop, stopped) = watch::channel(false);
-        let takes = simple.then_some(key_requests as Takes);
-        let server =
-            super::super::serve(listener, router(), crate::metrics::ListenerMetrics::none(), None, takes, stopped);
-        let mut tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
-        for chunk in requests.chunks(piece) {
-            tcp.write_all(chunk).await.expect("write");
-            tokio::task::yield_now().await;
+    impl<B> tower::Service<Request<B>> for Direct
+    where
+        B: axum::body::HttpBody<Data = Bytes> + Send + 'static,
+        B::Error: Into<axum::BoxError>,
+    {
+        type Response = Response;
+        type Error = Infallible;
+        type Future = futures::future::BoxFuture<'static, Result<Response, Infallible>>;
+
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+            Poll::Ready(Ok(()))
         }
+
+        fn call(&mut self, request: Request<B>) -> Self::Future {
+            let this = self.clone();
+            Box::pin(async move { Ok(this.respond(request.map(Body::new)).await) })
+        }
+    }
+
+    impl Answers for Direct {
+        fn answer(
+            &self,
+            request: Request<Body>,
+        ) -> Result<impl Future<Output = Response> + Send + 'static, Request<Body>> {
+            if request.uri().path().contains("routed") {
+                return Err(request);
+            }
+            Ok(self.clone().respond(request))
+        }
+    }
+
+    /// Everything one connection answers to `requests`, written and read at most `piece`
+    /// bytes at a time, the `Date`s' values blanked: served by the loop first (`simple`) or by
+    /// hyper alone. With `hold_open` the client's side stays open until the server closes.
+    async fn answers(simple: bool, requests: &[u8], piece: usize, hold_open: bool) -> String {
+        let (client, server) = tokio::io::duplex(piece);
+        let (_stop, stopped) = watch::channel(false);
+        let takes = simple.then_some(key_requests as Takes);
+        let serving = tokio::spawn(async move {
+            let mut builder = hyper::server::conn::http1::Builder::new();
+            builder.pipeline_flush(true);
+            super::super::serve_connection(&builder, server, Direct::default(), takes, stopped).await;
+        });
+        let (mut reader, mut writer) = tokio::io::split(client);
+        let requests = requests.to_vec();
+        let writing = tokio::spawn(async move {
+            writer.write_all(&requests).await.expect("write");
+            if !hold_open {
+                writer.shutdown().await.expect("shutdown");
+            }
+            writer
+        });
         let mut got = Vec::new();
-        tokio::time::timeout(std::time::Duration::from_secs(10), tcp.read_to_end(&mut got))
+        tokio::time::timeout(std::time::Duration::from_secs(10), reader.read_to_end(&mut got))
             .await
-            .expect("the server closes the connection after the last request")
+            .expect("the server closes the connection")
             .expect("read");
-        stop.send_replace(true);
-        let _ = server.await;
-        let got = String::from_utf8(got).expect("utf-8");
-        got.lines().map(|l| if l.starts_with("date: ") { "date: -" } else { l }).collect::<Vec<_>>().join("\n")
+        drop(writing.await.expect("writer"));
+        serving.await.expect("server");
+        let got = String::from_utf8_lossy(&got).into_owned();
+        got.split("\r\n").map(|l| if l.starts_with("date: ") { "date: -" } else { l }).collect::<Vec<_>>().join("\r\n")
+    }
+
+    /// `requests` get the same answers from the loop as from hyper, sent whole and in pieces.
+    async fn same_as_hyper(requests: &[u8], hold_open: bool) -> String {
+        let hyper = answers(false, requests, 1 << 20, hold_open).await;
+        for piece in [1 << 20, 7] {
+            let simple = answers(true, requests, piece, hold_open).await;
+            let differ = simple.bytes().zip(hyper.bytes()).position(|(a, b)| a != b);
+            if let Some(at) = differ.or((simple.len() != hyper.len()).then_some(simple.len().min(hyper.len()))) {
+                let around = |s: &str| s[at.saturating_sub(200)..(at + 100).min(s.len())].to_string();
+                panic!("in pieces of {piece}, at byte {at}:\n{}\n--- hyper:\n{}", around(&simple), around(&hyper));
+            }
+        }
+        hyper
     }
 
     #[tokio::test]
@@ -526,62 +661,93 @@ mod tests {
             "GET /v1/kv/same HTTP/1.1\r\nIf-None-Match: \"3\"\r\n\r\n".into(),
             "GET /v1/kv/missing HTTP/1.1\r\n\r\n".into(),
             "PUT /v1/kv/empty HTTP/1.1\r\nContent-Length: 0\r\n\r\n".into(),
-            // From here hyper answers (the simple loop hands the connection over).
-            "POST /other HTTP/1.1\r\nContent-Length: 2\r\n\r\nhi".into(),
+            "PUT /v1/kv/routed HTTP/1.1\r\nContent-Length: 2\r\n\r\nhi".into(),
+            // From here hyper answers (the loop hands the connection over).
+            "POST /v1/other HTTP/1.1\r\nContent-Length: 2\r\n\r\nhi".into(),
             "PUT /v1/kv/c HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n".into(),
             format!("PUT /v1/kv/big HTTP/1.1\r\nContent-Length: {}\r\n\r\n{big}", big.len()),
             "GET /v1/kv/a HTTP/1.1\r\nConnection: close\r\n\r\n".into(),
         ]
         .concat();
-        let hyper = answers(false, session.as_bytes(), session.len()).await;
-        assert!(hyper.contains("other hi") && hyper.contains("body=abc"), "{hyper}");
-        // All at once (pipelined), and in small pieces.
-        for piece in [session.len(), 7] {
-            let simple = answers(true, session.as_bytes(), piece).await;
-            let differ = simple.bytes().zip(hyper.bytes()).position(|(a, b)| a != b);
-            if let Some(at) = differ.or((simple.len() != hyper.len()).then_some(simple.len().min(hyper.len()))) {
-                let around = |s: &str| s[at.saturating_sub(200)..(at + 100).min(s.len())].to_string();
-                panic!("in pieces of {piece}, at byte {at}:\n{}\n--- hyper:\n{}", around(&simple), around(&hyper));
-            }
-        }
+        let hyper = same_as_hyper(session.as_bytes(), true).await;
+        assert_eq!(hyper.matches("HTTP/1.1 200 OK").count(), 8, "{}", &hyper[..600.min(hyper.len())]);
+        assert!(hyper.contains("body=abc") && hyper.contains("connection: close"));
+        // Bytes over 0x7F in the path, and a path `Uri` refuses (hyper answers both).
+        let odd = b"GET /v1/kv/\xC3\xA9 HTTP/1.1\r\n\r\nGET /v1/kv/a{b} HTTP/1.1\r\n\r\nGET /v1/kv/a HTTP/1.1\r\nConnection: close\r\n\r\n";
+        let hyper = same_as_hyper(odd, true).await;
+        assert!(hyper.starts_with("HTTP/1.1 200 OK") || hyper.starts_with("HTTP/1.1 400"), "{hyper}");
+        // The two differences, both with a client that closes its side: one that does so
+        // after a whole request gets its answer (hyper drops the request), one that does so in
+        // the middle of a body gets none (hyper runs the handler, whose body read fails).
+        let whole = answers(true, b"GET /v1/kv/a HTTP/1.1\r\n\r\n", 7, false).await;
+        assert!(whole.starts_with("HTTP/1.1 200 OK") && whole.ends_with("GET a None x-test=None body="), "{whole}");
+        let cut = b"PUT /v1/kv/a HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc";
+        assert_eq!(answers(true, cut, 7, false).await, "");
     }
 
-    /// Runs the simple loop alone over an in-memory connection carrying `requests`.
-    async fn simple_loop(requests: &[u8]) -> (Vec<u8>, bool) {
+    /// Runs the loop alone over an in-memory connection carrying `requests`: what it answered,
+    /// and whether it handed the connection to hyper.
+    async fn simple_loop(requests: &[u8]) -> (String, bool) {
         let (mut client, server) = tokio::io::duplex(1 << 20);
         let (_stop, mut stopped) = watch::channel(false);
         client.write_all(requests).await.expect("write");
         client.shutdown().await.expect("shutdown");
-        let handed = matches!(serve(server, router(), key_requests, &mut stopped).await, Ended::Hyper(_));
+        let handed = matches!(serve(server, Direct::default(), key_requests, &mut stopped).await, Ended::Hyper(_));
         let mut got = Vec::new();
         client.read_to_end(&mut got).await.expect("read");
-        (got, handed)
+        (String::from_utf8_lossy(&got).into_owned(), handed)
     }
 
     #[tokio::test]
     async fn key_requests_stay_in_the_loop_and_another_goes_to_hyper() {
-        let keys = b"PUT /v1/kv/a HTTP/1.1\r\nContent-Length: 1\r\n\r\nxGET /v1/kv/a HTTP/1.1\r\n\r\n";
+        let keys = b"PUT /v1/kv/a HTTP/1.1\r\nContent-Length: 1\r\n\r\nxGET /v1/kv/b HTTP/1.1\r\n\r\n";
         let (got, handed) = simple_loop(keys).await;
         assert!(!handed);
-        assert_eq!(String::from_utf8_lossy(&got).matches("HTTP/1.1 200 OK").count(), 2);
-        let mixed = b"GET /v1/kv/a HTTP/1.1\r\n\r\nPOST /other HTTP/1.1\r\nContent-Length: 0\r\n\r\n";
+        assert!(got.contains("PUT a None x-test=None body=x") && got.contains("GET b None"), "{got}");
+        let mixed = b"GET /v1/kv/a HTTP/1.1\r\n\r\nPOST /v1/other HTTP/1.1\r\nContent-Length: 0\r\n\r\n";
         let (got, handed) = simple_loop(mixed).await;
         assert!(handed);
-        assert_eq!(String::from_utf8_lossy(&got).matches("HTTP/1.1 200 OK").count(), 1);
+        assert_eq!(got.matches("HTTP/1.1 200 OK").count(), 1, "{got}");
     }
 
     #[tokio::test]
     async fn an_idle_connection_closes_at_shutdown() {
         let (_client, server) = tokio::io::duplex(1024);
         let (stop, mut stopped) = watch::channel(false);
-        let serving =
-            tokio::spawn(
-                async move { matches!(serve(server, router(), key_requests, &mut stopped).await, Ended::Closed) },
-            );
+        let serving = tokio::spawn(async move {
+            matches!(serve(server, Direct::default(), key_requests, &mut stopped).await, Ended::Closed)
+        });
         stop.send_replace(true);
         assert!(tokio::time::timeout(std::time::Duration::from_secs(10), serving)
             .await
             .expect("closes")
             .expect("task"));
+    }
+
+    #[tokio::test]
+    async fn at_shutdown_the_request_in_flight_is_answered_with_close_and_no_other() {
+        let service = Direct::default();
+        let (started, go) = (service.slow_started.clone(), service.slow_go.clone());
+        let (mut client, server) = tokio::io::duplex(1 << 20);
+        let (stop, mut stopped) = watch::channel(false);
+        let serving = tokio::spawn(async move { serve(server, service, key_requests, &mut stopped).await });
+        // An answer made before, one in flight at the shutdown, and one pipelined after it.
+        client
+            .write_all(b"GET /v1/kv/a HTTP/1.1\r\n\r\nGET /v1/kv/slow HTTP/1.1\r\n\r\nGET /v1/kv/b HTTP/1.1\r\n\r\n")
+            .await
+            .expect("write");
+        started.notified().await;
+        stop.send_replace(true);
+        go.notify_one();
+        let mut got = Vec::new();
+        tokio::time::timeout(std::time::Duration::from_secs(10), client.read_to_end(&mut got))
+            .await
+            .expect("the connection closes")
+            .expect("read");
+        assert!(matches!(serving.await.expect("task"), Ended::Closed));
+        let got = String::from_utf8_lossy(&got);
+        assert!(got.contains("GET a None"), "{got}");
+        let slow = got.find("HTTP/1.1 200 OK\r\netag: \"1\"\r\nconnection: close\r\n").expect("the slow answer closes");
+        assert!(got[slow..].contains("GET slow None") && !got.contains("GET b None"), "{got}");
     }
 }
