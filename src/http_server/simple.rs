@@ -204,8 +204,9 @@ pub(super) fn request(taken: &Taken, head: &Bytes, body: &Bytes) -> Option<Reque
 
 /// Appends `response` (its head, and `body` unless the status has none) to `out`, with a
 /// `Content-Length` and a `Date` where the response has none, and `connection: close` when
-/// `closing` (and the response does not say so already).
-pub(super) fn encode(out: &mut Vec<u8>, response: &axum::http::response::Parts, body: &[u8], closing: bool) {
+/// `closing` (and the response does not say so already). Returns whether the connection is to
+/// close after it: `closing`, or the response asks for it.
+pub(super) fn encode(out: &mut Vec<u8>, response: &axum::http::response::Parts, body: &[u8], closing: bool) -> bool {
     let status = response.status;
     out.extend_from_slice(b"HTTP/1.1 ");
     out.extend_from_slice(status.as_str().as_bytes());
@@ -214,24 +215,34 @@ pub(super) fn encode(out: &mut Vec<u8>, response: &axum::http::response::Parts, 
     out.extend_from_slice(b"\r\n");
     // As hyper: no body, and no length, for 1xx, 204 and 304.
     let bodyless = status.is_informational() || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED;
+    // One pass over the headers notes the three the answer adds when missing (comparing
+    // standard names is cheap; looking each up would hash it).
+    let (mut length, mut date_given, mut connection) = (false, false, None);
     for (name, value) in &response.headers {
-        if bodyless && name == header::CONTENT_LENGTH {
-            continue;
+        if name == header::CONTENT_LENGTH {
+            length = true;
+            if bodyless {
+                continue;
+            }
+        } else if name == header::DATE {
+            date_given = true;
+        } else if name == header::CONNECTION {
+            connection = Some(value.as_bytes().eq_ignore_ascii_case(b"close"));
         }
         out.extend_from_slice(name.as_str().as_bytes());
         out.extend_from_slice(b": ");
         out.extend_from_slice(value.as_bytes());
         out.extend_from_slice(b"\r\n");
     }
-    if closing && !response.headers.contains_key(header::CONNECTION) {
+    if closing && connection.is_none() {
         out.extend_from_slice(b"connection: close\r\n");
     }
-    if !bodyless && !response.headers.contains_key(header::CONTENT_LENGTH) {
+    if !bodyless && !length {
         out.extend_from_slice(b"content-length: ");
         out.extend_from_slice(itoa::Buffer::new().format(body.len()).as_bytes());
         out.extend_from_slice(b"\r\n");
     }
-    if !response.headers.contains_key(header::DATE) {
+    if !date_given {
         out.extend_from_slice(b"date: ");
         date(|d| out.extend_from_slice(d));
         out.extend_from_slice(b"\r\n");
@@ -240,6 +251,7 @@ pub(super) fn encode(out: &mut Vec<u8>, response: &axum::http::response::Parts, 
     if !bodyless {
         out.extend_from_slice(body);
     }
+    closing || connection == Some(true)
 }
 
 /// Calls `f` with the current `Date` value (formatted once a second per thread).
@@ -366,10 +378,7 @@ where
                 let _ = write_out(&mut io, &mut out).await;
                 return close(io).await;
             };
-            let closing = *stopping.borrow()
-                || parts.headers.get(header::CONNECTION).is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"close"));
-            encode(&mut out, &parts, &body, closing);
-            if closing {
+            if encode(&mut out, &parts, &body, *stopping.borrow()) {
                 let _ = write_out(&mut io, &mut out).await;
                 return close(io).await;
             }
