@@ -31,6 +31,44 @@ pub mod simple;
 /// How long in-flight requests may run after shutdown starts.
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// What a listener serves: a service for hyper's requests and for the simple loop's (the axum
+/// router, or the client API's service).
+pub trait Served:
+    tower::Service<
+        hyper::Request<hyper::body::Incoming>,
+        Response = axum::response::Response,
+        Error = std::convert::Infallible,
+        Future: Send + 'static,
+    > + tower::Service<
+        hyper::Request<axum::body::Body>,
+        Response = axum::response::Response,
+        Error = std::convert::Infallible,
+        Future: Send + 'static,
+    > + simple::Answers
+    + Clone
+    + Send
+    + 'static
+{
+}
+
+impl<S> Served for S where
+    S: tower::Service<
+            hyper::Request<hyper::body::Incoming>,
+            Response = axum::response::Response,
+            Error = std::convert::Infallible,
+            Future: Send + 'static,
+        > + tower::Service<
+            hyper::Request<axum::body::Body>,
+            Response = axum::response::Response,
+            Error = std::convert::Infallible,
+            Future: Send + 'static,
+        > + simple::Answers
+        + Clone
+        + Send
+        + 'static
+{
+}
+
 /// Serves `router` (the axum router, or the client API's service) on `listener` until `shutdown` turns true, counting into `metrics`; over
 /// TLS when `tls` is given (the handshake runs in the connection's own task, bounded by
 /// [`crate::tls::HANDSHAKE_TIMEOUT`]; the byte counts are of the encrypted stream). With
@@ -44,21 +82,7 @@ pub fn serve<S>(
     mut shutdown: watch::Receiver<bool>,
 ) -> JoinHandle<()>
 where
-    S: tower::Service<
-            hyper::Request<hyper::body::Incoming>,
-            Response = axum::response::Response,
-            Error = std::convert::Infallible,
-        > + tower::Service<
-            hyper::Request<axum::body::Body>,
-            Response = axum::response::Response,
-            Error = std::convert::Infallible,
-        > + simple::Answers
-        + Clone
-        + Send
-        + Sync
-        + 'static,
-    <S as tower::Service<hyper::Request<hyper::body::Incoming>>>::Future: Send + 'static,
-    <S as tower::Service<hyper::Request<axum::body::Body>>>::Future: Send + 'static,
+    S: Served + Sync,
 {
     tokio::spawn(async move {
         // Every connection's task holds a clone of `open_tx`; once they all ended, `open_rx`
@@ -126,19 +150,7 @@ async fn serve_connection<I, S>(
     mut shutdown: watch::Receiver<bool>,
 ) where
     I: AsyncRead + AsyncWrite + Send + Unpin + 'static,
-    S: tower::Service<
-            hyper::Request<hyper::body::Incoming>,
-            Response = axum::response::Response,
-            Error = std::convert::Infallible,
-        > + tower::Service<
-            hyper::Request<axum::body::Body>,
-            Response = axum::response::Response,
-            Error = std::convert::Infallible,
-        > + simple::Answers
-        + Clone
-        + Send
-        + 'static,
-    <S as tower::Service<hyper::Request<hyper::body::Incoming>>>::Future: Send + 'static,
+    S: Served,
 {
     match simple {
         None => serve_hyper(builder, io, service, shutdown).await,
