@@ -104,21 +104,10 @@ where
     }
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
-        let request = request.map(Body::new);
-        if self.fast {
-            let method = request.method();
-            if method == Method::GET || method == Method::PUT || method == Method::DELETE {
-                if let Some(key) = key_of(request.uri().path()) {
-                    let node = self.node.clone();
-                    let answer: Answer = match *request.method() {
-                        Method::GET => Box::pin(async move { Ok(kv::get_key_at(node, key, request).await) }),
-                        Method::PUT => Box::pin(async move { Ok(kv::put_key_at(node, key, request).await) }),
-                        _ => Box::pin(async move { Ok(kv::delete_key_at(node, key, request).await) }),
-                    };
-                    return Either::Left(answer);
-                }
-            }
+        // The same choice as `key_answer`, the handler's future boxed.
+        match self.key_answer(request.map(Body::new)) {
+            Ok(answer) => Either::Left(Box::pin(async move { Ok(answer.await) })),
+            Err(request) => Either::Right(self.router.call(request)),
         }
-        Either::Right(self.router.call(request))
     }
 }
