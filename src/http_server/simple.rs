@@ -6,9 +6,11 @@
 //! server's own instructions per request. The client listener's connections therefore start
 //! in a loop of their own: it parses what arrived with `httparse`, and a request it takes
 //! (HTTP/1.1, a method and path the listener names, a `Content-Length` body of at most
-//! [`MAX_BODY`], no `Transfer-Encoding`, `Expect`, `Upgrade` or `Connection` header) goes to
-//! the same service hyper would call; its answer is written with a `Content-Length` and a
-//! `Date`, as hyper writes it. Answers to requests that arrived together are written together
+//! [`MAX_BODY`], no `Transfer-Encoding`, `Expect` or `Upgrade` header, and a `Connection`
+//! header only of `keep-alive` and `close`) goes to the same service hyper would call; its
+//! answer is written with a `Content-Length` and a `Date`, as hyper writes it. A request that
+//! says `Connection: close` gets its answer with `connection: close`, and the connection
+//! closes after it, as hyper does. Answers to requests that arrived together are written together
 //! (a pipelining client gets them without waiting for its next request).
 //!
 //! The first request the loop does not take hands the connection to hyper for good, with the
@@ -99,6 +101,8 @@ pub(super) enum Head {
 pub(super) struct Taken {
     pub head: usize,
     pub body: usize,
+    /// Whether the request asked to close the connection after its answer.
+    close: bool,
     method: Method,
     path: Span,
     headers: [(Span, Span); MAX_HEADERS],
@@ -142,7 +146,7 @@ pub(super) fn head(buf: &[u8], takes: Takes) -> Head {
     if !takes(&method, path) {
         return Head::Other;
     }
-    let mut body = None;
+    let (mut body, mut close) = (None, false);
     let mut spans = [(Span::default(), Span::default()); MAX_HEADERS];
     for (h, span) in request.headers.iter().zip(spans.iter_mut()) {
         let name = h.name.as_bytes();
@@ -151,7 +155,12 @@ pub(super) fn head(buf: &[u8], takes: Takes) -> Head {
                 (None, Some(n)) if n <= MAX_BODY => body = Some(n),
                 _ => return Head::Other,
             }
-        } else if [&b"transfer-encoding"[..], b"expect", b"upgrade", b"connection"]
+        } else if name.eq_ignore_ascii_case(b"connection") {
+            match closes(h.value) {
+                Some(closes) => close |= closes,
+                None => return Head::Other,
+            }
+        } else if [&b"transfer-encoding"[..], b"expect", b"upgrade"]
             .iter()
             .any(|other| name.eq_ignore_ascii_case(other))
         {
@@ -164,7 +173,21 @@ pub(super) fn head(buf: &[u8], takes: Takes) -> Head {
         return Head::Waiting(head + body);
     }
     let count = request.headers.len();
-    Head::Taken(Taken { head, body, method, path: Span::of(buf, path.as_bytes()), headers: spans, count })
+    Head::Taken(Taken { head, body, close, method, path: Span::of(buf, path.as_bytes()), headers: spans, count })
+}
+
+/// Whether a `Connection` value asks to close the connection; `None` if it names anything
+/// but `keep-alive` and `close` (an upgrade, or other headers to drop on the way: hyper's).
+fn closes(value: &[u8]) -> Option<bool> {
+    let mut close = false;
+    for option in value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
+        if option.eq_ignore_ascii_case(b"close") {
+            close = true;
+        } else if !option.eq_ignore_ascii_case(b"keep-alive") {
+            return None;
+        }
+    }
+    Some(close)
 }
 
 fn method_of(method: Option<&str>) -> Option<Method> {
@@ -346,6 +369,7 @@ where
                 Head::Other => return hyper(io, &mut out, buf).await,
             };
             waiting = 0;
+            let asked_close = taken.close;
             let head = buf.split_to(taken.head).freeze();
             let body = buf.split_to(taken.body).freeze();
             let Some(request) = request(&taken, &head, &body) else {
@@ -385,7 +409,7 @@ where
                 let _ = write_out(&mut io, &mut out).await;
                 return close(io).await;
             };
-            let (closes, apart) = encode(&mut out, &parts, &body, *stopping.borrow());
+            let (closes, apart) = encode(&mut out, &parts, &body, asked_close || *stopping.borrow());
             if apart {
                 // A large value is written from where it is, not copied after the head.
                 let written = async {
@@ -520,6 +544,19 @@ mod tests {
         assert_eq!(taken(put), Some((put.len() - 5, 5)));
         assert_eq!(taken(b"GET /v1/kv/a HTTP/1.1\r\nhost: x\r\n\r\nGET /next"), Some((34, 0)));
         assert_eq!(taken(b"DELETE /v1/kv/a HTTP/1.1\r\n\r\n"), Some((28, 0)));
+        // A `Connection` header of `keep-alive` and `close` only; `close` closes after the answer.
+        let closing = |buf: &[u8]| match head(buf, key_requests) {
+            Head::Taken(t) => Some(t.close),
+            _ => None,
+        };
+        assert_eq!(closing(b"GET /v1/kv/a HTTP/1.1\r\nConnection: Keep-Alive\r\n\r\n"), Some(false));
+        assert_eq!(closing(b"GET /v1/kv/a HTTP/1.1\r\nConnection: close\r\n\r\n"), Some(true));
+        assert_eq!(closing(b"GET /v1/kv/a HTTP/1.1\r\nconnection: keep-alive ,CLOSE\r\n\r\n"), Some(true));
+        assert_eq!(
+            closing(b"GET /v1/kv/a HTTP/1.1\r\nConnection: keep-alive\r\nConnection: close\r\n\r\n"),
+            Some(true)
+        );
+        assert_eq!(closing(b"GET /v1/kv/a HTTP/1.1\r\n\r\n"), Some(false));
         // Every prefix of a whole request waits for more; once the head is whole, for the
         // length of the whole request.
         for n in 0..put.len() {
@@ -538,7 +575,10 @@ mod tests {
             b"GET /v1/kv/a HTTP/1.0\r\n\r\n",
             b"PUT /v1/kv/a HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n",
             b"PUT /v1/kv/a HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 1\r\n\r\n",
-            b"GET /v1/kv/a HTTP/1.1\r\nConnection: close\r\n\r\n",
+            b"GET /v1/kv/a HTTP/1.1\r\nConnection: upgrade\r\n\r\n",
+            b"GET /v1/kv/a HTTP/1.1\r\nConnection: keep-alive, te\r\nTE: trailers\r\n\r\n",
+            b"GET /v1/kv/a HTTP/1.1\r\nConnection: close,\r\n\r\n",
+            b"GET /v1/kv/a HTTP/1.1\r\nConnection:\r\n\r\n",
             b"GET /v1/kv/a HTTP/1.1\r\nUpgrade: websocket\r\n\r\n",
             b"PUT /v1/kv/a HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 1\r\n\r\nx",
             b"PUT /v1/kv/a HTTP/1.1\r\nContent-Length: +1\r\n\r\nx",
@@ -722,8 +762,23 @@ mod tests {
         assert!(hyper.contains("body=abc") && hyper.contains("connection: close"));
         // Bytes over 0x7F in the path, answered in place.
         let odd = "GET /v1/kv/\u{e9} HTTP/1.1\r\n\r\nGET /v1/kv/a HTTP/1.1\r\nConnection: close\r\n\r\n";
-        let hyper = same_as_hyper(odd.as_bytes(), true, 1).await;
+        let hyper = same_as_hyper(odd.as_bytes(), true, 2).await;
         assert!(hyper.starts_with("HTTP/1.1 200 OK"), "{hyper}");
+        // `Connection: keep-alive` and `close` stay in the loop, and the connection closes
+        // after the `close`'s answer.
+        let closing = [
+            "GET /v1/kv/a HTTP/1.1\r\nConnection: keep-alive\r\n\r\n",
+            "PUT /v1/kv/b HTTP/1.1\r\nConnection: Keep-Alive\r\nContent-Length: 1\r\n\r\nx",
+            "GET /v1/kv/c HTTP/1.1\r\nConnection: close\r\n\r\n",
+        ]
+        .concat();
+        let hyper = same_as_hyper(closing.as_bytes(), true, 3).await;
+        assert_eq!(hyper.matches("HTTP/1.1 200 OK").count(), 3, "{hyper}");
+        assert!(hyper.contains("connection: close\r\n") && hyper.contains("GET c None"), "{hyper}");
+        // A request pipelined after the `close` is not answered. (hyper, given one, drops
+        // the answers it has not written yet.)
+        let (got, handed) = simple_loop(format!("{closing}GET /v1/kv/d HTTP/1.1\r\n\r\n").as_bytes()).await;
+        assert!(!handed && got.matches("HTTP/1.1 200 OK").count() == 3 && !got.contains("GET d"), "{got}");
         // A path httparse takes and `Uri` refuses: hyper answers it from its bytes.
         let refused = ["/v1/kv/a<b>", "/v1/kv/a\\b", "/v1/kv/a^b", "/v1/kv/a`b", "/v1/kv/a|b"]
             .into_iter()
