@@ -18,10 +18,13 @@
 //! connection. So an unusual request is answered exactly as before, only the usual ones skip
 //! hyper.
 //!
-//! Two things differ from hyper, both for a client that closes its side of the connection
-//! (a half-close): a whole request read before the close is answered (hyper drops it), and a
-//! request cut off in its body is not handed to the service (hyper runs the handler, whose
-//! body read fails).
+//! Three things differ from hyper. Two are for a client that closes its side of the
+//! connection (a half-close): a whole request read before the close is answered (hyper drops
+//! it), and a request cut off in its body is not handed to the service (hyper runs the
+//! handler, whose body read fails). The third is for a client that pipelines a request after
+//! one that says `Connection: close`: the loop writes every answer up to the close's and ends
+//! the connection; hyper (flushing pipelined answers only once no request is left to read)
+//! ends it without writing the answers it held.
 //!
 //! A body is read before the service runs, so a connection holds at most one request head
 //! ([`MAX_HEAD`]) and one [`MAX_BODY`] body (24 KiB) before the node's body admission counts it;
@@ -226,9 +229,10 @@ pub(super) fn request(taken: &Taken, head: &Bytes, body: &Bytes) -> Option<Reque
 }
 
 /// Appends `response` to `out`: its head, with a `Content-Length` and a `Date` where the
-/// response has none and `connection: close` when `closing` (and the response does not say so
-/// already), and `body` if it is small. Returns whether the connection is to close after it
-/// (`closing`, or the response asks for it) and whether `body` is still to be written after
+/// response has none and `connection: close` when `closing` and the response has no
+/// `connection` header (the client API's handlers set none), and `body` if it is small.
+/// Returns whether the connection is to close after it (`closing`, or a `connection` header
+/// of the response names `close`) and whether `body` is still to be written after
 /// `out` (a body over [`WRITE_AT`] is not copied; a status without a body writes none).
 pub(super) fn encode(
     out: &mut Vec<u8>,
@@ -256,7 +260,8 @@ pub(super) fn encode(
         } else if name == header::DATE {
             date_given = true;
         } else if name == header::CONNECTION {
-            connection = Some(value.as_bytes().eq_ignore_ascii_case(b"close"));
+            let named = value.as_bytes().split(|&b| b == b',').any(|o| o.trim_ascii().eq_ignore_ascii_case(b"close"));
+            connection = Some(connection == Some(true) || named);
         }
         out.extend_from_slice(name.as_str().as_bytes());
         out.extend_from_slice(b": ");
@@ -556,6 +561,10 @@ mod tests {
             closing(b"GET /v1/kv/a HTTP/1.1\r\nConnection: keep-alive\r\nConnection: close\r\n\r\n"),
             Some(true)
         );
+        assert_eq!(
+            closing(b"GET /v1/kv/a HTTP/1.1\r\nConnection: close\r\nConnection: keep-alive\r\n\r\n"),
+            Some(true)
+        );
         assert_eq!(closing(b"GET /v1/kv/a HTTP/1.1\r\n\r\n"), Some(false));
         // Every prefix of a whole request waits for more; once the head is whole, for the
         // length of the whole request.
@@ -594,6 +603,27 @@ mod tests {
         // A head that never ends is not waited for past the limit.
         let long = format!("GET /v1/kv/a HTTP/1.1\r\nx: {}", "y".repeat(MAX_HEAD));
         assert_eq!(head(long.as_bytes(), key_requests), Head::Other);
+    }
+
+    #[test]
+    fn an_answer_that_names_close_in_its_connection_header_closes_the_connection() {
+        let parts = |value: Option<&'static str>| {
+            let mut response = Response::new(());
+            if let Some(value) = value {
+                response.headers_mut().insert(header::CONNECTION, HeaderValue::from_static(value));
+            }
+            response.into_parts().0
+        };
+        let encoded = |value, closing| {
+            let mut out = Vec::new();
+            let (closes, _) = encode(&mut out, &parts(value), b"", closing);
+            (closes, String::from_utf8(out).expect("ascii").matches("connection").count())
+        };
+        assert_eq!(encoded(None, false), (false, 0));
+        assert_eq!(encoded(None, true), (true, 1));
+        assert_eq!(encoded(Some("Keep-Alive"), false), (false, 1));
+        assert_eq!(encoded(Some("keep-alive, Close"), false), (true, 1));
+        assert_eq!(encoded(Some("close"), true), (true, 1));
     }
 
     /// A service like the client API: it answers key requests in place (but keys starting
