@@ -228,7 +228,8 @@ async fn the_grace_window_holds_a_paused_nodes_operations_and_fails_them_when_it
     });
     tokio::time::sleep(Duration::from_secs(2)).await;
     if read.is_finished() {
-        // (Failed once under CI load; the outcome says how it ended.)
+        // (Under CI load the node once answered: `signal` returned before the stop took
+        // effect. It now waits until every thread of the node is stopped.)
         let outcome = read.await.expect("task");
         panic!("the read waits for the paused node, but it ended: {outcome:?} {:?}", client.stats());
     }

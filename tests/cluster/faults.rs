@@ -136,9 +136,13 @@ impl FaultNode {
         }
     }
 
+    /// Sends `signal`; after `-STOP`, returns once every thread of the process has stopped.
     fn signal(&self, signal: &str) {
         let ok = Command::new("kill").args([signal, &self.pid().to_string()]).status().expect("kill");
         assert!(ok.success(), "kill {signal}");
+        if signal == "-STOP" {
+            crate::process::wait_stopped(self.pid());
+        }
     }
 
     /// Starts the process again with the same flags (a failed node then rejoins by itself).

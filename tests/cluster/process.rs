@@ -107,10 +107,14 @@ impl NodeProcess {
         self.child.id()
     }
 
-    /// Sends `signal` (`-STOP`, `-CONT`...) to the process.
+    /// Sends `signal` (`-STOP`, `-CONT`...) to the process; after `-STOP`, returns once every
+    /// thread of it has stopped.
     pub fn signal(&self, signal: &str) {
         let sent = Command::new("kill").args([signal, &self.pid().to_string()]).status().expect("kill");
         assert!(sent.success(), "kill {signal}");
+        if signal == "-STOP" {
+            wait_stopped(self.pid());
+        }
     }
 
     /// Kills the process with SIGKILL and reaps it.
@@ -148,6 +152,27 @@ impl NodeProcess {
             assert!(Instant::now() < deadline, "node at {} did not stop", self.addr);
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+}
+
+/// Waits (bounded) until every thread of process `pid` has stopped. A stop signal takes
+/// effect only once one of the process's threads runs to take it; until then the others go
+/// on, and under load a node went on answering requests for a while after `kill -STOP` had
+/// returned.
+pub fn wait_stopped(pid: u32) {
+    let stopped = || {
+        let Ok(threads) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return false };
+        threads.flatten().all(|thread| {
+            // The state is the first field after the command name's closing parenthesis.
+            let stat = std::fs::read_to_string(thread.path().join("stat")).unwrap_or_default();
+            let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next());
+            matches!(state, Some("T" | "t"))
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !stopped() {
+        assert!(Instant::now() < deadline, "process {pid} did not stop");
+        std::thread::sleep(Duration::from_millis(5));
     }
 }
 
