@@ -179,11 +179,16 @@ pub(super) fn head(buf: &[u8], takes: Takes) -> Head {
     Head::Taken(Taken { head, body, close, method, path: Span::of(buf, path.as_bytes()), headers: spans, count })
 }
 
+/// The options of a `Connection` value: comma-separated, spaces around them trimmed.
+fn options(value: &[u8]) -> impl Iterator<Item = &[u8]> {
+    value.split(|&b| b == b',').map(<[u8]>::trim_ascii)
+}
+
 /// Whether a `Connection` value asks to close the connection; `None` if it names anything
 /// but `keep-alive` and `close` (an upgrade, or other headers to drop on the way: hyper's).
 fn closes(value: &[u8]) -> Option<bool> {
     let mut close = false;
-    for option in value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
+    for option in options(value) {
         if option.eq_ignore_ascii_case(b"close") {
             close = true;
         } else if !option.eq_ignore_ascii_case(b"keep-alive") {
@@ -260,7 +265,7 @@ pub(super) fn encode(
         } else if name == header::DATE {
             date_given = true;
         } else if name == header::CONNECTION {
-            let named = value.as_bytes().split(|&b| b == b',').any(|o| o.trim_ascii().eq_ignore_ascii_case(b"close"));
+            let named = options(value.as_bytes()).any(|o| o.eq_ignore_ascii_case(b"close"));
             connection = Some(connection == Some(true) || named);
         }
         out.extend_from_slice(name.as_str().as_bytes());
