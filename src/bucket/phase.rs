@@ -172,6 +172,17 @@ pub fn mirror_read(
     }
 }
 
+/// Whether what node `me` pulls of `bucket` from `from` for the move at `epoch` may still go
+/// into its active store on `state`: the bucket is still incoming here from `from` in that
+/// move. Once it is not, the pull's data is stale: the move was aborted, or its source failed
+/// and the bucket was promoted (here or elsewhere) and written since. A source cut off from the
+/// cluster, which has not learned that, answers a pull with its old copy when the link heals;
+/// written into a bucket this node now serves, that copy would bring back values older than
+/// writes it acknowledged.
+pub fn pull_lands(state: &ClusterState, me: NodeId, bucket: BucketId, from: NodeId, epoch: u64) -> bool {
+    state.epoch_of(bucket) == epoch && phase_of(state, me, bucket, BucketFacts::default()) == Phase::Incoming { from }
+}
+
 impl Phase {
     /// Whether this node holds data of the bucket in its active store that must stay: it
     /// serves it, gets it, pulls it, or shadows it. (A restoring bucket is being refilled;

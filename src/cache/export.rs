@@ -256,6 +256,13 @@ impl CacheStore {
     /// are built before the bucket is locked, and the lock is taken once per
     /// [`APPLY_GROUP`] changes rather than once per change.
     pub fn apply_changes(&self, bucket: BucketId, changes: &[Change]) {
+        self.apply_changes_while(bucket, changes, || true);
+    }
+
+    /// [`Self::apply_changes`] as long as `still()` holds, asked under the bucket's lock before
+    /// each group of changes: none lands after it turned false (whatever turned it false and
+    /// was written since stays as it is). Answers whether every change was applied.
+    pub fn apply_changes_while(&self, bucket: BucketId, changes: &[Change], still: impl Fn() -> bool) -> bool {
         use std::hash::BuildHasher;
         let now = self.clock.now_ms();
         for group in changes.chunks(APPLY_GROUP) {
@@ -271,7 +278,10 @@ impl CacheStore {
                     Change::Delete { key, .. } => (self.hasher.hash_one(&key[..]), None),
                 })
                 .collect();
-            self.mutate(bucket, |b, hasher| {
+            let applied = self.mutate(bucket, |b, hasher| {
+                if !still() {
+                    return false;
+                }
                 for (change, (hash, new)) in group.iter().zip(built.iter_mut()) {
                     let hash = *hash;
                     match change {
@@ -289,9 +299,14 @@ impl CacheStore {
                         }
                     }
                 }
+                true
             });
+            if !applied {
+                return false;
+            }
             self.evict_to_limit();
         }
+        true
     }
 
     /// Takes back a write of `key` that its replica did not apply: if the key still
@@ -387,5 +402,33 @@ mod tests {
         source.end_export(b, token);
         assert!(put(&source, &keys[3], "thawed").is_ok());
         let _ = Condition::Always;
+    }
+
+    #[test]
+    fn imported_changes_stop_landing_once_their_condition_fails_and_what_was_written_since_stays() {
+        let source = CacheStore::new(u64::MAX, Clock::new());
+        let b = bucket_of(b"t");
+        let keys: Vec<String> = (0..2 * APPLY_GROUP + 1).map(|i| format!("{{t}}{i}")).collect();
+        for k in &keys {
+            put(&source, k, "old").expect("put");
+        }
+        let mut snapshot = Vec::new();
+        source.begin_export(b, |i| snapshot.push(Change::Put(i.to_owned()))).expect("not frozen");
+
+        let target = CacheStore::new(u64::MAX, Clock::new());
+        put(&target, &keys[0], "served here").expect("put");
+        assert!(target.take_bucket_while(b, || false).is_none());
+        assert_eq!(target.bucket_stats(b).0, 1, "a take that may not happen leaves the bucket");
+        assert!(target.take_bucket_while(b, || true).is_some());
+        // The condition holds for the first group only.
+        let asked = std::cell::Cell::new(0);
+        let still = || {
+            asked.set(asked.get() + 1);
+            asked.get() == 1
+        };
+        assert!(!target.apply_changes_while(b, &snapshot, still), "not every change landed");
+        assert_eq!(target.bucket_stats(b).0, APPLY_GROUP, "one group landed, then none");
+        assert!(target.apply_changes_while(b, &snapshot, || true));
+        assert_eq!(target.bucket_stats(b).0, keys.len());
     }
 }

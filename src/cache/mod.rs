@@ -463,6 +463,14 @@ impl CacheStore {
         taken
     }
 
+    /// [`Self::take_bucket`], if `still()` holds when asked under the bucket's lock: whatever
+    /// made it false, and anything written after, stays. `None` when it did not hold.
+    pub fn take_bucket_while(&self, bucket: BucketId, still: impl FnOnce() -> bool) -> Option<Bucket> {
+        let taken = self.mutate(bucket, |b, _| still().then(|| std::mem::take(b)));
+        self.thawed.notify_waiters();
+        taken
+    }
+
     /// Puts a whole bucket in place of whatever `bucket` held. The bucket must come from this
     /// store or a [`Self::sibling`] (its index is hashed with the store's hasher).
     pub fn install_bucket(&self, bucket: BucketId, mut items: Bucket) {

@@ -8,6 +8,7 @@ use shoal_raft::{AdminRequest, AdminResponse, BucketId, ControlError, ControlPla
 
 use super::progress::Progress;
 use super::TransferConfig;
+use crate::bucket::pull_lands;
 use crate::cache::CacheStore;
 use crate::peer::Peers;
 use crate::transport::frame::{Decoded, Decoder, FrameError};
@@ -91,7 +92,12 @@ impl Puller {
     /// Pulls `bucket` from `from` into `cache` (replacing whatever partial copy an earlier
     /// attempt left), then has the leader flip it to `to`. Answers the bytes received when the
     /// flip to this node committed, `None` when there was nothing to pull (the bucket moved
-    /// since the list was made).
+    /// since the list was made, or while it was pulled).
+    ///
+    /// What it receives goes into `cache` only while the bucket is still incoming here from
+    /// `from` in this move ([`pull_lands`]), asked under the bucket's lock each time: the pull
+    /// may outlive the move (its source was failed meanwhile and the bucket promoted here), and
+    /// a source that was cut off answers with its old copy once it can be reached again.
     pub async fn pull(
         &self,
         control: &ControlPlane,
@@ -102,21 +108,33 @@ impl Puller {
         epoch: u64,
     ) -> Result<Option<u64>, PullError> {
         let to = control.node_id();
-        let state = control.state();
+        let lands = || pull_lands(&control.state(), to, bucket, from, epoch);
         // The list of buckets to pull may be older than the state: skip what has moved since.
-        if state.map.owner_of(bucket) == Some(to) || state.epoch_of(bucket) != epoch {
+        if !lands() {
             return Ok(None);
         }
+        let state = control.state();
         let peer_addr = state.member_of(from).map(|m| m.peer_addr.clone()).ok_or_else(|| PullError::Refused {
             node: from,
             status: 409,
             detail: "not a member".into(),
         })?;
-        cache.take_bucket(bucket);
+        if cache.take_bucket_while(bucket, lands).is_none() {
+            return Ok(None);
+        }
         let request = StreamRequest::Bucket { bucket, to, epoch, restore: false };
-        let result = self.receive(cache, progress, from, &peer_addr, request).await;
+        let result = self.receive(cache, progress, from, &peer_addr, request, &lands).await;
         let flipped = match result {
-            Ok(bytes) => match control.admin(AdminRequest::Moved { bucket: bucket.0, from, to, epoch }).await {
+            Ok(None) => {
+                tracing::debug!(
+                    bucket = bucket.0,
+                    from,
+                    epoch,
+                    "the bucket moved on while it was pulled; the rest is not kept"
+                );
+                Ok(None)
+            }
+            Ok(Some(bytes)) => match control.admin(AdminRequest::Moved { bucket: bucket.0, from, to, epoch }).await {
                 Ok(AdminResponse::Moved { map_version }) => {
                     tracing::debug!(bucket = bucket.0, from, map_version, bytes, "bucket moved here");
                     // The flip is committed: wait until this node applied it, however long
@@ -173,11 +191,11 @@ impl Puller {
         cache.take_bucket(bucket);
         let request =
             StreamRequest::Bucket { bucket, to: control.node_id(), epoch: state.epoch_of(bucket), restore: true };
-        let result = self.receive(cache, progress, from, &peer_addr, request).await;
+        let result = self.receive(cache, progress, from, &peer_addr, request, &|| true).await;
         if result.is_err() {
             cache.take_bucket(bucket);
         }
-        result
+        result.map(|bytes| bytes.unwrap_or_default())
     }
 
     async fn receive(
@@ -187,7 +205,8 @@ impl Puller {
         from: NodeId,
         peer_addr: &str,
         request: StreamRequest,
-    ) -> Result<u64, PullError> {
+        lands: &(dyn Fn() -> bool + Sync),
+    ) -> Result<Option<u64>, PullError> {
         let StreamRequest::Bucket { bucket, .. } = request;
         let mut frames = self.open(from, peer_addr, request).await?;
         let mut decoder = Decoder::default();
@@ -203,13 +222,17 @@ impl Puller {
                 match decoded {
                     Decoded::Change(change) => changes.push(change),
                     Decoded::End { version_counter, .. } => {
-                        cache.apply_changes(bucket, &changes);
+                        if !cache.apply_changes_while(bucket, &changes, lands) {
+                            return Ok(None);
+                        }
                         cache.raise_version_counter(bucket, version_counter);
-                        return Ok(decoder.bytes);
+                        return Ok(Some(decoder.bytes));
                     }
                 }
             }
-            cache.apply_changes(bucket, &changes);
+            if !cache.apply_changes_while(bucket, &changes, lands) {
+                return Ok(None);
+            }
         }
     }
 }

@@ -235,6 +235,32 @@ proptest! {
         }
     }
 
+    /// What a pull receives goes into the puller's store only while the move it pulls for
+    /// runs: once a later state let the puller write the bucket (a failover promoted it there,
+    /// say), no state after that lets the pull's data land.
+    #[test]
+    fn a_pull_lands_only_until_its_puller_may_write_the_bucket(steps in prop::collection::vec(testing::step(), 0..40)) {
+        let states = testing::states(&steps);
+        let installed = BucketFacts { restoring: false, installed: true };
+        for (i, start) in states.iter().enumerate() {
+            for b in BucketId::all().step_by(7) {
+                for me in ids(start) {
+                    let Phase::Incoming { from } = phase_of(start, me, b, installed) else { continue };
+                    let epoch = start.epoch_of(b);
+                    prop_assert!(pull_lands(start, me, b, from, epoch));
+                    let mut wrote = false;
+                    for later in &states[i + 1..] {
+                        wrote |= write_plan(later, me, b, installed, NodeFacts::default()).is_ok();
+                        prop_assert!(
+                            !(wrote && pull_lands(later, me, b, from, epoch)),
+                            "a pull of {} from {} by {} lands after {} could write it", b, from, me, me
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     /// A holder's period stays while it holds an owner's replica and is new when it holds it
     /// again after it stopped (it dropped its copies): an owner never counts a copy that is
     /// gone. Every current holder, and only those, has a period.
