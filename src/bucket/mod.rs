@@ -35,9 +35,9 @@ use tokio::sync::{MutexGuard, RwLockReadGuard, RwLockWriteGuard};
 
 pub use permit::WritePermit;
 pub use phase::{
-    export_refusal, holds_replica, keeps_replica, mirror_read, mirrors_of, phase_of, pull_lands, read_refusal,
-    route_of, write_plan, write_refusal, BucketFacts, NodeFacts, NotFresh, Phase, Recipient, ReplicaFacts, Route,
-    Routing, WritePlan,
+    export_refusal, holds_replica, keeps_replica, mirror_read, mirrors_of, phase_of, plan_holds, pull_lands,
+    read_refusal, route_of, write_plan, write_refusal, BucketFacts, NodeFacts, NotFresh, Phase, Recipient,
+    ReplicaFacts, Route, Routing, WritePlan,
 };
 
 use crate::cache::CacheStore;
@@ -285,9 +285,10 @@ impl BucketCore {
             return Ok(WritePermit::new(self, plan, None));
         }
         let lock = self.facts.lock(bucket).await;
-        // The map may have moved while this write waited for the lock.
-        let plan = decide()?;
         let pending = self.facts.uncommitted(bucket).await;
+        // Decided again once both are held: the map may have moved while this write waited,
+        // and from now on no export of the bucket can freeze it until the permit ends.
+        let plan = decide()?;
         Ok(WritePermit::new(self, plan, Some((lock, pending))))
     }
 

@@ -16,7 +16,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::sync::{MutexGuard, RwLockWriteGuard};
 
-use super::phase::{write_refusal, WritePlan};
+use super::phase::{plan_holds, write_refusal, WritePlan};
 use super::BucketCore;
 use crate::cache::{Change, ExportedItem, Write};
 use crate::error::{DataError, ReplicaError};
@@ -110,6 +110,21 @@ impl<'a> WritePermit<'a> {
         }
         // A bucket with no copy elsewhere (a single node) has nothing to send.
         if !self.done.is_empty() && self.plan.has_copies() {
+            // The map again, after the writes: a move applied here since the plan thaws the
+            // bucket, and writes that landed after that are in no copy the new owner has. They
+            // are routed again. Taken back only while this node still owns the bucket (a move
+            // aborted since): in the copy it keeps as the shadow, a take-back would give the
+            // items versions the new owner hands out too, and the shadow would then skip the
+            // new owner's later writes of those keys.
+            let state = core.control.state();
+            if let Err(moved) = plan_holds(&state, core.me, &self.plan) {
+                if state.map.owner_of(self.plan.bucket) == Some(core.me) {
+                    self.undo();
+                } else {
+                    self.done.clear();
+                }
+                return Err(moved);
+            }
             let started = std::time::Instant::now();
             let changes: Vec<Change> = self.done.iter().map(|d| d.change.clone()).collect();
             let bucket = self.plan.bucket;

@@ -174,13 +174,13 @@ pub fn mirror_read(
 
 /// Whether what node `me` pulls of `bucket` from `from` for the move at `epoch` may still go
 /// into its active store on `state`: the bucket is still incoming here from `from` in that
-/// move. Once it is not, the pull's data is stale: the move was aborted, or its source failed
+/// move (as the reconciler plans pulls: `ClusterState::incoming_of`). Once it is not, the pull's data is stale: the move was aborted, or its source failed
 /// and the bucket was promoted (here or elsewhere) and written since. A source cut off from the
 /// cluster, which has not learned that, answers a pull with its old copy when the link heals;
 /// written into a bucket this node now serves, that copy would bring back values older than
 /// writes it acknowledged.
 pub fn pull_lands(state: &ClusterState, me: NodeId, bucket: BucketId, from: NodeId, epoch: u64) -> bool {
-    state.epoch_of(bucket) == epoch && phase_of(state, me, bucket, BucketFacts::default()) == Phase::Incoming { from }
+    state.epoch_of(bucket) == epoch && state.incoming_from(bucket, me) == Some(from)
 }
 
 impl Phase {
@@ -391,6 +391,20 @@ pub fn write_plan(
         shadow,
         owner_in_map: state.map.owner_of(bucket) == Some(me),
     })
+}
+
+/// Whether writes done under `plan` (decided by node `me` on an earlier state) may still count
+/// on `state`, a state seen after they went into the store: the bucket is still served here in
+/// the same move epoch. If not, `NotOwner` (the writes are taken back and routed again): a move
+/// of the bucket was applied here between the plan and the writes, and once applied the
+/// bucket thaws here, so the writes landed in the copy this node keeps as the shadow, while
+/// the new owner's copy, streamed before, does not have them.
+pub fn plan_holds(state: &ClusterState, me: NodeId, plan: &WritePlan) -> Result<(), DataError> {
+    let bucket = plan.bucket;
+    if state.epoch_of(bucket) == plan.epoch && phase_of(state, me, bucket, BucketFacts::default()) == Phase::Serving {
+        return Ok(());
+    }
+    Err(DataError::NotOwner { bucket, map_version: state.map.version })
 }
 
 /// Why this node will not stream `bucket` to its new owner `to` for the move at `epoch`

@@ -35,7 +35,13 @@ impl Exporter {
             return Err((409, format!("node {me} holds no shadow of bucket {bucket}")));
         }
         let (changes, _) = decode_body(body).map_err(|e| (400, e.to_string()))?;
-        self.cache.apply_changes(bucket, &changes);
+        // Asked again under the bucket's lock: a write-through that arrives as the transfer
+        // ends must not land in a copy this node no longer keeps as the shadow (it may own the
+        // bucket again by then, and a put would bring back a key it deleted since).
+        let still_shadow = || self.control.state().shadow_of(bucket) == Some(me);
+        if !self.cache.apply_changes_while(bucket, &changes, still_shadow) {
+            return Err((409, format!("node {me} no longer holds the shadow of bucket {bucket}")));
+        }
         Ok(())
     }
 }

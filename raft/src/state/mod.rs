@@ -433,14 +433,18 @@ impl ClusterState {
     /// them now. Each comes with its current server and move epoch.
     /// A member in maintenance gets nothing until it returns.
     pub fn incoming_of(&self, node: NodeId) -> Vec<(BucketId, NodeId, u64)> {
-        let Some(target) = self.target.as_ref().filter(|_| self.away() != Some(node)) else { return Vec::new() };
-        BucketId::all()
-            .filter_map(|b| {
-                let to = target.owner_of(b)?;
-                let from = self.map.owner_of(b)?;
-                (to == node && from != node).then(|| (b, from, self.epoch_of(b)))
-            })
-            .collect()
+        if self.target.is_none() {
+            return Vec::new();
+        }
+        BucketId::all().filter_map(|b| self.incoming_from(b, node).map(|from| (b, from, self.epoch_of(b)))).collect()
+    }
+
+    /// The node `node` pulls `bucket` from, if the target gives it `bucket` (and it is not away
+    /// in maintenance): the bucket's owner in the serving map.
+    pub fn incoming_from(&self, bucket: BucketId, node: NodeId) -> Option<NodeId> {
+        let target = self.target.as_ref().filter(|_| self.away() != Some(node))?;
+        let from = self.map.owner_of(bucket)?;
+        (target.owner_of(bucket)? == node && from != node).then_some(from)
     }
 
     /// The node holding the shadow copy of `bucket`, if it moved during the running transfer

@@ -245,7 +245,7 @@ proptest! {
         for (i, start) in states.iter().enumerate() {
             for b in BucketId::all().step_by(7) {
                 for me in ids(start) {
-                    let Phase::Incoming { from } = phase_of(start, me, b, installed) else { continue };
+                    let Some(from) = start.incoming_from(b, me) else { continue };
                     let epoch = start.epoch_of(b);
                     prop_assert!(pull_lands(start, me, b, from, epoch));
                     let mut wrote = false;
@@ -255,6 +255,28 @@ proptest! {
                             !(wrote && pull_lands(later, me, b, from, epoch)),
                             "a pull of {} from {} by {} lands after {} could write it", b, from, me, me
                         );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Writes done under a plan count on a later state only while no other node may write
+    /// the bucket there: once it moved, the plan no longer holds (its writes are routed again).
+    #[test]
+    fn a_plan_holds_only_while_no_other_node_may_write_its_bucket(steps in prop::collection::vec(testing::step(), 0..40)) {
+        let states = testing::states(&steps);
+        let installed = BucketFacts { restoring: false, installed: true };
+        let writes = |s: &ClusterState, id: NodeId, b: BucketId| write_plan(s, id, b, installed, NodeFacts::default()).is_ok();
+        for (i, start) in states.iter().enumerate() {
+            for b in BucketId::all().step_by(37) {
+                for me in ids(start) {
+                    let Ok(plan) = write_plan(start, me, b, installed, NodeFacts::default()) else { continue };
+                    prop_assert!(plan_holds(start, me, &plan).is_ok());
+                    for later in &states[i + 1..] {
+                        if ids(later).into_iter().any(|o| o != me && writes(later, o, b)) {
+                            prop_assert!(plan_holds(later, me, &plan).is_err(), "{}'s plan for {} holds where another writes it", me, b);
+                        }
                     }
                 }
             }
