@@ -14,7 +14,7 @@
 //! ```text
 //!  put k ─ route_of ─▶ Local ─ write_permit(b): plan on the state, lock b (when copies), plan again
 //!                                 │ permit.put(k) ── the store (refused while b is frozen)
-//!                                 │ permit.commit(): lease still held? ── shadow ── replica (sync: wait)
+//!                                 │ permit.commit(): lease and plan still hold? ── shadow ── replica (sync: wait)
 //!                                 └─ all good: 2xx │ any failure: every write taken back, 503
 //! ```
 //!

@@ -18,7 +18,7 @@ use tokio::sync::{MutexGuard, RwLockWriteGuard};
 
 use super::phase::{plan_holds, write_refusal, WritePlan};
 use super::BucketCore;
-use crate::cache::{Change, ExportedItem, Write};
+use crate::cache::{CacheError, Change, ExportedItem, Write};
 use crate::error::{DataError, ReplicaError};
 use crate::transport::frame::change_body;
 use crate::transport::CallError;
@@ -67,7 +67,7 @@ impl<'a> WritePermit<'a> {
             return store.put(bucket, write).map_err(DataError::from);
         }
         let previous = store.export_item(bucket, write.key);
-        let version = store.put(bucket, write)?;
+        let version = store.put(bucket, write).map_err(|e| self.refused(e))?;
         if let Some(stored) = store.export_item(bucket, write.key) {
             let key = stored.key.clone();
             self.done.push(Done { key, written: Some(version), previous, change: Change::Put(stored) });
@@ -84,12 +84,22 @@ impl<'a> WritePermit<'a> {
             return store.delete(bucket, key, expected).map_err(DataError::from);
         }
         let previous = store.export_item(bucket, key);
-        let deleted = store.delete(bucket, key, expected)?;
+        let deleted = store.delete(bucket, key, expected).map_err(|e| self.refused(e))?;
         if let (true, Some(gone)) = (deleted, previous) {
             let change = Change::Delete { key: gone.key.clone(), version: gone.version };
             self.done.push(Done { key: gone.key.clone(), written: None, previous: Some(gone), change });
         }
         Ok(deleted)
+    }
+
+    /// A store's refusal as the caller gets it: `NotOwner` when the plan no longer holds (a move
+    /// applied here since thawed the bucket, and the refusal, a failed condition say, comes
+    /// from the copy kept here as the shadow: routed again, the write meets the new owner's).
+    fn refused(&self, e: CacheError) -> DataError {
+        match plan_holds(&self.core.control.state(), self.core.me, &self.plan) {
+            Err(moved) => moved,
+            Ok(()) => DataError::from(e),
+        }
     }
 
     /// Makes the writes count: the node still holds its lease, the shadow has them, and the
@@ -108,23 +118,25 @@ impl<'a> WritePermit<'a> {
             self.undo();
             return Err(refusal);
         }
-        // A bucket with no copy elsewhere (a single node) has nothing to send.
-        if !self.done.is_empty() && self.plan.has_copies() {
-            // The map again, after the writes: a move applied here since the plan thaws the
-            // bucket, and writes that landed after that are in no copy the new owner has. They
-            // are routed again. Taken back only while this node still owns the bucket (a move
-            // aborted since): in the copy it keeps as the shadow, a take-back would give the
-            // items versions the new owner hands out too, and the shadow would then skip the
-            // new owner's later writes of those keys.
+        // The map again, after the writes: a move applied here since the plan thaws the
+        // bucket, and what was written or found after that is in no copy the new owner has (a
+        // delete that found nothing too). Routed again. Taken back, but not in the copy kept
+        // here as the shadow: a take-back there would give the items versions the new owner
+        // hands out too, and the shadow would then skip the new owner's later writes of those
+        // keys (the write routed again reaches the shadow as well).
+        if self.plan.has_copies() {
             let state = core.control.state();
             if let Err(moved) = plan_holds(&state, core.me, &self.plan) {
-                if state.map.owner_of(self.plan.bucket) == Some(core.me) {
-                    self.undo();
-                } else {
+                if state.shadow_of(self.plan.bucket) == Some(core.me) {
                     self.done.clear();
+                } else {
+                    self.undo();
                 }
                 return Err(moved);
             }
+        }
+        // A bucket with no copy elsewhere (a single node) has nothing to send.
+        if !self.done.is_empty() && self.plan.has_copies() {
             let started = std::time::Instant::now();
             let changes: Vec<Change> = self.done.iter().map(|d| d.change.clone()).collect();
             let bucket = self.plan.bucket;

@@ -394,14 +394,15 @@ pub fn write_plan(
 }
 
 /// Whether writes done under `plan` (decided by node `me` on an earlier state) may still count
-/// on `state`, a state seen after they went into the store: the bucket is still served here in
-/// the same move epoch. If not, `NotOwner` (the writes are taken back and routed again): a move
-/// of the bucket was applied here between the plan and the writes, and once applied the
-/// bucket thaws here, so the writes landed in the copy this node keeps as the shadow, while
-/// the new owner's copy, streamed before, does not have them.
+/// on `state`, a state seen after they went into the store: the bucket is still served here.
+/// If not, `NotOwner` (the writes are routed again): a move of the bucket was applied here
+/// between the plan and the writes, and once applied the bucket thaws here, so the writes
+/// landed in the copy this node keeps as the shadow, while the new owner's copy, streamed
+/// before, does not have them. (A move aborted meanwhile changes the epoch, not the server: the
+/// writes count, and the next pull takes a new snapshot.)
 pub fn plan_holds(state: &ClusterState, me: NodeId, plan: &WritePlan) -> Result<(), DataError> {
     let bucket = plan.bucket;
-    if state.epoch_of(bucket) == plan.epoch && phase_of(state, me, bucket, BucketFacts::default()) == Phase::Serving {
+    if phase_of(state, me, bucket, BucketFacts::default()) == Phase::Serving {
         return Ok(());
     }
     Err(DataError::NotOwner { bucket, map_version: state.map.version })

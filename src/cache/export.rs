@@ -264,6 +264,9 @@ impl CacheStore {
     /// was written since stays as it is). Answers whether every change was applied.
     pub fn apply_changes_while(&self, bucket: BucketId, changes: &[Change], still: impl Fn() -> bool) -> bool {
         use std::hash::BuildHasher;
+        if changes.is_empty() {
+            return still();
+        }
         let now = self.clock.now_ms();
         for group in changes.chunks(APPLY_GROUP) {
             // Items and hashes are made before the lock is taken.
