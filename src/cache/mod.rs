@@ -457,16 +457,14 @@ impl CacheStore {
     /// Takes every item of `bucket` out of the store (to move it), leaving it empty; the
     /// version counter goes with the items.
     pub fn take_bucket(&self, bucket: BucketId) -> Bucket {
-        let taken = self.mutate(bucket, |b, _| std::mem::take(b));
-        // Writes waiting on a frozen bucket re-route now.
-        self.thawed.notify_waiters();
-        taken
+        self.take_bucket_while(bucket, || true).unwrap_or_default()
     }
 
     /// [`Self::take_bucket`], if `still()` holds when asked under the bucket's lock: whatever
     /// made it false, and anything written after, stays. `None` when it did not hold.
     pub fn take_bucket_while(&self, bucket: BucketId, still: impl FnOnce() -> bool) -> Option<Bucket> {
         let taken = self.mutate(bucket, |b, _| still().then(|| std::mem::take(b)));
+        // Writes waiting on a frozen bucket re-route now.
         self.thawed.notify_waiters();
         taken
     }
