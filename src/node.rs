@@ -585,7 +585,7 @@ pub async fn start_in(
     handle.tasks.push(tokio::spawn(replicate_evictions(core.clone())));
     handle.tasks.push(tokio::spawn(health.clone().run()));
     handle.tasks.push(tokio::spawn(balancer.run()));
-    handle.tasks.push(tokio::spawn(mirrors.ping_idle(control.clone(), peers.clone(), config.ping_interval)));
+    handle.tasks.push(tokio::spawn(mirrors.ping_idle(control.clone(), peers.clone())));
     let reconciler = Reconciler::new(crate::reconcile::Parts {
         core,
         store: cache,

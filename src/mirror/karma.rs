@@ -106,33 +106,30 @@ impl Block {
 }
 
 /// One mirror's state.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 struct Agent {
-    /// Whether its last answer came.
-    alive: bool,
-    /// Its latency weight (before normalising over the mirrors a choice is among).
-    weight: f64,
+    /// Whether its last answer failed.
+    dead: bool,
     /// When it last answered.
     last_answer: Option<Duration>,
 }
 
-impl Default for Agent {
-    fn default() -> Self {
-        Agent { alive: true, weight: 1.0, last_answer: None }
-    }
-}
-
-/// Rescales `weights` by the inverse of each mirror's latency over the last period and
-/// normalises them to sum 1. A mirror without a measurement keeps its place: it is scaled by
-/// the inverse of the mean latency of the measured ones.
-pub fn reweigh(weights: &[f64], latencies_ms: &[Option<f64>]) -> Vec<f64> {
-    let measured: Vec<f64> = latencies_ms.iter().flatten().map(|l| l.max(1e-6)).collect();
+/// The probabilities of mirrors whose latencies (in milliseconds) are `latencies_ms`: each
+/// inversely proportional to its latency, normalised to sum 1. A mirror without a
+/// measurement weighs as much as the measured ones on average (as likely as an average
+/// mirror); with no measurement at all, every mirror is equally likely.
+///
+/// Only the mirrors given take part: a read weighs the mirrors it can go to among
+/// themselves, so a fast mirror elsewhere (this node itself, say) does not squeeze them.
+pub fn weigh(latencies_ms: &[Option<f64>]) -> Vec<f64> {
+    let inverse = |l: f64| 1.0 / l.max(1e-6);
+    let measured: Vec<f64> = latencies_ms.iter().flatten().map(|&l| inverse(l)).collect();
     if measured.is_empty() {
-        return normalise(weights);
+        return normalise(&vec![1.0; latencies_ms.len()]);
     }
     let mean = measured.iter().sum::<f64>() / measured.len() as f64;
-    let scaled: Vec<f64> = weights.iter().zip(latencies_ms).map(|(w, l)| w / l.map_or(mean, |l| l.max(1e-6))).collect();
-    normalise(&scaled)
+    let weights: Vec<f64> = latencies_ms.iter().map(|l| l.map_or(mean, inverse)).collect();
+    normalise(&weights)
 }
 
 fn normalise(weights: &[f64]) -> Vec<f64> {
@@ -143,11 +140,12 @@ fn normalise(weights: &[f64]) -> Vec<f64> {
     weights.iter().map(|w| w / sum).collect()
 }
 
-/// The least weight a mirror keeps, relative to the sum: weights compound from period to
-/// period, and one that reached zero could never come back.
-const LEAST_WEIGHT: f64 = 1e-4;
-
 /// The statistics of every mirror, in blocks of `period`.
+///
+/// Probabilities come from one block's latencies (`weighing_block`): the block that ended
+/// last, until the newest is half full; from then on the newest. Nothing carries over from
+/// older blocks, so a mirror's past stops mattering after at most one and a half periods: a
+/// mirror slow for an hour gets its fair share back at most 1.5 periods after it recovered.
 #[derive(Debug, Clone)]
 pub struct Karma {
     period: Duration,
@@ -175,36 +173,19 @@ impl Karma {
         Duration::from_nanos((self.period.as_nanos() as u64).saturating_mul(index))
     }
 
-    /// Starts the blocks that began by `now`; at the end of each block the weights are
-    /// recomputed from the latencies it measured (once per period).
+    /// Starts the blocks that began by `now`.
     pub fn rotate(&mut self, now: Duration) {
         let index = self.index_at(now);
-        while self.current < index {
-            let ended = self.blocks.front().cloned().unwrap_or_default();
-            self.reweigh_from(&ended);
-            self.current += 1;
-            self.blocks.push_front(BTreeMap::new());
-            self.blocks.truncate(KEPT_BLOCKS);
-            // Skip the empty periods in between at once: they change no weight.
-            if index - self.current > KEPT_BLOCKS as u64 {
-                self.current = index - KEPT_BLOCKS as u64;
-            }
-        }
-    }
-
-    fn reweigh_from(&mut self, block: &BTreeMap<NodeId, Block>) {
-        let ids: Vec<NodeId> = self.agents.keys().copied().collect();
-        if ids.is_empty() {
+        if index <= self.current {
             return;
         }
-        let weights: Vec<f64> = ids.iter().map(|id| self.agents[id].weight).collect();
-        let latencies: Vec<Option<f64>> = ids.iter().map(|id| block.get(id).and_then(Block::latency_ms)).collect();
-        let floored: Vec<f64> = reweigh(&weights, &latencies).into_iter().map(|w| w.max(LEAST_WEIGHT)).collect();
-        for (id, w) in ids.iter().zip(normalise(&floored)) {
-            if let Some(a) = self.agents.get_mut(id) {
-                a.weight = w;
-            }
+        // At most KEPT_BLOCKS new ones matter: older ones would be dropped at once.
+        let new = (index - self.current).min(KEPT_BLOCKS as u64);
+        for _ in 0..new {
+            self.blocks.push_front(BTreeMap::new());
         }
+        self.blocks.truncate(KEPT_BLOCKS);
+        self.current = index;
     }
 
     /// Records how a read (or, with `ping`, a ping) sent to `mirror` ended after `latency`.
@@ -213,7 +194,7 @@ impl Karma {
         self.rotate(now);
         self.know(mirror);
         let Some(agent) = self.agents.get_mut(&mirror) else { return };
-        agent.alive = outcome.answered();
+        agent.dead = !outcome.answered();
         if outcome.answered() {
             agent.last_answer = Some(now);
         }
@@ -244,18 +225,10 @@ impl Karma {
         }
     }
 
-    /// Makes `mirror` known (it takes part in the weights from now on, starting at the mean
-    /// weight of the others: as likely as an average mirror).
+    /// Makes `mirror` known (it shows in the agent status; until it is measured it counts
+    /// as an average mirror).
     pub fn know(&mut self, mirror: NodeId) {
-        if self.agents.contains_key(&mirror) {
-            return;
-        }
-        let mean = if self.agents.is_empty() {
-            1.0
-        } else {
-            self.agents.values().map(|a| a.weight).sum::<f64>() / self.agents.len() as f64
-        };
-        self.agents.insert(mirror, Agent { weight: mean, ..Agent::default() });
+        self.agents.entry(mirror).or_default();
     }
 
     /// Forgets the mirrors not in `members`.
@@ -271,9 +244,14 @@ impl Karma {
         self.blocks.iter().take(take)
     }
 
+    /// Whether `mirror` answered nothing (a read or a ping) within `interval` before `now`.
+    pub fn idle(&self, mirror: NodeId, now: Duration, interval: Duration) -> bool {
+        self.agents.get(&mirror).and_then(|a| a.last_answer).is_none_or(|t| now.saturating_sub(t) >= interval)
+    }
+
     /// Whether `mirror`'s last answer failed.
     pub fn is_dead(&self, mirror: NodeId) -> bool {
-        self.agents.get(&mirror).is_some_and(|a| !a.alive)
+        self.agents.get(&mirror).is_some_and(|a| a.dead)
     }
 
     /// Whether `mirror` had errors in the blocks used for choosing at `now`.
@@ -281,13 +259,25 @@ impl Karma {
         self.used_blocks(now).any(|b| b.get(&mirror).is_some_and(|b| b.error_count() > 0))
     }
 
-    /// `mirror`'s weight, normalised over every known mirror.
-    pub fn probability(&self, mirror: NodeId) -> f64 {
-        let sum: f64 = self.agents.values().map(|a| a.weight).sum();
-        match self.agents.get(&mirror) {
-            Some(a) if sum > 0.0 => a.weight / sum,
-            _ => 0.0,
-        }
+    /// The block whose latencies weigh the mirrors at `now`: the one that ended last until
+    /// the newest is half full, then the newest (the probabilities are recomputed once per
+    /// block from that block's statistics, and the previous block counts until the new one is
+    /// half full).
+    fn weighing_block(&self, now: Duration) -> Option<&BTreeMap<NodeId, Block>> {
+        let into_current = now.saturating_sub(self.start_of(self.current));
+        self.blocks.get(if into_current * 2 >= self.period { 0 } else { 1 })
+    }
+
+    /// The latency of `mirror` that weighs it at `now`, in milliseconds: of its reads, else
+    /// of its pings, in the weighing block; None when neither was measured there.
+    pub fn latency_ms(&self, mirror: NodeId, now: Duration) -> Option<f64> {
+        self.weighing_block(now)?.get(&mirror)?.latency_ms()
+    }
+
+    /// The latency-weighted probabilities of `mirrors` among themselves at `now`.
+    pub fn probabilities(&self, mirrors: &[NodeId], now: Duration) -> Vec<f64> {
+        let latencies: Vec<Option<f64>> = mirrors.iter().map(|&m| self.latency_ms(m, now)).collect();
+        weigh(&latencies)
     }
 
     /// Chooses one of `candidates` by `strategy` at `now`, with `draw` uniform in [0, 1) and
@@ -314,8 +304,7 @@ impl Karma {
                     .filter(|&m| !self.is_dead(m))
                     .filter(|&m| strategy != Strategy::NoErrors || !self.has_errors(m, now))
                     .collect();
-                let weights: Vec<f64> = eligible.iter().map(|m| self.agents.get(m).map_or(1.0, |a| a.weight)).collect();
-                let probabilities = normalise(&weights);
+                let probabilities = self.probabilities(&eligible, now);
                 let mut acc = 0.0;
                 for (m, p) in eligible.iter().zip(&probabilities) {
                     acc += p;
@@ -328,14 +317,18 @@ impl Karma {
         }
     }
 
-    /// The agent-status view of every known mirror at `now`.
+    /// The agent-status view of every known mirror at `now`; each probability is among all
+    /// known mirrors (a read weighs only the mirrors of its bucket).
     pub fn view(&self, now: Duration) -> Vec<AgentView> {
+        let ids: Vec<NodeId> = self.agents.keys().copied().collect();
+        let probabilities = self.probabilities(&ids, now);
         self.agents
             .iter()
-            .map(|(&id, a)| AgentView {
+            .zip(probabilities)
+            .map(|((&id, a), probability)| AgentView {
                 node_id: id,
-                alive: a.alive,
-                probability: self.probability(id),
+                alive: !a.dead,
+                probability,
                 last_answer_ms_ago: a.last_answer.map(|t| now.saturating_sub(t).as_millis() as u64),
                 blocks: self
                     .blocks
@@ -364,6 +357,7 @@ impl Karma {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::{prop_assert, proptest};
 
     const MS: Duration = Duration::from_millis(1);
 
@@ -373,9 +367,7 @@ mod tests {
 
     #[test]
     fn the_seeds_example_latencies_10_5_30_3_give_15_30_5_50_percent() {
-        let weights = [0.25; 4];
-        let latencies = [Some(10.0), Some(5.0), Some(30.0), Some(3.0)];
-        let p = reweigh(&weights, &latencies);
+        let p = weigh(&[Some(10.0), Some(5.0), Some(30.0), Some(3.0)]);
         assert!(close(&p, &[0.15, 0.30, 0.05, 0.50]), "{p:?}");
     }
 
@@ -383,18 +375,38 @@ mod tests {
     fn the_example_holds_through_the_karma_blocks() {
         let period = Duration::from_secs(60);
         let mut k = Karma::new(period);
+        let all = [1, 2, 3, 4];
         for (id, ms) in [(1, 10), (2, 5), (3, 30), (4, 3)] {
             k.record(id, Duration::from_secs(10), Outcome::Answered, MS * ms, false);
         }
-        // Equal until the first period ends.
-        assert!(close(&[1, 2, 3, 4].map(|id| k.probability(id)), &[0.25; 4]));
+        // Equal while the first block is less than half full (no block weighs yet).
+        assert!(close(&k.probabilities(&all, Duration::from_secs(20)), &[0.25; 4]));
+        // The next block: the first one weighs until the new one is half full.
         k.rotate(period);
-        let p = [1, 2, 3, 4].map(|id| k.probability(id));
+        let p = k.probabilities(&all, period);
         assert!(close(&p, &[0.15, 0.30, 0.05, 0.50]), "{p:?}");
-        // A period without measurements changes nothing.
-        k.rotate(period * 2);
-        let again = [1, 2, 3, 4].map(|id| k.probability(id));
-        assert!(close(&again, &p), "{again:?}");
+        assert!(close(&k.probabilities(&all, period + Duration::from_secs(29)), &p));
+        // Half full, the new block weighs: it measured nothing, so nothing of the first one
+        // is left.
+        let later = k.probabilities(&all, period + Duration::from_secs(30));
+        assert!(close(&later, &[0.25; 4]), "{later:?}");
+    }
+
+    #[test]
+    fn mirrors_are_weighed_among_themselves_not_against_a_faster_one_elsewhere() {
+        let period = Duration::from_secs(1);
+        let mut k = Karma::new(period);
+        // This node reads from itself in microseconds; two remote mirrors take 1 and 10 ms.
+        for _ in 0..100 {
+            k.record(1, MS, Outcome::Answered, Duration::from_micros(5), false);
+            k.record(2, MS, Outcome::Answered, MS, false);
+            k.record(3, MS, Outcome::Answered, MS * 10, false);
+        }
+        let now = period;
+        let p = k.probabilities(&[2, 3], now);
+        assert!(close(&p, &[10.0 / 11.0, 1.0 / 11.0]), "{p:?}");
+        let slow = (0..1000).filter(|i| k.choose(Strategy::NoDeads, &[2, 3], now, *i as f64 / 1000.0, 0) == Some(3));
+        assert_eq!(slow.count(), 90);
     }
 
     #[test]
@@ -416,6 +428,11 @@ mod tests {
         assert_eq!(blocks[0].ping_avg_latency_ms, Some(2.0));
         // The last answer was a ping's: alive.
         assert!(view[0].alive);
+        // A long silence starts afresh: the kept blocks are empty, the newest at `now`.
+        k.rotate(Duration::from_secs(100));
+        let view = k.view(Duration::from_secs(100));
+        assert_eq!(view[0].blocks.len(), KEPT_BLOCKS);
+        assert!(view[0].blocks.iter().all(|b| b.requests == 0 && b.pings == 0));
     }
 
     #[test]
@@ -458,20 +475,14 @@ mod tests {
     }
 
     #[test]
-    fn a_new_mirror_starts_as_likely_as_an_average_one_and_a_slow_one_never_reaches_zero() {
+    fn an_unmeasured_mirror_is_as_likely_as_an_average_one_and_a_slow_one_never_reaches_zero() {
         let period = Duration::from_secs(1);
         let mut k = Karma::new(period);
         k.record(1, MS, Outcome::Answered, MS, false);
         k.record(2, MS, Outcome::Answered, MS * 1000, false);
-        for n in 1..40u32 {
-            k.record(1, period * n, Outcome::Answered, MS, false);
-            k.record(2, period * n, Outcome::Answered, MS * 1000, false);
-        }
-        k.rotate(period * 40);
-        assert!(k.probability(2) > 0.0 && k.probability(2) < 0.001, "{}", k.probability(2));
-        k.know(3);
-        let (p1, p2, p3) = (k.probability(1), k.probability(2), k.probability(3));
-        assert!((p3 - (p1 + p2 + p3) / 3.0).abs() < 1e-9, "{p1} {p2} {p3}");
+        let p = k.probabilities(&[1, 2, 3], period);
+        assert!(p[1] > 0.0 && p[1] < 0.001, "{p:?}");
+        assert!((p[2] - 1.0 / 3.0).abs() < 1e-9, "{p:?}");
     }
 
     #[test]
@@ -481,10 +492,66 @@ mod tests {
         k.record(1, MS, Outcome::Answered, MS, false);
         k.record(2, MS, Outcome::Answered, MS * 4, false);
         k.rotate(period);
-        assert!((k.probability(1) - 0.8).abs() < 1e-9 && (k.probability(2) - 0.2).abs() < 1e-9);
+        let p = k.probabilities(&[1, 2], period);
+        assert!((p[0] - 0.8).abs() < 1e-9 && (p[1] - 0.2).abs() < 1e-9, "{p:?}");
         let share = (0..1000)
             .filter(|i| k.choose(Strategy::NoDeads, &[1, 2], period, *i as f64 / 1000.0, 0) == Some(2))
             .count();
         assert_eq!(share, 200);
+    }
+
+    #[test]
+    fn a_mirror_is_idle_once_it_answered_nothing_for_an_interval() {
+        let mut k = Karma::new(Duration::from_secs(60));
+        let second = Duration::from_secs(1);
+        assert!(k.idle(1, Duration::ZERO, second), "never heard from");
+        k.record(1, second, Outcome::Answered, MS, true);
+        assert!(!k.idle(1, second + 999 * MS, second));
+        assert!(k.idle(1, second * 2, second));
+        // A failed answer is no answer.
+        k.record(1, second * 2, Outcome::Timeout, MS, false);
+        assert!(k.idle(1, second * 2, second));
+    }
+
+    proptest! {
+        /// Three mirrors read in turn, every `step`; the last one is `slow_factor` times slower
+        /// for a while, then as fast as the others again. From one and a half blocks after it
+        /// recovered, it is as likely as the others, however long it was slow.
+        #[test]
+        fn a_mirror_back_to_normal_latency_gets_its_fair_share_within_one_and_a_half_blocks(
+            period_ms in 100u64..5_000,
+            steps_per_period in 4u64..40,
+            slow_from in 0u64..4_000,
+            slow_blocks in 0.1f64..20.0,
+            slow_factor in 2.0f64..1000.0,
+            normal_ms in 0.01f64..50.0,
+            jitter in 0.0f64..0.02,
+        ) {
+            let period = Duration::from_millis(period_ms);
+            let step = period / steps_per_period as u32;
+            let slow_from = Duration::from_millis(slow_from);
+            let recovered = slow_from + period.mul_f64(slow_blocks);
+            let settled = recovered + period.mul_f64(1.5);
+            let mut k = Karma::new(period);
+            let mut now = Duration::ZERO;
+            let mut checked = 0;
+            while now < settled + period * 3 {
+                for (i, id) in [1u64, 2, 3].into_iter().enumerate() {
+                    // Equal latencies but for a little deterministic jitter.
+                    let mut ms = normal_ms * (1.0 + jitter * i as f64);
+                    if id == 3 && now >= slow_from && now < recovered {
+                        ms *= slow_factor;
+                    }
+                    k.record(id, now, Outcome::Answered, Duration::from_secs_f64(ms / 1000.0), false);
+                }
+                now += step;
+                if now >= settled {
+                    let p = k.probabilities(&[1, 2, 3], now);
+                    prop_assert!(p[2] > 0.3, "at {now:?} (recovered at {recovered:?}): {p:?}");
+                    checked += 1;
+                }
+            }
+            prop_assert!(checked > 0);
+        }
     }
 }

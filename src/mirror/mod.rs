@@ -15,11 +15,12 @@
 //! ```
 //!
 //! Choosing follows Manticore's mirrors: statistics per mirror in karma blocks of
-//! `--ha-period-karma` (15 kept, at most the newest two used), latency-weighted probabilities
-//! recomputed once per block, a dead flag updated on every answer, pings included (the
-//! failure detector's pings count; `--ha-ping-interval` pings members nothing else reached
-//! lately). The pure part is in `karma.rs`; this file holds the clock, the randomness, the
-//! pinger and the metrics.
+//! `--ha-period-karma` (15 kept, at most the newest two used), probabilities inversely
+//! proportional to the latency each mirror showed in one block (the last that ended, until the
+//! newest is half full; nothing older), weighed among the mirrors a read can go to, a dead
+//! flag updated on every answer, pings included (the failure detector's pings count;
+//! `--ha-ping-interval` pings members nothing else reached lately). The pure part is in
+//! `karma.rs`; this file holds the clock, the randomness, the pinger and the metrics.
 
 pub mod karma;
 
@@ -152,11 +153,11 @@ impl Mirrors {
         *self.served.lock().entry(node).or_default() += 1;
     }
 
-    /// When `mirror` last answered anything, as time since.
-    fn silent_for(&self, mirror: NodeId) -> Option<Duration> {
+    /// The members of `members` that answered nothing within `interval` at `now`.
+    fn idle(&self, members: impl Iterator<Item = NodeId>, interval: Duration) -> Vec<NodeId> {
         let now = self.now();
-        let view = self.karma.lock().view(now);
-        view.iter().find(|a| a.node_id == mirror).and_then(|a| a.last_answer_ms_ago).map(Duration::from_millis)
+        let karma = self.karma.lock();
+        members.filter(|&m| karma.idle(m, now, interval)).collect()
     }
 
     /// The agent-status view; `members` are the nodes that may serve reads.
@@ -204,11 +205,10 @@ impl Mirrors {
 
     /// Pings, every `--ha-ping-interval`, the members that answered nothing (no read, no
     /// failure-detection ping) within it, so that their statistics and dead flag stay current
-    /// while they are idle. Runs until the node stops; not at all when failure detection
-    /// pings every member at least as often (`health_interval`): its pings count already.
-    pub async fn ping_idle(self: Arc<Self>, control: ControlPlane, peers: Peers, health_interval: Duration) {
+    /// while they are idle. Runs until the node stops; not at all with an interval of zero.
+    pub async fn ping_idle(self: Arc<Self>, control: ControlPlane, peers: Peers) {
         let interval = self.config.ping_interval;
-        if interval.is_zero() || (!health_interval.is_zero() && health_interval <= interval) {
+        if interval.is_zero() {
             return;
         }
         let mut tick = tokio::time::interval(interval);
@@ -220,11 +220,12 @@ impl Mirrors {
                 continue;
             }
             let state = control.state();
-            for m in state.members.iter().filter(|m| m.id != self.me) {
-                if self.silent_for(m.id).is_some_and(|s| s < interval) {
+            let others = state.members.iter().map(|m| m.id).filter(|&id| id != self.me);
+            for id in self.idle(others, interval) {
+                let Some(addr) = state.members.iter().find(|m| m.id == id).map(|m| m.peer_addr.clone()) else {
                     continue;
-                }
-                let (mirrors, peers, id, addr) = (self.clone(), peers.clone(), m.id, m.peer_addr.clone());
+                };
+                let (mirrors, peers) = (self.clone(), peers.clone());
                 tokio::spawn(async move {
                     let sent = Instant::now();
                     let outcome = match peers.transfer_status(&addr).await {

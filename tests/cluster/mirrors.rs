@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -19,14 +20,18 @@ fn pings(config: &mut ServeConfig) {
     config.node_timeout = Duration::from_secs(3);
 }
 
-/// Pings, and mirrors chosen without dead ones, in short karma blocks; a node timeout long
-/// enough for a member to restart without being failed.
+/// Mirrors chosen without dead ones, in short karma blocks; a node timeout long enough for a
+/// member to restart without being failed. Pings at `shoal serve`'s defaults (test nodes turn
+/// failure detection off unless asked): failure detection's every second, and the idle
+/// mirrors' every second too.
 fn nodeads(config: &mut ServeConfig) {
-    config.ping_interval = Duration::from_millis(200);
+    let defaults = ServeConfig::for_test(config.listen, config.listen, config.data_dir.clone());
+    assert_eq!(defaults.ha_ping_interval, Duration::from_secs(1));
+    config.ping_interval = Duration::from_secs(1);
+    config.ha_ping_interval = defaults.ha_ping_interval;
     config.node_timeout = Duration::from_secs(30);
     config.ha_strategy = Strategy::NoDeads;
     config.ha_period_karma = Duration::from_secs(1);
-    config.ha_ping_interval = Duration::from_millis(200);
 }
 
 /// A read through `slot` with `query`: status, value, the node that served it and the lag it
@@ -212,15 +217,17 @@ async fn with_nodeads_a_stopped_mirror_gets_no_reads_and_serves_again_after_it_r
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_nodeads_a_slow_mirror_gets_a_share_of_reads_by_its_latency_weight() {
+async fn with_nodeads_a_slow_mirror_gets_reads_by_its_latency_among_the_mirrors_and_its_share_back_once_fast() {
+    use std::sync::atomic::Ordering;
     let mut c = TestCluster::start_with(2, nodeads).await;
     // The third member: the others reach its API, and the peer links that carry reads to it
-    // once open, through connections that hold every chunk 50 ms each way (far slower than
-    // anything two busy cores add). The rest of its peer traffic (Raft, pings, transfers)
-    // passes at once.
+    // once open, through connections that hold every chunk 1 ms each way (a read from it takes
+    // some milliseconds, tens of times a read from the other) until the test makes them fast
+    // again. The rest of its peer traffic (Raft, pings, transfers) passes at once.
     let (api, peer) = (Arc::new(OnceLock::new()), Arc::new(OnceLock::new()));
-    let api_proxy = delaying_proxy(api.clone(), Duration::from_millis(50), None).await;
-    let peer_proxy = delaying_proxy(peer.clone(), Duration::from_millis(50), Some("shoal-link")).await;
+    let delay_ms = Arc::new(AtomicU64::new(1));
+    let api_proxy = delaying_proxy(api.clone(), delay_ms.clone(), None).await;
+    let peer_proxy = delaying_proxy(peer.clone(), delay_ms.clone(), Some("shoal-link")).await;
     c.add_node_configured(|config| {
         let _ = api.set(config.listen);
         let _ = peer.set(config.peer_listen.expect("a peer listener"));
@@ -230,47 +237,58 @@ async fn with_nodeads_a_slow_mirror_gets_a_share_of_reads_by_its_latency_weight(
     .await;
     c.wait_all_attached().await;
     c.wait_replicas_placed().await;
-    let (fast, slow) = (c.id(1), c.id(2));
-    // Keys node 2 owns: their mirrors are node 2 and node 3 (its replica holder), both remote
-    // from node 1, through which they are read.
-    let mut keys = Vec::new();
+    let (me, fast, slow) = (c.id(0), c.id(1), c.id(2));
+    // Keys of every pair of mirrors, all read through node 1: (node 2, node 3) are both remote
+    // from it; node 1 mirrors the others itself, and answers its own reads in microseconds,
+    // which must not squeeze the two remote mirrors of node 2's keys to the same weight.
+    let mut keys: BTreeMap<(u64, u64), Vec<String>> = BTreeMap::new();
     for i in 0.. {
         let key = format!("slow-{i}");
-        if mirrors_of(&c, 0, &key).await == (fast, slow) {
+        let pair = mirrors_of(&c, 0, &key).await;
+        let of_pair = keys.entry(pair).or_default();
+        if of_pair.len() < 30 {
             assert!(c.put(0, &key, "v").await.is_success());
-            keys.push(key);
+            of_pair.push(key);
         }
-        if keys.len() == 40 {
+        if keys.len() == 3 && keys.values().all(|k| k.len() == 30) {
             break;
         }
     }
-    async fn shares(c: &TestCluster, keys: &[String], slow: u64, rounds: usize) -> f64 {
+    assert!(keys.contains_key(&(me, fast)) && keys.contains_key(&(slow, me)), "{:?}", keys.keys());
+    let remote = keys[&(fast, slow)].clone();
+    // Reads of every key through node 1; the share of the remote pair's reads node 3 served.
+    let read_all = || async {
         let mut from_slow = 0;
-        for _ in 0..rounds {
-            for k in keys {
-                let (status, _, node, _) = read(c, 0, k, "read=mirrors").await;
+        for (pair, of_pair) in &keys {
+            for k in of_pair {
+                let (status, _, node, _) = read(&c, 0, k, "read=mirrors").await;
                 assert_eq!(status, 200, "{k}");
-                from_slow += usize::from(node == slow);
+                assert!(node == pair.0 || node == pair.1, "{k} served by {node}, not one of its mirrors {pair:?}");
+                from_slow += usize::from(*pair == (fast, slow) && node == slow);
             }
         }
-        from_slow as f64 / (rounds * keys.len()) as f64
+        from_slow as f64 / remote.len() as f64
+    };
+    let first = read_all().await;
+    // The karma blocks (1 s) measure the slow link and weigh it down among the remote pair.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+    let mut weighed = Vec::new();
+    while weighed.len() < 3 || !weighed.iter().rev().take(3).all(|&s| s < 0.3) {
+        assert!(tokio::time::Instant::now() < deadline, "the slow mirror was not weighed down: {weighed:.2?}");
+        weighed.push(read_all().await);
     }
-    // Equal at first; the first karma blocks (1 s) measure the slow link and weigh it down.
-    let first = shares(&c, &keys, slow, 1).await;
-    wait_for("the slow mirror weighed down", || async {
-        // Reads go on meanwhile: the statistics come from them.
-        shares(&c, &keys, slow, 1).await;
-        let agents = c.json(0, "/v1/cluster/agents").await;
-        let p = |id: u64| {
-            agents["agents"].as_array()?.iter().find(|a| a["node_id"] == id).and_then(|a| a["probability"].as_f64())
-        };
-        (p(slow)? * 9.0 < p(fast)?).then_some(())
-    })
-    .await;
-    let after = shares(&c, &keys, slow, 5).await;
+    // ... and it stays down, block after block (weights that compounded from block to block
+    // squeezed both remote mirrors to the same floor once this node's own microsecond reads
+    // were counted, and the slow one got half the reads again).
+    let held = tokio::time::Instant::now();
+    let mut holding = Vec::new();
+    while held.elapsed() < Duration::from_secs(10) {
+        holding.push(read_all().await);
+    }
+    let mean = holding.iter().sum::<f64>() / holding.len() as f64;
+    assert!(mean < 0.15, "the slow mirror got {mean:.2} of the reads over ten blocks: {holding:.2?}");
     let agents = c.json(0, "/v1/cluster/agents").await;
-    eprintln!("share of the slow mirror: {first:.2} at first, {after:.2} weighed; {agents}");
-    assert!(after < 0.25, "the slow mirror still serves {after:.2} of the reads");
+    eprintln!("share of the slow mirror: {first:.2} at first, then {weighed:.2?}, held {holding:.2?}; {agents}");
     let latency = |id: u64| {
         agents["agents"].as_array().expect("agents").iter().find(|a| a["node_id"] == id).expect("agent")["blocks"]
             .as_array()
@@ -279,14 +297,28 @@ async fn with_nodeads_a_slow_mirror_gets_a_share_of_reads_by_its_latency_weight(
             .find_map(|b| b["avg_latency_ms"].as_f64())
     };
     assert!(latency(slow).expect("measured") > 3.0 * latency(fast).expect("measured"), "{agents}");
+    // Fast again: within a block and a half of karma its old slowness stops mattering, and it
+    // serves about half of the remote pair's reads again.
+    delay_ms.store(0, Ordering::SeqCst);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+    let mut back = Vec::new();
+    while back.len() < 3 || !back.iter().rev().take(3).all(|&s| s > 0.3) {
+        assert!(tokio::time::Instant::now() < deadline, "the mirror did not get its share back: {back:.2?}");
+        back.push(read_all().await);
+    }
+    eprintln!("after it recovered: {back:.2?}");
     c.shutdown().await;
 }
 
-/// A TCP proxy to `target` that holds every chunk for `delay` in each direction: a slow link
-/// to one node (the kernel here has no netem). With `only`, a connection is slow only from the
+/// A TCP proxy to `target` that holds every chunk for `delay_ms` (as it is when the chunk
+/// arrives) in each direction: a slow link to one node (the kernel here has no netem). With `only`, a connection is slow only from the
 /// first chunk from the client that contains it on (an HTTP connection may be upgraded to a
 /// peer link after other requests); before that it passes at once. Runs until the test ends.
-async fn delaying_proxy(target: Arc<OnceLock<SocketAddr>>, delay: Duration, only: Option<&'static str>) -> SocketAddr {
+async fn delaying_proxy(
+    target: Arc<OnceLock<SocketAddr>>,
+    delay_ms: Arc<AtomicU64>,
+    only: Option<&'static str>,
+) -> SocketAddr {
     use std::sync::atomic::{AtomicBool, Ordering};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
@@ -301,7 +333,7 @@ async fn delaying_proxy(target: Arc<OnceLock<SocketAddr>>, delay: Duration, only
             let (sr, sw) = server.into_split();
             let slow = Arc::new(AtomicBool::new(only.is_none()));
             let pipe = |mut from: tokio::net::tcp::OwnedReadHalf, mut to: tokio::net::tcp::OwnedWriteHalf, client| {
-                let slow = slow.clone();
+                let (slow, delay_ms) = (slow.clone(), delay_ms.clone());
                 async move {
                     let mut buf = vec![0u8; 64 * 1024];
                     loop {
@@ -314,7 +346,8 @@ async fn delaying_proxy(target: Arc<OnceLock<SocketAddr>>, delay: Duration, only
                                 slow.store(true, Ordering::SeqCst);
                             }
                         }
-                        if slow.load(Ordering::SeqCst) {
+                        let delay = Duration::from_millis(delay_ms.load(Ordering::SeqCst));
+                        if slow.load(Ordering::SeqCst) && !delay.is_zero() {
                             tokio::time::sleep(delay).await;
                         }
                         if to.write_all(&buf[..n]).await.is_err() {
