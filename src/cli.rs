@@ -213,7 +213,8 @@ pub async fn run(command: Command) -> Result<(), CliError> {
                     }
                     Err(e) => return Err(e),
                 };
-                let unhealthy = unhealthy(&view);
+                let reasons = view.unhealthy();
+                let unhealthy = (!reasons.is_empty()).then(|| reasons.join("; "));
                 if let (Some(spinner), Some(why)) = (&waiting, &unhealthy) {
                     spinner.set_message(format!("waiting: {why}"));
                 }
@@ -254,7 +255,7 @@ pub async fn run(command: Command) -> Result<(), CliError> {
                 if !a.watch {
                     print!("{frame}");
                     // Scripts can trust the status: no leader, or lost buckets, is a failure.
-                    return match unavailable(&view) {
+                    return match view.unavailable() {
                         Some(why) => Err(CliError::new(EXIT_UNAVAILABLE, why)),
                         None => Ok(()),
                     };
@@ -596,44 +597,6 @@ fn config_table(config: &shoal_http_api::types::ClusterConfig) -> String {
         config.replication.as_deref().unwrap_or("-"),
         config.auto_balance.map_or("-".to_string(), |a| a.to_string())
     )
-}
-
-/// Why the cluster `view` describes cannot serve every key: no leader, or lost buckets.
-fn unavailable(view: &ClusterView) -> Option<String> {
-    if view.leader.is_none() {
-        return Some(format!("node {} knows no leader", view.node_id));
-    }
-    if !view.lost_buckets.is_empty() {
-        return Some(format!("{} buckets are lost", view.lost_buckets.len()));
-    }
-    None
-}
-
-/// Why the cluster `view` describes is not healthy yet (for `status --wait`): unavailable, a
-/// member failed, suspected or in maintenance, a transition or transfer running, or replicas
-/// not attached.
-fn unhealthy(view: &ClusterView) -> Option<String> {
-    if let Some(why) = unavailable(view) {
-        return Some(why);
-    }
-    if !view.failed.is_empty() {
-        return Some(format!("members {:?} failed", view.failed));
-    }
-    if let Some(p) = view.peers.iter().find(|p| p.state != "ok") {
-        return Some(format!("node {} is {} in node {}'s view", p.node_id, p.state, view.node_id));
-    }
-    if view.maintenance.is_some() {
-        return Some("a member is in maintenance".into());
-    }
-    if view.transition.is_some() || view.transfer.is_some() {
-        return Some("buckets are moving".into());
-    }
-    match &view.replication {
-        Some(r) if r.attached_buckets < r.owned_buckets => {
-            Some(format!("{} of {} buckets have their replica attached", r.attached_buckets, r.owned_buckets))
-        }
-        _ => None,
-    }
 }
 
 fn print_json(value: &impl serde::Serialize) -> Result<(), CliError> {

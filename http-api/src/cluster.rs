@@ -1,4 +1,4 @@
-//! Cluster and health routes: `/v1/cluster`, `/v1/cluster/map`, `/v1/cluster/buckets`,
+//! Cluster and health routes: `/v1/cluster`, `/v1/cluster/health`, `/v1/cluster/map`, `/v1/cluster/buckets`,
 //! `/v1/cluster/rebalance`, `/v1/cluster/nodes/{id}/leave`, `/v1/cluster/nodes/{id}/maintenance`,
 //! `/v1/node`, `/livez`, `/readyz`, `/metrics`.
 
@@ -14,10 +14,10 @@ use axum::Json;
 use shoal_raft::NodeId;
 
 use crate::api::ShoalApi;
-use crate::error::ApiError;
+use crate::error::{ApiError, Unavailable};
 use crate::kv::{flag, query};
 use crate::types::{
-    BucketSort, BucketsQuery, ClearLost, ClusterConfig, EventsView, MaintenanceRequest, RebalanceRequest,
+    BucketSort, BucketsQuery, ClearLost, ClusterConfig, EventsView, HealthView, MaintenanceRequest, RebalanceRequest,
 };
 
 pub(crate) async fn cluster<N: ShoalApi>(State(node): State<Arc<N>>) -> Response {
@@ -25,6 +25,28 @@ pub(crate) async fn cluster<N: ShoalApi>(State(node): State<Arc<N>>) -> Response
         Ok(view) => Json(view).into_response(),
         Err(e) => e.into_response(),
     }
+}
+
+/// `GET /v1/cluster/health`: 200 when the cluster is healthy (what `shoal status --wait`
+/// waits for), else 503 `unhealthy` naming every reason, for deploy hooks.
+pub(crate) async fn health<N: ShoalApi>(State(node): State<Arc<N>>) -> Response {
+    let view = match node.cluster().await {
+        Ok(view) => view,
+        Err(e) => return e.into_response(),
+    };
+    let reasons = view.unhealthy();
+    if !reasons.is_empty() {
+        let detail = format!("the cluster is not healthy: {}", reasons.join("; "));
+        return ApiError::unavailable(Unavailable::Unhealthy, detail).into_response();
+    }
+    Json(HealthView {
+        healthy: true,
+        node_id: view.node_id,
+        leader: view.leader,
+        map_version: view.map_version,
+        members: view.members.len(),
+    })
+    .into_response()
 }
 
 /// Query of `GET /v1/cluster/map`.

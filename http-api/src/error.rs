@@ -32,6 +32,41 @@ pub struct Problem {
     pub bucket: Option<u16>,
 }
 
+/// The stable codes of the errors that are not a 503 ([`Unavailable::code`] has those), as the
+/// server answers them and as clients match them: one list, so the two cannot drift apart.
+pub mod code {
+    /// Malformed request.
+    pub const BAD_REQUEST: &str = "bad_request";
+    /// The key is over `--max-key-bytes`.
+    pub const KEY_TOO_LARGE: &str = "key_too_large";
+    /// The value is over `--max-value-bytes`.
+    pub const VALUE_TOO_LARGE: &str = "value_too_large";
+    /// The item alone would not fit in the node's cache.
+    pub const ITEM_TOO_LARGE: &str = "item_too_large";
+    /// The cache is too full of `not_removable` items.
+    pub const INSUFFICIENT_STORAGE: &str = "insufficient_storage";
+    /// A bulk read's answer would be too large.
+    pub const ANSWER_TOO_LARGE: &str = "answer_too_large";
+    /// No such key (or it expired): a miss, not a failure.
+    pub const NOT_FOUND: &str = "not_found";
+    /// No such route or member.
+    pub const UNKNOWN_RESOURCE: &str = "unknown_resource";
+    /// A condition (`cas`, `mode`, `If-Match`) did not hold.
+    pub const PRECONDITION_FAILED: &str = "precondition_failed";
+    /// A forwarded request reached a node that does not own the bucket.
+    pub const NOT_OWNER: &str = "not_owner";
+    /// The request conflicts with the cluster's state.
+    pub const CONFLICT: &str = "conflict";
+    /// A transition or state transfer runs; membership changes wait.
+    pub const MEMBERSHIP_CHANGE_IN_PROGRESS: &str = "membership_change_in_progress";
+    /// `?redirect=true`: the key is served elsewhere.
+    pub const REDIRECT: &str = "redirect";
+    /// The method is not served on this path.
+    pub const METHOD_NOT_ALLOWED: &str = "method_not_allowed";
+    /// A bug or a storage failure.
+    pub const INTERNAL: &str = "internal";
+}
+
 /// Why a node cannot serve a request now: the stable `code` of a 503 answer, which always
 /// carries `Retry-After`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -77,11 +112,13 @@ pub enum Unavailable {
     /// The leader has no recent bucket statistics from every member yet (a new leader, or a
     /// member that has not reported); they arrive every `--stats-interval`.
     StatsPending,
+    /// `GET /v1/cluster/health`: the cluster is not healthy (the detail says why).
+    Unhealthy,
 }
 
 impl Unavailable {
     /// Every code, for documentation and tests.
-    pub const ALL: [Unavailable; 19] = [
+    pub const ALL: [Unavailable; 20] = [
         Unavailable::NoLeader,
         Unavailable::NotReady,
         Unavailable::Starting,
@@ -101,7 +138,13 @@ impl Unavailable {
         Unavailable::Overloaded,
         Unavailable::ReplicaNotFresh,
         Unavailable::StatsPending,
+        Unavailable::Unhealthy,
     ];
+
+    /// The reason whose code is `code`, if it is one.
+    pub fn from_code(code: &str) -> Option<Self> {
+        Unavailable::ALL.into_iter().find(|u| u.code() == code)
+    }
 
     /// The stable machine code.
     pub fn code(self) -> &'static str {
@@ -125,6 +168,7 @@ impl Unavailable {
             Unavailable::Overloaded => "overloaded",
             Unavailable::ReplicaNotFresh => "replica_not_fresh",
             Unavailable::StatsPending => "stats_pending",
+            Unavailable::Unhealthy => "unhealthy",
         }
     }
 }
@@ -284,24 +328,24 @@ impl ApiError {
     /// The stable machine code.
     pub fn code(&self) -> &str {
         match self {
-            ApiError::BadRequest(_) => "bad_request",
-            ApiError::KeyTooLarge { .. } => "key_too_large",
-            ApiError::ValueTooLarge { .. } => "value_too_large",
-            ApiError::ItemTooLarge(_) => "item_too_large",
-            ApiError::InsufficientStorage(_) => "insufficient_storage",
-            ApiError::AnswerTooLarge { .. } => "answer_too_large",
-            ApiError::NotFound => "not_found",
-            ApiError::UnknownResource(_) => "unknown_resource",
-            ApiError::PreconditionFailed { .. } => "precondition_failed",
-            ApiError::NotOwner { .. } => "not_owner",
-            ApiError::Conflict(_) => "conflict",
-            ApiError::MembershipChangeInProgress(_) => "membership_change_in_progress",
+            ApiError::BadRequest(_) => code::BAD_REQUEST,
+            ApiError::KeyTooLarge { .. } => code::KEY_TOO_LARGE,
+            ApiError::ValueTooLarge { .. } => code::VALUE_TOO_LARGE,
+            ApiError::ItemTooLarge(_) => code::ITEM_TOO_LARGE,
+            ApiError::InsufficientStorage(_) => code::INSUFFICIENT_STORAGE,
+            ApiError::AnswerTooLarge { .. } => code::ANSWER_TOO_LARGE,
+            ApiError::NotFound => code::NOT_FOUND,
+            ApiError::UnknownResource(_) => code::UNKNOWN_RESOURCE,
+            ApiError::PreconditionFailed { .. } => code::PRECONDITION_FAILED,
+            ApiError::NotOwner { .. } => code::NOT_OWNER,
+            ApiError::Conflict(_) => code::CONFLICT,
+            ApiError::MembershipChangeInProgress(_) => code::MEMBERSHIP_CHANGE_IN_PROGRESS,
             ApiError::MaintenanceRefused(r) => r.code(),
             ApiError::Unavailable { code, .. } => code.code(),
-            ApiError::Redirect { .. } => "redirect",
-            ApiError::MethodNotAllowed => "method_not_allowed",
+            ApiError::Redirect { .. } => code::REDIRECT,
+            ApiError::MethodNotAllowed => code::METHOD_NOT_ALLOWED,
             ApiError::Unauthorized { code, .. } => code,
-            ApiError::Internal(_) => "internal",
+            ApiError::Internal(_) => code::INTERNAL,
             ApiError::Remote { problem, .. } => &problem.code,
         }
     }
@@ -339,19 +383,26 @@ impl ApiError {
 
     /// Rebuilds the error a peer answered with from its problem document (and its
     /// `Retry-After`), so a forwarded request fails exactly as it would have locally: the
-    /// codes a node acts on (`not_found`, `precondition_failed`, `not_owner`) become their own
-    /// variants, every other error passes on intact
+    /// codes a node acts on (`not_found`, `precondition_failed`, `not_owner`, and every 503's)
+    /// become their own variants, every other error passes on intact
     /// ([`ApiError::Remote`]).
     pub fn from_problem(problem: &Problem, retry_after: Option<Duration>) -> Self {
         let remote = || ApiError::Remote { problem: Box::new(problem.clone()), retry_after };
         match problem.code.as_str() {
-            "not_found" => ApiError::NotFound,
-            "precondition_failed" => ApiError::PreconditionFailed { current_version: problem.current_version },
-            "not_owner" => ApiError::NotOwner {
+            code::NOT_FOUND => ApiError::NotFound,
+            code::PRECONDITION_FAILED => ApiError::PreconditionFailed { current_version: problem.current_version },
+            code::NOT_OWNER => ApiError::NotOwner {
                 bucket: problem.bucket.unwrap_or(0),
                 map_version: problem.map_version.unwrap_or(0),
             },
-            _ => remote(),
+            other => match Unavailable::from_code(other) {
+                Some(code) if problem.status == 503 => ApiError::Unavailable {
+                    code,
+                    detail: problem.detail.clone(),
+                    retry_after: retry_after.unwrap_or(Duration::from_secs(1)),
+                },
+                _ => remote(),
+            },
         }
     }
 }
@@ -391,8 +442,9 @@ mod tests {
             ApiError::NotFound,
             ApiError::PreconditionFailed { current_version: Some(4) },
             ApiError::NotOwner { bucket: 0, map_version: 9 },
+            ApiError::unavailable(Unavailable::NodeLeaving, "leaving"),
         ] {
-            assert_eq!(ApiError::from_problem(&e.problem(), None), e);
+            assert_eq!(ApiError::from_problem(&e.problem(), e.retry_after()), e);
         }
     }
 

@@ -39,7 +39,7 @@ pub use cluster::{
     maintenance_period, EVENTS_DEFAULT_LIMIT, MAINTENANCE_DEFAULT, MAINTENANCE_MAX, MAINTENANCE_MIN, MAP_WAIT_DEFAULT,
     MAP_WAIT_MAX,
 };
-pub use error::{ApiError, Problem, Unavailable, PROBLEM_JSON};
+pub use error::{code, ApiError, Problem, Unavailable, PROBLEM_JSON};
 pub use fast::{is_key_request, service, ApiService};
 pub use kv::{check_key, format_duration, parse_duration, put_options, unix_ms, value_response, MAX_EXPIRY};
 
@@ -97,6 +97,7 @@ pub fn router<N: ShoalApi>(node: Arc<N>) -> Router {
         .route("/v1/bulk/delete", post(kv::bulk_delete::<N>))
         .route("/v1/tags/{tag}", get(kv::get_tag::<N>).delete(kv::delete_tag::<N>))
         .route("/v1/cluster", get(cluster::cluster::<N>))
+        .route("/v1/cluster/health", get(cluster::health::<N>))
         .route("/v1/cluster/map", get(cluster::map::<N>))
         .route("/v1/cluster/events", get(cluster::events::<N>))
         .route("/v1/cluster/transfer", get(cluster::transfer::<N>))

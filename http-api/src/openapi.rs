@@ -25,12 +25,12 @@ use crate::types::*;
     ),
     paths(
         get_key, put_key, delete_key, list_keys, bulk_get, bulk_put, bulk_delete, get_tag, delete_tag,
-        cluster, cluster_map, cluster_events, cluster_transfer, cluster_agents, cluster_buckets, rebalance, leave, enter_maintenance, end_maintenance, config, set_config, clear_lost, node, livez, readyz, metrics, openapi
+        cluster, cluster_health, cluster_map, cluster_events, cluster_transfer, cluster_agents, cluster_buckets, rebalance, leave, enter_maintenance, end_maintenance, config, set_config, clear_lost, node, livez, readyz, metrics, openapi
     ),
     components(schemas(
         Problem, PutOk, BulkKeys, BulkPut, BulkPutItem, BulkResults, KeyResult, KeyError, KeyList, FoundKey,
         NodeFailure, Removed, EventsView, ClusterView, MemberView, TransitionView, TransferSummary, TransferView, TransferStatus, MapView, MapNode, NodeStats, LeaveOk,
-        PeerHealth, ReplicationView, ClusterConfig, ClearLost, LostCleared, MaintenanceRequest, MaintenanceView,
+        HealthView, PeerHealth, ReplicationView, ClusterConfig, ClearLost, LostCleared, MaintenanceRequest, MaintenanceView,
         AgentsView, AgentView, KarmaBlockView, AgentErrors, ReadFrom, BucketsView, NodeLoad, BucketFigures,
         RebalancePlan, PlannedMove, NodeBalance, BucketSort, Priority
     )),
@@ -334,6 +334,15 @@ fn delete_tag() {}
     responses((status = 200, description = "The cluster", body = ClusterView),
               (status = 503, description = "not_ready", body = Problem, content_type = "application/problem+json")))]
 fn cluster() {}
+
+#[utoipa::path(get, path = "/v1/cluster/health", tag = "cluster", summary = "Whether the cluster is healthy (a gate for deploy hooks)",
+    description = "Healthy: a leader is known, no bucket is lost, every current member answers the answering node's pings and none is in \
+                   maintenance, no transition or state transfer runs, and the answering node's buckets have their replica attached. \
+                   Members failed in the past do not count: they are not members any more. `shoal status --wait` waits for the same.",
+    responses((status = 200, description = "Healthy", body = HealthView),
+              (status = 503, description = "unhealthy (the detail names every reason), or the node cannot answer (not_ready, no_leader, ...)",
+               body = Problem, content_type = "application/problem+json")))]
+fn cluster_health() {}
 
 #[utoipa::path(get, path = "/v1/cluster/map", tag = "cluster", summary = "The distribution map (or a watch for the next one)",
     description = "With `wait_version=N` the answer waits until the map's version is above N (a transition, a move, a failover) \

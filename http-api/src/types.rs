@@ -484,6 +484,60 @@ pub struct ClusterView {
     pub maintenance: Option<MaintenanceView>,
 }
 
+impl ClusterView {
+    /// Why the cluster cannot serve every key now, if it cannot: no leader is known, or
+    /// buckets are lost.
+    pub fn unavailable(&self) -> Option<String> {
+        if self.leader.is_none() {
+            return Some(format!("node {} knows no leader", self.node_id));
+        }
+        if !self.lost_buckets.is_empty() {
+            return Some(format!("{} buckets are lost", self.lost_buckets.len()));
+        }
+        None
+    }
+
+    /// Why the cluster is not healthy yet, every reason (none: healthy): it is unavailable, a
+    /// current member is suspected or in maintenance, a transition or transfer runs, or the
+    /// answering node's replicas are not all attached. Members failed in the past are no
+    /// reason: they are not members any more (a failed node rejoins under a new id).
+    pub fn unhealthy(&self) -> Vec<String> {
+        let mut reasons: Vec<String> = self.unavailable().into_iter().collect();
+        for p in self.peers.iter().filter(|p| p.state != "ok") {
+            reasons.push(format!("node {} is {} in node {}'s view", p.node_id, p.state, self.node_id));
+        }
+        if let Some(m) = &self.maintenance {
+            reasons.push(format!("node {} is in maintenance", m.node_id));
+        }
+        if self.transition.is_some() || self.transfer.is_some() {
+            reasons.push("buckets are moving".into());
+        }
+        if let Some(r) = self.replication.as_ref().filter(|r| r.attached_buckets < r.owned_buckets) {
+            reasons.push(format!(
+                "{} of node {}'s {} buckets have their replica attached",
+                r.attached_buckets, self.node_id, r.owned_buckets
+            ));
+        }
+        reasons
+    }
+}
+
+/// `GET /v1/cluster/health` when the cluster is healthy (else 503 `unhealthy` with the
+/// reasons).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct HealthView {
+    /// Always true (an unhealthy cluster answers 503).
+    pub healthy: bool,
+    /// The node that answered.
+    pub node_id: NodeId,
+    /// The Raft leader.
+    pub leader: Option<NodeId>,
+    /// The distribution map's version.
+    pub map_version: u64,
+    /// How many members the cluster has.
+    pub members: usize,
+}
+
 /// Body of `POST /v1/cluster/nodes/{id}/maintenance`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]

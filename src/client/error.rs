@@ -81,7 +81,7 @@ impl ClientError {
     /// The server's problem code, if the server answered.
     pub fn code(&self) -> Option<&str> {
         match self {
-            ClientError::PreconditionFailed { .. } => Some("precondition_failed"),
+            ClientError::PreconditionFailed { .. } => Some(shoal_http_api::code::PRECONDITION_FAILED),
             ClientError::TooLarge { code, .. }
             | ClientError::Refused { code, .. }
             | ClientError::Unavailable { code, .. }

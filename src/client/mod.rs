@@ -47,6 +47,7 @@ use futures::future::join_all;
 use parking_lot::Mutex;
 use reqwest::{Method, StatusCode};
 use serde::Serialize;
+use shoal_http_api::code;
 use shoal_http_api::types::{
     BulkPutItem, EventsView, KeyError, KeyList, KeyResult, MapView, NodeFailure, Page, Removed,
 };
@@ -853,7 +854,7 @@ impl Client {
         if response.status() == StatusCode::NOT_FOUND {
             let problem = error::problem(response).await;
             return match problem.code() {
-                Some("key_not_found") => Ok(None),
+                Some(code::NOT_FOUND) => Ok(None),
                 _ => Err(problem),
             };
         }
@@ -896,7 +897,7 @@ impl Client {
         if response.status() == StatusCode::NOT_FOUND {
             let problem = error::problem(response).await;
             return match problem.code() {
-                Some("key_not_found") => Ok(false),
+                Some(code::NOT_FOUND) => Ok(false),
                 _ => Err(problem),
             };
         }

@@ -135,7 +135,13 @@ fn is_passing(e: &DataError) -> bool {
 
 /// [`is_passing`] for an owner's answer to a forwarded operation.
 fn is_passing_answer(e: &ApiError) -> bool {
-    matches!(e.code(), "node_leaving" | "bucket_restoring")
+    matches!(
+        e,
+        ApiError::Unavailable {
+            code: shoal_http_api::Unavailable::NodeLeaving | shoal_http_api::Unavailable::BucketRestoring,
+            ..
+        }
+    )
 }
 
 /// The store's write of a validated item.

@@ -89,6 +89,14 @@ async fn the_client_follows_a_join_and_a_leave_and_needs_no_forward_once_settled
     round(&client, "settled", 200).await;
     assert_eq!(forwarded(&cluster.http, &addrs(&cluster)).await, before, "a settled client forwards nothing");
     assert_eq!(client.stats().through_other, 0);
+    // A miss is no error: `get` answers None and `delete` false, through any owner.
+    for i in 0..20 {
+        let key = format!("missing-{i}");
+        assert_eq!(client.get(&key).await, Ok(None), "{key}");
+        assert_eq!(client.delete(&key).await, Ok(false), "{key}");
+    }
+    assert!(client.delete("settled-0").await.expect("delete"));
+    assert_eq!(client.get("settled-0").await, Ok(None));
 
     // A join and a leave while it writes.
     let writer = Writer::start(client.clone(), "w");

@@ -141,6 +141,22 @@ async fn a_failed_node_s_buckets_are_served_from_its_replica_with_every_write() 
     // Writable again, and the survivors replicate to each other.
     put_all(&c, 2, &keys, "v3").await;
     assert_eq!(replica_items(&c).await, 600);
+    // Healthy again, with the failed member in the past: the health endpoint and the CLI's
+    // gate look at the current members only.
+    c.wait_all_attached().await;
+    wait_for("healthy after the failover", || async {
+        let r = c.http.get(c.url(0, "/v1/cluster/health")).send().await.ok()?;
+        (r.status() == 200).then_some(())
+    })
+    .await;
+    let health = c.json(2, "/v1/cluster/health").await;
+    assert_eq!((&health["healthy"], &health["members"]), (&Value::Bool(true), &Value::from(2)), "{health}");
+    let addr = c.api(0);
+    let status =
+        tokio::task::spawn_blocking(move || crate::process::client(&addr, &["status", "--wait", "--timeout", "60s"]))
+            .await
+            .expect("status --wait");
+    assert_eq!(status.status.code(), Some(0), "{}", String::from_utf8_lossy(&status.stderr));
 
     // The failed node comes back only as a new member.
     let err = c.restart(1).await.expect_err("a failed node must not start as its old self");

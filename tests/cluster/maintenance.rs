@@ -100,6 +100,12 @@ async fn a_member_in_maintenance_is_served_by_its_replica_holder_and_takes_its_b
     assert!(view["peers"].as_array().expect("peers").iter().any(|p| p["node_id"] == 2 && p["state"] == "maintenance"));
     let metrics = c.http.get(c.url(0, "/metrics")).send().await.expect("metrics").text().await.expect("text");
     assert!(metrics.lines().any(|l| l == "shoal_maintenance 2"), "{metrics}");
+    // Not healthy while a member is away: the health gate says why.
+    let r = c.http.get(c.url(0, "/v1/cluster/health")).send().await.expect("health");
+    assert_eq!(r.status(), 503);
+    let problem: Value = r.json().await.expect("problem");
+    assert_eq!(problem["code"], "unhealthy", "{problem}");
+    assert!(problem["detail"].as_str().is_some_and(|d| d.contains("node 2 is in maintenance")), "{problem}");
 
     // Back with its data dir: the same member, its buckets back, the maintenance over.
     c.restart(1).await.expect("restart");
