@@ -127,7 +127,7 @@ pub enum CacheError {
     Full {
         /// What the item would be charged.
         charged: u64,
-        /// Bytes of `not_removable` items (after this write).
+        /// Bytes of `not_removable` items held (the one it would replace not counted).
         pinned: u64,
         /// The cache size.
         limit: u64,
@@ -169,6 +169,10 @@ pub struct CacheStore {
     levels: [AtomicU64; 6],
     /// Charged bytes of `not_removable` items.
     pinned_bytes: AtomicU64,
+    /// Held by a `not_removable` write from its check to its count in `pinned_bytes`: two
+    /// such writes to different buckets must not both fit on the same total (eviction never
+    /// takes them back, so the store would stay over its limit).
+    pinning: parking_lot::Mutex<()>,
 }
 
 /// How many evictions wait for the replica at most; beyond, the oldest are dropped (the
@@ -195,6 +199,7 @@ impl CacheStore {
             policy: EvictionPolicy::Lru,
             levels: Default::default(),
             pinned_bytes: AtomicU64::new(0),
+            pinning: parking_lot::Mutex::new(()),
         }
     }
 
@@ -319,6 +324,7 @@ impl CacheStore {
             (None, None) => 0,
         };
         let hash = self.hasher.hash_one(write.key);
+        let _pinning = (write.priority == Priority::NotRemovable).then(|| self.pinning.lock());
         let version = self.mutate(bucket, |b, hasher| {
             if b.export.as_ref().is_some_and(|e| e.frozen()) {
                 return Err(CacheError::Frozen);
@@ -343,9 +349,8 @@ impl CacheStore {
             // Everything but the not_removable items can be evicted to make room: the write
             // fits if they and it do.
             let replaced = b.get(hash, write.key).filter(|i| i.is_pinned()).map_or(0, Item::charged_bytes);
-            let pinned = self.pinned_bytes.load(Ordering::Relaxed).saturating_sub(replaced)
-                + if item.is_pinned() { charged } else { 0 };
-            if pinned + if item.is_pinned() { 0 } else { charged } > limit {
+            let pinned = self.pinned_bytes.load(Ordering::Relaxed).saturating_sub(replaced);
+            if pinned + charged > limit {
                 return Err(CacheError::Full { charged, pinned, limit });
             }
             let version = b.next_version();

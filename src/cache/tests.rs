@@ -368,3 +368,39 @@ fn a_write_that_does_not_fit_beside_not_removable_items_is_refused_under_every_p
         assert!((2..10).all(|i| get(&s, &format!("p{i:04}")).is_some()), "{policy:?}: pinned items stay");
     }
 }
+
+#[test]
+fn a_refused_write_says_what_the_not_removable_items_hold_without_it() {
+    let per_item = ITEM_OVERHEAD_BYTES + 5 + 100;
+    let s = store(per_item * 10 + per_item / 2);
+    for i in 0..10 {
+        put_with(&s, &format!("p{i:04}"), &[b'v'; 100], Priority::NotRemovable).expect("fits");
+    }
+    let err = put_with(&s, "p0010", &[b'v'; 100], Priority::NotRemovable).expect_err("no room");
+    assert_eq!(err, CacheError::Full { charged: per_item, pinned: per_item * 10, limit: per_item * 10 + per_item / 2 });
+    assert!(err.to_string().starts_with(&format!("the cache holds {} bytes", per_item * 10)), "{err}");
+    assert_eq!(s.stats().bytes, per_item * 10);
+}
+
+#[test]
+fn not_removable_writes_in_parallel_never_take_the_store_past_its_limit() {
+    let per_item = ITEM_OVERHEAD_BYTES + 6 + 1000;
+    for round in 0..20 {
+        let s = std::sync::Arc::new(store(per_item * 100));
+        let writers: Vec<_> = (0..4)
+            .map(|w| {
+                let s = s.clone();
+                std::thread::spawn(move || {
+                    for i in 0..60 {
+                        let _ = put_with(&s, &format!("{w}{i:05}"), &[b'v'; 1000], Priority::NotRemovable);
+                    }
+                })
+            })
+            .collect();
+        for w in writers {
+            w.join().expect("writer");
+        }
+        assert!(s.stats().bytes <= per_item * 100, "round {round}: {} > {}", s.stats().bytes, per_item * 100);
+        assert_eq!(s.stats().items, 100, "round {round}: the store fills to its limit exactly");
+    }
+}
