@@ -167,6 +167,15 @@ impl Health {
             && self.contacts.lock().get(&id).is_some_and(|c| c.answered.elapsed() > self.config.node_timeout)
     }
 
+    /// Whether `id` answered this node's pings lately (within three ping intervals, at most
+    /// the node timeout): what the leader counts as running before it changes the voters. A
+    /// member killed a moment ago is not pfail yet, but it no longer answers. Always true
+    /// when failure detection is off.
+    pub fn answers(&self, id: NodeId) -> bool {
+        let within = (self.config.ping_interval * 3).min(self.config.node_timeout);
+        !self.enabled() || id == self.me || self.contacts.lock().get(&id).is_none_or(|c| c.answered.elapsed() <= within)
+    }
+
     /// Whether this node reports `id` pfail: it has not heard from it, and it promised it
     /// nothing (no ping from `id` arrived within the node timeout). A report is remembered in
     /// the same step (under the same lock as the promises), so this node lends `id` no lease

@@ -511,6 +511,8 @@ pub async fn start_in(
         env.incarnation,
         mirrors.clone(),
     );
+    let weak = Arc::downgrade(&health);
+    control.set_liveness(Arc::new(move |id| weak.upgrade().is_none_or(|h| h.answers(id))));
     let core = Arc::new(BucketCore::new(
         control.clone(),
         cache.clone(),

@@ -123,7 +123,14 @@ struct Inner {
     last_leader: std::sync::atomic::AtomicU64,
     /// Set on a leader that is about to stop: it proposes nothing more.
     closing: std::sync::atomic::AtomicBool,
+    /// Whether a member runs as this node's failure detection sees it (none: every member
+    /// that is not away in maintenance counts as running).
+    liveness: parking_lot::RwLock<Option<Liveness>>,
 }
+
+/// Whether member `id` answers, as the node's failure detection sees it: the leader asks it
+/// before it changes the voters, so that it never starts a change that cannot finish.
+pub type Liveness = Arc<dyn Fn(NodeId) -> bool + Send + Sync>;
 
 /// How long a retired or abandoned node stays in Raft's config before the leader drops it,
 /// unless it has already caught up with the log (and so has seen its own removal).
@@ -182,11 +189,59 @@ impl ControlPlane {
                 leader_changes: Default::default(),
                 last_leader: Default::default(),
                 closing: Default::default(),
+                liveness: parking_lot::RwLock::new(None),
             }),
         };
         let task = tokio::spawn(reconcile_loop(Arc::downgrade(&control.inner)));
         *control.inner.reconciler.lock() = Some(task);
         Ok(control)
+    }
+
+    /// Tells the control plane how to see whether a member runs (failure detection's view).
+    pub fn set_liveness(&self, liveness: Liveness) {
+        *self.inner.liveness.write() = Some(liveness);
+    }
+
+    /// Whether member `id` runs as this node sees it: itself, or a member not away in
+    /// maintenance that failure detection does not hold silent.
+    fn runs(&self, state: &ClusterState, id: NodeId) -> bool {
+        id == self.node_id()
+            || (state.away() != Some(id) && self.inner.liveness.read().as_ref().is_none_or(|answers| answers(id)))
+    }
+
+    /// Why a change through the voter sets `configs` could not finish now: one of them has no
+    /// majority of members that run (Raft could then commit nothing until they come back,
+    /// this change included). None when each has one.
+    fn voter_refusal(&self, state: &ClusterState, configs: &[BTreeSet<NodeId>]) -> Option<String> {
+        for voters in configs {
+            let down: Vec<NodeId> = voters.iter().copied().filter(|&id| !self.runs(state, id)).collect();
+            if (voters.len() - down.len()) * 2 > voters.len() {
+                continue;
+            }
+            let why = down
+                .iter()
+                .map(|&id| match state.away() == Some(id) {
+                    true => format!("node {id} is away in maintenance"),
+                    false => format!("node {id} does not answer"),
+                })
+                .collect::<Vec<_>>()
+                .join(", ");
+            return Some(format!(
+                "the Raft voters would be {voters:?}, and {} of them do not run ({why}): Raft could commit nothing \
+                 until they are back; let them return (or end the maintenance) first",
+                down.len()
+            ));
+        }
+        None
+    }
+
+    /// Refuses `command` when the voters it leads to have no majority that runs.
+    fn refuse_stuck_voters(&self, state: &ClusterState, command: &ClusterCommand) -> Result<(), ControlError> {
+        let Some(voters) = state.voters_after(command) else { return Ok(()) };
+        match self.voter_refusal(state, &[voters]) {
+            Some(reason) => Err(ControlError::Rejected { reason }),
+            None => Ok(()),
+        }
     }
 
     /// How many times this node saw the Raft leader change since it started (a new leader, or
@@ -563,6 +618,13 @@ impl ControlPlane {
         if !self.state().is_member(node_id) {
             return Ok(self.state().map.version);
         }
+        // Not behind a voter change that has not committed: it could commit only with the
+        // members that change waits for, perhaps the failed one back, which it would then
+        // fail for a silence long over. The next round of reports decides again.
+        let membership_at = self.raft_metrics().membership_config.log_id().map_or(0, |l| l.index);
+        if membership_at > self.commit_index() {
+            return Err(ControlError::ChangeInProgress);
+        }
         let map_version = match self.write(ClusterCommand::NodeFailed { node_id }).await? {
             CommandResponse::MapChanged { map_version } => map_version,
             other => return Err(unexpected(other)),
@@ -595,6 +657,7 @@ impl ControlPlane {
         if let Some(reason) = state.membership_busy().filter(|_| !force) {
             return Err(ControlError::MembershipChangeInProgress { reason });
         }
+        self.refuse_stuck_voters(&state, &ClusterCommand::Admit { node_id, force })?;
         let Some(registration) = state.registered.get(&node_id) else {
             return Err(ControlError::Rejected {
                 reason: format!("node {node_id} is not registered (retired ids cannot rejoin)"),
@@ -620,6 +683,7 @@ impl ControlPlane {
         if !state.is_member(node_id) && state.retired.contains(&node_id) {
             return Ok(AdminResponse::Left { map_version: state.map.version });
         }
+        self.refuse_stuck_voters(&state, &ClusterCommand::Remove { node_id, force })?;
         let map_version = match self.write(ClusterCommand::Remove { node_id, force }).await? {
             CommandResponse::MapChanged { map_version } => map_version,
             other => return Err(unexpected(other)),
@@ -713,7 +777,18 @@ impl ControlPlane {
             }
         }
         let voters: BTreeSet<NodeId> = membership.voter_ids().collect();
-        if !desired.is_empty() && desired != voters {
+        // The configurations the change goes through: openraft joins the newest one in force
+        // with the desired one, and each must commit. One without a majority that runs would
+        // hold up every later entry until its members return, so the change waits for them
+        // (or for their failure, which commits under the voters in force).
+        let joint = membership.get_joint_config();
+        let newest = joint.last().cloned().unwrap_or_default();
+        let through = if newest == desired { vec![desired.clone()] } else { vec![newest, desired.clone()] };
+        let waits = (desired != voters).then(|| self.voter_refusal(&state, &through)).flatten();
+        if let Some(reason) = &waits {
+            tracing::debug!(reason, "the voter change waits");
+        }
+        if !desired.is_empty() && desired != voters && waits.is_none() {
             tracing::info!(?voters, ?desired, "changing Raft voters");
             self.bounded(
                 "changing the Raft voters",

@@ -352,11 +352,13 @@ fn command_events(
                 vec![draft(K::NodeRunning, Some(*node_id), format!("{} runs again", name_of(before, *node_id)))]
             }
         }
-        C::Admit { node_id, .. } if !before.is_member(*node_id) => {
-            vec![draft(K::NodeJoined, Some(*node_id), format!("{} joined", name_of(after, *node_id)))]
+        C::Admit { node_id, force } if !before.is_member(*node_id) => {
+            let warning = before.forced_warning(*force).map_or(String::new(), |w| format!(" ({w})"));
+            vec![draft(K::NodeJoined, Some(*node_id), format!("{} joined{warning}", name_of(after, *node_id)))]
         }
-        C::Remove { node_id, .. } if before.member_of(*node_id).is_some_and(|m| !m.leaving) => {
-            vec![draft(K::NodeLeaving, Some(*node_id), format!("{} is leaving", name_of(before, *node_id)))]
+        C::Remove { node_id, force } if before.member_of(*node_id).is_some_and(|m| !m.leaving) => {
+            let warning = before.forced_warning(*force).map_or(String::new(), |w| format!(" ({w})"));
+            vec![draft(K::NodeLeaving, Some(*node_id), format!("{} is leaving{warning}", name_of(before, *node_id)))]
         }
         C::AbortMove { bucket, .. } => {
             let mut d = draft(K::MoveAborted, None, format!("the move of bucket {bucket} was given up; it is retried"));
@@ -425,16 +427,34 @@ fn state_events(before: &ClusterState, command: &ClusterCommand, after: &Cluster
             d.peer = after.maintenance.as_ref().map(|m| m.heir).filter(|&h| h != node);
             drafts.push(d);
         }
-        (Some((node, _)), None) => {
-            let why = match command {
-                ClusterCommand::EndMaintenance { reason, .. } => reason.clone(),
-                _ => "it took its buckets back".to_string(),
-            };
+        (Some((node, was)), None) => {
+            let why = maintenance_end(node, was, command);
             drafts.push(draft(K::MaintenanceEnded, Some(node), format!("the maintenance of node {node} ended: {why}")));
         }
         _ => {}
     }
     drafts
+}
+
+/// Why the maintenance of `node`, in phase `was`, ended with `command`.
+fn maintenance_end(node: NodeId, was: MaintenancePhase, command: &ClusterCommand) -> String {
+    let forced = |force: bool| if force { "forced " } else { "" };
+    let why = match command {
+        ClusterCommand::EndMaintenance { reason, .. } => reason.clone(),
+        _ if was == MaintenancePhase::Returned => return "it took its buckets back".into(),
+        ClusterCommand::SetDraining { node_id, draining: false } if *node_id == node => {
+            return "called off: it runs again".into();
+        }
+        ClusterCommand::NodeFailed { node_id } if *node_id == node => return "it was failed".into(),
+        ClusterCommand::NodeFailed { node_id } => format!("the failure of node {node_id}"),
+        ClusterCommand::Remove { node_id, force } => format!("the {}leave of node {node_id}", forced(*force)),
+        ClusterCommand::Admit { node_id, force } => format!("the {}join of node {node_id}", forced(*force)),
+        _ => "a change of the map".to_string(),
+    };
+    match was {
+        MaintenancePhase::Away => format!("{why}; it is still away, and failure detection no longer spares it"),
+        _ => why,
+    }
 }
 
 #[cfg(test)]

@@ -228,9 +228,7 @@ impl NodeApi {
         }
         // Forced through a running change: buckets still on their way (or whose replica is
         // being rebuilt) may have a single copy until the transfer ends.
-        let warning = state.membership_busy().filter(|_| force).map(|busy| {
-            format!("forced while another membership change runs ({busy}): until the transfer ends, a failure of a node holding buckets in flight can lose their data")
-        });
+        let warning = state.forced_warning(force);
         match self.control.admin(AdminRequest::Leave { node_id, force }).await.map_err(control_error)? {
             AdminResponse::Left { map_version } => Ok(LeaveOk { node_id, map_version, warning }),
             other => Err(ApiError::Internal(format!("unexpected answer to leave: {other:?}"))),

@@ -708,7 +708,7 @@ pub async fn read(cluster: &SimCluster, h: HostId, key: &str) -> Result<Option<S
 mod tests {
     use super::*;
     use crate::transport::{CallError, PeerAnswer, PeerRequest};
-    use shoal_http_api::types::PutOptions;
+    use shoal_http_api::types::{ClusterConfig, PutOptions};
     use shoal_http_api::PutItem;
 
     fn item(key: &str, value: &'static str) -> PutItem {
@@ -793,6 +793,42 @@ mod tests {
             assert!(matches!(ask(bulk(2)).await, Some(Ok(PeerAnswer::BulkGot(_)))));
             assert!(ask(bulk(most + 1)).await.is_none(), "more keys than a bulk read may have");
         });
+    }
+
+    /// A forced leave while another voter is away in maintenance: the voters after it would
+    /// be the leader and the away member, of which only one runs, so Raft could commit
+    /// nothing more (the voter change, and after it every entry, waited for the away member;
+    /// when it came back, a failure of it queued meanwhile committed with the change, and the
+    /// next voter change needed its old id, which never ran again: the control plane was
+    /// stuck for good). The leave is refused, the control plane keeps committing, and the
+    /// member comes back from its maintenance as itself.
+    #[test]
+    fn a_forced_leave_while_a_voter_is_away_is_refused_and_the_control_plane_keeps_committing() {
+        in_cluster(
+            3,
+            |_| {},
+            |_net, cluster| async move {
+                let running = cluster.running();
+                let (away_host, away, _) = running[2].clone();
+                let (_, leaver, _) = running[1].clone();
+                let (_, _, via) = running[0].clone();
+                via.api.enter_maintenance(away, Duration::from_secs(3600)).await.expect("into maintenance");
+                cluster.kill(away_host);
+                // Longer than the node timeout: were it not in maintenance, it would be failed.
+                tokio::time::sleep(Duration::from_secs(10)).await;
+                let left = tokio::time::timeout(Duration::from_secs(120), via.api.leave(leaver, true)).await;
+                assert!(matches!(&left, Ok(Err(ApiError::Conflict(_)))), "{left:?}");
+                let set = ClusterConfig { replication: Some("async".into()), auto_balance: None };
+                let set = tokio::time::timeout(Duration::from_secs(60), via.api.set_config(set)).await;
+                assert!(matches!(set, Ok(Ok(_))), "the control plane commits: {set:?}");
+                cluster.restart(away_host);
+                let settled = wait_until(&cluster, Duration::from_secs(300), |c| converged(c).is_none()).await;
+                assert!(settled, "{:?}", converged(&cluster));
+                let state = cluster.running()[0].2.control.state();
+                assert!(state.failed.is_empty(), "nobody failed: {:?}", state.failed);
+                assert_eq!(state.member_ids(), vec![running[0].1, leaver, away]);
+            },
+        );
     }
 
     /// A write whose caller goes away while it waits for its replica (a client's request

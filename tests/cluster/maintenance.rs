@@ -154,6 +154,32 @@ async fn maintenance_is_refused_with_a_code_while_it_cannot_be_kept_and_ends_ear
     c.shutdown().await;
 }
 
+/// A leave forced while another voter of three is away: the voters after it would be the
+/// leader and the away member, and Raft could commit nothing more until it returned (then a
+/// failure of it queued meanwhile committed, and the control plane was stuck for good). It is
+/// refused; the cluster keeps committing, and the member returns as itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forced_leave_while_a_voter_is_away_is_refused_and_the_control_plane_keeps_committing() {
+    let mut c = TestCluster::start_with(3, fast_detection).await;
+    c.wait_for_counts(&[333, 333, 334]).await;
+    let (status, m) = enter(&c, 0, 3, "5m").await;
+    assert_eq!(status, 200, "{m}");
+    c.stop(2).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let r = c.http.post(c.url(0, "/v1/cluster/nodes/2/leave?force=true")).send().await.expect("leave");
+    let status = r.status();
+    let p: Value = r.json().await.expect("json");
+    assert_eq!((status.as_u16(), p["code"].as_str()), (409, Some("conflict")), "{p}");
+    assert!(p["detail"].as_str().is_some_and(|d| d.contains("node 3 is away in maintenance")), "{p}");
+    let r = c.http.put(c.url(0, "/v1/cluster/config")).json(&json!({"replication": "async"})).send().await;
+    assert_eq!(r.expect("config").status(), 200, "the control plane commits");
+    c.restart(2).await.expect("node 3 back as itself");
+    wait_over(&c, 0).await;
+    let view = c.json(0, "/v1/cluster").await;
+    assert_eq!((view["failed"].clone(), member_ids(&view)), (json!([]), vec![1, 2, 3]));
+    c.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_not_back_when_its_maintenance_runs_out_is_failed_and_the_map_rebalanced() {
     let mut c = TestCluster::start_with(3, fast_detection).await;

@@ -207,3 +207,53 @@ fn events_serialize_with_their_type_and_without_empty_fields() {
     let back: Event = serde_json::from_value(json).expect("parse");
     assert_eq!(back, log.events[0]);
 }
+
+#[test]
+fn a_maintenance_ended_by_a_forced_leave_says_so_and_forced_changes_carry_their_warning() {
+    let mut log = Log::new();
+    let two = log.join(2);
+    let three = log.join(3);
+    let four = log.join(4);
+    log.events.clear();
+    log.apply(ClusterCommand::EnterMaintenance { node_id: two, since_ms: 0, until_ms: 60_000 });
+    let heir = log.state.heir_of(two).expect("an heir");
+    let period = log.state.replica_period(two, heir).expect("a period");
+    log.apply(ClusterCommand::MaintenanceReady { node_id: two, heir: (heir, period) });
+    log.events.clear();
+    // A leave forced through the maintenance ends it while the member is still away.
+    log.apply(ClusterCommand::Remove { node_id: four, force: true });
+    let leaving = log.events.iter().find(|e| e.kind == K::NodeLeaving).expect("leaving");
+    assert!(leaving.message.contains("forced while node 2 is in maintenance"), "{}", leaving.message);
+    let ended = log.events.iter().find(|e| e.kind == K::MaintenanceEnded).expect("ended");
+    assert!(!ended.message.contains("took its buckets back"), "{}", ended.message);
+    assert!(ended.message.contains(&format!("the forced leave of node {four}")), "{}", ended.message);
+    assert!(ended.message.contains("still away"), "{}", ended.message);
+    // A forced join says the same of what it was forced through.
+    log.events.clear();
+    let CommandResponse::Registered { node_id: five } =
+        log.apply(ClusterCommand::Register { api_addr: "a5".into(), peer_addr: "p5".into(), name: None })
+    else {
+        panic!("register refused")
+    };
+    log.apply(ClusterCommand::Admit { node_id: five, force: true });
+    let joined = log.events.iter().find(|e| e.kind == K::NodeJoined).expect("joined");
+    assert!(joined.message.contains("forced while a transition"), "{}", joined.message);
+    // A maintenance that ends as planned took the buckets back.
+    let _ = three;
+}
+
+#[test]
+fn a_maintenance_that_ends_with_its_member_back_took_its_buckets_back() {
+    let mut log = Log::new();
+    let two = log.join(2);
+    log.join(3);
+    log.apply(ClusterCommand::EnterMaintenance { node_id: two, since_ms: 0, until_ms: 60_000 });
+    let heir = log.state.heir_of(two).expect("an heir");
+    let period = log.state.replica_period(two, heir).expect("a period");
+    log.apply(ClusterCommand::MaintenanceReady { node_id: two, heir: (heir, period) });
+    log.apply(ClusterCommand::SetDraining { node_id: two, draining: false });
+    log.events.clear();
+    log.move_everything();
+    let ended = log.events.iter().find(|e| e.kind == K::MaintenanceEnded);
+    assert!(ended.is_some_and(|e| e.message.contains("took its buckets back")), "{:?}", log.events);
+}

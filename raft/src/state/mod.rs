@@ -386,6 +386,17 @@ impl ClusterState {
         self.active_ids().into_iter().take(n).collect()
     }
 
+    /// The voters `desired_voters` names once `command` is applied, if it changes them (and
+    /// the command is not refused).
+    pub fn voters_after(&self, command: &ClusterCommand) -> Option<BTreeSet<NodeId>> {
+        let mut next = self.clone();
+        if matches!(next.apply(command), CommandResponse::Rejected { .. } | CommandResponse::Busy { .. }) {
+            return None;
+        }
+        let voters = next.desired_voters();
+        (voters != self.desired_voters()).then_some(voters)
+    }
+
     /// The voter that takes the lead from `leader` when it stops: the next voter after it in
     /// join order (wrapping) that is not stopping itself; `None` if every other one is.
     pub fn successor_of(&self, leader: NodeId) -> Option<NodeId> {
@@ -427,6 +438,21 @@ impl ClusterState {
         }
         let left = self.target.as_ref().map_or(0, |t| self.map.moved_buckets(t).len());
         Some(format!("state transfer is moving {left} buckets"))
+    }
+
+    /// The warning a membership change forced through a running one carries (None unless
+    /// `force` and something runs): what it was forced through and what that risks.
+    pub fn forced_warning(&self, force: bool) -> Option<String> {
+        let busy = self.membership_busy().filter(|_| force)?;
+        Some(match &self.maintenance {
+            Some(m) => format!(
+                "forced while {busy}: the maintenance ends, and node {} is failed if it does not answer",
+                m.node
+            ),
+            None => format!(
+                "forced while {busy}: until the transfer ends, a failure of a node holding buckets in flight can lose their data"
+            ),
+        })
     }
 
     /// The buckets `node` should receive: the target gives them to it, another node serves
