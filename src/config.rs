@@ -384,8 +384,9 @@ pub struct ServeConfig {
     #[arg(long, env = "SHOAL_RESTART_WINDOW", default_value = "5m", value_parser = parse_duration)]
     pub restart_window: Duration,
 
-    /// On SIGTERM, how long the node may wait before it exits: it stops being ready and
-    /// acknowledging writes at once, hands Raft leadership to another member,
+    /// On SIGTERM, the most the whole stop takes, from the signal to the exit: the node records
+    /// that it stops, goes into maintenance (`--restart-window`; at most two thirds of this),
+    /// stops being ready and acknowledging writes, hands Raft leadership to another member,
     /// and waits until the replica of every bucket it owns is in sync (a stop is not a leave:
     /// it comes back as the same member and gets its vote back).
     #[arg(long, env = "SHOAL_DRAIN_TIMEOUT", default_value = "60s", value_parser = parse_duration)]

@@ -75,12 +75,23 @@ fn serve(config: ServeConfig) -> Result<(), String> {
                         _ = shutdown_signal() => true,
                         _ = node.stopped() => false,
                     };
-                    if signalled {
-                        node.stop_for_restart(config.restart_window, config.drain_timeout).await;
-                        tracing::info!("shutting down");
-                    }
                     let rejoin = node.rejoin().filter(|_| !signalled);
-                    node.shutdown().await;
+                    if signalled {
+                        // The whole stop, from the signal to the exit, takes at most
+                        // --drain-timeout: the last quarter of it (at most 5 s) is kept for
+                        // closing connections and Raft.
+                        let stop_at = tokio::time::Instant::now() + config.drain_timeout;
+                        let closing = (config.drain_timeout / 4).min(std::time::Duration::from_secs(5));
+                        node.stop_for_restart(config.restart_window, stop_at - closing).await;
+                        tracing::info!("shutting down");
+                        if tokio::time::timeout_at(stop_at, node.shutdown()).await.is_err() {
+                            tracing::warn!(
+                                "--drain-timeout reached while closing: exiting with connections still open"
+                            );
+                        }
+                    } else {
+                        node.shutdown().await;
+                    }
                     match rejoin {
                         Some(join) => join,
                         None => return Ok(()),

@@ -23,7 +23,11 @@
 //!                                                                                          maintenance over
 //! ```
 //!
-//! Any step that fails ends the maintenance again (`EndMaintenance`) and answers why.
+//! Any step that fails ends the maintenance again (`EndMaintenance`) and answers why. Every
+//! step, the Raft proposals included, ends by the deadline the caller gives (a stop has its
+//! `--drain-timeout`), and the clean-up takes at most [`END_WAIT`] more. A maintenance being
+//! prepared goes no further once another member starts to stop: the heir, or the majority that
+//! keeps it, may be gone next.
 //!
 //! The leader ends a maintenance whose time ran out before the member came back (the
 //! reconciler's `EndMaintenance`); failure detection then fails it like any silent member.
@@ -43,6 +47,10 @@ pub const SYNC_WAIT: Duration = Duration::from_secs(10);
 pub const PREPARE_WAIT: Duration = Duration::from_secs(60);
 /// The most entering maintenance may take, the Raft proposals included.
 pub const ENTER_TIMEOUT: Duration = Duration::from_secs(90);
+/// The most ending a maintenance that could not begin may take (it needs a Raft commit; if
+/// none comes, a member that restarts ends it by saying it runs again, and one that stays
+/// down is failed like any other).
+pub const END_WAIT: Duration = Duration::from_secs(5);
 
 /// The wall clock in ms since the Unix epoch (a maintenance's period is dated by it, so it
 /// means the same on every node and survives a change of leader).
@@ -149,16 +157,15 @@ impl HandOff<'_> {
         }
     }
 
-    /// Puts this node into maintenance for `period` (see the module docs), waiting at most
-    /// `wait` for its replicas; answers once the heir serves its buckets in this node's
-    /// applied state.
+    /// Puts this node into maintenance for `period` (see the module docs), by `deadline`
+    /// (and [`END_WAIT`] more to end it again when it cannot); answers once the heir serves
+    /// its buckets in this node's applied state.
     pub async fn enter_maintenance(
         &self,
         period: Duration,
-        wait: Duration,
+        deadline: tokio::time::Instant,
         suspected: &[NodeId],
     ) -> Result<(), EnterError> {
-        let deadline = tokio::time::Instant::now() + wait;
         let state = self.control.state();
         if let Some(refusal) = state.maintenance_refusal(self.me) {
             return Err(EnterError::Refused(refusal));
@@ -173,18 +180,27 @@ impl HandOff<'_> {
         let request = AdminRequest::EnterMaintenance { node_id: self.me, since_ms, until_ms };
         // An error may come after the entry committed (a timeout, a change of leader): the
         // maintenance is then ended below like any that could not begin.
-        let outcome = match self.control.admin(request).await {
-            Ok(_) => self.go_away(deadline).await,
+        let outcome = match self.bounded(deadline, request).await {
+            Ok(()) => self.go_away(deadline).await,
             Err(e) => Err(EnterError::Control(e)),
         };
         if outcome.is_err() {
             let reason = "it could not go away: see the refusal".to_string();
             let end = AdminRequest::EndMaintenance { node_id: self.me, reason };
-            if let Err(e) = self.control.admin(end).await {
+            let by = tokio::time::Instant::now() + END_WAIT;
+            if let Err(e) = self.bounded(by, end).await {
                 tracing::warn!(node_id = self.me, error = %e, "could not end the maintenance that failed to begin");
             }
         }
         outcome
+    }
+
+    /// Proposes `request`, giving up at `deadline` (the entry may still commit then).
+    async fn bounded(&self, deadline: tokio::time::Instant, request: AdminRequest) -> Result<(), ControlError> {
+        match tokio::time::timeout_at(deadline, self.control.admin(request)).await {
+            Ok(answer) => answer.map(|_| ()),
+            Err(_) => Err(ControlError::Timeout { what: "the Raft log to commit in time".into() }),
+        }
     }
 
     /// Preparing: waits until nobody's complete replica is on this node, then hands its buckets
@@ -194,11 +210,16 @@ impl HandOff<'_> {
         let preparing = |s: &ClusterState| {
             s.maintenance.as_ref().is_some_and(|m| m.node == me && m.phase == MaintenancePhase::Preparing)
         };
-        // The leader committed it; this node may apply it a moment later.
-        self.control.wait_for_state(Duration::from_secs(5), preparing).await;
         let left = |cap: Duration| deadline.saturating_duration_since(tokio::time::Instant::now()).min(cap);
+        // The leader committed it; this node may apply it a moment later.
+        self.control.wait_for_state(left(Duration::from_secs(5)), preparing).await;
+        // Once another member starts to stop, the maintenance goes no further.
+        let preparing = |s: &ClusterState| preparing(s) && s.stopping_peer(me).is_none();
         let moved = self.control.wait_for_state(left(PREPARE_WAIT), |s| !preparing(s) || s.held_by(me).is_none()).await;
         let state = self.control.state();
+        if let Some(peer) = state.stopping_peer(me) {
+            return Err(EnterError::Refused(MaintenanceRefusal::PeerStopping(peer)));
+        }
         if !preparing(&state) {
             return Err(EnterError::Refused(MaintenanceRefusal::Busy(
                 "the maintenance ended while it prepared".into(),
@@ -211,17 +232,20 @@ impl HandOff<'_> {
             return Err(EnterError::Refused(MaintenanceRefusal::TooFewMembers(state.members.len())));
         };
         let pause = WritePause::new(self.health);
-        let checked = match self.in_sync(heir, left(SYNC_WAIT).max(Duration::from_secs(1)), preparing).await {
+        let checked = match self.in_sync(heir, left(SYNC_WAIT), preparing).await {
             Ok(checked) => checked,
+            Err(_) if self.control.state().stopping_peer(me).is_some() => {
+                let peer = self.control.state().stopping_peer(me).unwrap_or_default();
+                return Err(EnterError::Refused(MaintenanceRefusal::PeerStopping(peer)));
+            }
             Err(NotInSync { attached, owned, .. }) => {
                 return Err(EnterError::Refused(MaintenanceRefusal::ReplicaNotAttached { node: me, attached, owned }));
             }
         };
-        self.control
-            .admin(AdminRequest::MaintenanceReady { node_id: me, heir: checked })
+        self.bounded(deadline, AdminRequest::MaintenanceReady { node_id: me, heir: checked })
             .await
             .map_err(EnterError::Control)?;
-        self.control.wait_for_state(Duration::from_secs(10), |s| s.map.buckets_of(me).is_empty()).await;
+        self.control.wait_for_state(left(Duration::from_secs(10)), |s| s.map.buckets_of(me).is_empty()).await;
         drop(pause);
         tracing::warn!(
             node_id = me,

@@ -151,58 +151,135 @@ impl NodeHandle {
         let _ = rx.wait_for(|stop| *stop).await;
     }
 
-    /// Stops for a restart (SIGTERM): a member that does not leave goes into maintenance for
-    /// `window` first, so the holder of its replica serves its buckets until it is back
-    /// (instead of the cluster failing it after the node timeout); then it drains (see
-    /// [`Self::drain`]). A refused maintenance (fewer than three members, another one in
-    /// maintenance, a peer down, replica not complete in time) is logged and the node drains
-    /// as before. `window` zero: no maintenance. Both together take at most `drain_timeout`
-    /// (two thirds of it at most for the maintenance).
-    pub async fn stop_for_restart(&self, window: Duration, drain_timeout: Duration) -> bool {
-        let deadline = tokio::time::Instant::now() + drain_timeout;
+    /// Stops for a restart (SIGTERM), by `deadline`: first it records that it stops
+    /// (`SetDraining`: should it stay down, the cluster knows its copy died with its process,
+    /// and no other member goes into maintenance meanwhile); then a member that does not leave
+    /// goes into maintenance for `window`, so the holder of its replica serves its buckets
+    /// until it is back (instead of the cluster failing it after the node timeout), unless the
+    /// maintenance could not be kept (another member stops too, as in a stop of the whole
+    /// cluster; no majority answers; fewer than three members; a peer down; the replica not
+    /// complete in time) or the node is in maintenance already; then it drains (see
+    /// [`Self::drain_until`]). The maintenance takes at most two thirds of the time there is.
+    /// `window` zero: no maintenance. Returns whether the replicas were confirmed in sync.
+    pub async fn stop_for_restart(&self, window: Duration, deadline: tokio::time::Instant) -> bool {
+        let now = tokio::time::Instant::now();
+        let maintenance_by = now + deadline.saturating_duration_since(now) * 2 / 3;
         let state = self.control.state();
         let stays = state.member_of(self.node_id).is_some_and(|m| !m.leaving);
-        if !window.is_zero() && stays && state.members.len() > 1 {
-            match self.api.maintenance_here(window, drain_timeout * 2 / 3).await {
-                Ok(m) => tracing::warn!(
-                    node_id = self.node_id,
-                    served_by = m.served_by,
-                    window = ?window,
-                    "stopping for a restart: in maintenance; come back with the same data dir before the window ends"
-                ),
-                Err(e) => tracing::warn!(
-                    node_id = self.node_id,
-                    code = e.code(),
-                    error = %e,
-                    "stopping without maintenance: if this node is not back within the node timeout, the cluster fails it"
-                ),
+        let several = state.members.len() > 1;
+        let recorded = several && self.record_stopping(maintenance_by.min(now + RECORD_STOP_WAIT)).await;
+        if !window.is_zero() && stays && several {
+            self.maintenance_for_stop(window, maintenance_by, recorded).await;
+        }
+        self.drain_until(deadline).await
+    }
+
+    /// Records in the cluster that this node stops (`SetDraining`), by `deadline`; whether it
+    /// was.
+    async fn record_stopping(&self, deadline: tokio::time::Instant) -> bool {
+        if self.control.state().draining.contains(&self.node_id) {
+            return true;
+        }
+        let request = shoal_raft::AdminRequest::SetDraining { node_id: self.node_id, draining: true };
+        match tokio::time::timeout_at(deadline, self.control.admin(request)).await {
+            Ok(Ok(_)) => true,
+            Ok(Err(e)) => {
+                tracing::warn!(node_id = self.node_id, error = %e, "could not record that this node stops");
+                false
+            }
+            Err(_) => {
+                tracing::warn!(node_id = self.node_id, "could not record that this node stops in time");
+                false
             }
         }
-        self.drain(deadline.saturating_duration_since(tokio::time::Instant::now()).max(Duration::from_secs(1))).await
+    }
+
+    /// The maintenance part of [`Self::stop_for_restart`], by `deadline`; `recorded`: this
+    /// node's stop is recorded (else no majority answers, and no maintenance could be kept).
+    async fn maintenance_for_stop(&self, window: Duration, deadline: tokio::time::Instant, recorded: bool) {
+        use shoal_http_api::ApiError;
+        use shoal_raft::state::{MaintenancePhase, MaintenanceRefusal};
+        let me = self.node_id;
+        let phase = |s: &shoal_raft::ClusterState| s.maintenance.as_ref().filter(|m| m.node == me).map(|m| m.phase);
+        let mut state = self.control.state();
+        if phase(&state) == Some(MaintenancePhase::Preparing) {
+            // A request being served here drives it: it goes away or ends by itself.
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            self.control.wait_for_state(left, |s| phase(s) != Some(MaintenancePhase::Preparing)).await;
+            state = self.control.state();
+        }
+        match (phase(&state), state.maintenance.as_ref()) {
+            (Some(MaintenancePhase::Away), Some(m)) => {
+                tracing::warn!(
+                    node_id = me,
+                    served_by = m.heir,
+                    seconds_left = m.until_ms.saturating_sub(crate::maintenance::now_ms()) / 1000,
+                    "stopping for a restart: already in maintenance; come back with the same data dir before it runs out"
+                );
+                return;
+            }
+            (Some(p), _) => {
+                tracing::warn!(
+                    node_id = me,
+                    phase = ?p,
+                    "stopping during a maintenance that is not away: no new maintenance; if this node is not back within the node timeout, the cluster fails it"
+                );
+                return;
+            }
+            (None, _) => {}
+        }
+        let stopping_with = state.stopping_peer(me);
+        if !recorded || stopping_with.is_some() {
+            tracing::info!(
+                node_id = me,
+                stopping_with = ?stopping_with,
+                recorded,
+                "stopping with the cluster (another member stops too, or no majority answers): no maintenance; if this node stays down, it is failed as stopped and its buckets serve again, empty"
+            );
+            return;
+        }
+        let wait = deadline.saturating_duration_since(tokio::time::Instant::now());
+        match self.api.maintenance_here(window, wait).await {
+            Ok(m) => tracing::warn!(
+                node_id = me,
+                served_by = m.served_by,
+                window = ?window,
+                "stopping for a restart: in maintenance; come back with the same data dir before the window ends"
+            ),
+            Err(ApiError::MaintenanceRefused(MaintenanceRefusal::PeerStopping(peer))) => tracing::info!(
+                node_id = me,
+                stopping_with = peer,
+                "stopping with the cluster (another member stops too): no maintenance; if this node stays down, it is failed as stopped and its buckets serve again, empty"
+            ),
+            Err(e) => tracing::warn!(
+                node_id = me,
+                code = e.code(),
+                error = %e,
+                "stopping without maintenance: if this node is not back within the node timeout, the cluster fails it"
+            ),
+        }
+    }
+
+    /// [`Self::drain_until`] now plus `timeout`.
+    pub async fn drain(&self, timeout: Duration) -> bool {
+        self.drain_until(tokio::time::Instant::now() + timeout).await
     }
 
     /// Gets ready to stop (SIGTERM; a stop is not a leave): `/readyz` fails at once, writes
     /// are refused (503 `node_draining`), the cluster records that this node is stopping
-    /// (`SetDraining`; it keeps its Raft vote, so the voters never shrink), and it waits — at
-    /// most `timeout` — until every bucket it owns is attached to its replica and the async
+    /// (`SetDraining`; it keeps its Raft vote, so the voters never shrink), and it waits — until
+    /// `deadline` at most — until every bucket it owns is attached to its replica and the async
     /// queue is empty, so that the node restarting as the same member gets every acknowledged
     /// write back from its replica. A leader also waits (at most [`LEAD_HANDOFF_WAIT`]) until its
     /// successor took the lead, so that the cluster has a leader while it stops. Returns whether
     /// the replicas were confirmed in sync in time.
-    pub async fn drain(&self, timeout: Duration) -> bool {
+    pub async fn drain_until(&self, deadline: tokio::time::Instant) -> bool {
         self.health.start_draining();
-        let deadline = tokio::time::Instant::now() + timeout;
         let leader = self.control.leader() == Some(self.node_id);
+        let timeout = deadline.saturating_duration_since(tokio::time::Instant::now());
         tracing::info!(node_id = self.node_id, leader, timeout = ?timeout, "draining: replicas first, then stop");
         if self.control.state().members.len() > 1 {
-            let request = shoal_raft::AdminRequest::SetDraining { node_id: self.node_id, draining: true };
-            match tokio::time::timeout_at(deadline, self.control.admin(request)).await {
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => {
-                    tracing::warn!(node_id = self.node_id, error = %e, "could not record that this node stops")
-                }
-                Err(_) => tracing::warn!(node_id = self.node_id, "could not record that this node stops in time"),
-            }
+            self.record_stopping(deadline).await;
         }
         let handoff_deadline = tokio::time::Instant::now() + LEAD_HANDOFF_WAIT;
         loop {
@@ -252,6 +329,10 @@ impl NodeHandle {
         tracing::info!(node_id = self.node_id, "node stopped");
     }
 }
+
+/// The most recording that a node stops may take before its maintenance (a Raft commit; one
+/// that does not come means no majority answers).
+const RECORD_STOP_WAIT: Duration = Duration::from_secs(5);
 
 /// Starts a node on the listeners `config` names.
 pub async fn start(config: ServeConfig) -> Result<NodeHandle, StartError> {

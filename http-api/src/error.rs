@@ -475,6 +475,7 @@ mod tests {
                 R::TooFewMembers(2),
                 R::ReplicaNotAttached { node: 2, attached: 1, owned: 2 },
                 R::PeerDown(3),
+                R::PeerStopping(3),
                 R::HolderChanged(2),
                 R::StillHolding { holder: 2, owner: 1 },
             ]

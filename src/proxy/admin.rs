@@ -127,7 +127,8 @@ impl NodeApi {
         self.maintenance_here(period, crate::maintenance::PREPARE_WAIT + crate::maintenance::SYNC_WAIT).await
     }
 
-    /// Puts this node into maintenance for `period`, waiting at most `wait` for its replicas.
+    /// Puts this node into maintenance for `period`, within `wait` (see
+    /// [`HandOff::enter_maintenance`]).
     pub async fn maintenance_here(&self, period: Duration, wait: Duration) -> Result<MaintenanceView, ApiError> {
         let handoff = HandOff {
             me: self.node_id,
@@ -137,7 +138,8 @@ impl NodeApi {
             facts: self.core.facts(),
         };
         let suspected = self.health.pfail_members();
-        handoff.enter_maintenance(period, wait, &suspected).await.map_err(|e| match e {
+        let deadline = tokio::time::Instant::now() + wait;
+        handoff.enter_maintenance(period, deadline, &suspected).await.map_err(|e| match e {
             EnterError::Refused(MaintenanceRefusal::NotMember(id)) => {
                 ApiError::UnknownResource(format!("node {id} is not a member that stays"))
             }
@@ -262,7 +264,14 @@ impl NodeApi {
                 check("leader", refusal.is_none(), refusal.unwrap_or_default())
             },
             check("map", !state.map.is_empty(), "no distribution map applied".into()),
-            check("draining", !self.health.is_draining(), "this node is stopping (SIGTERM)".into()),
+            check(
+                "draining",
+                !self.health.is_draining() && (alone || !state.draining.contains(&self.node_id)),
+                match self.health.is_draining() {
+                    true => "this node is stopping (SIGTERM)".into(),
+                    false => "the cluster has not recorded yet that this node runs again after its stop".into(),
+                },
+            ),
             check(
                 "maintenance",
                 state.maintenance.as_ref().is_none_or(|m| m.node != self.node_id),

@@ -267,7 +267,7 @@ impl Reconciler {
             "serving replica buckets of a member that failed or left"
         );
         let state = self.control.state();
-        let stopped = |b: &BucketId| state.promoted.get(&b.0).is_some_and(|f| state.failed_stopped.contains(f));
+        let stopped = |b: &BucketId| state.copies_died_with_their_process(b.0);
         let (emptied, lost_now): (Vec<BucketId>, Vec<BucketId>) = lost.iter().copied().partition(stopped);
         if !lost_now.is_empty() {
             tracing::error!(buckets = lost_now.len(), first = ?lost_now.first(), "no copy of these buckets is left: they are lost");
@@ -276,7 +276,7 @@ impl Reconciler {
             tracing::warn!(
                 buckets = emptied.len(),
                 first = ?emptied.first(),
-                "buckets of a member that stopped and was failed: every copy died in the stop (this node restarted too); they serve again, empty"
+                "buckets of a member that stopped and was failed, or handed over by a maintenance: every copy died in the stop (this node restarted too); they serve again, empty"
             );
             if let Some(probe) = &self.probe {
                 for &b in &emptied {

@@ -351,3 +351,132 @@ async fn a_rolling_restart_of_a_statefulset_under_writes_fails_no_node_and_loses
         tokio::task::block_in_place(|| node.stop());
     }
 }
+
+/// Three member processes whose stops have `--drain-timeout 15s` (and the default restart
+/// window), settled: the processes, their addresses and their member ids, and a client.
+async fn three_stopping_processes(
+    dir: &std::path::Path,
+) -> (Vec<crate::process::NodeProcess>, Vec<String>, Vec<u64>, reqwest::Client) {
+    use crate::process::{free_port, NodeProcess};
+    let ports: Vec<(u16, u16)> = (0..3).map(|_| (free_port(), free_port())).collect();
+    let discover = ports.iter().map(|(api, _)| format!("127.0.0.1:{api}")).collect::<Vec<_>>().join(",");
+    let flags = ["--discover", &discover, "--ping-interval", "300ms", "--node-timeout", "2s", "--drain-timeout", "15s"];
+    let pods: Vec<String> = (0..3).map(|k| format!("shoal-{k}")).collect();
+    let nodes: Vec<NodeProcess> = (0..3)
+        .map(|k| NodeProcess::launch(&dir.join(&pods[k]), ports[k], &flags, &[("POD_NAME", pods[k].as_str())]))
+        .collect();
+    let addrs: Vec<String> = nodes.iter().map(|n| n.addr.clone()).collect();
+    let http = reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(10)).build().expect("client");
+    let mut ids = Vec::new();
+    for a in &addrs {
+        let id = wait_for("three members, settled and ready", || async {
+            let v = view_of(&http, a, "/v1/cluster").await?;
+            let settled = v["members"].as_array().is_some_and(|m| m.len() == 3)
+                && v["transition"].is_null()
+                && v["transfer"].is_null();
+            let ready = http.get(format!("http://{a}/readyz")).send().await.ok()?.status() == 200;
+            (settled && ready).then(|| v["node_id"].as_u64()).flatten()
+        })
+        .await;
+        ids.push(id);
+    }
+    (nodes, addrs, ids, http)
+}
+
+/// SIGTERM to every member at once (a whole cluster shut down): each stops within its
+/// `--drain-timeout` (it waited 70 s of a 60 s bound, entering a maintenance the stopping
+/// cluster could not keep); none goes into maintenance; two of them started again serve every
+/// bucket, empty (the data was in memory), none lost (the member that had entered maintenance
+/// left its buckets lost until an operator cleared them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_whole_cluster_stopped_at_once_stops_within_its_bound_and_any_two_serve_every_bucket_again() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (mut nodes, addrs, ids, http) = three_stopping_processes(dir.path()).await;
+    let map = view_of(&http, &addrs[0], "/v1/cluster/map").await.expect("map");
+    let owner_of = |k: &str| map["owners"][shoal_raft::bucket_of(k.as_bytes()).0 as usize].as_u64();
+    let keys: Vec<String> = ids
+        .iter()
+        .map(|&id| (0..).map(|i| format!("whole-{id}-{i}")).find(|k| owner_of(k) == Some(id)).expect("a key"))
+        .collect();
+    for key in &keys {
+        let r = http.put(format!("http://{}/v1/kv/{key}", addrs[0])).body("v").send().await.expect("put");
+        assert!(r.status().is_success(), "{key}");
+    }
+    let signalled = std::time::Instant::now();
+    for n in &nodes {
+        n.signal("-TERM");
+    }
+    for (k, n) in nodes.iter_mut().enumerate() {
+        let status = tokio::task::block_in_place(|| n.wait_exit(Duration::from_secs(120)));
+        let took = signalled.elapsed();
+        let log = n.log();
+        assert!(status.success(), "slot {k}: {status}\n{log}");
+        assert!(took < Duration::from_secs(18), "slot {k} stopped after {took:?}, its bound is 15 s\n{log}");
+        assert!(!log.contains("stopping for a restart: in maintenance"), "slot {k} went into maintenance\n{log}");
+    }
+    // The member that stays down: the one that had the most to lose (its buckets handed over
+    // by a maintenance), else the last.
+    let missing = (0..3).find(|&k| nodes[k].log().contains("in maintenance:")).unwrap_or(2);
+    for k in (0..3).filter(|&k| k != missing) {
+        tokio::task::block_in_place(|| nodes[k].restart());
+    }
+    let back = (missing + 1) % 3;
+    wait_for("every bucket served again, none lost", || async {
+        let v = view_of(&http, &addrs[back], "/v1/cluster").await?;
+        let lost = v["lost_buckets"].as_array()?.len();
+        let failed = v["failed"].as_array()?.iter().any(|f| f.as_u64() == Some(ids[missing]));
+        (failed && lost == 0).then_some(())
+    })
+    .await;
+    for key in &keys {
+        let r = http.get(format!("http://{}/v1/kv/{key}", addrs[back])).send().await.expect("get");
+        assert_eq!(r.status().as_u16(), 404, "{key}: every bucket serves again, empty");
+    }
+    let v = view_of(&http, &addrs[back], "/v1/cluster").await.expect("view");
+    assert_eq!(v["lost_buckets"], json!([]), "{v}");
+}
+
+/// A member already away in maintenance that gets SIGTERM stops as planned: it says so, not
+/// that the cluster will fail it, and returns as itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_already_in_maintenance_stops_without_a_false_warning_and_returns_as_itself() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (mut nodes, addrs, ids, http) = three_stopping_processes(dir.path()).await;
+    let url = format!("http://{}/v1/cluster/nodes/{}/maintenance", addrs[0], ids[1]);
+    let r = http.post(url).json(&json!({ "for": "5m" })).send().await.expect("maintenance");
+    assert_eq!(r.status(), 200, "{:?}", r.text().await);
+    let status = tokio::task::block_in_place(|| nodes[1].stop());
+    assert!(status.success(), "{status}");
+    let log = nodes[1].log();
+    assert!(!log.contains("stopping without maintenance"), "{log}");
+    assert!(log.contains("already in maintenance"), "{log}");
+    tokio::task::block_in_place(|| nodes[1].restart());
+    wait_for("the maintenance over, nobody failed", || async {
+        let v = view_of(&http, &addrs[0], "/v1/cluster").await?;
+        (v["maintenance"].is_null() && v["transfer"].is_null()).then_some(v)
+    })
+    .await;
+    let v = view_of(&http, &addrs[0], "/v1/cluster").await.expect("view");
+    assert_eq!((v["failed"].clone(), member_ids(&v)), (json!([]), ids.clone()));
+}
+
+/// The stop of a member whose peers are gone (no majority answers, but none is held silent
+/// yet) ends by its deadline: nothing it asks of Raft can commit, and it does not wait for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_ends_by_its_deadline_when_no_majority_answers() {
+    let mut c = TestCluster::start_with(3, |config| {
+        config.ping_interval = Duration::from_millis(500);
+        config.node_timeout = Duration::from_secs(20);
+    })
+    .await;
+    c.wait_for_counts(&[333, 333, 334]).await;
+    c.wait_all_attached().await;
+    c.stop(1).await;
+    c.stop(2).await;
+    let started = std::time::Instant::now();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(6);
+    c.node(0).stop_for_restart(Duration::from_secs(120), deadline).await;
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(7), "the stop took {took:?} of its 6 s");
+    c.shutdown().await;
+}

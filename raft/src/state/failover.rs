@@ -107,6 +107,7 @@ impl ClusterState {
             let epoch = self.epoch_of(BucketId(bucket));
             self.bucket_epochs.insert(bucket, epoch + 1);
             self.promoted.insert(bucket, from);
+            self.away_promotions.remove(&bucket);
             // A shadow from the running transfer stays: if the heir holds no replica of the
             // bucket (not attached yet), the shadow has every write `from` acknowledged.
             changed = true;
@@ -126,19 +127,29 @@ impl ClusterState {
             if self.map.owner_of(BucketId(*b)) == Some(heir) {
                 self.promoted.remove(b);
                 self.last_server.remove(b);
+                self.away_promotions.remove(b);
             }
         }
         for &b in lost {
+            let died = self.copies_died_with_their_process(b);
             let from = self.promoted.remove(&b);
-            // A stopped member's copy died with its process: every copy is gone, and the
-            // bucket serves again, empty (see `failed_stopped`).
-            if from.is_some_and(|f| !self.failed_stopped.contains(&f)) && self.map.owner_of(BucketId(b)) == Some(heir) {
+            self.away_promotions.remove(&b);
+            if from.is_some() && !died && self.map.owner_of(BucketId(b)) == Some(heir) {
                 self.lost.insert(b);
             } else if !self.lost.contains(&b) {
                 self.last_server.remove(&b);
             }
         }
         CommandResponse::Done
+    }
+
+    /// Whether promoted bucket `b`, reported without a copy by its heir, had every copy die
+    /// with a process that stopped: its last server stopped and was failed (its copy died in
+    /// the stop, see `failed_stopped`), or it was handed over by a maintenance (the member
+    /// keeps nothing while away) and its heir restarted before it installed it. Such a bucket
+    /// serves again, empty; any other is lost.
+    pub fn copies_died_with_their_process(&self, b: u16) -> bool {
+        self.away_promotions.contains(&b) || self.promoted.get(&b).is_some_and(|f| self.failed_stopped.contains(f))
     }
 
     pub(super) fn found(

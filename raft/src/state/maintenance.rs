@@ -80,6 +80,10 @@ pub enum MaintenanceRefusal {
     /// A member does not answer: it may be failing, and maintenance must not make it two.
     #[error("node {0} does not answer; maintenance waits until every other member does")]
     PeerDown(NodeId),
+    /// Another member is stopping (SIGTERM): with it gone too, the heir or the majority that
+    /// keeps the maintenance may be missing (a whole cluster stopping, say).
+    #[error("node {0} is stopping; maintenance waits until every other member runs")]
+    PeerStopping(NodeId),
     /// The holder of its replica changed since the member checked it.
     #[error("the holder of node {0}'s replica changed since it was checked; retry")]
     HolderChanged(NodeId),
@@ -103,6 +107,7 @@ impl MaintenanceRefusal {
             MaintenanceRefusal::Busy(_) => "membership_change_in_progress",
             MaintenanceRefusal::ReplicaNotAttached { .. } => "replica_not_attached",
             MaintenanceRefusal::PeerDown(_) => "peer_unreachable",
+            MaintenanceRefusal::PeerStopping(_) => "peer_stopping",
             MaintenanceRefusal::HolderChanged(_) => "replica_holder_changed",
             MaintenanceRefusal::StillHolding { .. } => "replica_not_moved",
         }
@@ -138,6 +143,9 @@ impl ClusterState {
         if self.members.len() < 3 {
             return Some(MaintenanceRefusal::TooFewMembers(self.members.len()));
         }
+        if let Some(peer) = self.stopping_peer(node) {
+            return Some(MaintenanceRefusal::PeerStopping(peer));
+        }
         if let Some(busy) = self.membership_busy() {
             return Some(MaintenanceRefusal::Busy(busy));
         }
@@ -149,6 +157,11 @@ impl ClusterState {
             return Some(MaintenanceRefusal::Busy(format!("a failover is installing {} buckets", self.promoted.len())));
         }
         None
+    }
+
+    /// Another member than `node` that is stopping (SIGTERM), if any.
+    pub fn stopping_peer(&self, node: NodeId) -> Option<NodeId> {
+        self.draining.iter().copied().find(|&id| id != node && self.is_member(id))
     }
 
     pub(super) fn enter_maintenance(&mut self, node: NodeId, since_ms: u64, until_ms: u64) -> CommandResponse {
@@ -169,13 +182,18 @@ impl ClusterState {
         if let Some(owner) = self.held_by(node) {
             return rejected(&MaintenanceRefusal::StillHolding { holder: node, owner }.to_string());
         }
+        if let Some(peer) = self.stopping_peer(node) {
+            return rejected(&MaintenanceRefusal::PeerStopping(peer).to_string());
+        }
         if self.heir_of(node) != Some(checked.0) || self.replica_period(node, checked.0) != Some(checked.1) {
             return rejected(&MaintenanceRefusal::HolderChanged(node).to_string());
         }
         // The map it owns now stays the target: nothing is rebalanced, and when it comes back
         // it pulls its buckets back from the heir like a joiner.
         let mut home = DistributionMap { version: 0, owners: self.map.owners.clone() };
+        let handed: Vec<u16> = self.map.buckets_of(node).iter().map(|b| b.0).collect();
         self.promote_all(node, checked.0);
+        self.away_promotions.extend(handed);
         // A version names one map: the target's is above the serving map's.
         home.version = self.map.version + 1;
         self.target = Some(home);

@@ -190,6 +190,11 @@ pub struct ClusterState {
     /// instead of being lost until an operator clears it.
     #[serde(default)]
     pub failed_stopped: BTreeSet<NodeId>,
+    /// Buckets a maintenance handed to the member's heir that the heir has not reported
+    /// installed yet: the member keeps nothing while away, so if the heir restarted meanwhile
+    /// no copy is left, and they serve again, empty (not lost).
+    #[serde(default)]
+    pub away_promotions: BTreeSet<u16>,
     /// Per member, the member that holds its replica: it has every write the member
     /// acknowledged, and inherits the member's buckets if it fails. It changes only when the
     /// member has attached all its buckets at the holder join order names (`ReplicaMoved`), so

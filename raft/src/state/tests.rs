@@ -814,3 +814,58 @@ fn automatic_balancing_is_off_until_turned_on() {
     let fresh = ClusterState::default();
     assert!(!fresh.clone().settings.auto_balance);
 }
+
+/// In a full stop every member records that it stops first: none then enters maintenance
+/// (its heir and the majority would be gone), and one that prepared goes no further.
+#[test]
+fn maintenance_is_refused_while_another_member_stops_and_goes_no_further_once_one_starts() {
+    let mut s = three_nodes();
+    s.apply(&ClusterCommand::SetDraining { node_id: 3, draining: true });
+    assert_eq!(s.maintenance_refusal(2).map(|r| r.code()), Some("peer_stopping"));
+    let entered = s.apply(&ClusterCommand::EnterMaintenance { node_id: 2, since_ms: 0, until_ms: 60_000 });
+    assert!(matches!(entered, CommandResponse::Rejected { .. }), "{entered:?}");
+    // Its own stop recorded first refuses nothing.
+    let mut s = three_nodes();
+    s.apply(&ClusterCommand::SetDraining { node_id: 2, draining: true });
+    assert_eq!(s.maintenance_refusal(2), None);
+    assert_eq!(
+        s.apply(&ClusterCommand::EnterMaintenance { node_id: 2, since_ms: 0, until_ms: 60_000 }),
+        CommandResponse::Done
+    );
+    while let Some(owner) = s.held_by(2) {
+        let holder = s.replica_of(owner).expect("a holder");
+        s.apply(&ClusterCommand::ReplicaMoved { owner, holder });
+    }
+    // Preparing, when another member starts to stop: it does not go away.
+    s.apply(&ClusterCommand::SetDraining { node_id: 1, draining: true });
+    let heir = s.heir_of(2).expect("an heir");
+    let period = s.replica_period(2, heir).expect("a period");
+    let ready = s.apply(&ClusterCommand::MaintenanceReady { node_id: 2, heir: (heir, period) });
+    assert!(matches!(ready, CommandResponse::Rejected { .. }), "{ready:?}");
+}
+
+/// A maintenance hands the member's buckets to its heir; if the heir restarts before it
+/// reported them installed (a full stop), no copy is left anywhere (the member keeps nothing
+/// while away): they serve again, empty, and are not lost — also when the maintenance ended
+/// before the report.
+#[test]
+fn a_heir_that_restarted_before_reporting_a_maintenance_hand_over_serves_the_buckets_empty_not_lost() {
+    for ended_first in [false, true] {
+        let mut s = three_nodes();
+        let of_2: Vec<u16> = s.map.buckets_of(2).iter().map(|b| b.0).collect();
+        assert!(matches!(enter_maintenance(&mut s, 2), CommandResponse::MapChanged { .. }));
+        let heir = s.maintenance.as_ref().expect("a maintenance").heir;
+        if ended_first {
+            s.apply(&ClusterCommand::EndMaintenance { node_id: 2, reason: "its time ran out".into() });
+        }
+        s.apply(&ClusterCommand::Promoted { node_id: heir, buckets: vec![], lost: of_2.clone() });
+        assert!(s.lost.is_empty(), "ended first: {ended_first}: {:?}", s.lost.len());
+        assert!(of_2.iter().all(|b| !s.promoted.contains_key(b) && s.map.owner_of(BucketId(*b)) == Some(heir)));
+    }
+    // A heir that fails before it reports: its buckets go on to the next holder as usual.
+    let mut s = three_nodes();
+    enter_maintenance(&mut s, 2);
+    let heir = s.maintenance.as_ref().expect("a maintenance").heir;
+    assert!(s.away_promotions.iter().all(|&b| s.map.owner_of(BucketId(b)) == Some(heir)));
+    assert!(!s.away_promotions.is_empty());
+}
