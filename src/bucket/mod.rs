@@ -310,20 +310,30 @@ impl BucketCore {
         self.store.keep_evictions();
     }
 
-    /// Sends the store's evictions of buckets this node serves to their replica, through the
-    /// queue in either mode (an eviction acknowledges nothing to a client).
+    /// Sends the store's evictions, and the sliding expiries its reads moved, of buckets this
+    /// node serves to their replica, through the queue in either mode (neither acknowledges
+    /// anything to a client): the owner decides expirations, and its replica follows, so an
+    /// item its reads keep alive is alive on the replica too.
     pub fn replicate_evictions(&self) {
+        use crate::cache::Change;
         let evicted = self.store.take_evicted();
-        if evicted.is_empty() {
+        let refreshed = self.store.take_refreshed();
+        if evicted.is_empty() && refreshed.is_empty() {
             return;
         }
+        let changes = evicted
+            .into_iter()
+            .map(|(bucket, key, version)| (bucket, Change::Delete { key, version }))
+            .chain(refreshed.into_iter().map(|r| {
+                (r.bucket, Change::Expire { key: r.key, version: r.version, expires_at_ms: r.expires_at_ms })
+            }));
         let state = self.control.state();
-        for (bucket, key, version) in evicted {
+        for (bucket, change) in changes {
             let Ok(plan) = write_plan(&state, self.me, bucket, self.facts.of(&state, bucket), NodeFacts::default())
             else {
                 continue;
             };
-            let change = [crate::cache::Change::Delete { key, version }];
+            let change = [change];
             for holder in
                 [self.replicator.holder_for(&plan), self.replicator.next_holder_for(&plan)].into_iter().flatten()
             {

@@ -119,6 +119,16 @@ pub enum Change {
         /// The version of the item deleted.
         version: u64,
     },
+    /// The item with this key, at exactly this version, lives at least until then (its
+    /// owner's reads moved its sliding expiry).
+    Expire {
+        /// The key.
+        key: Bytes,
+        /// The version of the item.
+        version: u64,
+        /// When it expires at the earliest, in Unix ms.
+        expires_at_ms: u64,
+    },
 }
 
 /// A bucket's export in progress.
@@ -278,7 +288,7 @@ impl CacheStore {
                         new.set_version(item.version);
                         (self.hasher.hash_one(&item.key[..]), Some(new))
                     }
-                    Change::Delete { key, .. } => (self.hasher.hash_one(&key[..]), None),
+                    Change::Delete { key, .. } | Change::Expire { key, .. } => (self.hasher.hash_one(&key[..]), None),
                 })
                 .collect();
             let applied = self.mutate(bucket, |b, hasher| {
@@ -298,6 +308,13 @@ impl CacheStore {
                         Change::Delete { key, version } => {
                             if b.get(hash, key).is_some_and(|old| old.version() <= *version) {
                                 b.remove(hasher, hash, key);
+                            }
+                        }
+                        // A newer version carries its own expiry; an older one or none means
+                        // the write has not arrived, was taken back, or the item is gone.
+                        Change::Expire { key, version, expires_at_ms } => {
+                            if let Some(item) = b.get(hash, key).filter(|i| i.version() == *version) {
+                                item.extend_expiry(*expires_at_ms);
                             }
                         }
                     }

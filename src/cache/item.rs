@@ -171,8 +171,8 @@ impl Item {
 
     /// Records an access under LFU eviction: the counter decays, then grows with a
     /// probability that falls as it grows (`chance` is a uniform draw in [0, 1)); sliding
-    /// expiry moves as on any access.
-    pub fn touch_lfu(&self, now_ms: u64, chance: f64) {
+    /// expiry moves as on any access (see [`Self::touch`] for what it answers).
+    pub fn touch_lfu(&self, now_ms: u64, chance: f64) -> Option<u64> {
         let word = self.version_clock.load(Ordering::Relaxed);
         let mut count = decayed(word & CLOCK_MASK, now_ms);
         if count < u8::MAX {
@@ -185,7 +185,7 @@ impl Item {
         if next != word {
             self.version_clock.store(next, Ordering::Relaxed);
         }
-        self.slide(now_ms);
+        self.slide(now_ms)
     }
 
     /// Absolute expiry in Unix ms, 0 for none.
@@ -205,8 +205,9 @@ impl Item {
         at != 0 && at <= now_ms
     }
 
-    /// Records an access: LRU time, and a sliding expiry pushed forward.
-    pub fn touch(&self, now_ms: u64) {
+    /// Records an access: LRU time, and a sliding expiry pushed forward. Answers the new
+    /// expiry when the replica must hear of it ([`Self::slide`]).
+    pub fn touch(&self, now_ms: u64) -> Option<u64> {
         let now = clock(now_ms);
         let word = self.version_clock.load(Ordering::Relaxed);
         // Skip the store when nothing changes: most reads of a hot key land in the same
@@ -215,18 +216,41 @@ impl Item {
         if word & CLOCK_MASK != now {
             self.version_clock.store(word & !CLOCK_MASK | now, Ordering::Relaxed);
         }
-        self.slide(now_ms);
+        self.slide(now_ms)
     }
 
-    /// Pushes a sliding expiry forward.
-    fn slide(&self, now_ms: u64) {
-        if let Some(meta) = &self.meta {
-            if meta.sliding_ms > 0 {
-                let key_bits = self.keylen_expiry.load(Ordering::Relaxed) & !EXPIRY_MASK;
-                let at = now_ms.saturating_add(meta.sliding_ms).min(EXPIRY_MASK);
-                self.keylen_expiry.store(key_bits | at, Ordering::Relaxed);
-            }
+    /// The window of a sliding expiry (0: none).
+    pub fn sliding_ms(&self) -> u64 {
+        self.meta.as_ref().map_or(0, |m| m.sliding_ms)
+    }
+
+    /// Pushes a sliding expiry forward (never back, however readers race). Answers the new
+    /// expiry when it entered another tenth of the window than where it was: the owner tells
+    /// its replica then, so at most once per tenth of the window, whatever the reads.
+    fn slide(&self, now_ms: u64) -> Option<u64> {
+        let sliding = self.sliding_ms();
+        if sliding == 0 {
+            return None;
         }
+        let at = now_ms.saturating_add(sliding).min(EXPIRY_MASK);
+        let before = self
+            .keylen_expiry
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| {
+                (w & EXPIRY_MASK < at).then_some((w & !EXPIRY_MASK) | at)
+            })
+            .ok()?;
+        let step = (sliding / 10).max(1);
+        ((before & EXPIRY_MASK) / step != at / step).then_some(at)
+    }
+
+    /// Moves the expiry to `at_ms` if that is later (a replica follows its owner's sliding
+    /// expiry); an item that never expires stays so.
+    pub fn extend_expiry(&self, at_ms: u64) {
+        let at = at_ms.min(EXPIRY_MASK);
+        let _ = self.keylen_expiry.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| {
+            let current = w & EXPIRY_MASK;
+            (current != 0 && current < at).then_some((w & !EXPIRY_MASK) | at)
+        });
     }
 
     /// Whether the item carries `tag`.

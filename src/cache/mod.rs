@@ -134,6 +134,20 @@ pub enum CacheError {
     },
 }
 
+/// A sliding expiry a read moved, for the replica: the item of `key` at `version` lives at
+/// least until `expires_at_ms`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refresh {
+    /// The item's bucket.
+    pub bucket: BucketId,
+    /// Its key.
+    pub key: Bytes,
+    /// Its version.
+    pub version: u64,
+    /// When it expires at the earliest.
+    pub expires_at_ms: u64,
+}
+
 /// Counters and gauges of the store.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CacheStats {
@@ -163,6 +177,9 @@ pub struct CacheStore {
     thawed: tokio::sync::Notify,
     /// Evicted items (bucket, key, version), kept for the replica when enabled.
     evicted: parking_lot::Mutex<Option<Vec<(BucketId, Bytes, u64)>>>,
+    /// Sliding expiries reads moved into another tenth of their window (bucket, key,
+    /// version, expiry to tell the replica), kept for the replica when enabled.
+    refreshed: parking_lot::Mutex<Option<Vec<Refresh>>>,
     /// How victims are chosen.
     policy: EvictionPolicy,
     /// Items per eviction priority (by rank), over all buckets.
@@ -196,6 +213,7 @@ impl CacheStore {
             expirations: AtomicU64::new(0),
             thawed: tokio::sync::Notify::new(),
             evicted: parking_lot::Mutex::new(None),
+            refreshed: parking_lot::Mutex::new(None),
             policy: EvictionPolicy::Lru,
             levels: Default::default(),
             pinned_bytes: AtomicU64::new(0),
@@ -227,6 +245,12 @@ impl CacheStore {
     /// that evictions reach the replica).
     pub fn keep_evictions(&self) {
         self.evicted.lock().get_or_insert_with(Vec::new);
+        self.refreshed.lock().get_or_insert_with(Vec::new);
+    }
+
+    /// The sliding expiries reads moved since the last call (kept with the evictions).
+    pub fn take_refreshed(&self) -> Vec<Refresh> {
+        self.refreshed.lock().as_mut().map(std::mem::take).unwrap_or_default()
     }
 
     /// The items evicted since the last call.
@@ -288,15 +312,38 @@ impl CacheStore {
             let b = self.bucket(bucket).read();
             let item = b.get(hash, key)?;
             if !item.is_expired(now) {
-                match self.policy {
+                let moved = match self.policy {
                     EvictionPolicy::Lfu => item.touch_lfu(now, rand::rng().random::<f64>()),
                     _ => item.touch(now),
+                };
+                if let Some(at) = moved {
+                    self.note_refresh(bucket, item, at);
                 }
                 return Some(view_of(item));
             }
         }
         self.remove_if_expired(bucket, hash, key, now);
         None
+    }
+
+    /// Keeps a sliding expiry a read moved to `at` for the replica (if this store keeps them),
+    /// a tenth of the window later: the replica's copy then outlives the owner's until the
+    /// owner's next report, so an item live on the owner is live on its replica.
+    fn note_refresh(&self, bucket: BucketId, item: &Item, at: u64) {
+        let mut log = self.refreshed.lock();
+        let Some(log) = log.as_mut() else { return };
+        if log.len() >= EVICTION_LOG_LIMIT {
+            // The replica has not been told for long (no holder): it gets a snapshot when one
+            // attaches, which carries the expiries as they are.
+            return;
+        }
+        let step = (item.sliding_ms() / 10).max(1);
+        log.push(Refresh {
+            bucket,
+            key: Bytes::copy_from_slice(item.key()),
+            version: item.version(),
+            expires_at_ms: at + step,
+        });
     }
 
     fn remove_if_expired(&self, bucket: BucketId, hash: u64, key: &[u8], now: u64) {

@@ -404,3 +404,48 @@ fn not_removable_writes_in_parallel_never_take_the_store_past_its_limit() {
         assert_eq!(s.stats().items, 100, "round {round}: the store fills to its limit exactly");
     }
 }
+
+/// The owner's reads keep the replica's copy of a sliding item alive: each read that moves
+/// its expiry into another tenth of the window is kept for the replica (at most once per tenth
+/// of the window, however many reads), a tenth later than the owner's, and the replica that
+/// applies them holds the item as long as the owner does; a copy at another version is left
+/// alone.
+#[tokio::test(start_paused = true)]
+async fn the_owner_s_reads_keep_the_replica_copy_of_a_sliding_item_alive_at_bounded_cost() {
+    let clock = Clock::new();
+    let (owner, replica) = (CacheStore::new(u64::MAX, clock), CacheStore::new(u64::MAX, clock));
+    owner.keep_evictions();
+    let bucket = bucket_of(b"s");
+    let write = Write { key: b"s", value: b"v", sliding: Some(Duration::from_secs(3)), ..Default::default() };
+    owner.put(bucket, &write).expect("put");
+    let sent = owner.export_item(bucket, b"s").expect("the item");
+    replica.apply_changes(bucket, &[Change::Put(sent.clone())]);
+    // Reads every 30 ms for 9 s: three windows, 300 reads.
+    let mut refreshes = Vec::new();
+    for _ in 0..300 {
+        tokio::time::advance(Duration::from_millis(30)).await;
+        assert!(get(&owner, "s").is_some());
+        refreshes.extend(owner.take_refreshed());
+    }
+    assert!((25..=31).contains(&refreshes.len()), "one per tenth of the window: {}", refreshes.len());
+    let changes: Vec<Change> = refreshes
+        .iter()
+        .map(|r| Change::Expire { key: r.key.clone(), version: r.version, expires_at_ms: r.expires_at_ms })
+        .collect();
+    replica.apply_changes(bucket, &changes);
+    // Its last expiry on the owner is 3 s after the last read; the replica's a tenth later.
+    tokio::time::advance(Duration::from_millis(2900)).await;
+    let live = |s: &CacheStore| s.export_item(bucket, b"s").is_some_and(|i| i.expires_at_ms > clock.now_ms());
+    assert!(live(&replica) && live(&owner), "the replica's copy lives as long as the owner's");
+    tokio::time::advance(Duration::from_millis(500)).await;
+    assert!(replica.sweep_expired(BucketId::all()) == 1, "it expires on the replica too, a tenth later at most");
+    // An expiry for another version changes nothing.
+    let stale = CacheStore::new(u64::MAX, clock);
+    stale.apply_changes(bucket, &[Change::Put(ExportedItem { version: sent.version + 1, ..sent.clone() })]);
+    let before = stale.export_item(bucket, b"s").expect("the item").expires_at_ms;
+    stale.apply_changes(
+        bucket,
+        &[Change::Expire { key: sent.key.clone(), version: sent.version, expires_at_ms: u64::MAX / 2 }],
+    );
+    assert_eq!(stale.export_item(bucket, b"s").expect("the item").expires_at_ms, before);
+}

@@ -47,8 +47,12 @@
 //!
 //! # What travels
 //! Deletes travel like writes; evictions go through the queue in both modes (the replica
-//! store also evicts by itself at its own limit); expirations need nothing: items carry their
-//! absolute expiry and both stores sweep them. Requests carry an increasing sequence number:
+//! store also evicts by itself at its own limit). The owner decides expirations and its
+//! replica follows: items carry their absolute expiry and both stores sweep them, and the
+//! owner's reads that move a sliding expiry into another tenth of its window reach the replica
+//! through the queue too (`Change::Expire`, a tenth of the window ahead of the owner's, at
+//! most once per item per tenth of its window), so an item its reads keep alive is alive on
+//! the replica, which then serves it after a failover. Requests carry an increasing sequence number:
 //! the holder refuses one older than the last it applied from the same sender.
 //!
 //! # Layout

@@ -236,7 +236,7 @@ impl Outbox<'_> {
     async fn push(&mut self, change: &Change) -> bool {
         match change {
             Change::Put(item) => self.push_item(item).await,
-            Change::Delete { .. } => {
+            Change::Delete { .. } | Change::Expire { .. } => {
                 put_change(&mut self.buf, change);
                 self.buf.len() < SEND_BYTES || self.flush().await
             }

@@ -11,6 +11,9 @@
 //!            a node of an older version refuses a stream that holds one)
 //!  CHUNK   = the next bytes of the current item's value
 //!  DELETE  = key_len:u16 key version:u64
+//!  EXPIRE  = key_len:u16 key version:u64 expires_at_ms:u64   (the item at exactly that
+//!            version lives at least until then: its owner's reads moved its sliding expiry;
+//!            a node of an older version refuses it, and the owner sends the bucket whole)
 //!  END     = version_counter:u64 items:u64
 //!  ERROR   = utf-8 message
 //! ```
@@ -52,6 +55,8 @@ const ERROR: u8 = 5;
 /// An ITEM whose eviction priority is not `normal`: its rank, then an ITEM's payload.
 /// (Normal items go as plain ITEMs, as before priorities existed.)
 const ITEM_WITH_PRIORITY: u8 = 6;
+/// A sliding expiry its owner's reads moved: key, version, expiry (`Change::Expire`).
+const EXPIRE: u8 = 7;
 
 /// Why a stream could not be read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -143,6 +148,12 @@ pub fn put_change(out: &mut BytesMut, change: &Change) {
             p.put_u16(key.len() as u16);
             p.put_slice(key);
             p.put_u64(*version);
+        }),
+        Change::Expire { key, version, expires_at_ms } => put_frame(out, EXPIRE, |p| {
+            p.put_u16(key.len() as u16);
+            p.put_slice(key);
+            p.put_u64(*version);
+            p.put_u64(*expires_at_ms);
         }),
     }
 }
@@ -460,6 +471,12 @@ impl Decoder {
                 let version = u64_of(p)?;
                 Ok(Some(Decoded::Change(Change::Delete { key, version })))
             }
+            EXPIRE => {
+                let key_len = usize::from(u16_of(p)?);
+                let key = take(p, key_len)?;
+                let (version, expires_at_ms) = (u64_of(p)?, u64_of(p)?);
+                Ok(Some(Decoded::Change(Change::Expire { key, version, expires_at_ms })))
+            }
             END => Ok(Some(Decoded::End { version_counter: u64_of(p)?, items: u64_of(p)? })),
             ERROR => Err(FrameError::Remote(String::from_utf8_lossy(p).into_owned())),
             _ => Err(FrameError::Malformed("unknown frame kind")),
@@ -526,13 +543,14 @@ mod tests {
             Change::Put(item("small", 100)),
             Change::Put(item("big", 3 * CHUNK_BYTES + 17)),
             Change::Delete { key: Bytes::from_static(b"gone"), version: 9 },
+            Change::Expire { key: Bytes::from_static(b"small"), version: 1, expires_at_ms: 1_700_000_000_000 },
             Change::Put(item("empty", 0)),
         ];
         let bytes = stream(&changes);
         for step in [1, 7, 4096, bytes.len()] {
             let decoded = decode_all(&bytes, step).expect("decodes");
             let mut expected: Vec<Decoded> = changes.iter().cloned().map(Decoded::Change).collect();
-            expected.push(Decoded::End { version_counter: 42, items: 4 });
+            expected.push(Decoded::End { version_counter: 42, items: changes.len() as u64 });
             assert_eq!(decoded, expected, "read {step} bytes at a time");
         }
     }
@@ -557,7 +575,7 @@ mod tests {
         let sorted = |mut v: Vec<Change>| {
             v.sort_by_key(|c| match c {
                 Change::Put(i) => i.key.clone(),
-                Change::Delete { key, .. } => key.clone(),
+                Change::Delete { key, .. } | Change::Expire { key, .. } => key.clone(),
             });
             v
         };

@@ -164,6 +164,47 @@ async fn a_failed_node_s_buckets_are_served_from_its_replica_with_every_write() 
     c.shutdown().await;
 }
 
+/// A sliding item kept alive only by reads through another node survives its owner's
+/// failure: the owner decides expirations and its reads reach the replica, so the heir serves
+/// it (it answered 404 from a second after the kill: the replica's copy had expired with the
+/// write's window).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sliding_item_kept_alive_by_reads_survives_its_owner_s_failure() {
+    let mut c = TestCluster::start_with(3, fast_detection).await;
+    c.wait_for_counts(&[333, 333, 334]).await;
+    c.wait_all_attached().await;
+    let key = "sliding-kept-alive";
+    let map = c.json(0, "/v1/cluster/map").await;
+    let owner = map["owners"][usize::from(shoal_raft::bucket_of(key.as_bytes()).0)].as_u64().expect("owner");
+    let owner_slot = c.running().find(|&s| c.id(s) == owner).expect("the owner's slot");
+    let reader = c.running().find(|&s| s != owner_slot).expect("another node");
+    let r = c.http.put(c.url(reader, &format!("/v1/kv/{key}?sliding=5s"))).body("alive").send().await.expect("put");
+    assert_eq!(r.status(), 200);
+    let read = |c: &TestCluster| {
+        let (http, url) = (c.http.clone(), c.url(reader, &format!("/v1/kv/{key}")));
+        async move { http.get(url).send().await.map_or(0, |r| r.status().as_u16()) }
+    };
+    // Read through another node every 300 ms for longer than the window: only the reads keep
+    // it alive (the copy the write sent to the replica would have expired by the end).
+    for _ in 0..25 {
+        assert_eq!(read(&c).await, 200);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    c.stop(owner_slot).await;
+    let stopped = tokio::time::Instant::now();
+    let mut served = 0;
+    while stopped.elapsed() < Duration::from_secs(12) {
+        match read(&c).await {
+            200 => served += 1,
+            404 => panic!("404 {:?} after the owner stopped: the replica's copy had expired", stopped.elapsed()),
+            _ => {} // 503 while the failure is detected and the bucket promoted
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert!(served >= 10, "the heir serves it, and the reads keep it alive there: {served}");
+    c.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_restarted_as_the_same_member_gets_its_buckets_back_from_its_replica() {
     // Pings on (the owners notice the restart and re-send the replica it holds), but a node
