@@ -611,6 +611,8 @@ pub async fn start_in(
         peers.clone(),
         config.balance_config(),
     );
+    let weak = Arc::downgrade(&balancer);
+    control.set_bucket_sizes(Arc::new(move || weak.upgrade().and_then(|b| b.bucket_sizes())));
     let parts = NodeParts {
         metrics: metrics.clone(),
         progress: progress.clone(),

@@ -74,6 +74,14 @@ pub enum ClusterCommand {
         /// The new owner of every bucket.
         owners: Vec<NodeId>,
     },
+    /// The leader's latest figures of each bucket's bytes, recorded before a membership change
+    /// it proposes (a join, a leave, a failure), so that the map that change makes balances
+    /// the bytes, not only the bucket counts. Nodes of older versions refuse it (the change
+    /// then splits by count).
+    RecordSizes {
+        /// Bytes per bucket, by bucket number.
+        sizes: Vec<u64>,
+    },
     /// A majority of the members reported `node_id` unreachable: it is failed. Its buckets are
     /// served at once by the member holding its replica (promotion), its id is never used
     /// again, and a transition rebalances the map without it.

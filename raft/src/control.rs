@@ -30,7 +30,7 @@ use tokio::task::JoinHandle;
 
 use crate::command::{ClusterCommand, CommandResponse, Proposal};
 use crate::disk::{Disk, MemoryDisk};
-use crate::distribution::NodeId;
+use crate::distribution::{NodeId, BUCKET_COUNT};
 use crate::error::ControlError;
 use crate::log_store::DiskLogStore;
 use crate::network::{
@@ -126,7 +126,12 @@ struct Inner {
     /// Whether a member runs as this node's failure detection sees it (none: every member
     /// that is not away in maintenance counts as running).
     liveness: parking_lot::RwLock<Option<Liveness>>,
+    /// Each bucket's bytes as this node, leading, knows them (none: unknown).
+    bucket_sizes: parking_lot::RwLock<Option<BucketSizes>>,
 }
+
+/// Each bucket's bytes as the leader knows them from the members' reports, if it does.
+pub type BucketSizes = Arc<dyn Fn() -> Option<Vec<u64>> + Send + Sync>;
 
 /// Whether member `id` answers, as the node's failure detection sees it: the leader asks it
 /// before it changes the voters, so that it never starts a change that cannot finish.
@@ -190,6 +195,7 @@ impl ControlPlane {
                 last_leader: Default::default(),
                 closing: Default::default(),
                 liveness: parking_lot::RwLock::new(None),
+                bucket_sizes: parking_lot::RwLock::new(None),
             }),
         };
         let task = tokio::spawn(reconcile_loop(Arc::downgrade(&control.inner)));
@@ -200,6 +206,25 @@ impl ControlPlane {
     /// Tells the control plane how to see whether a member runs (failure detection's view).
     pub fn set_liveness(&self, liveness: Liveness) {
         *self.inner.liveness.write() = Some(liveness);
+    }
+
+    /// Tells the control plane where the leader finds each bucket's bytes.
+    pub fn set_bucket_sizes(&self, sizes: BucketSizes) {
+        *self.inner.bucket_sizes.write() = Some(sizes);
+    }
+
+    /// Records each bucket's bytes (the members' latest reports) before a membership change,
+    /// so that the map it makes balances them; without figures, or when recording fails, the
+    /// map splits by count or by the figures recorded earlier.
+    async fn record_sizes(&self) {
+        let source = self.inner.bucket_sizes.read().clone();
+        let Some(sizes) = source.and_then(|f| f()) else { return };
+        if sizes.len() != BUCKET_COUNT || sizes == self.state().bucket_sizes {
+            return;
+        }
+        if let Err(e) = self.write(ClusterCommand::RecordSizes { sizes }).await {
+            tracing::warn!(error = %e, "could not record the buckets' sizes; the next map splits by count");
+        }
     }
 
     /// Whether member `id` runs as this node sees it: itself, or a member not away in
@@ -625,6 +650,7 @@ impl ControlPlane {
         if membership_at > self.commit_index() {
             return Err(ControlError::ChangeInProgress);
         }
+        self.record_sizes().await;
         let map_version = match self.write(ClusterCommand::NodeFailed { node_id }).await? {
             CommandResponse::MapChanged { map_version } => map_version,
             other => return Err(unexpected(other)),
@@ -658,6 +684,7 @@ impl ControlPlane {
             return Err(ControlError::MembershipChangeInProgress { reason });
         }
         self.refuse_stuck_voters(&state, &ClusterCommand::Admit { node_id, force })?;
+        self.record_sizes().await;
         let Some(registration) = state.registered.get(&node_id) else {
             return Err(ControlError::Rejected {
                 reason: format!("node {node_id} is not registered (retired ids cannot rejoin)"),
@@ -684,6 +711,7 @@ impl ControlPlane {
             return Ok(AdminResponse::Left { map_version: state.map.version });
         }
         self.refuse_stuck_voters(&state, &ClusterCommand::Remove { node_id, force })?;
+        self.record_sizes().await;
         let map_version = match self.write(ClusterCommand::Remove { node_id, force }).await? {
             CommandResponse::MapChanged { map_version } => map_version,
             other => return Err(unexpected(other)),

@@ -363,6 +363,20 @@ impl Balancer {
         }
     }
 
+    /// Each bucket's bytes as the leader's latest reports say (a bucket its owner did not
+    /// report counts 0); None on a node that is not the leader, or without any report. The
+    /// control plane records them before a membership change, whose map then balances them.
+    pub fn bucket_sizes(&self) -> Option<Vec<u64>> {
+        if self.control.leader() != Some(self.me) {
+            return None;
+        }
+        let reports = self.received();
+        if reports.is_empty() {
+            return None;
+        }
+        Some(plan::sizes(&plan::figures(&self.control.state(), &reports)))
+    }
+
     /// Bytes of the fullest member over the emptiest's, as the leader's latest reports say;
     /// 0 on a node that is not the leader (only the leader has every report), and until
     /// every member reported on the current map.

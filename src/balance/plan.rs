@@ -192,7 +192,7 @@ pub fn plan(
         map_version: state.map.version,
         to_version: None,
         bytes_moved,
-        lower_bound_bytes: balance_lower_bound(&state.map, &members, &sizes),
+        lower_bound_bytes: balance_lower_bound(&state.map, &next, &members, &sizes),
         moves,
         nodes,
         ratio_before: finite(balance_ratio(&before)),

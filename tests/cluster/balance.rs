@@ -199,3 +199,86 @@ async fn automatic_balancing_starts_past_60_40_and_not_below() {
     assert!(view["balance_ratio"].as_f64() <= Some(1.15), "balanced: {view}");
     c.shutdown().await;
 }
+
+fn fast_stats_and_detection(config: &mut ServeConfig) {
+    fast_stats(config);
+    config.ping_interval = Duration::from_millis(200);
+    config.node_timeout = Duration::from_secs(1);
+}
+
+/// The balance ratio the leader's fresh reports give, once the data settled.
+async fn settled_ratio(c: &TestCluster, slot: usize, at_least: u64) -> f64 {
+    settled_view(c, slot, at_least).await["balance_ratio"].as_f64().expect("ratio")
+}
+
+/// A cluster balanced by data stays so through a failure and a join: their maps balance the
+/// bytes too (count splits sent the ratio back to 5.6 after one failover), moving about a
+/// member's share.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failure_and_a_join_keep_a_cluster_balanced_by_data() {
+    let mut c = TestCluster::start_with(3, fast_stats_and_detection).await;
+    c.wait_for_counts(&[333, 333, 334]).await;
+    c.wait_all_attached().await;
+    let before = owners(&c, 0).await;
+    // A hot {tag} holding about a quarter of the bytes, large values beside it, small items
+    // everywhere: one node far fuller than the others.
+    let mut items: Vec<(String, String)> = (0..300).map(|i| (format!("{{hot}}:{i}"), "h".repeat(1000))).collect();
+    let hot = shoal_raft::bucket_of(b"{hot}:0").0;
+    let large = keys_owned_by(&before, before[usize::from(hot)], "large-", 24);
+    items.extend(large.into_iter().map(|k| (k, "L".repeat(16 * 1024))));
+    items.extend((0..4000).map(|i| (format!("small-{i}"), "s".repeat(100))));
+    fill(&c, items).await;
+    assert!(settled_ratio(&c, 0, 1_000_000).await > 1.5, "skewed");
+    let (status, plan) = post(&c, 0, "/v1/cluster/rebalance").await;
+    assert_eq!(status, 200, "{plan}");
+    c.wait_settled().await;
+    let balanced = settled_ratio(&c, 0, 1_000_000).await;
+    assert!(balanced <= 1.15, "balanced: {balanced}");
+
+    // A member fails: its buckets are spread by their bytes.
+    let leader = c.json(0, "/v1/cluster").await["leader"].as_u64().unwrap_or(0);
+    let victim = (0..3).find(|&s| c.id(s) != leader).expect("a follower");
+    let survivor = (0..3).find(|&s| s != victim).expect("another");
+    c.stop(victim).await;
+    wait_for("the failure", || async {
+        let v = c.json(survivor, "/v1/cluster").await;
+        (v["failed"].as_array()?.len() == 1).then_some(())
+    })
+    .await;
+    c.wait_settled().await;
+    let after_failure = settled_ratio(&c, survivor, 100_000).await;
+    assert!(after_failure <= 1.25, "after a failure: {after_failure} (balanced {balanced})");
+
+    // A member joins: it takes about its share of the bytes.
+    c.add_node().await;
+    c.wait_settled().await;
+    let after_join = settled_ratio(&c, survivor, 100_000).await;
+    eprintln!(
+        "balance ratio: balanced {balanced:.2}, after a failure {after_failure:.2}, after a join {after_join:.2}"
+    );
+    assert!(after_join <= 1.25, "after a join: {after_join}");
+    c.shutdown().await;
+}
+
+/// One bucket larger than a member's share keeps its owner above the average whatever moves:
+/// the dry run's lower bound is still a lower bound of what it moves (it exceeded it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dry_run_s_lower_bound_holds_when_one_bucket_is_larger_than_a_member_s_share() {
+    let c = TestCluster::start_with(3, fast_stats).await;
+    c.wait_for_counts(&[333, 333, 334]).await;
+    c.wait_all_attached().await;
+    let before = owners(&c, 0).await;
+    let mut items: Vec<(String, String)> = (0..600).map(|i| (format!("{{giant}}:{i}"), "g".repeat(1000))).collect();
+    let giant = shoal_raft::bucket_of(b"{giant}:0").0;
+    let large = keys_owned_by(&before, before[usize::from(giant)], "large-", 24);
+    items.extend(large.into_iter().map(|k| (k, "L".repeat(16 * 1024))));
+    items.extend((0..3000).map(|i| (format!("small-{i}"), "s".repeat(100))));
+    fill(&c, items).await;
+    settled_view(&c, 1, 1_200_000).await;
+    let (status, dry) = post(&c, 1, "/v1/cluster/rebalance?dry_run=true").await;
+    assert_eq!(status, 200, "{dry}");
+    let (moved, bound) =
+        (dry["bytes_moved"].as_u64().expect("moved"), dry["lower_bound_bytes"].as_u64().expect("bound"));
+    assert!(moved > 0 && moved >= bound, "moved {moved}, lower bound {bound}: {dry}");
+    c.shutdown().await;
+}

@@ -1,8 +1,9 @@
 //! Balancing by data: a map in which every member holds nearly the same bytes, reached by
 //! moving as few bytes as possible.
 //!
-//! Joins and leaves split the buckets equally by count ([`super::rebalance`]); a hot `{tag}`
-//! or a few large values then leave one member far fuller than the others. Given how many
+//! Joins, leaves and failures split the buckets by their bytes when the leader recorded them
+//! ([`rebalance_by_size`]), else equally by count ([`super::rebalance`]); a hot `{tag}` or a
+//! few large values can still leave one member far fuller than the others. Given how many
 //! bytes each bucket holds (the members report it), [`balance`] moves buckets from the
 //! fullest members to the emptiest until every member is within [`BALANCE_TOLERANCE`] of the
 //! average, and [`balance_node`] brings one member to the average.
@@ -59,17 +60,66 @@ pub fn balance_ratio(loads: &BTreeMap<NodeId, u64>) -> f64 {
     }
 }
 
-/// The least bytes any map within the tolerance must move away from `prev`: what each
-/// member holds above the average plus the tolerance, and every bucket of a non-member.
-pub fn balance_lower_bound(prev: &DistributionMap, members: &[NodeId], sizes: &[u64]) -> u64 {
+/// The least bytes any map must move away from `prev` to leave its fullest member no fuller
+/// than `next` leaves it: every bucket of a non-member, and what each member holds above
+/// that. A true lower bound of what `next` moves, also when buckets are too coarse for the
+/// tolerance (one bucket larger than a member's share keeps its holder above the average).
+pub fn balance_lower_bound(prev: &DistributionMap, next: &DistributionMap, members: &[NodeId], sizes: &[u64]) -> u64 {
     if members.is_empty() || prev.is_empty() {
         return 0;
     }
+    let fullest = loads(next, members, sizes).values().copied().max().unwrap_or(0);
     let loads = loads(prev, members, sizes);
     let total: u64 = (0..BUCKET_COUNT).map(|b| size_of(sizes, b)).sum();
-    let high = total as f64 / members.len() as f64 * (1.0 + BALANCE_TOLERANCE);
     let orphans = total - loads.values().sum::<u64>();
-    orphans + loads.values().map(|&l| (l as f64 - high).max(0.0).ceil() as u64).sum::<u64>()
+    orphans + loads.values().map(|&l| l.saturating_sub(fullest)).sum::<u64>()
+}
+
+/// The next map after `prev` for `members` (in join order) when each bucket's bytes are
+/// known (`sizes`): the buckets of departed members go to the emptiest members, largest
+/// first; then buckets move from the fullest members to the emptiest until every member holds
+/// nearly the same bytes, as [`balance`] does; then empty buckets even out the counts (bucket
+/// count is the tie-breaker: keys yet to be written hash uniformly). Without data, the equal
+/// split by count ([`super::rebalance`]). A join moves about a member's share of the bytes
+/// to the joiner, a leave or failure the departed member's buckets and no more than the
+/// balance needs.
+pub fn rebalance_by_size(prev: &DistributionMap, members: &[NodeId], sizes: &[u64]) -> DistributionMap {
+    let total: u64 = (0..BUCKET_COUNT).map(|b| size_of(sizes, b)).sum();
+    if total == 0 || prev.is_empty() || members.is_empty() {
+        return super::rebalance(prev, members);
+    }
+    let mut next = balance(prev, members, sizes);
+    even_counts(&mut next, members, sizes);
+    next
+}
+
+/// Moves empty buckets from the members owning the most buckets to those owning the fewest
+/// until counts differ by at most one (or no member above the rest has an empty bucket left):
+/// the bytes each member holds do not change.
+fn even_counts(map: &mut DistributionMap, members: &[NodeId], sizes: &[u64]) {
+    let mut counts: BTreeMap<NodeId, usize> = members.iter().map(|&m| (m, 0)).collect();
+    for o in &map.owners {
+        if let Some(c) = counts.get_mut(o) {
+            *c += 1;
+        }
+    }
+    // The earliest joined first among equals, so the result is deterministic.
+    let pos = |m: NodeId| members.iter().position(|&x| x == m).unwrap_or(usize::MAX);
+    loop {
+        let most = members.iter().copied().max_by_key(|&m| (counts[&m], std::cmp::Reverse(pos(m))));
+        let fewest = members.iter().copied().min_by_key(|&m| (counts[&m], pos(m)));
+        let (Some(most), Some(fewest)) = (most, fewest) else { return };
+        if counts[&most] <= counts[&fewest] + 1 {
+            return;
+        }
+        // Its highest-numbered empty bucket, so that low buckets stay put, as an equal split keeps them.
+        let Some(b) = (0..BUCKET_COUNT).rev().find(|&b| map.owners[b] == most && size_of(sizes, b) == 0) else {
+            return;
+        };
+        map.owners[b] = fewest;
+        *counts.get_mut(&most).expect("member") -= 1;
+        *counts.get_mut(&fewest).expect("member") += 1;
+    }
 }
 
 /// The moves that turn `prev` into `next`, in bucket order, with each bucket's bytes.
@@ -189,9 +239,10 @@ impl<'a> Planner<'a> {
         self.loads.values().all(|&l| (l as f64) <= high && (l as f64) >= low)
     }
 
-    /// The member holding the least (the earliest joined among equals).
+    /// The member holding the least bytes (the one owning the fewest buckets, then the
+    /// earliest joined, among equals).
     fn emptiest(&self) -> Option<NodeId> {
-        self.members.iter().copied().min_by_key(|&m| self.load(m))
+        self.members.iter().copied().min_by_key(|&m| (self.load(m), self.owners.iter().filter(|&&o| o == m).count()))
     }
 
     fn emptiest_except(&self, node: NodeId) -> Option<NodeId> {
@@ -313,7 +364,7 @@ mod tests {
         assert!(balance_ratio(&after) <= 1.15, "{after:?}");
         assert_eq!(next.owner_of(BucketId(0)), Some(1), "the hot bucket stays where it is");
         let moved: u64 = moves_between(&map, &next, &sizes).iter().map(|m| m.bytes).sum();
-        assert!(moved >= balance_lower_bound(&map, &members, &sizes));
+        assert!(moved >= balance_lower_bound(&map, &next, &members, &sizes));
         assert!(moves_between(&map, &next, &sizes).iter().all(|m| m.from == 1), "only the full node gives");
     }
 
@@ -373,7 +424,7 @@ mod tests {
             let largest = sizes.iter().copied().max().unwrap_or(0);
             let moved: u64 = moves_between(&map, &next, &sizes).iter().map(|m| m.bytes).sum();
             prop_assert!(moved as f64 <= excess + (n as u64 * largest) as f64, "moved {moved}, excess {excess}");
-            prop_assert!(moved >= balance_lower_bound(&map, &members, &sizes).min(moved));
+            prop_assert!(moved >= balance_lower_bound(&map, &next, &members, &sizes), "a true lower bound");
             // Fine-grained data always ends within the tolerance.
             if (largest as f64) <= avg * BALANCE_TOLERANCE / n as f64 {
                 for &l in after.values() {
@@ -382,6 +433,54 @@ mod tests {
             }
             // A balanced map stays as it is.
             prop_assert_eq!(balance(&next, &members, &sizes).owners, next.owners.clone());
+        }
+
+        /// The maps of joins, leaves and failures balance the bytes when they are known:
+        /// a valid map, within the tolerance for fine-grained data, counts within one where
+        /// empty buckets allow it, a join moving about the joiner's share, a failure no more
+        /// than the failed member's buckets and what the balance needs.
+        #[test]
+        fn membership_maps_balance_the_bytes_and_move_about_a_share(n in 2usize..7, sizes in sizes_strategy(), gone in 0usize..7) {
+            let members: Vec<NodeId> = (1..=n as u64).collect();
+            let balanced = rebalance_by_size(&split(&members), &members, &sizes);
+            balanced.check(&members).expect("a valid map");
+            let total: u64 = sizes.iter().sum();
+            let largest = sizes.iter().copied().max().unwrap_or(0);
+            // A join.
+            let mut joined = members.clone();
+            joined.push(100);
+            let next = rebalance_by_size(&balanced, &joined, &sizes);
+            next.check(&joined).expect("a valid map");
+            prop_assert_eq!(&next, &rebalance_by_size(&balanced, &joined, &sizes), "deterministic");
+            let moved: u64 = moves_between(&balanced, &next, &sizes).iter().map(|m| m.bytes).sum();
+            let share = total as f64 / joined.len() as f64;
+            prop_assert!(moved as f64 <= share * (1.0 + BALANCE_TOLERANCE) + (joined.len() as u64 * largest) as f64, "a join moved {moved} of {total}");
+            prop_assert!(moves_between(&balanced, &next, &sizes).iter().all(|m| m.to == 100 || m.bytes == 0), "bytes go to the joiner only");
+            let after = loads(&next, &joined, &sizes);
+            let fine = (largest as f64) <= share * BALANCE_TOLERANCE / joined.len() as f64;
+            if fine && total > 0 {
+                for &l in after.values() {
+                    prop_assert!((l as f64 - share).abs() <= share * BALANCE_TOLERANCE + 1.0, "{after:?} share {share}");
+                }
+            }
+            let counts = |map: &DistributionMap, of: &[NodeId]| of.iter().map(|m| map.owners.iter().filter(|&o| o == m).count()).collect::<Vec<_>>();
+            let empty = sizes.iter().filter(|&&s| s == 0).count();
+            if empty >= BUCKET_COUNT / 2 {
+                let c = counts(&next, &joined);
+                prop_assert!(c.iter().max().unwrap_or(&0) - c.iter().min().unwrap_or(&0) <= 1, "{c:?}");
+            }
+            // A failure (or leave): the departed member's buckets move, and what the balance needs.
+            let failed = members[gone % n];
+            let rest: Vec<NodeId> = members.iter().copied().filter(|&m| m != failed).collect();
+            let next = rebalance_by_size(&balanced, &rest, &sizes);
+            next.check(&rest).expect("a valid map");
+            let orphans: u64 = (0..BUCKET_COUNT).filter(|&b| balanced.owners[b] == failed).map(|b| size_of(&sizes, b)).sum();
+            let moved: u64 = moves_between(&balanced, &next, &sizes).iter().map(|m| m.bytes).sum();
+            let excess: f64 = loads(&balanced, &rest, &sizes).values().map(|&l| (l as f64 - total as f64 / rest.len() as f64).max(0.0)).sum();
+            prop_assert!(moved >= orphans, "every bucket of the departed member moves");
+            prop_assert!(moved as f64 <= orphans as f64 + excess + (rest.len() as u64 * largest) as f64, "moved {moved}, orphans {orphans}");
+            // Without data, an equal split by count as before.
+            prop_assert_eq!(rebalance_by_size(&balanced, &rest, &[]), super::super::rebalance(&balanced, &rest));
         }
 
         #[test]

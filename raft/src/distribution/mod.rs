@@ -19,7 +19,8 @@ mod map;
 mod rebalance;
 
 pub use balance::{
-    balance, balance_lower_bound, balance_node, balance_ratio, loads, moves_between, BalanceMove, BALANCE_TOLERANCE,
+    balance, balance_lower_bound, balance_node, balance_ratio, loads, moves_between, rebalance_by_size, BalanceMove,
+    BALANCE_TOLERANCE,
 };
 pub use hash::{bucket_of, routing_key_of};
 pub use map::DistributionMap;

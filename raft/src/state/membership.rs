@@ -2,7 +2,7 @@
 
 use super::{rejected, ClusterState, Member, Registration, ReplicationMode, Transition};
 use crate::command::CommandResponse;
-use crate::distribution::{rebalance, DistributionMap, NodeId, BUCKET_COUNT};
+use crate::distribution::{rebalance_by_size, DistributionMap, NodeId, BUCKET_COUNT};
 
 impl ClusterState {
     pub(super) fn bootstrap(
@@ -92,7 +92,9 @@ impl ClusterState {
     pub(super) fn begin_transition(&mut self) -> CommandResponse {
         self.maintenance = None;
         let base = self.transition.as_ref().map(|t| &t.to).or(self.target.as_ref()).unwrap_or(&self.map);
-        let to = rebalance(base, &self.active_ids());
+        // By bytes when the leader recorded them, with bucket count as the tie-breaker; by
+        // count alone otherwise.
+        let to = rebalance_by_size(base, &self.active_ids(), &self.bucket_sizes);
         // Pending maps get versions above every map seen, so a version names one map.
         let version = self.map.version.max(base.version) + 1;
         self.transition_to(DistributionMap { version, owners: to.owners })

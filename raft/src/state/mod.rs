@@ -26,7 +26,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::{Deserialize, Serialize};
 
 use crate::command::{ClusterCommand, CommandResponse};
-use crate::distribution::{BucketId, DistributionMap, NodeId};
+use crate::distribution::{BucketId, DistributionMap, NodeId, BUCKET_COUNT};
 
 pub use maintenance::{Maintenance, MaintenancePhase, MaintenanceRefusal};
 
@@ -195,6 +195,10 @@ pub struct ClusterState {
     /// no copy is left, and they serve again, empty (not lost).
     #[serde(default)]
     pub away_promotions: BTreeSet<u16>,
+    /// Each bucket's bytes as the leader last recorded them before a membership change
+    /// (`RecordSizes`; empty: never): the maps of joins, leaves and failures balance them.
+    #[serde(default)]
+    pub bucket_sizes: Vec<u64>,
     /// Per member, the member that holds its replica: it has every write the member
     /// acknowledged, and inherits the member's buckets if it fails. It changes only when the
     /// member has attached all its buckets at the holder join order names (`ReplicaMoved`), so
@@ -257,6 +261,13 @@ impl ClusterState {
                 CommandResponse::Done
             }
             ClusterCommand::Rebalance { from_version, owners } => self.rebalance_to(*from_version, owners),
+            ClusterCommand::RecordSizes { sizes } => {
+                if sizes.len() != BUCKET_COUNT {
+                    return rejected(&format!("sizes of {BUCKET_COUNT} buckets, not {}", sizes.len()));
+                }
+                self.bucket_sizes = sizes.clone();
+                CommandResponse::Done
+            }
             ClusterCommand::NodeFailed { node_id } => self.node_failed(*node_id),
             ClusterCommand::HandOver { node_id, heir } => self.hand_over(*node_id, *heir),
             ClusterCommand::Promoted { node_id, buckets, lost } => self.promoted(*node_id, buckets, lost),
