@@ -54,7 +54,7 @@ pub enum Command {
     Rebalance(RebalanceArgs),
     /// Make a member leave the cluster (its buckets are spread over the others).
     Leave(LeaveArgs),
-    /// Member commands: `shoal node leave NAME|ID`.
+    /// Member commands: `shoal node leave NAME|ID`, `shoal node maintenance NAME|ID [--for 10m] [--end]`.
     #[command(subcommand)]
     Node(NodeCommand),
     /// Lost buckets: `shoal lost clear [BUCKET...]`.
@@ -330,7 +330,9 @@ pub struct ServeConfig {
     #[arg(long, env = "SHOAL_TRANSFER_RATE", default_value = "100MB", value_parser = parse_size)]
     pub transfer_rate: u64,
 
-    /// Connect timeout of node-to-node connections; 2 more attempts follow, 2 s apart (5s–30s).
+    /// Connect timeout of every connection a node opens to another (Raft, forwards, replica
+    /// writes, pings, bucket streams); a connect that fails is tried 2 more times, 2 s apart
+    /// (5s–30s).
     #[arg(long, env = "SHOAL_RECONNECT_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub reconnect_timeout: Duration,
 
@@ -485,10 +487,9 @@ impl ServeConfig {
         crate::transfer::TransferConfig {
             parallelism: self.transfer_parallelism,
             rate_bytes_per_sec: self.transfer_rate,
-            reconnect_timeout: self.reconnect_timeout,
+            open_timeout: crate::transport::http::Reconnect::with_timeout(self.reconnect_timeout).total(),
             check_interval: self.transfer_check_interval,
             stuck_after: self.transfer_stuck_after,
-            ..Default::default()
         }
     }
 

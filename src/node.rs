@@ -386,7 +386,7 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
         local_ip,
         secret.as_deref(),
         client_token.as_deref(),
-        config.reconnect_timeout,
+        crate::transport::http::Reconnect::with_timeout(config.reconnect_timeout),
         tls.as_ref().map(|t| t.client.clone()),
     ));
     let acceptor = tls.as_ref().map(crate::tls::NodeTls::acceptor);

@@ -61,31 +61,20 @@ pub struct Puller {
 }
 
 impl Puller {
-    /// A puller over `peers`, whose connections give up after `config.reconnect_timeout`.
+    /// A puller over `peers`, whose streams give up opening after `config.open_timeout`.
     pub fn new(peers: Peers, config: TransferConfig) -> Self {
         Puller { peers, config }
     }
 
-    /// Opens the stream `request` at `peer_addr`, with the reconnect attempts the
-    /// configuration asks for (three tries, two seconds apart, by default) when the connection
-    /// itself fails.
+    /// Opens the stream `request` at `peer_addr` (the transport makes the reconnect attempts
+    /// when the connection itself fails).
     async fn open(&self, from: NodeId, peer_addr: &str, request: StreamRequest) -> Result<FrameStream, PullError> {
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
-            match self.peers.open_stream(peer_addr, request, self.config.reconnect_timeout).await {
-                Ok(frames) => return Ok(frames),
-                Err(CallError::Refused { status, reason }) => {
-                    return Err(PullError::Refused { node: from, status, detail: reason });
-                }
-                Err(e) if attempt < 1 + self.config.reconnect_attempts => {
-                    tracing::debug!(node = from, error = %e, attempt, "cannot reach the source; retrying");
-                    tokio::time::sleep(self.config.reconnect_pause).await;
-                }
-                Err(e) => {
-                    return Err(PullError::Unreachable { node: from, addr: peer_addr.into(), detail: e.to_string() });
-                }
+        match self.peers.open_stream(peer_addr, request, self.config.open_timeout).await {
+            Ok(frames) => Ok(frames),
+            Err(CallError::Refused { status, reason }) => {
+                Err(PullError::Refused { node: from, status, detail: reason })
             }
+            Err(e) => Err(PullError::Unreachable { node: from, addr: peer_addr.into(), detail: e.to_string() }),
         }
     }
 

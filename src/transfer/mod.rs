@@ -37,12 +37,9 @@ pub struct TransferConfig {
     pub parallelism: usize,
     /// Most bytes per second one export sends (0: unlimited).
     pub rate_bytes_per_sec: u64,
-    /// Connect timeout of node-to-node connections (10 s, within 5–30 s).
-    pub reconnect_timeout: Duration,
-    /// Extra connection attempts after the first fails (2).
-    pub reconnect_attempts: u32,
-    /// Pause between connection attempts (2 s).
-    pub reconnect_pause: Duration,
+    /// How long opening a bucket stream may take, every connect attempt the reconnect policy
+    /// makes included (`Reconnect::total`: 34 s with the default 10 s connect timeout).
+    pub open_timeout: Duration,
     /// How often the leader checks transfers for progress (30 s).
     pub check_interval: Duration,
     /// No transfer activity for this long means stuck (3 min).
@@ -54,9 +51,7 @@ impl Default for TransferConfig {
         TransferConfig {
             parallelism: 1,
             rate_bytes_per_sec: 0,
-            reconnect_timeout: Duration::from_secs(10),
-            reconnect_attempts: 2,
-            reconnect_pause: Duration::from_secs(2),
+            open_timeout: crate::transport::http::Reconnect::default().total(),
             check_interval: Duration::from_secs(30),
             stuck_after: Duration::from_secs(180),
         }

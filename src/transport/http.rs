@@ -1,8 +1,11 @@
 //! [`HttpTransport`]: node-to-node messages over HTTP/1.1.
 //!
 //! One hyper-util client (its pool keeps idle keep-alive connections per peer, TCP_NODELAY)
-//! for every short call, and one for bucket streams, whose connect timeout is
-//! `--reconnect-timeout`. Both send from the node's own address when it set one (a node on its
+//! for every short call, and one for bucket streams. Every connection either opens (Raft's
+//! RPCs, forwards, replica writes, pings, links, bucket streams) follows the reconnect policy
+//! ([`Reconnect`]: `--reconnect-timeout` to connect, then two more attempts two seconds
+//! apart), in the connector itself, so no caller retries on its own. Both send from the node's
+//! own address when it set one (a node on its
 //! own loopback address, so firewall rules can tell nodes apart). Requests to a peer listener
 //! carry the cluster secret; forwarded key operations go to the owner's public API, which
 //! never sees the secret. A node with TLS speaks HTTPS to every peer (one scheme for every URL it
@@ -58,13 +61,76 @@ pub const TRANSFER_MEDIA_TYPE: &str = "application/vnd.shoal.transfer";
 /// How long a forwarded request may take before the caller gets `owner_unreachable`; the
 /// owner refuses it once this has passed (`HEADER_FORWARD_DEADLINE`).
 pub const FORWARD_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long opening a connection for a short call may take.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// How a node connects to another: each attempt may take `timeout`; one that fails is
+/// followed by `attempts` more, `pause` apart (the seed's socket reconnect policy).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reconnect {
+    /// How long one connect attempt may take (`--reconnect-timeout`, 5–30 s).
+    pub timeout: Duration,
+    /// Attempts after the first fails.
+    pub attempts: u32,
+    /// The pause before each of them.
+    pub pause: Duration,
+}
+
+impl Reconnect {
+    /// The policy with a connect timeout of `timeout`: 2 more attempts, 2 s apart.
+    pub fn with_timeout(timeout: Duration) -> Self {
+        Reconnect { timeout, attempts: 2, pause: Duration::from_secs(2) }
+    }
+
+    /// The longest connecting may take, every attempt and pause included.
+    pub fn total(&self) -> Duration {
+        self.timeout * (1 + self.attempts) + self.pause * self.attempts
+    }
+}
+
+impl Default for Reconnect {
+    fn default() -> Self {
+        Reconnect::with_timeout(Duration::from_secs(10))
+    }
+}
+
+/// A connector that connects as [`Reconnect`] says: an attempt that fails (refused, timed
+/// out) is made again after the pause, up to the policy's count.
+#[derive(Clone)]
+struct Reconnecting {
+    inner: HttpConnector,
+    policy: Reconnect,
+}
+
+impl tower::Service<Uri> for Reconnecting {
+    type Response = <HttpConnector as tower::Service<Uri>>::Response;
+    type Error = <HttpConnector as tower::Service<Uri>>::Error;
+    type Future = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, uri: Uri) -> Self::Future {
+        let (mut inner, policy) = (self.inner.clone(), self.policy);
+        Box::pin(async move {
+            let mut attempt = 0;
+            loop {
+                match tower::ServiceExt::oneshot(&mut inner, uri.clone()).await {
+                    Ok(io) => return Ok(io),
+                    Err(e) if attempt < policy.attempts => {
+                        attempt += 1;
+                        tracing::debug!(%uri, error = %e, attempt, "cannot connect to the peer; trying again");
+                        tokio::time::sleep(policy.pause).await;
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        })
+    }
+}
 
 /// Characters escaped in a key's path segment: all but unreserved ones.
 const SEGMENT: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'_').remove(b'~');
 
-type HttpClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
+type HttpClient = Client<HttpsConnector<Reconnecting>, Full<Bytes>>;
 
 /// The body of `POST /internal/maintenance`.
 #[derive(Debug, Clone, Copy, Serialize, serde::Deserialize)]
@@ -77,6 +143,8 @@ pub struct MaintenanceAsk {
 pub struct HttpTransport {
     calls: HttpClient,
     streams: HttpClient,
+    /// How connections open.
+    reconnect: Reconnect,
     /// `https` when the node has TLS (every peer has it too), else `http`.
     scheme: &'static str,
     secret: Option<HeaderValue>,
@@ -94,11 +162,11 @@ struct Answer {
     body: Bytes,
 }
 
-fn client(local_ip: Option<IpAddr>, connect_timeout: Duration, tls: &Arc<rustls::ClientConfig>) -> HttpClient {
+fn client(local_ip: Option<IpAddr>, policy: Reconnect, tls: &Arc<rustls::ClientConfig>) -> HttpClient {
     let mut connector = HttpConnector::new();
     connector.set_local_address(local_ip);
     connector.set_nodelay(true);
-    connector.set_connect_timeout(Some(connect_timeout));
+    connector.set_connect_timeout(Some(policy.timeout));
     // `http://` addresses go as they are; `https://` ones (a node with TLS) verify the peer
     // against the configured CA.
     connector.enforce_http(false);
@@ -106,7 +174,7 @@ fn client(local_ip: Option<IpAddr>, connect_timeout: Duration, tls: &Arc<rustls:
         .with_tls_config((**tls).clone())
         .https_or_http()
         .enable_http1()
-        .wrap_connector(connector);
+        .wrap_connector(Reconnecting { inner: connector, policy });
     Client::builder(TokioExecutor::new())
         .pool_timer(TokioTimer::new())
         .pool_max_idle_per_host(64)
@@ -116,13 +184,12 @@ fn client(local_ip: Option<IpAddr>, connect_timeout: Duration, tls: &Arc<rustls:
 
 impl HttpTransport {
     /// A transport sending from `local_ip` (when set), carrying `secret` to peer listeners,
-    /// whose bucket streams give up connecting after `stream_connect_timeout`; over HTTPS,
-    /// verifying peers as `tls` says, when given.
+    /// connecting as `reconnect` says; over HTTPS, verifying peers as `tls` says, when given.
     pub fn new(
         local_ip: Option<IpAddr>,
         secret: Option<&str>,
         client_token: Option<&str>,
-        stream_connect_timeout: Duration,
+        reconnect: Reconnect,
         tls: Option<Arc<rustls::ClientConfig>>,
     ) -> Self {
         let scheme = if tls.is_some() { "https" } else { "http" };
@@ -139,8 +206,9 @@ impl HttpTransport {
             })
         };
         HttpTransport {
-            calls: client(local_ip, CONNECT_TIMEOUT, &tls),
-            streams: client(local_ip, stream_connect_timeout, &tls),
+            calls: client(local_ip, reconnect, &tls),
+            streams: client(local_ip, reconnect, &tls),
+            reconnect,
             scheme,
             secret: secret.and_then(sensitive),
             bearer: client_token.and_then(|t| sensitive(&format!("Bearer {t}"))),
@@ -557,6 +625,8 @@ impl HttpTransport {
     fn open_link(&self, addr: &str) {
         let uri: Result<Uri, _> = self.url(addr, "/internal/link").parse();
         let (client, secret) = (self.calls.clone(), self.secret.clone());
+        // Connecting (every attempt), then the upgrade's answer.
+        let within = self.reconnect.total() + self.reconnect.timeout;
         self.links.open(addr, async move {
             let mut builder = Request::builder()
                 .method(Method::GET)
@@ -567,7 +637,7 @@ impl HttpTransport {
                 builder = builder.header(SECRET_HEADER, secret);
             }
             let request = builder.body(Full::new(Bytes::new())).map_err(|_| OpenError::Unsupported)?;
-            let response = tokio::time::timeout(CONNECT_TIMEOUT, client.request(request))
+            let response = tokio::time::timeout(within, client.request(request))
                 .await
                 .map_err(|_| OpenError::Unreachable)?
                 .map_err(|_| OpenError::Unreachable)?;
@@ -575,7 +645,7 @@ impl HttpTransport {
                 tracing::debug!(status = %response.status(), "the peer has no links: replica writes and forwarded reads go over HTTP");
                 return Err(OpenError::Unsupported);
             }
-            let upgraded = tokio::time::timeout(CONNECT_TIMEOUT, hyper::upgrade::on(response))
+            let upgraded = tokio::time::timeout(within, hyper::upgrade::on(response))
                 .await
                 .map_err(|_| OpenError::Unreachable)?
                 .map_err(|_| OpenError::Unreachable)?;
@@ -1187,7 +1257,7 @@ mod tests {
     }
 
     fn transport() -> HttpTransport {
-        HttpTransport::new(None, Some("s3cret"), None, Duration::from_secs(2), None)
+        HttpTransport::new(None, Some("s3cret"), None, Reconnect::with_timeout(Duration::from_secs(2)), None)
     }
 
     async fn write(transport: &HttpTransport, addr: &str, writes: usize) {
@@ -1438,5 +1508,47 @@ mod tests {
         assert!(!transport.has_link(&addr));
         assert_eq!((seen.http.load(Ordering::SeqCst), seen.link.load(Ordering::SeqCst)), (11, 0));
         assert_eq!(seen.upgrades.load(Ordering::SeqCst), 1, "not asked again at once");
+    }
+
+    /// A port nobody listens on until `after`, then a proxy to `target` there.
+    async fn listening_after(target: String, after: Duration) -> String {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("address").port();
+        let addr = format!("127.0.0.1:{port}");
+        let bind = addr.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(after).await;
+            let listener = tokio::net::TcpListener::bind(&bind).await.expect("bind again");
+            while let Ok((mut client, _)) = listener.accept().await {
+                let target = target.clone();
+                tokio::spawn(async move {
+                    if let Ok(mut server) = tokio::net::TcpStream::connect(&target).await {
+                        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                    }
+                });
+            }
+        });
+        addr
+    }
+
+    /// A peer that refuses the first two connects is reached on the third, two seconds
+    /// after the second (the reconnect policy, for every connection a node opens); one that
+    /// refuses the third too is unreachable.
+    #[tokio::test]
+    async fn a_peer_that_refuses_the_first_two_connects_is_reached_on_the_third() {
+        let (target, seen, _stop) = peer(false).await;
+        let transport = transport();
+        // Connects at 0, 2 and 4 s: the first two are refused.
+        let addr = listening_after(target.clone(), Duration::from_millis(3000)).await;
+        let started = tokio::time::Instant::now();
+        let answer = transport.call(&addr, PeerRequest::Replicate(request(1, b"x")), Duration::from_secs(20)).await;
+        assert!(matches!(answer, Ok(PeerAnswer::Replicated(ReplicaAnswer::Applied))), "{answer:?}");
+        assert!(started.elapsed() >= Duration::from_secs(4), "two attempts were refused: {:?}", started.elapsed());
+        assert_eq!(seen.http.load(Ordering::SeqCst), 1);
+        // Listening only after the third attempt: unreachable, after the two pauses.
+        let late = listening_after(target, Duration::from_secs(6)).await;
+        let started = tokio::time::Instant::now();
+        let answer = transport.call(&late, PeerRequest::Replicate(request(1, b"x")), Duration::from_secs(20)).await;
+        assert!(matches!(answer, Err(CallError::Unreachable(_))), "{answer:?}");
+        assert!(started.elapsed() >= Duration::from_secs(4), "{:?}", started.elapsed());
     }
 }

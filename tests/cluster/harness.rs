@@ -173,8 +173,12 @@ impl TestCluster {
         extra: impl FnOnce(&mut ServeConfig),
     ) -> Result<usize, node::StartError> {
         let slot = self.slots.len();
-        let api = bind("127.0.0.1:0".parse().expect("addr")).await;
-        let peer = bind("127.0.0.1:0".parse().expect("addr")).await;
+        // Ports below the kernel's ephemeral range: a node restarted on its ports finds them
+        // free (one the kernel handed out could meanwhile be the local port of another node's
+        // connection, which connection retries make likelier).
+        let port = || format!("127.0.0.1:{}", crate::process::free_port()).parse().expect("addr");
+        let api = bind(port()).await;
+        let peer = bind(port()).await;
         let mut config = ServeConfig::for_test(
             api.local_addr().expect("addr"),
             peer.local_addr().expect("addr"),

@@ -125,8 +125,14 @@ impl NodeProcess {
 
     /// Starts the process again with the same flags (ports, data dir), appending to its log.
     pub fn restart(&mut self) {
-        self.child = spawn(&self.args, &self.envs, &self.log, true);
+        self.relaunch();
         self.wait_ready();
+    }
+
+    /// [`Self::restart`] without waiting until it is ready (a member that needs others back
+    /// first to have a leader).
+    pub fn relaunch(&mut self) {
+        self.child = spawn(&self.args, &self.envs, &self.log, true);
     }
 
     /// Sends SIGTERM and waits (bounded) for the exit status.
