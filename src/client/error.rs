@@ -11,7 +11,10 @@ use shoal_raft::NodeId;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ClientError {
     /// A condition (`cas`, `mode`) did not hold; the item's current version when there is one.
-    #[error("precondition failed: {detail}")]
+    #[error("precondition failed: {}", match current_version {
+        Some(v) => format!("the key's current version is {v}"),
+        None => "the key does not exist".to_string(),
+    })]
     PreconditionFailed {
         /// The item's current version (absent: it has none).
         current_version: Option<u64>,
