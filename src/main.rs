@@ -101,10 +101,8 @@ fn serve(config: ServeConfig) -> Result<(), String> {
                     tracing::warn!(node_id, "the cluster failed this node while it was down");
                     join
                 }
-                Err(e) => {
-                    tracing::error!("{e}");
-                    return Err(e.to_string());
-                }
+                // Printed once, by `main`, as every command's error is.
+                Err(e) => return Err(e.to_string()),
             };
             // A failed node discards its stale data and Raft state and joins as a new member.
             shoal::node::discard_data_dir(&config.data_dir)?;
