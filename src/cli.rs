@@ -84,7 +84,17 @@ pub async fn run(command: Command) -> Result<(), CliError> {
                 return Err(CliError::new(EXIT_NOT_FOUND, format!("no value for {:?} (not_found, HTTP 404)", a.key)));
             };
             match a.client.output {
-                Output::Table => Ok(std::io::stdout().write_all(&value.bytes).map_err(|e| e.to_string())?),
+                Output::Table => {
+                    // On a terminal the value ends its line, so the prompt does not follow it;
+                    // piped, the bytes go out as they are.
+                    use std::io::IsTerminal;
+                    let mut out = std::io::stdout();
+                    out.write_all(&value.bytes).map_err(|e| e.to_string())?;
+                    if out.is_terminal() && !value.bytes.ends_with(b"\n") {
+                        out.write_all(b"\n").map_err(|e| e.to_string())?;
+                    }
+                    Ok(())
+                }
                 Output::Json => {
                     // Binary-safe, as the bulk API: text as `value`, anything else as `value_base64`.
                     let mut out = serde_json::json!({
@@ -357,7 +367,10 @@ pub async fn run(command: Command) -> Result<(), CliError> {
             let body: Value = response.json().await.map_err(|e| e.to_string())?;
             match a.client.output {
                 Output::Table => {
-                    println!("node {} left; map version {}", body["node_id"], body["map_version"]);
+                    println!(
+                        "node {} is leaving: its buckets move to the other members, then it stops (map version {}; `shoal status --watch` shows the progress)",
+                        body["node_id"], body["map_version"]
+                    );
                     if let Some(warning) = body["warning"].as_str() {
                         eprintln!("warning: {warning}");
                     }
@@ -698,16 +711,20 @@ pub fn status_table(view: &ClusterView) -> String {
 
 /// The maintenance line of `shoal status`.
 fn maintenance_line(m: &MaintenanceView) -> String {
-    if m.returned {
-        return format!(
+    match m.phase.as_str() {
+        "preparing" => format!(
+            "MAINTENANCE: node {} prepares (the replica it holds moves to the next member); it still serves its buckets and must not stop yet\n",
+            m.node_id
+        ),
+        "returned" => format!(
             "MAINTENANCE: node {} is back and takes its buckets back from node {}: {} left\n",
             m.node_id, m.served_by, m.buckets_left
-        );
+        ),
+        _ => format!(
+            "MAINTENANCE: node {} may be stopped: node {} serves its {} buckets; {:.0}s left for it to come back before it is failed\n",
+            m.node_id, m.served_by, m.buckets_left, m.seconds_left
+        ),
     }
-    format!(
-        "MAINTENANCE: node {} is away; node {} serves its {} buckets; {:.0}s left before it is failed\n",
-        m.node_id, m.served_by, m.buckets_left, m.seconds_left
-    )
 }
 
 /// The transition and transfer lines of `shoal status`: one progress bar per receiving node.
@@ -722,13 +739,20 @@ pub fn transfer_bars(view: &ClusterView, transfer: Option<&TransferView>) -> Str
         ));
     }
     let Some(transfer) = transfer else { return out };
-    if let Some(summary) = &view.transfer {
-        out.push_str(&format!(
+    let away = view.maintenance.as_ref().filter(|m| m.phase != "returned");
+    match (&view.transfer, away) {
+        // The map a maintenance keeps: nothing moves until the member returns.
+        (Some(summary), Some(m)) => out.push_str(&format!(
+            "state transfer to map version {}: {} buckets go back to node {} when it returns from maintenance\n",
+            summary.target_version, summary.buckets_left, m.node_id
+        )),
+        (Some(summary), None) => out.push_str(&format!(
             "state transfer to map version {}: {} buckets left{}\n",
             summary.target_version,
             summary.buckets_left,
             if summary.blocking { "" } else { " (flag cleared: membership may change)" }
-        ));
+        )),
+        (None, _) => {}
     }
     // Only nodes pulling now: a node whose round ended (or was replaced by a newer target)
     // keeps its last counts, which would read as a stuck bar.
@@ -778,9 +802,25 @@ fn human_bytes(bytes: u64) -> String {
     }
 }
 
+/// A balance ratio as text: "none" when a member holds nothing while another holds data (the
+/// ratio has no finite value).
+fn ratio_text(ratio: f64) -> String {
+    if ratio >= 1e9 {
+        "none (a member holds no data)".to_string()
+    } else {
+        format!("{ratio:.2}")
+    }
+}
+
+/// A rate per second as text, one decimal; never "-0.0" (a rate measured over a bucket that
+/// moved may come out a hair below zero).
+fn rate(per_sec: f64) -> String {
+    format!("{:.1}", if per_sec > 0.0 { per_sec } else { 0.0 })
+}
+
 /// `shoal buckets` as a table: each member's share, then the buckets asked for.
 pub fn buckets_table(view: &BucketsView) -> String {
-    let ratio = if view.balance_ratio >= 1e9 { "inf".to_string() } else { format!("{:.2}", view.balance_ratio) };
+    let ratio = ratio_text(view.balance_ratio);
     let mut out = format!(
         "leader {}, map version {}, {} in {} items, fullest/emptiest {ratio}, auto balance {}\n",
         view.leader,
@@ -799,8 +839,8 @@ pub fn buckets_table(view: &BucketsView) -> String {
             n.buckets.to_string(),
             n.items.to_string(),
             human_bytes(n.bytes),
-            format!("{:.1}", n.reads_per_sec),
-            format!("{:.1}", n.writes_per_sec),
+            rate(n.reads_per_sec),
+            rate(n.writes_per_sec),
             ago,
         ]
     });
@@ -815,8 +855,8 @@ pub fn buckets_table(view: &BucketsView) -> String {
             b.owner.to_string(),
             b.items.to_string(),
             human_bytes(b.bytes),
-            format!("{:.1}", b.reads_per_sec),
-            format!("{:.1}", b.writes_per_sec),
+            rate(b.reads_per_sec),
+            rate(b.writes_per_sec),
         ]
     });
     out.push('\n');
@@ -826,7 +866,7 @@ pub fn buckets_table(view: &BucketsView) -> String {
 
 /// `shoal rebalance` as text: what moves, each member before and after, how long.
 pub fn plan_table(plan: &RebalancePlan) -> String {
-    let ratio = |r: f64| if r >= 1e9 { "inf".to_string() } else { format!("{r:.2}") };
+    let ratio = ratio_text;
     let what = match plan.node_id {
         Some(n) => format!("node {n} to the average"),
         None => "every member".to_string(),
@@ -1032,6 +1072,46 @@ mod tests {
         let transfer = TransferView { nodes: vec![ended], ..transfer };
         let text = super::transfer_bars(&view, Some(&transfer));
         assert!(!text.contains("/84"), "{text}");
+        // During a maintenance the map it keeps is no transfer that runs: its buckets wait for
+        // the member; and a member that only prepares is not said to be away.
+        let maintenance = |phase: &str| shoal_http_api::types::MaintenanceView {
+            node_id: 2,
+            served_by: 3,
+            since_ms: 0,
+            until_ms: 600_000,
+            seconds_left: 600.0,
+            phase: phase.into(),
+            returned: phase == "returned",
+            buckets_left: 333,
+            ended: false,
+        };
+        let away = ClusterView { maintenance: Some(maintenance("away")), ..view.clone() };
+        let text = super::transfer_bars(&away, Some(&transfer));
+        assert!(text.contains("250 buckets go back to node 2 when it returns from maintenance"), "{text}");
+        let preparing = super::maintenance_line(&maintenance("preparing"));
+        assert!(preparing.contains("prepares") && !preparing.contains("may be stopped"), "{preparing}");
+        assert!(super::maintenance_line(&maintenance("away")).contains("may be stopped"));
+    }
+
+    #[test]
+    fn bucket_figures_print_no_inf_and_no_negative_zero() {
+        assert_eq!(super::rate(-0.0), "0.0");
+        assert_eq!(super::rate(-0.01), "0.0");
+        assert_eq!(super::rate(2.25), "2.2");
+        assert!(!super::ratio_text(f64::INFINITY).contains("inf"));
+        assert!(!super::ratio_text(1e12).contains("inf"));
+        assert_eq!(super::ratio_text(1.5), "1.50");
+    }
+
+    #[test]
+    fn a_failed_condition_says_what_the_key_holds() {
+        let e = crate::client::ClientError::PreconditionFailed {
+            current_version: Some(2),
+            detail: "precondition failed".into(),
+        };
+        assert_eq!(e.to_string(), "precondition failed: the key's current version is 2");
+        let e = crate::client::ClientError::PreconditionFailed { current_version: None, detail: "x".into() };
+        assert_eq!(e.to_string(), "precondition failed: the key does not exist");
     }
 
     #[test]
