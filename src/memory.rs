@@ -1,10 +1,14 @@
 //! Memory the node spends besides its stores: request bodies in flight are bounded here.
 //!
-//! A body is admitted before it is read, for its `Content-Length` (or the largest body the
-//! route takes, when it has none) times [`COPIES`]: the body itself, and the copy the store or
-//! the parsed request keeps while the request runs. When bodies in flight already hold the
-//! whole budget, the next one waits up to [`ADMIT_WAIT`], then is refused (503 `overloaded`)
-//! instead of growing the process. A body larger than the whole budget is admitted alone.
+//! A body is admitted before it is read, for what its request keeps alive (its
+//! `Content-Length`, or the largest body the route takes when it has none; a bulk body twice,
+//! as it came and parsed) times [`COPIES`]: that, and the copy the store, the replica's frames
+//! or a forward keep while the request runs. When bodies in flight already hold the whole
+//! budget, the next one waits up to [`ADMIT_WAIT`], then is refused (503 `overloaded`, with
+//! `Retry-After`) instead of growing the process. A body the whole budget could never hold is
+//! refused at once (413): waiting would not help, and run alone it took the process past its
+//! limit (a 57 MiB bulk body in a 256 MiB node). The routes' limits are made from the budget so
+//! that a body within them always fits (`node.rs`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -41,12 +45,22 @@ impl BodyBudget {
         (u64::from(self.total_kib) - self.kib.available_permits() as u64) * 1024
     }
 
-    /// Admits a body of `bytes`: its permit, held until the request is answered.
+    /// The most a request may keep alive and still be admitted (the budget, over [`COPIES`]).
+    pub fn largest(&self) -> u64 {
+        self.bytes() / COPIES
+    }
+
+    /// Admits a body whose request keeps `bytes` alive: its permit, held until the request is
+    /// answered.
     pub async fn admit(&self, bytes: usize) -> Result<BodyPermit, ApiError> {
-        let kib = (bytes as u64 * COPIES).div_ceil(1024).min(u64::from(self.total_kib)) as u32;
+        let kib = (bytes as u64 * COPIES).div_ceil(1024);
         if kib == 0 {
             return Ok(BodyPermit::unbounded());
         }
+        if kib > u64::from(self.total_kib) {
+            return Err(ApiError::ValueTooLarge { limit: self.largest() as usize });
+        }
+        let kib = kib as u32;
         // Room at once (the usual case) needs no timer.
         if let Ok(permit) = self.kib.clone().try_acquire_many_owned(kib) {
             return Ok(BodyPermit::new(permit));
@@ -69,7 +83,7 @@ mod tests {
     use super::*;
 
     #[tokio::test]
-    async fn bodies_wait_for_room_and_a_huge_one_runs_alone() {
+    async fn bodies_wait_for_room_and_one_the_budget_could_never_hold_is_refused_at_once() {
         let budget = BodyBudget::new(4 << 20);
         let a = budget.admit(1 << 20).await.expect("room for 2 MiB");
         let b = budget.admit(1 << 20).await.expect("room for 2 more");
@@ -80,10 +94,15 @@ mod tests {
         assert!(refused.is_err_and(|e| e.code() == "overloaded"), "no room: refused after the wait");
         assert!(started.elapsed() >= ADMIT_WAIT);
         drop((a, b));
-        let huge = budget.admit(100 << 20).await.expect("a body over the whole budget runs alone");
-        assert_eq!(budget.in_use(), 4 << 20);
-        drop(huge);
+        // Over the whole budget: refused at once, naming the largest request it takes.
+        let started = tokio::time::Instant::now();
+        let huge = budget.admit((2 << 20) + 1).await;
+        assert!(huge.is_err_and(|e| e.code() == "value_too_large" && e.to_string().contains("2097152")));
+        assert!(started.elapsed() < ADMIT_WAIT, "at once: waiting cannot help");
         assert_eq!(budget.in_use(), 0);
+        let whole = budget.admit(2 << 20).await.expect("the whole budget fits");
+        assert_eq!(budget.in_use(), 4 << 20);
+        drop(whole);
     }
 
     /// Small bodies that find room at once do not overtake a large one already waiting: the

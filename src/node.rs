@@ -330,6 +330,28 @@ impl NodeHandle {
     }
 }
 
+/// The routes' limits: as configured, and never more than the body budget holds, so that a
+/// body within them is always admitted (a value counts twice in the budget, itself and the
+/// store's copy; a bulk body four times, as it came and parsed, and their copies).
+fn limits_of(config: &ServeConfig) -> Limits {
+    let largest = (config.body_budget() / crate::memory::COPIES) as usize;
+    let max_value_bytes = (config.max_value_bytes as usize).min(largest);
+    if max_value_bytes < config.max_value_bytes as usize {
+        tracing::warn!(
+            max_value_bytes,
+            memory_limit = ?config.memory_limit,
+            "--max-value-bytes is more than this node's --memory-limit lets bodies take (an eighth of it, each twice): values above this are refused"
+        );
+    }
+    let bulk = (max_value_bytes * 4 / 3 + (64 << 10)).max(64 << 20);
+    Limits {
+        max_key_bytes: config.max_key_bytes,
+        max_value_bytes,
+        max_bulk_body_bytes: bulk.min(largest / shoal_http_api::PARSED_COPIES),
+        ..Limits::default()
+    }
+}
+
 /// The most recording that a node stops may take before its maintenance (a Raft commit; one
 /// that does not come means no majority answers).
 const RECORD_STOP_WAIT: Duration = Duration::from_secs(5);
@@ -563,11 +585,7 @@ pub async fn start_in(
     let cache = Arc::new(CacheStore::new(config.cache_size, Clock::new()).with_policy(config.eviction));
     let metrics = Arc::new(NodeMetrics::new());
     metrics.state.memory_limit_bytes.set(config.memory_limit.unwrap_or(0) as f64);
-    let limits = Limits {
-        max_key_bytes: config.max_key_bytes,
-        max_value_bytes: config.max_value_bytes as usize,
-        ..Limits::default()
-    };
+    let limits = limits_of(&config);
     let transfer_config = config.transfer_config();
     let progress = Arc::new(Progress::default());
     // Buckets handed to this node in a transfer that is still running come back from their

@@ -34,11 +34,18 @@ pub struct Limits {
     pub max_value_bytes: usize,
     /// Most keys in one bulk request.
     pub max_bulk_keys: usize,
+    /// Longest bulk request body (and bulk answer), in bytes.
+    pub max_bulk_body_bytes: usize,
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_key_bytes: 4096, max_value_bytes: 16 * 1024 * 1024, max_bulk_keys: 10_000 }
+        Limits {
+            max_key_bytes: 4096,
+            max_value_bytes: 16 * 1024 * 1024,
+            max_bulk_keys: 10_000,
+            max_bulk_body_bytes: 64 * 1024 * 1024,
+        }
     }
 }
 

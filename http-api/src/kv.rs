@@ -501,7 +501,7 @@ pub(crate) async fn put_key_at<N: ShoalApi>(node: Arc<N>, key: Result<String, Ap
             put_options(q.ttl.as_deref(), q.sliding.as_deref(), split_tags(q.tags.as_deref()), cas, mode)?;
         options.priority = priority(q.priority.as_deref())?;
         let ctx = route_context(&parts.headers, q.redirect.as_deref())?;
-        let (value, _admitted) = admitted_body(&*node, &parts.headers, body, limits.max_value_bytes).await?;
+        let (value, _admitted) = admitted_body(&*node, &parts.headers, body, limits.max_value_bytes, 1).await?;
         let ok = node.put(PutItem { key, value, options }, ctx).await?;
         let mut out = Vec::with_capacity(64 + ok.key.len());
         json::write_put_ok(&mut out, &ok);
@@ -557,9 +557,10 @@ pub(crate) async fn admitted_body<N: ShoalApi>(
     headers: &HeaderMap,
     body: Body,
     limit: usize,
+    copies: usize,
 ) -> Result<(Bytes, crate::api::BodyPermit), ApiError> {
     let length = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
-    let permit = node.admit_body(length.unwrap_or(limit).min(limit)).await?;
+    let permit = node.admit_body(length.unwrap_or(limit).min(limit) * copies).await?;
     Ok((read_body(body, limit).await?, permit))
 }
 
@@ -611,7 +612,7 @@ async fn read_json<N: ShoalApi, T: DeserializeOwned>(
     body: Body,
     limit: usize,
 ) -> Result<(T, crate::api::BodyPermit), ApiError> {
-    let (bytes, permit) = admitted_body(node, headers, body, limit).await?;
+    let (bytes, permit) = admitted_body(node, headers, body, limit, PARSED_COPIES).await?;
     Ok((json_object(&bytes)?, permit))
 }
 
@@ -625,8 +626,12 @@ pub(crate) fn json_object<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiErro
 
 /// The body limit of bulk requests: room for a full batch of small items, or one big value.
 fn bulk_body_limit(limits: &Limits) -> usize {
-    (limits.max_value_bytes * 4 / 3 + 64 * 1024).max(64 * 1024 * 1024)
+    limits.max_bulk_body_bytes
 }
+
+/// What a JSON request keeps alive for each byte of its body: the body as it came and, parsed,
+/// an owned copy of every value (its admission counts both).
+pub const PARSED_COPIES: usize = 2;
 
 fn key_error(e: &ApiError) -> KeyError {
     KeyError::of(e)

@@ -41,7 +41,9 @@ pub use cluster::{
 };
 pub use error::{code, ApiError, Problem, Unavailable, PROBLEM_JSON};
 pub use fast::{is_key_request, service, ApiService};
-pub use kv::{check_key, format_duration, parse_duration, put_options, unix_ms, value_response, MAX_EXPIRY};
+pub use kv::{
+    check_key, format_duration, parse_duration, put_options, unix_ms, value_response, MAX_EXPIRY, PARSED_COPIES,
+};
 
 use axum::http::HeaderName;
 

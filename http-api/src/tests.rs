@@ -47,7 +47,7 @@ const ME: NodeId = 1;
 
 impl ShoalApi for FakeNode {
     fn limits(&self) -> Limits {
-        Limits { max_key_bytes: 16, max_value_bytes: 64, max_bulk_keys: 4 }
+        Limits { max_key_bytes: 16, max_value_bytes: 64, max_bulk_keys: 4, max_bulk_body_bytes: 64 << 20 }
     }
 
     async fn get(&self, key: String, ctx: RouteContext) -> Result<GetOk, ApiError> {

@@ -87,8 +87,20 @@ use crate::transport::{CallError, ReplicaAnswer, ReplicaReport, Replicate};
 const CATCH_UP: Duration = Duration::from_secs(2);
 /// How many queued changes one batch sends.
 const BATCH: usize = 512;
-/// The async queue's bound; past it the queue is dropped and the buckets re-attached.
+/// The async queue's bound in changes; past it the queue is dropped and the buckets
+/// re-attached.
 const QUEUE_LIMIT: usize = 200_000;
+/// The async queue's bound in bytes (keys and values), likewise: a queue of large values must
+/// not take the process past its memory limit.
+const QUEUE_BYTES: u64 = 32 << 20;
+
+/// The bytes a queued change holds.
+fn change_bytes(change: &Change) -> u64 {
+    match change {
+        Change::Put(item) => (item.key.len() + item.value.len()) as u64,
+        Change::Delete { key, .. } | Change::Expire { key, .. } => key.len() as u64 + 16,
+    }
+}
 
 /// A member holding a bucket's replica, as the writer sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -197,6 +209,8 @@ pub struct Replicator {
     /// Sender side: numbers every request, increasing across restarts (starts at the clock).
     seq: AtomicU64,
     queue: Mutex<VecDeque<Queued>>,
+    /// The bytes the queued changes hold (changed under the queue's lock).
+    queue_bytes: AtomicU64,
     /// Changes taken off the queue and not acknowledged yet.
     sending: AtomicU64,
     queued: Notify,
@@ -236,6 +250,7 @@ impl Replicator {
             applied: (0..BUCKET_COUNT).map(|_| Mutex::new((0, 0))).collect(),
             seq: AtomicU64::new(first_seq.max(1)),
             queue: Mutex::new(VecDeque::new()),
+            queue_bytes: AtomicU64::new(0),
             sending: AtomicU64::new(0),
             queued: Notify::new(),
             moving_to: AtomicU64::new(0),
@@ -454,13 +469,17 @@ impl Replicator {
             return;
         }
         let mut queue = self.queue.lock();
-        if queue.len() + changes.len() > QUEUE_LIMIT {
+        let bytes: u64 = changes.iter().map(change_bytes).sum();
+        let queued = self.queue_bytes.load(Ordering::Acquire);
+        if queue.len() + changes.len() > QUEUE_LIMIT || queued + bytes > QUEUE_BYTES {
             tracing::warn!(holder = holder.id, "replication queue full; replicas are rebuilt from snapshots");
             queue.clear();
+            self.queue_bytes.store(0, Ordering::Release);
             drop(queue);
             self.detach_all();
             return;
         }
+        self.queue_bytes.fetch_add(bytes, Ordering::AcqRel);
         let at = Instant::now();
         for c in changes {
             queue.push_back(Queued { bucket, holder: holder.clone(), change: c.clone(), at });
@@ -489,7 +508,11 @@ impl Replicator {
             let n = queue.len().min(BATCH);
             self.sending.store(n as u64, Ordering::Release);
             *self.sending_since.lock() = queue.front().map(|q| q.at);
-            queue.drain(..n).collect()
+            let batch: Vec<Queued> = queue.drain(..n).collect();
+            let bytes: u64 = batch.iter().map(|q| change_bytes(&q.change)).sum();
+            let _ =
+                self.queue_bytes.fetch_update(Ordering::AcqRel, Ordering::Acquire, |b| Some(b.saturating_sub(bytes)));
+            batch
         };
         // Per holder, per bucket, the changes in queue order; every bucket's changes go to the
         // holder's lane at once, which batches them (`batch.rs`).

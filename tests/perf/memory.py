@@ -149,6 +149,48 @@ def bulk_get_bomb(node, shoal):
         return {"status": e.code}
 
 
+def bulk_bodies(node, body_mib, parallel, total_mib):
+    """Bulk puts whose JSON bodies are `body_mib` MiB each (items of 100 KiB), `parallel` at a
+    time, until `total_mib` MiB were sent; counts the answers by status (a body over the
+    node's bulk limit is 413 before it is read; a full budget is 503 with Retry-After)."""
+    item = 100 * 1024
+    per_body = max(1, body_mib * MIB // (item + 64))
+    bodies = max(1, total_mib // body_mib)
+    statuses, lock = {}, threading.Lock()
+    counter = iter(range(bodies))
+
+    def send(i):
+        items = [{"key": f"bulk-{i}-{j}", "value": "v" * item} for j in range(per_body)]
+        data = json.dumps({"items": items}).encode()
+        req = urllib.request.Request(node.base + "/v1/bulk/put", data=data, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                r.read()
+                status = r.status
+        except urllib.error.HTTPError as e:
+            status = e.code
+            if status == 503 and not e.headers.get("Retry-After"):
+                status = "503 without Retry-After"
+        except OSError as e:
+            status = type(e).__name__
+        with lock:
+            statuses[status] = statuses.get(status, 0) + 1
+
+    def worker():
+        for i in counter:
+            send(i)
+
+    threads = [threading.Thread(target=worker) for _ in range(parallel)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    alive = node.proc.poll() is None
+    return {"note": "answers " + ", ".join(f"{k}: {v}" for k, v in sorted(statuses.items(), key=str))
+            + ("" if alive else "; THE NODE DIED")}
+
+
 def replicas(shoal, first, limit, env_extra, value_size):
     """Three members (sync replication): every node holds its own items and another's replica,
     both stores full; the highest peak of the three counts."""
@@ -203,6 +245,12 @@ PATTERNS = {
              lambda shoal, n: slow_bodies(n)),
     "bulk-get": ("1000 x 1 MiB values read back in one bulk get",
                  lambda shoal, n: bulk_get_bomb(n, shoal)),
+    "bulk-57": ("500 MB in 57 MiB bulk bodies, one at a time",
+                lambda shoal, n: bulk_bodies(n, 57, 1, 500)),
+    "bulk-57x4": ("57 MiB bulk bodies, four at a time, 12 in all",
+                  lambda shoal, n: bulk_bodies(n, 57, 4, 57 * 12)),
+    "bulk-8x4": ("8 MiB bulk bodies (the limit at 256 MiB), four at a time, 500 MB in all",
+                 lambda shoal, n: bulk_bodies(n, 8, 4, 500)),
 }
 
 
