@@ -390,17 +390,7 @@ async fn send(
     body: Option<Vec<u8>>,
 ) -> Result<reqwest::Response, CliError> {
     let ca = ca_pem(client)?;
-    let base = match (client.addr.contains("://"), &ca) {
-        (true, _) => client.addr.clone(),
-        (false, Some(_)) => format!("https://{}", client.addr),
-        (false, None) => format!("http://{}", client.addr),
-    };
     let usage = |m: String| CliError::new(EXIT_USAGE, m);
-    let mut url = Url::parse(&base).map_err(|e| usage(format!("--addr {:?}: {e}", client.addr)))?;
-    url.path_segments_mut()
-        .map_err(|_| usage(format!("--addr {:?} cannot have a path", client.addr)))?
-        .clear()
-        .extend(path);
     let mut http = reqwest::Client::builder().no_proxy();
     if let Some(pem) = &ca {
         // Only the given CA: nodes' certificates come from the cluster's own CA.
@@ -410,18 +400,37 @@ async fn send(
         }
     }
     let http = http.build().map_err(|e| e.to_string())?;
-    let token = shoal_http_api::token_for(url.path(), client.client_token.as_ref(), client.admin_token.as_ref());
-    let mut request = http.request(method, url).query(query);
-    if let Some(token) = token {
-        request = request.bearer_auth(token.expose());
+    // The nodes of --addr in turn, as etcdctl --endpoints: the next one when a node cannot be
+    // reached; any answer (an error too) is the answer.
+    let mut unreachable = Vec::new();
+    let mut answered = None;
+    for addr in client.addrs() {
+        let base = match (addr.contains("://"), &ca) {
+            (true, _) => addr.to_string(),
+            (false, Some(_)) => format!("https://{addr}"),
+            (false, None) => format!("http://{addr}"),
+        };
+        let mut url = Url::parse(&base).map_err(|e| usage(format!("--addr {addr:?}: {e}")))?;
+        url.path_segments_mut().map_err(|_| usage(format!("--addr {addr:?} cannot have a path")))?.clear().extend(path);
+        let token = shoal_http_api::token_for(url.path(), client.client_token.as_ref(), client.admin_token.as_ref());
+        let mut request = http.request(method.clone(), url).query(query);
+        if let Some(token) = token {
+            request = request.bearer_auth(token.expose());
+        }
+        if let Some(body) = &body {
+            request = request.body(body.clone());
+        }
+        match request.send().await {
+            Ok(response) => {
+                answered = Some(response);
+                break;
+            }
+            Err(e) => unreachable.push(format!("{addr}: {}", crate::client::error_chain(&e))),
+        }
     }
-    if let Some(body) = body {
-        request = request.body(body);
-    }
-    let response = request
-        .send()
-        .await
-        .map_err(|e| CliError::new(EXIT_UNAVAILABLE, format!("cannot reach {}: {e}", client.addr)))?;
+    let Some(response) = answered else {
+        return Err(CliError::new(EXIT_UNAVAILABLE, format!("cannot reach {}", unreachable.join("; "))));
+    };
     if response.status().is_success() {
         return Ok(response);
     }
@@ -444,7 +453,8 @@ fn ca_pem(client: &ClientArgs) -> Result<Option<Vec<u8>>, CliError> {
 
 /// A client of the cluster `--addr` belongs to, for one command (no map watch).
 async fn connect(client: &ClientArgs) -> Result<crate::client::Client, CliError> {
-    let mut builder = crate::client::Client::builder([client.addr.trim_end_matches('/')]).watch_map(false);
+    let addrs: Vec<&str> = client.addrs().into_iter().map(|a| a.trim_end_matches('/')).collect();
+    let mut builder = crate::client::Client::builder(addrs).watch_map(false);
     if let Some(pem) = ca_pem(client)? {
         builder = builder.tls_ca(pem);
     }

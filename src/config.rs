@@ -632,7 +632,8 @@ pub enum Output {
 /// Options of every client command.
 #[derive(Debug, Clone, Args)]
 pub struct ClientArgs {
-    /// API address of any node.
+    /// API address of any node, or several, comma-separated: the next is tried when a node
+    /// cannot be reached.
     #[arg(long, env = "SHOAL_ADDR", default_value = "127.0.0.1:7000", global = true)]
     pub addr: String,
     /// Output format.
@@ -708,6 +709,13 @@ pub struct StatusArgs {
     /// Where to connect and how to print.
     #[command(flatten)]
     pub client: ClientArgs,
+}
+
+impl ClientArgs {
+    /// The nodes of `--addr`, in order.
+    pub fn addrs(&self) -> Vec<&str> {
+        self.addr.split(',').map(str::trim).filter(|a| !a.is_empty()).collect()
+    }
 }
 
 /// `shoal node ...`.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs every test of shoal on a fresh machine: installs what the tests need (curl for the
-# README examples, nft/ip/unshare for the fault tests; the deploy and observability checks
+# README examples, openssl for the README's certificates, nft/ip/unshare for the fault tests; the deploy and observability checks
 # install kubectl, kubernetes-validate and promtool themselves), then checks formatting and
 # lints and runs the whole test suite.
 # Usage: tests/run.sh            (CI runs exactly this through .ci/run)
@@ -22,6 +22,7 @@ install curl curl
 install nft nftables   # the fault tests cut links with nft rules
 install ip iproute2
 install unshare util-linux
+install openssl openssl   # the README's commands that make a CA and node certificates
 
 # .cargo/config.toml builds with --cfg tokio_unstable, which lets the deterministic simulation
 # seed tokio's own random choices; a RUSTFLAGS from the environment replaces that setting, so

@@ -60,7 +60,7 @@ pub enum ClientError {
         detail: String,
     },
     /// A node could not be reached (through its grace window), or the connection broke.
-    #[error("connection to node {node:?} failed: {detail}{}", if *maybe_applied { " (the write may have been applied)" } else { "" })]
+    #[error("connection to {} failed: {detail}{}", node.map_or("the node".to_string(), |n| format!("node {n}")), if *maybe_applied { " (the write may have been applied)" } else { "" })]
     Connection {
         /// The node, when one is known.
         node: Option<NodeId>,
@@ -108,8 +108,27 @@ impl ClientError {
         if e.is_timeout() {
             return ClientError::Timeout { maybe_applied };
         }
-        ClientError::Connection { node, detail: e.to_string(), maybe_applied }
+        ClientError::Connection { node, detail: error_chain(e), maybe_applied }
     }
+}
+
+/// An error with every cause under it ("error sending request" alone hides why), and a hint
+/// when the cause is the wrong scheme: TLS spoken to a node that answers plain HTTP.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let more = c.to_string();
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        cause = c.source();
+    }
+    if text.contains("InvalidContentType") {
+        text.push_str(" (the node answered plain HTTP: use http:// and no --cacert)");
+    }
+    text
 }
 
 /// The `Retry-After` of an answer.

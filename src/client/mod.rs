@@ -55,7 +55,7 @@ use shoal_raft::NodeId;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-pub use error::ClientError;
+pub use error::{error_chain, ClientError};
 pub use routes::Routes;
 pub use shoal_http_api::types::{BulkPutItem as PutItem, FoundKey, Priority, PutOk, ReadFrom};
 

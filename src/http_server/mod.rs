@@ -116,6 +116,12 @@ where
                         match tls {
                             None => serve_connection(&builder, io, service, simple, stop).await,
                             Some(acceptor) => {
+                                if speaks_plain_http(&io.tcp).await {
+                                    refuse_plain_http(io).await;
+                                    open.decrement(1.0);
+                                    drop(held);
+                                    return;
+                                }
                                 match tokio::time::timeout(crate::tls::HANDSHAKE_TIMEOUT, acceptor.accept(io)).await {
                                     Ok(Ok(stream)) => serve_connection(&builder, stream, service, simple, stop).await,
                                     Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
@@ -136,6 +142,35 @@ where
             tracing::warn!("requests still running after {DRAIN_TIMEOUT:?}; closing their connections");
         }
     })
+}
+
+/// Whether a client on a TLS listener opened with plain HTTP (its first byte is not a TLS
+/// handshake record's, 0x16, but a letter, as a request line starts), peeked within the
+/// handshake timeout.
+async fn speaks_plain_http(tcp: &TcpStream) -> bool {
+    let mut first = [0u8; 1];
+    let peeked = tokio::time::timeout(crate::tls::HANDSHAKE_TIMEOUT, tcp.peek(&mut first)).await;
+    matches!(peeked, Ok(Ok(1))) && first[0].is_ascii_alphabetic()
+}
+
+/// Answers a plain HTTP request on a TLS listener with 400, as nginx and Go's servers do,
+/// saying how to reach it, and closes the connection.
+async fn refuse_plain_http(mut io: Counted) {
+    use tokio::io::AsyncWriteExt;
+    let problem = shoal_http_api::ApiError::BadRequest(
+        "this node speaks HTTPS: use https:// (and the CA that signed its certificate: curl --cacert, shoal --cacert)"
+            .into(),
+    )
+    .problem();
+    let body = serde_json::to_vec(&problem).unwrap_or_default();
+    let head = format!(
+        "HTTP/1.1 400 Bad Request\r\ncontent-type: {}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        shoal_http_api::PROBLEM_JSON,
+        body.len()
+    );
+    let _ = io.write_all(head.as_bytes()).await;
+    let _ = io.write_all(&body).await;
+    let _ = io.shutdown().await;
 }
 
 /// Serves one connection until it ends: first the requests `simple` names without hyper, then,

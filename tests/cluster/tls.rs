@@ -64,6 +64,38 @@ impl TlsFiles {
     }
 }
 
+/// The README's openssl commands make a CA and a node certificate that a node serves with, and
+/// that curl and the CLI trust.
+#[test]
+fn the_readme_s_openssl_commands_make_certificates_a_node_serves_with() {
+    let readme = include_str!("../../README.md");
+    let start = readme.find("<!-- readme-tls:begin -->").expect("begin marker");
+    let end = readme.find("<!-- readme-tls:end -->").expect("end marker");
+    let script: String = readme[start..end]
+        .lines()
+        .filter(|l| !l.starts_with("```") && !l.starts_with("<!--"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let dir = tempfile::tempdir().expect("dir");
+    let made = std::process::Command::new("sh").arg("-ec").arg(&script).current_dir(dir.path()).output().expect("sh");
+    assert!(made.status.success(), "the README's openssl commands: {}", String::from_utf8_lossy(&made.stderr));
+    let path = |name: &str| dir.path().join(name).display().to_string();
+    let (cert, key, ca) = (path("node1.crt"), path("node1.key"), path("ca.crt"));
+    let node = NodeProcess::start_tls(
+        &dir.path().join("data"),
+        &["--tls-cert", &cert, "--tls-key", &key, "--tls-ca", &ca],
+        &ca,
+    );
+    let curl = std::process::Command::new("curl")
+        .args(["-sf", "--cacert", &ca, &format!("https://{}/v1/cluster/health", node.addr)])
+        .output()
+        .expect("curl");
+    assert!(curl.status.success(), "curl --cacert: {}", String::from_utf8_lossy(&curl.stderr));
+    let status = client_with_env(&node.addr, &["status", "--cacert", &ca], &[]);
+    assert!(status.status.success(), "shoal status --cacert: {}", String::from_utf8_lossy(&status.stderr));
+    node.terminate();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cluster_with_tls_serves_https_on_both_listeners_and_only_clients_that_trust_its_ca_reach_it() {
     let dir = tempfile::tempdir().expect("dir");
@@ -120,8 +152,13 @@ async fn a_cluster_with_tls_serves_https_on_both_listeners_and_only_clients_that
     let plain = reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(10)).build().expect("client");
     let api = cluster.api(0);
     let peer = cluster.node(0).peer_addr();
-    assert!(plain.get(format!("http://{api}/v1/cluster")).send().await.is_err(), "plain HTTP to the API");
-    assert!(plain.get(format!("http://{peer}/internal/transfer/status")).send().await.is_err(), "plain HTTP to peers");
+    // Plain HTTP to either listener is answered 400, saying to use HTTPS (as nginx does).
+    for url in [format!("http://{api}/v1/cluster"), format!("http://{peer}/internal/transfer/status")] {
+        let r = plain.get(&url).send().await.expect("an answer");
+        assert_eq!(r.status().as_u16(), 400, "{url}");
+        let problem: serde_json::Value = r.json().await.expect("a problem document");
+        assert!(problem["detail"].as_str().is_some_and(|d| d.contains("speaks HTTPS")), "{url}: {problem}");
+    }
     let peer_answer = cluster.http.get(format!("https://{peer}/internal/transfer/status")).send().await;
     assert!(peer_answer.expect("the peer listener over TLS").status().is_success());
 
@@ -179,10 +216,17 @@ fn the_cli_reaches_a_tls_node_with_its_ca_and_not_without() {
     assert!(status.status.success(), "status: {}", String::from_utf8_lossy(&status.stderr));
 
     let without = client_with_env(&node.addr, &["status"], &[]);
-    assert_eq!(without.status.code(), Some(4), "plain HTTP to a TLS node is unavailable");
+    let said = String::from_utf8_lossy(&without.stderr).to_string();
+    assert_eq!(without.status.code(), Some(2), "plain HTTP to a TLS node is refused: {said}");
+    assert!(said.contains("this node speaks HTTPS"), "{said}");
     let stranger = Ca::new("another CA").node_files(dir.path(), "stranger");
     let other = client_with_env(&node.addr, &["get", "greeting", "--cacert", &stranger.ca.display().to_string()], &[]);
     assert_eq!(other.status.code(), Some(4), "a CLI trusting another CA");
+    let said = String::from_utf8_lossy(&other.stderr).to_string();
+    assert!(said.contains("certificate") && !said.contains("node None"), "the error says why: {said}");
+    // Several nodes in --addr: one that does not answer is passed over.
+    let listed = client_with_env(&format!("127.0.0.1:1,{}", node.addr), &["status", "--cacert", &ca_path], &[]);
+    assert!(listed.status.success(), "the next node of --addr: {}", String::from_utf8_lossy(&listed.stderr));
     let junk = client_with_env(&node.addr, &["status", "--cacert", &key], &[]);
     assert_eq!(junk.status.code(), Some(2), "a key given as the CA is a usage error");
     assert!(String::from_utf8_lossy(&junk.stderr).contains("--cacert"), "{}", String::from_utf8_lossy(&junk.stderr));
