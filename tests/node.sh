@@ -4,11 +4,13 @@
 # on exit (SIGTERM, then SIGKILL after 15 s).
 #   start_node BIN [serve flags...]   sets $node_pid and $base, waits (60 s) for /readyz 200;
 #                                     on failure prints the node's log and calls die.
+#   stop_node                         stops it by its PID and removes its data dir (the next
+#                                     start_node starts afresh).
 # The sourcing script defines die().
 
 work=$(mktemp -d)
 node_pid=""
-cleanup() {
+stop_node() {
     if [ -n "$node_pid" ] && kill -0 "$node_pid" 2>/dev/null; then
         kill -TERM "$node_pid" 2>/dev/null || true
         # The node drains for up to 10 s on SIGTERM; kill it if it takes longer than 15 s.
@@ -16,6 +18,11 @@ cleanup() {
         kill -KILL "$node_pid" 2>/dev/null || true
         wait "$node_pid" 2>/dev/null || true
     fi
+    node_pid=""
+    rm -rf "$work/data"
+}
+cleanup() {
+    stop_node
     rm -rf "$work"
 }
 trap cleanup EXIT

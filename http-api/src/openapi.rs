@@ -79,10 +79,11 @@ fn complete(doc: &mut Value) {
     schemas["ClusterConfig"]["minProperties"] = json!(1);
     schemas["ClusterConfig"]["additionalProperties"] = json!(false);
     schemas["ClearLost"]["properties"]["buckets"]["items"] = json!({"type": "integer", "minimum": 0, "maximum": 999});
-    // The duration grammar; the range (10 s to 1 h) is said in words and answered 400.
+    // The duration grammar within its range (10 s to 1 h; 400 outside), exactly.
+    let (lo, hi) = (crate::MAINTENANCE_MIN.as_millis() as u64, crate::MAINTENANCE_MAX.as_millis() as u64);
     schemas["MaintenanceRequest"]["properties"]["for"] = json!({
         "type": ["string", "null"],
-        "pattern": duration_pattern(),
+        "pattern": duration_range_pattern(lo, hi),
         "description": "How long the member may stay away: 10s to 1h (400 outside); default 10m"
     });
     // A followed event log: each server-sent event carries one event's JSON as its data, and
@@ -135,7 +136,8 @@ fn complete(doc: &mut Value) {
             }
             op["responses"] = responses;
             if cluster_write {
-                op["security"] = json!([{"admin_token": []}]);
+                // Optional: only a node started with --admin-token asks for it.
+                op["security"] = json!([{}, {"admin_token": []}]);
             } else if key_api {
                 // Optional: only a node started with --client-token asks for it.
                 op["security"] = json!([{}, {"client_token": []}, {"admin_token": []}]);
@@ -189,6 +191,68 @@ pub fn duration_pattern() -> String {
     let mut alternatives = vec![at_most(max_ms / 1000)];
     alternatives.extend(crate::kv::DURATION_UNITS.iter().map(|(unit, ms)| format!("{}{unit}", at_most(max_ms / ms))));
     format!("^(?:{})$", alternatives.join("|"))
+}
+
+/// The duration grammar (as [`duration_pattern`]) for durations from `lo_ms` to `hi_ms`: each
+/// unit with the numbers that fall in the range.
+pub fn duration_range_pattern(lo_ms: u64, hi_ms: u64) -> String {
+    let units = std::iter::once(("", 1000)).chain(crate::kv::DURATION_UNITS.iter().copied());
+    let alternatives: Vec<String> = units
+        .filter_map(|(unit, ms)| {
+            let (from, to) = (lo_ms.div_ceil(ms).max(1), hi_ms / ms);
+            (from <= to).then(|| format!("{}{unit}", between(from, to)))
+        })
+        .collect();
+    format!("^(?:{})$", alternatives.join("|"))
+}
+
+/// A regular expression (no anchors) for the whole numbers `lo` to `hi` (`lo` at least 1),
+/// without leading zeros.
+fn between(lo: u64, hi: u64) -> String {
+    let mut alternatives = Vec::new();
+    let mut from = lo;
+    // One run of numbers of the same length at a time.
+    while from <= hi {
+        let len = from.to_string().len() as u32;
+        let top = (10u64.saturating_pow(len) - 1).min(hi);
+        alternatives.push(same_length(&from.to_string(), &top.to_string()));
+        from = top + 1;
+    }
+    format!("(?:{})", alternatives.join("|"))
+}
+
+/// A regular expression for the numbers from `a` to `b`, both written with the same number of
+/// digits.
+fn same_length(a: &str, b: &str) -> String {
+    if a == b {
+        return a.to_string();
+    }
+    let (x, y) = (a.as_bytes()[0] - b'0', b.as_bytes()[0] - b'0');
+    let (ra, rb) = (&a[1..], &b[1..]);
+    if x == y {
+        return format!("{x}{}", same_length(ra, rb));
+    }
+    let any = |n: usize| match n {
+        0 => String::new(),
+        1 => "[0-9]".to_string(),
+        n => format!("[0-9]{{{n}}}"),
+    };
+    let n = ra.len();
+    let (low_full, high_full) = (ra.bytes().all(|d| d == b'0'), rb.bytes().all(|d| d == b'9'));
+    let mut parts = Vec::new();
+    let first = if low_full { x } else { x + 1 };
+    let last = if high_full { y } else { y - 1 };
+    if !low_full {
+        parts.push(format!("{x}(?:{})", same_length(ra, &"9".repeat(n))));
+    }
+    if first <= last {
+        let class = if first == last { first.to_string() } else { format!("[{first}-{last}]") };
+        parts.push(format!("{class}{}", any(n)));
+    }
+    if !high_full {
+        parts.push(format!("{y}(?:{})", same_length(&"0".repeat(n), rb)));
+    }
+    format!("(?:{})", parts.join("|"))
 }
 
 /// A regular expression (no anchors) for the whole numbers 1 to `n`, without leading zeros.
@@ -250,14 +314,14 @@ fn get_key() {}
     params(
         ("key" = String, Path, description = "The key"),
         ("ttl" = Option<String>, Query, description = "Absolute expiration: 30s, 5m, 1h30m or seconds"),
-        ("sliding" = Option<String>, Query, description = "Sliding expiration (not with ttl)"),
+        ("sliding" = Option<String>, Query, description = "Sliding expiration: every read extends it (400 with ttl)"),
         ("tags" = Option<String>, Query, description = "Comma-separated tags"),
-        ("cas" = Option<u64>, Query, description = "Only if the current version is this; 0: only if absent"),
-        ("mode" = Option<String>, Query, description = "add (only if absent) or replace (only if present)"),
+        ("cas" = Option<u64>, Query, description = "Only if the current version is this; 0: only if absent (400 with mode, If-Match or If-None-Match: one condition at a time)"),
+        ("mode" = Option<String>, Query, description = "add (only if absent) or replace (only if present) (400 with cas, If-Match or If-None-Match)"),
         ("priority" = Option<String>, Query, description = "Eviction priority: low, below_normal, normal (default), above_normal, high, not_removable"),
         ("redirect" = Option<bool>, Query, description = "Answer 307 to the owner instead of forwarding"),
-        ("If-Match" = Option<String>, Header, description = "\"N\": as cas=N; *: as mode=replace (not with cas, mode or If-None-Match)"),
-        ("If-None-Match" = Option<String>, Header, description = "*: as mode=add (not with cas, mode or If-Match)"),
+        ("If-Match" = Option<String>, Header, description = "\"N\" (N at least 1): as cas=N; *: as mode=replace (400 with cas, mode or If-None-Match, or empty)"),
+        ("If-None-Match" = Option<String>, Header, description = "*: as mode=add (400 with cas, mode or If-Match)"),
     ),
     request_body(content = String, content_type = "application/octet-stream", description = "The raw value"),
     responses(
@@ -274,9 +338,9 @@ fn put_key() {}
     summary = "Delete a key",
     params(
         ("key" = String, Path, description = "The key"),
-        ("cas" = Option<u64>, Query, description = "Only if the current version is this"),
+        ("cas" = Option<u64>, Query, description = "Only if the current version is this (400 with If-Match: one condition at a time)"),
         ("redirect" = Option<bool>, Query, description = "Answer 307 to the owner instead of forwarding"),
-        ("If-Match" = Option<String>, Header, description = "\"N\": as cas=N; *: only if it exists (a missing key is 404 either way)"),
+        ("If-Match" = Option<String>, Header, description = "\"N\" (N at least 1): as cas=N; *: only if it exists (a missing key is 404 either way) (400 with cas, or empty)"),
     ),
     responses(
         (status = 204, description = "Deleted"),
@@ -348,7 +412,7 @@ fn cluster_health() {}
     description = "With `wait_version=N` the answer waits until the map's version is above N (a transition, a move, a failover) \
                    or `timeout` passes (then it is the map as it is): a client learns of every change without polling.",
     params(("wait_version" = Option<u64>, Query, description = "Answer once the map's version is above this"),
-           ("timeout" = Option<String>, Query, description = "With wait_version: how long to wait at most, up to 5m (default 30s)")),
+           ("timeout" = Option<String>, Query, description = "With wait_version only (400 without it): how long to wait at most, up to 5m (default 30s)")),
     responses((status = 200, description = "owners[b] owns bucket b", body = MapView)))]
 fn cluster_map() {}
 
@@ -443,7 +507,8 @@ fn clear_lost() {}
 fn node() {}
 
 #[utoipa::path(get, path = "/livez", tag = "operations", summary = "Liveness",
-    responses((status = 200, description = "The process serves", body = String, content_type = "text/plain")))]
+    responses((status = 200, description = "The process serves", body = String, content_type = "text/plain"),
+              (status = 503, description = "Not alive (the node's loops are stuck): restart it", body = String, content_type = "text/plain")))]
 fn livez() {}
 
 #[utoipa::path(get, path = "/readyz", tag = "operations", summary = "Readiness",

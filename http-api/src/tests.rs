@@ -568,6 +568,21 @@ async fn cluster_config_takes_a_json_body_and_refuses_unknown_fields() {
 }
 
 proptest::proptest! {
+    /// The description's pattern for a maintenance period and the server's check agree on
+    /// every string: numbers around each unit's bounds, and any short string.
+    #[test]
+    fn the_maintenance_period_pattern_is_the_server_s_check(n in 0u64..8_000_000, unit in 0usize..6, noise in "[0-9a-z]{0,6}") {
+        let pattern = regex::Regex::new(&crate::openapi::duration_range_pattern(10_000, 3_600_000)).expect("a regex");
+        let units = ["", "ms", "s", "m", "h", "d"];
+        let bounds = [(10, 3600), (10_000, 3_600_000), (10, 3600), (1, 60), (1, 1), (1, 1)];
+        let (lo, hi) = bounds[unit];
+        let near = [n, n % 100, lo, lo.saturating_sub(1), hi, hi + 1, hi.saturating_sub(n % 7), lo + n % 7];
+        for text in near.iter().map(|m| format!("{m}{}", units[unit])).chain([noise.clone()]) {
+            let accepted = crate::maintenance_period(Some(&text)).is_ok();
+            proptest::prop_assert_eq!(pattern.is_match(&text), accepted, "{}", text);
+        }
+    }
+
     /// The description's pattern for a duration and the server's parser agree on every
     /// string: numbers around each unit's bound, and any short string of digits and letters.
     #[test]
@@ -700,8 +715,11 @@ async fn the_openapi_document_describes_every_route() {
                 assert!(responses.contains_key("400"), "{what} describes no 400");
             }
             for (status, r) in responses.iter().filter(|(s, _)| s.starts_with('4') || s.starts_with('5')) {
-                // Readiness is text for probes; an incomplete tag removal says what it did.
-                if (path == "/readyz" && status == "503") || (path == "/v1/tags/{tag}" && status == "502") {
+                // Readiness and liveness are text for probes; an incomplete tag removal says
+                // what it did.
+                if (matches!(path.as_str(), "/readyz" | "/livez") && status == "503")
+                    || (path == "/v1/tags/{tag}" && status == "502")
+                {
                     continue;
                 }
                 assert!(

@@ -4,9 +4,10 @@
 # not allow is refused, no answer is a 5xx. Bounded: 50 examples per operation and phase, at
 # most 2 minutes of fuzzing, a 10-minute watchdog. Any finding fails.
 #   1. installs schemathesis (pinned) in a venv under target/ when it is missing;
-#   2. starts one node (target/debug/shoal, built beforehand) with an admin token: one node,
-#      so that a generated leave is refused (409) instead of removing a member;
-#   3. runs schemathesis with tests/api/schemathesis.toml.
+#   2. starts one node (target/debug/shoal, built beforehand) without tokens, then one with an
+#      admin and a client token (what the description says of credentials must hold both
+#      ways): one node, so that a generated leave is refused (409) instead of removing a member;
+#   3. runs schemathesis with tests/api/schemathesis.toml against each.
 # Usage: tests/api/check.sh          (needs python3 and curl)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -41,21 +42,29 @@ if [ "$("$VENV/bin/st" --version 2>/dev/null | grep -o '[0-9][0-9.]*' | head -n 
 fi
 echo "schemathesis: $("$VENV/bin/st" --version)"
 
-# ------------------------------------------------------------------ 2. a node
-start_node "$BIN" --admin-token "$TOKEN" --cache-size 64MiB
-echo "node ready on $base (pid $node_pid)"
-
-# ------------------------------------------------------------------ 3. schemathesis
-status=0
-timeout 600 "$VENV/bin/st" --config-file tests/api/schemathesis.toml run "$base/openapi.json" \
-    --checks all --exclude-checks object_level_authorization \
-    --phases examples,coverage,fuzzing,stateful --max-examples 50 --max-time 120 \
-    --seed 1 --workers 1 --generation-database none --request-timeout 10 \
-    -H "Authorization: Bearer $TOKEN" --no-color || status=$?
-if [ "$status" -ne 0 ]; then
-    echo "--- node log (last 30 lines)" >&2
-    tail -n 30 "$work/node.log" >&2
-    die "schemathesis found the server and its description disagree (exit $status)"
-fi
-kill -0 "$node_pid" 2>/dev/null || die "the node died during the run"
-echo "ok: the server is its description"
+# ------------------------------------------------------------------ 2. and 3. a node, then schemathesis
+CLIENT_TOKEN=schemathesis-client-token
+for mode in "without tokens" "with tokens"; do
+    if [ "$mode" = "with tokens" ]; then
+        start_node "$BIN" --admin-token "$TOKEN" --client-token "$CLIENT_TOKEN" --cache-size 64MiB
+        auth=(-H "Authorization: Bearer $TOKEN")
+    else
+        start_node "$BIN" --cache-size 64MiB
+        auth=()
+    fi
+    echo "node $mode ready on $base (pid $node_pid)"
+    status=0
+    timeout 600 "$VENV/bin/st" --config-file tests/api/schemathesis.toml run "$base/openapi.json" \
+        --checks all --exclude-checks object_level_authorization \
+        --phases examples,coverage,fuzzing,stateful --max-examples 50 --max-time 120 \
+        --seed 1 --workers 1 --generation-database none --request-timeout 10 \
+        "${auth[@]}" --no-color || status=$?
+    if [ "$status" -ne 0 ]; then
+        echo "--- node log (last 30 lines)" >&2
+        tail -n 30 "$work/node.log" >&2
+        die "schemathesis found the server ($mode) and its description disagree (exit $status)"
+    fi
+    kill -0 "$node_pid" 2>/dev/null || die "the node ($mode) died during the run"
+    stop_node
+done
+echo "ok: the server is its description, with tokens and without"
