@@ -832,3 +832,25 @@ async fn sweep_expired(cache: Arc<CacheStore>) {
         cache.sweep_expired(buckets);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The routes' limits come from the body budget: at `--memory-limit 256MiB` a bulk body
+    /// is at most 8 MiB (four times in a 32 MiB budget); without a limit they are as before;
+    /// a value larger than a small budget holds is cut to what it holds.
+    #[test]
+    fn the_routes_limits_fit_the_body_budget() {
+        let addr: SocketAddr = "127.0.0.1:0".parse().expect("an address");
+        let mut config = ServeConfig::for_test(addr, addr, "unused".into());
+        let limits = limits_of(&config);
+        assert_eq!((limits.max_value_bytes, limits.max_bulk_body_bytes), (16 << 20, 64 << 20));
+        config.memory_limit = Some(256 << 20);
+        let limits = limits_of(&config);
+        assert_eq!((limits.max_value_bytes, limits.max_bulk_body_bytes), (16 << 20, 8 << 20));
+        config.memory_limit = Some(64 << 20);
+        let limits = limits_of(&config);
+        assert_eq!((limits.max_value_bytes, limits.max_bulk_body_bytes), (4 << 20, 2 << 20));
+    }
+}

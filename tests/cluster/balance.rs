@@ -42,6 +42,18 @@ fn keys_owned_by(owners: &[u64], owner: u64, prefix: &str, n: usize) -> Vec<Stri
         .collect()
 }
 
+/// Skewed data on the map `owners`: `tagged` items of 1000 bytes under one `{tag}` (one
+/// bucket), 24 values of 16 KiB on the node that owns it, and `small` items of 100 bytes
+/// everywhere. Answers them and the tag's bucket.
+fn skewed(owners: &[u64], tag: &str, tagged: usize, small: usize) -> (Vec<(String, String)>, u16) {
+    let mut items: Vec<(String, String)> = (0..tagged).map(|i| (format!("{{{tag}}}:{i}"), "h".repeat(1000))).collect();
+    let bucket = shoal_raft::bucket_of(format!("{{{tag}}}:0").as_bytes()).0;
+    let large = keys_owned_by(owners, owners[usize::from(bucket)], "large-", 24);
+    items.extend(large.into_iter().map(|k| (k, "L".repeat(16 * 1024))));
+    items.extend((0..small).map(|i| (format!("small-{i}"), "s".repeat(100))));
+    (items, bucket)
+}
+
 /// Waits until the leader (asked through `slot`) has a report of every member made after
 /// the data settled: no member saw a write in its last interval, and the total covers
 /// `at_least` and stays the same over two looks.
@@ -73,12 +85,8 @@ async fn a_skewed_cluster_is_balanced_by_data_as_its_dry_run_said_and_loses_no_w
     let before = owners(&c, 0).await;
     // One hot {tag} holding about 30% of the bytes and a few large values, both on one node,
     // and small items everywhere.
-    let mut items: Vec<(String, String)> = (0..300).map(|i| (format!("{{hot}}:{i}"), "h".repeat(1000))).collect();
-    let hot = shoal_raft::bucket_of(b"{hot}:0").0;
+    let (items, hot) = skewed(&before, "hot", 300, 3000);
     assert_eq!(hot, shoal_raft::bucket_of(b"{hot}:1").0, "one tag, one bucket");
-    let large = keys_owned_by(&before, before[usize::from(hot)], "large-", 24);
-    items.extend(large.into_iter().map(|k| (k, "L".repeat(16 * 1024))));
-    items.extend((0..3000).map(|i| (format!("small-{i}"), "s".repeat(100))));
     fill(&c, items).await;
     let view = settled_view(&c, 1, 800_000).await;
     assert!(view["balance_ratio"].as_f64().expect("ratio") > 1.5, "skewed: {view}");
@@ -222,12 +230,7 @@ async fn a_failure_and_a_join_keep_a_cluster_balanced_by_data() {
     let before = owners(&c, 0).await;
     // A hot {tag} holding about a quarter of the bytes, large values beside it, small items
     // everywhere: one node far fuller than the others.
-    let mut items: Vec<(String, String)> = (0..300).map(|i| (format!("{{hot}}:{i}"), "h".repeat(1000))).collect();
-    let hot = shoal_raft::bucket_of(b"{hot}:0").0;
-    let large = keys_owned_by(&before, before[usize::from(hot)], "large-", 24);
-    items.extend(large.into_iter().map(|k| (k, "L".repeat(16 * 1024))));
-    items.extend((0..4000).map(|i| (format!("small-{i}"), "s".repeat(100))));
-    fill(&c, items).await;
+    fill(&c, skewed(&before, "hot", 300, 4000).0).await;
     assert!(settled_ratio(&c, 0, 1_000_000).await > 1.5, "skewed");
     let (status, plan) = post(&c, 0, "/v1/cluster/rebalance").await;
     assert_eq!(status, 200, "{plan}");
@@ -268,12 +271,7 @@ async fn the_dry_run_s_lower_bound_holds_when_one_bucket_is_larger_than_a_member
     c.wait_for_counts(&[333, 333, 334]).await;
     c.wait_all_attached().await;
     let before = owners(&c, 0).await;
-    let mut items: Vec<(String, String)> = (0..600).map(|i| (format!("{{giant}}:{i}"), "g".repeat(1000))).collect();
-    let giant = shoal_raft::bucket_of(b"{giant}:0").0;
-    let large = keys_owned_by(&before, before[usize::from(giant)], "large-", 24);
-    items.extend(large.into_iter().map(|k| (k, "L".repeat(16 * 1024))));
-    items.extend((0..3000).map(|i| (format!("small-{i}"), "s".repeat(100))));
-    fill(&c, items).await;
+    fill(&c, skewed(&before, "giant", 600, 3000).0).await;
     settled_view(&c, 1, 1_200_000).await;
     let (status, dry) = post(&c, 1, "/v1/cluster/rebalance?dry_run=true").await;
     assert_eq!(status, 200, "{dry}");
