@@ -554,7 +554,7 @@ impl ServeConfig {
                 return Err(format!(
                     "--cache-size {} leaves no room within --memory-limit {} for request bodies, \
                      connections and allocator overhead: give at most half of the limit (the default, 45%, \
-                     keeps peak resident memory below the limit under every write pattern tests/perf/memory.py tries)",
+                     keeps peak resident memory below the limit under the write patterns of tests/perf/memory.py)",
                     bytesize::ByteSize(self.cache_size),
                     bytesize::ByteSize(limit)
                 ));

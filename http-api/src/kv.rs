@@ -560,6 +560,11 @@ pub(crate) async fn admitted_body<N: ShoalApi>(
     copies: usize,
 ) -> Result<(Bytes, crate::api::BodyPermit), ApiError> {
     let length = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
+    // A body announced over the limit is refused before a byte of it is read (a client that
+    // asked `Expect: 100-continue` sends none of it).
+    if length.is_some_and(|length| length > limit) {
+        return Err(ApiError::ValueTooLarge { limit });
+    }
     let permit = node.admit_body(length.unwrap_or(limit).min(limit) * copies).await?;
     Ok((read_body(body, limit).await?, permit))
 }

@@ -823,3 +823,22 @@ async fn a_body_in_one_piece_or_many_reads_whole_and_one_over_the_limit_is_refus
     assert!(matches!(refused, Err(ApiError::ValueTooLarge { limit: 30 })), "{refused:?}");
     assert!(crate::kv::read_body(Body::empty(), 0).await.expect("empty").is_empty());
 }
+
+/// A bulk body announced over the limit is refused at once: nothing of it is read (the body
+/// below never sends a byte), so a client that asked `Expect: 100-continue` sends none.
+#[tokio::test]
+async fn a_bulk_body_announced_over_the_limit_is_refused_before_it_is_read() {
+    let node = FakeNode::new();
+    let never = Body::from_stream(futures_util::stream::pending::<Result<Bytes, std::io::Error>>());
+    let request = Request::builder()
+        .method(Method::POST)
+        .uri("/v1/bulk/put")
+        .header(header::CONTENT_LENGTH, (64 << 20) + 1)
+        .header(header::EXPECT, "100-continue")
+        .body(never)
+        .expect("request");
+    let service = crate::service(node.clone(), router(node.clone()), true);
+    let answer = tokio::time::timeout(Duration::from_secs(10), service.oneshot(request)).await;
+    let (status, p) = problem(answer.expect("answered without the body").expect("infallible")).await;
+    assert_eq!((status, p["code"].as_str()), (StatusCode::PAYLOAD_TOO_LARGE, Some("value_too_large")));
+}
