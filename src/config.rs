@@ -330,6 +330,17 @@ pub struct ServeConfig {
     #[arg(long, env = "SHOAL_TRANSFER_RATE", default_value = "100MB", value_parser = parse_size)]
     pub transfer_rate: u64,
 
+    /// How long a client has to send a request's head on the API port, and how long a
+    /// connection may stay idle between requests; `0` for no limit (a slow client that sends
+    /// a head byte by byte holds its connection no longer than this).
+    #[arg(long, env = "SHOAL_HEADER_READ_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub header_read_timeout: Duration,
+
+    /// The most client connections the API port keeps open at once (as Redis's `maxclients`);
+    /// one more is answered 503 and closed; `0` for no limit.
+    #[arg(long, env = "SHOAL_MAX_CONNECTIONS", default_value_t = 10_000)]
+    pub max_connections: usize,
+
     /// Connect timeout of every connection a node opens to another (Raft, forwards, replica
     /// writes, pings, bucket streams); a connect that fails is tried 2 more times, 2 s apart
     /// (5s–30s).
@@ -479,6 +490,14 @@ impl ServeConfig {
             (None, None, None) => Ok(None),
             (Some(cert), Some(key), Some(ca)) => crate::tls::NodeTls::load(cert, key, ca).map(Some),
             _ => Err("--tls-cert, --tls-key and --tls-ca go together: give all three, or none".into()),
+        }
+    }
+
+    /// What the API port bounds (the peer port's clients are the nodes: it bounds nothing).
+    pub fn client_limits(&self) -> crate::http_server::Limits {
+        crate::http_server::Limits {
+            header_read_timeout: Some(self.header_read_timeout).filter(|t| !t.is_zero()),
+            max_connections: Some(self.max_connections).filter(|&n| n > 0),
         }
     }
 

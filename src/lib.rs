@@ -12,7 +12,8 @@
 //! - [`transport`]: the seam for node-to-node traffic (HTTP, or the simulated network), and
 //!   the receiving side of every request.
 //! - [`peer`]: [`peer::Peers`], the typed calls a node makes to others over its transport.
-//! - [`http_server`]: the HTTP/1.1 accept loop (pipelining, TCP_NODELAY, graceful drain).
+//! - [`http_server`]: the HTTP/1.1 accept loop (hyper; pipelining, TCP_NODELAY, graceful drain,
+//!   the public port's header-read timeout and connection cap).
 //! - [`bucket`]: the bucket core: what this node does with each bucket, and the write path.
 //! - [`error`]: [`error::DataError`], why the data plane did not serve an operation.
 //! - [`cache`]: the store of the buckets this node holds.

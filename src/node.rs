@@ -447,7 +447,7 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
             crate::discover::starting_router(identity.is_some()),
             crate::metrics::ListenerMetrics::none(),
             acceptor.clone(),
-            None,
+            http_server::Limits::default(),
             starting_rx.clone(),
         ));
     }
@@ -476,6 +476,7 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
     }
     let tokens = crate::auth::Tokens { admin: config.admin_token.clone(), client: config.client_token.clone() };
     let cluster_secret = config.cluster_secret.clone();
+    let client_limits = config.client_limits();
     let serve = move |service: Arc<PeerService>, shutdown: &watch::Sender<bool>| {
         // The checks are layered only when there is something to check: a layer costs every
         // request a boxed future and a clone of the service behind it.
@@ -498,15 +499,13 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
             api_router =
                 api_router.layer(axum::middleware::from_fn_with_state(tokens.clone(), crate::auth::require_tokens));
         }
-        // The key routes' fast path skips the router, hence its layers: only without tokens.
-        let api_router = shoal_http_api::service(service.api.clone(), api_router, !tokens.any());
         let servers = vec![
             http_server::serve(
                 peer_listener,
                 peer_router,
                 metrics.peer_listener.clone(),
                 acceptor.clone(),
-                None,
+                http_server::Limits::default(),
                 shutdown.subscribe(),
             ),
             http_server::serve(
@@ -514,7 +513,7 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
                 api_router,
                 metrics.client_listener.clone(),
                 acceptor,
-                Some(shoal_http_api::is_key_request),
+                client_limits,
                 shutdown.subscribe(),
             ),
             links_done,

@@ -449,16 +449,13 @@ fn query_of<T: Default + serde::de::DeserializeOwned>(uri: &Uri) -> Result<T, Ap
 // The key handlers take the whole request instead of `HeaderMap`/`Uri`/`Query` extractors,
 // which would clone the headers and URI of every request on the hottest path.
 
+/// `GET /v1/kv/{key}`.
 pub(crate) async fn get_key<N: ShoalApi>(
     State(node): State<Arc<N>>,
     key: Result<Path<String>, PathRejection>,
     request: Request,
 ) -> Response {
-    get_key_at(node, path(key), request).await
-}
-
-/// `GET /v1/kv/{key}` of the decoded `key` (the router's path extractor, or the fast path).
-pub(crate) async fn get_key_at<N: ShoalApi>(node: Arc<N>, key: Result<String, ApiError>, request: Request) -> Response {
+    let key = path(key);
     // Parts, not the request: the body type is not Sync, so a borrowed request cannot be
     // held across an await.
     let (parts, _) = request.into_parts();
@@ -480,16 +477,13 @@ pub(crate) async fn get_key_at<N: ShoalApi>(node: Arc<N>, key: Result<String, Ap
     with_redirect(result, &parts.uri)
 }
 
+/// `PUT /v1/kv/{key}`.
 pub(crate) async fn put_key<N: ShoalApi>(
     State(node): State<Arc<N>>,
     key: Result<Path<String>, PathRejection>,
     request: Request,
 ) -> Response {
-    put_key_at(node, path(key), request).await
-}
-
-/// `PUT /v1/kv/{key}` of the decoded `key`.
-pub(crate) async fn put_key_at<N: ShoalApi>(node: Arc<N>, key: Result<String, ApiError>, request: Request) -> Response {
+    let key = path(key);
     let (parts, body) = request.into_parts();
     let result = async {
         let key = key?;
@@ -511,20 +505,13 @@ pub(crate) async fn put_key_at<N: ShoalApi>(node: Arc<N>, key: Result<String, Ap
     with_redirect(result, &parts.uri)
 }
 
+/// `DELETE /v1/kv/{key}`.
 pub(crate) async fn delete_key<N: ShoalApi>(
     State(node): State<Arc<N>>,
     key: Result<Path<String>, PathRejection>,
     request: Request,
 ) -> Response {
-    delete_key_at(node, path(key), request).await
-}
-
-/// `DELETE /v1/kv/{key}` of the decoded `key`.
-pub(crate) async fn delete_key_at<N: ShoalApi>(
-    node: Arc<N>,
-    key: Result<String, ApiError>,
-    request: Request,
-) -> Response {
+    let key = path(key);
     // Parts, not the request: the body type is not Sync, so a borrowed request cannot be
     // held across an await.
     let (parts, _) = request.into_parts();

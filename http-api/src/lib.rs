@@ -1,7 +1,7 @@
 //! `shoal-http-api`: the public HTTP surface of a shoal node.
 //!
 //! [`router`] builds the axum routes over any [`ShoalApi`] (the node implements it; tests use
-//! a fake); [`service`] puts the key routes' fast path ahead of them. This crate parses and validates requests, renders answers, and maps every
+//! a fake). This crate parses and validates requests, renders answers, and maps every
 //! [`ApiError`] to one RFC 9457 problem document; it decides nothing about where a key lives.
 //! JSON everywhere except values, which are raw bytes in and out so curl prints them.
 //! `README.md` beside this crate lists every endpoint with its codes.
@@ -9,7 +9,6 @@
 //! # Layout
 //! - `api.rs`: [`ShoalApi`], the contract with the node, and [`Limits`].
 //! - `kv.rs`: key, bulk, listing and tag routes.
-//! - `fast.rs`: [`service`], the key routes' fast path ahead of the router.
 //! - `json.rs`: the bulk-get answer written straight into a buffer.
 //! - `cluster.rs`: cluster, map, leave, health and metrics routes.
 //! - `types.rs`: request and response bodies.
@@ -20,7 +19,6 @@ mod api;
 mod cluster;
 mod de;
 mod error;
-mod fast;
 mod json;
 mod kv;
 pub mod openapi;
@@ -40,7 +38,6 @@ pub use cluster::{
     MAP_WAIT_MAX,
 };
 pub use error::{code, ApiError, Problem, Unavailable, PROBLEM_JSON};
-pub use fast::{is_key_request, service, ApiService};
 pub use kv::{
     check_key, format_duration, parse_duration, put_options, unix_ms, value_response, MAX_EXPIRY, PARSED_COPIES,
 };

@@ -281,72 +281,10 @@ impl ShoalApi for FakeNode {
     }
 }
 
-/// A request to the service a node serves (the key routes' fast path ahead of the router).
+/// A request to the router a node serves.
 async fn call(node: &Arc<FakeNode>, method: Method, uri: &str, body: impl Into<Body>) -> Response {
     let request = Request::builder().method(method).uri(uri).body(body.into()).expect("request");
-    crate::service(node.clone(), router(node.clone()), true).oneshot(request).await.expect("infallible")
-}
-
-/// The same request to the router alone.
-async fn call_router(node: &Arc<FakeNode>, method: Method, uri: &str, body: impl Into<Body>) -> Response {
-    let request = Request::builder().method(method).uri(uri).body(body.into()).expect("request");
     router(node.clone()).oneshot(request).await.expect("infallible")
-}
-
-/// The same request as a connection that awaits key answers in place sends it: the
-/// handler's own future when the service gives one, else the service's call.
-async fn call_in_place(node: &Arc<FakeNode>, method: Method, uri: &str, body: impl Into<Body>) -> Response {
-    let request = Request::builder().method(method).uri(uri).body(body.into()).expect("request");
-    let service = crate::service(node.clone(), router(node.clone()), true);
-    match service.key_answer(request) {
-        Ok(answer) => answer.await,
-        Err(request) => service.oneshot(request).await.expect("infallible"),
-    }
-}
-
-/// Every key request answers the same through the fast path (as a service, and awaited in
-/// place) and through the router alone: status, headers and body, for plain, escaped and
-/// invalid keys, queries, conditions and methods the fast path leaves to the router.
-#[tokio::test]
-async fn the_fast_path_answers_as_the_router() {
-    let requests: &[(Method, &str, &str)] = &[
-        (Method::PUT, "/v1/kv/user:1?ttl=30s&tags=a,b", "hello"),
-        (Method::GET, "/v1/kv/user:1", ""),
-        (Method::PUT, "/v1/kv/a/b%20c", "v"),
-        (Method::GET, "/v1/kv/a/b%20c", ""),
-        (Method::GET, "/v1/kv/a%2Fb", ""),
-        (Method::GET, "/v1/kv/%FF", ""),
-        (Method::PUT, "/v1/kv/%FF", "v"),
-        (Method::DELETE, "/v1/kv/%C3", ""),
-        (Method::GET, "/v1/kv/", ""),
-        (Method::GET, "/v1/kv/nope", ""),
-        (Method::GET, "/v1/kv/user:1?read=nowhere", ""),
-        (Method::PUT, "/v1/kv/k?ttl=soon", "v"),
-        (Method::PUT, "/v1/kv/k?mode=absent", "v"),
-        (Method::PUT, "/v1/kv/k?mode=absent", "v"),
-        (Method::POST, "/v1/kv/k", ""),
-        (Method::HEAD, "/v1/kv/user:1", ""),
-        (Method::DELETE, "/v1/kv/user:1", ""),
-        (Method::DELETE, "/v1/kv/user:1", ""),
-    ];
-    let (fast, in_place, routed) = (FakeNode::new(), FakeNode::new(), FakeNode::new());
-    for (method, uri, body) in requests {
-        let mut a = call(&fast, method.clone(), uri, body.to_string()).await;
-        let mut b = call_router(&routed, method.clone(), uri, body.to_string()).await;
-        let mut c = call_in_place(&in_place, method.clone(), uri, body.to_string()).await;
-        // The router sets Content-Length itself; over HTTP, hyper writes it from the body's
-        // exact size when the fast path's answer has none.
-        let exact = axum::body::HttpBody::size_hint(a.body()).exact();
-        let (_, length) =
-            (a.headers_mut().remove(header::CONTENT_LENGTH), b.headers_mut().remove(header::CONTENT_LENGTH));
-        assert_eq!((a.status(), a.headers().clone()), (b.status(), b.headers().clone()), "{method} {uri}");
-        c.headers_mut().remove(header::CONTENT_LENGTH);
-        assert_eq!((a.status(), a.headers()), (c.status(), c.headers()), "{method} {uri}");
-        assert!(length.is_none() || exact.is_some(), "{method} {uri}");
-        let body = body_bytes(a).await;
-        assert_eq!(body, body_bytes(b).await, "{method} {uri}");
-        assert_eq!(body, body_bytes(c).await, "{method} {uri}");
-    }
 }
 
 async fn body_bytes(response: Response) -> Bytes {
@@ -837,8 +775,7 @@ async fn a_bulk_body_announced_over_the_limit_is_refused_before_it_is_read() {
         .header(header::EXPECT, "100-continue")
         .body(never)
         .expect("request");
-    let service = crate::service(node.clone(), router(node.clone()), true);
-    let answer = tokio::time::timeout(Duration::from_secs(10), service.oneshot(request)).await;
+    let answer = tokio::time::timeout(Duration::from_secs(10), router(node.clone()).oneshot(request)).await;
     let (status, p) = problem(answer.expect("answered without the body").expect("infallible")).await;
     assert_eq!((status, p["code"].as_str()), (StatusCode::PAYLOAD_TOO_LARGE, Some("value_too_large")));
 }

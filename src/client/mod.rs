@@ -162,7 +162,8 @@ impl ClientBuilder {
             .no_proxy()
             .connect_timeout(self.connect_timeout)
             .tcp_nodelay(true)
-            .pool_idle_timeout(Duration::from_secs(60));
+            // Below a node's default header-read timeout (10 s), which closes idle connections.
+            .pool_idle_timeout(Duration::from_secs(5));
         if let Some(pem) = &self.tls_ca {
             let bad = |e: String| ClientError::Protocol(format!("the TLS CA: {e}"));
             crate::tls::ca_from_pem(pem).map_err(bad)?;

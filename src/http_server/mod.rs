@@ -1,51 +1,48 @@
-//! The HTTP/1.1 server loop both listeners use.
+//! The HTTP/1.1 server loop both listeners use: hyper serves every connection.
 //!
 //! `axum::serve` is not used because it cannot turn on hyper's `pipeline_flush`: a client that
-//! pipelines requests would see each answer wait for the next read (the client listener's own
-//! loop for key requests, [`simple`], writes answers the same way). Every connection gets
+//! pipelines requests would see each answer wait for the next read. Every connection gets
 //! TCP_NODELAY (Nagle would add 40 ms stalls to pipelined answers). On shutdown the listener
 //! closes at once, idle connections close, and in-flight requests get [`DRAIN_TIMEOUT`] to
 //! finish. A connection upgraded to a peer link (`transport::link`) leaves the server, and
-//! the link drains itself; the node's shutdown waits for both. Each listener counts its open connections and the bytes its connections read and
-//! write (one atomic add per read or write call, none per byte). The client listener's
-//! connections answer single-key requests without hyper's connection machinery ([`simple`]).
+//! the link drains itself; the node's shutdown waits for both. Each listener counts its open
+//! connections and the bytes its connections read and write (one atomic add per read or write
+//! call, none per byte).
+//!
+//! A listener may bound its connections ([`Limits`]): a request head must arrive whole within
+//! the header-read timeout (hyper's, which also closes a connection idle that long between
+//! requests: a slow-loris client holds nothing for long), and past the connection cap a new
+//! connection is answered 503 problem+json and closed.
 
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use hyper::server::conn::http1;
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use tokio_rustls::TlsAcceptor;
 
 use crate::metrics::ListenerMetrics;
 
-pub mod simple;
-
 /// How long in-flight requests may run after shutdown starts.
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// What a listener serves: a service for hyper's requests and for the simple loop's (the axum
-/// router, or the client API's service).
+/// What a listener serves: the axum router (with its layers).
 pub trait Served:
     tower::Service<
         hyper::Request<hyper::body::Incoming>,
         Response = axum::response::Response,
         Error = std::convert::Infallible,
         Future: Send + 'static,
-    > + tower::Service<
-        hyper::Request<axum::body::Body>,
-        Response = axum::response::Response,
-        Error = std::convert::Infallible,
-        Future: Send + 'static,
-    > + simple::Answers
-    + Clone
+    > + Clone
     + Send
     + 'static
 {
@@ -57,28 +54,30 @@ impl<S> Served for S where
             Response = axum::response::Response,
             Error = std::convert::Infallible,
             Future: Send + 'static,
-        > + tower::Service<
-            hyper::Request<axum::body::Body>,
-            Response = axum::response::Response,
-            Error = std::convert::Infallible,
-            Future: Send + 'static,
-        > + simple::Answers
-        + Clone
+        > + Clone
         + Send
         + 'static
 {
 }
 
-/// Serves `router` (the axum router, or the client API's service) on `listener` until `shutdown` turns true, counting into `metrics`; over
-/// TLS when `tls` is given (the handshake runs in the connection's own task, bounded by
-/// [`crate::tls::HANDSHAKE_TIMEOUT`]; the byte counts are of the encrypted stream). With
-/// `simple`, the requests it names are answered without hyper ([`simple`]).
+/// What a listener bounds (none by default: the peer listener, whose clients are the nodes).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Limits {
+    /// How long a request head may take to arrive, and a connection may stay idle.
+    pub header_read_timeout: Option<Duration>,
+    /// The most connections open at once.
+    pub max_connections: Option<usize>,
+}
+
+/// Serves `router` on `listener` until `shutdown` turns true, counting into `metrics`, bounded
+/// by `limits`; over TLS when `tls` is given (the handshake runs in the connection's own task,
+/// bounded by [`crate::tls::HANDSHAKE_TIMEOUT`]; the byte counts are of the encrypted stream).
 pub fn serve<S>(
     listener: TcpListener,
     router: S,
     metrics: ListenerMetrics,
     tls: Option<TlsAcceptor>,
-    simple: Option<simple::Takes>,
+    limits: Limits,
     mut shutdown: watch::Receiver<bool>,
 ) -> JoinHandle<()>
 where
@@ -89,10 +88,12 @@ where
         // reads `None`: that is how the drain below knows the connections are done.
         let (open_tx, mut open_rx) = tokio::sync::mpsc::channel::<()>(1);
         let mut builder = http1::Builder::new();
-        // No timer, hence no header-read timeout: hyper would arm one for every request (a
-        // measurable share of a GET's CPU), and idle clients are harmless here, as with
-        // Redis's default `timeout 0`.
         builder.pipeline_flush(true);
+        if let Some(timeout) = limits.header_read_timeout {
+            builder.timer(TokioTimer::new()).header_read_timeout(timeout);
+        }
+        let cap = limits.max_connections.map(|n| Arc::new(Semaphore::new(n)));
+        let capped = Arc::new(AtomicBool::new(false));
         loop {
             tokio::select! {
                 accepted = listener.accept() => {
@@ -108,24 +109,23 @@ where
                     let _ = tcp.set_nodelay(true);
                     metrics.accepted.increment(1);
                     metrics.open.increment(1.0);
+                    let admitted = admit(cap.as_ref(), &capped, limits.max_connections);
                     let io = Counted { tcp, metrics: metrics.clone() };
                     let service = router.clone();
                     let (open, builder, stop, held) = (metrics.open.clone(), builder.clone(), shutdown.clone(), open_tx.clone());
                     let tls = tls.clone();
                     tokio::spawn(async move {
                         match tls {
-                            None => serve_connection(&builder, io, service, simple, stop).await,
+                            None => answer(&builder, io, service, admitted, stop).await,
                             Some(acceptor) => {
                                 if speaks_plain_http(&io.tcp).await {
-                                    refuse_plain_http(io).await;
-                                    open.decrement(1.0);
-                                    drop(held);
-                                    return;
-                                }
-                                match tokio::time::timeout(crate::tls::HANDSHAKE_TIMEOUT, acceptor.accept(io)).await {
-                                    Ok(Ok(stream)) => serve_connection(&builder, stream, service, simple, stop).await,
-                                    Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
-                                    Err(_) => tracing::debug!("TLS handshake timed out"),
+                                    refuse(io, &plain_http_refusal()).await;
+                                } else {
+                                    match tokio::time::timeout(crate::tls::HANDSHAKE_TIMEOUT, acceptor.accept(io)).await {
+                                        Ok(Ok(stream)) => answer(&builder, stream, service, admitted, stop).await,
+                                        Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
+                                        Err(_) => tracing::debug!("TLS handshake timed out"),
+                                    }
                                 }
                             }
                         }
@@ -144,6 +144,61 @@ where
     })
 }
 
+/// A connection's place under the cap: `Ok(None)` without a cap, `Err` over it (said once in
+/// the log per listener, until a connection is admitted again).
+fn admit(cap: Option<&Arc<Semaphore>>, capped: &AtomicBool, max: Option<usize>) -> Result<Option<OwnedSemaphorePermit>, usize> {
+    let Some(cap) = cap else { return Ok(None) };
+    match cap.clone().try_acquire_owned() {
+        Ok(permit) => {
+            capped.store(false, Ordering::Relaxed);
+            Ok(Some(permit))
+        }
+        Err(_) => {
+            let max = max.unwrap_or_default();
+            if !capped.swap(true, Ordering::Relaxed) {
+                tracing::warn!(max, "client connections at their cap (--max-connections): new ones are refused with 503");
+            }
+            Err(max)
+        }
+    }
+}
+
+/// Serves an admitted connection, or refuses one over the cap.
+async fn answer<I, S>(
+    builder: &http1::Builder,
+    io: I,
+    service: S,
+    admitted: Result<Option<OwnedSemaphorePermit>, usize>,
+    shutdown: watch::Receiver<bool>,
+) where
+    I: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+    S: Served,
+{
+    match admitted {
+        Ok(_permit) => serve_connection(builder, io, service, shutdown).await,
+        Err(max) => refuse(io, &over_cap(max)).await,
+    }
+}
+
+/// The answer to a connection over the cap.
+fn over_cap(max: usize) -> (hyper::StatusCode, shoal_http_api::Problem) {
+    let e = shoal_http_api::ApiError::unavailable(
+        shoal_http_api::Unavailable::Overloaded,
+        format!("this node serves at most {max} client connections at once (--max-connections); retry, or use another node"),
+    );
+    (e.status(), e.problem())
+}
+
+/// The answer to plain HTTP on a TLS listener: 400, as nginx and Go's servers do, saying how to
+/// reach it.
+fn plain_http_refusal() -> (hyper::StatusCode, shoal_http_api::Problem) {
+    let e = shoal_http_api::ApiError::BadRequest(
+        "this node speaks HTTPS: use https:// (and the CA that signed its certificate: curl --cacert, shoal --cacert)"
+            .into(),
+    );
+    (e.status(), e.problem())
+}
+
 /// Whether a client on a TLS listener opened with plain HTTP (its first byte is not a TLS
 /// handshake record's, 0x16, but a letter, as a request line starts), peeked within the
 /// handshake timeout.
@@ -153,61 +208,46 @@ async fn speaks_plain_http(tcp: &TcpStream) -> bool {
     matches!(peeked, Ok(Ok(1))) && first[0].is_ascii_alphabetic()
 }
 
-/// Answers a plain HTTP request on a TLS listener with 400, as nginx and Go's servers do,
-/// saying how to reach it, and closes the connection.
-async fn refuse_plain_http(mut io: Counted) {
-    use tokio::io::AsyncWriteExt;
-    let problem = shoal_http_api::ApiError::BadRequest(
-        "this node speaks HTTPS: use https:// (and the CA that signed its certificate: curl --cacert, shoal --cacert)"
-            .into(),
-    )
-    .problem();
-    let body = serde_json::to_vec(&problem).unwrap_or_default();
+/// Answers `problem` with its status (and `Retry-After: 1` for a 503) and closes the
+/// connection, whatever the client sent. What the client sent is read (a while, a little)
+/// after the answer, as nginx's lingering close does: closed with unread bytes, the socket
+/// would reset the connection, and the client could lose the answer.
+async fn refuse<I: AsyncRead + AsyncWrite + Unpin>(
+    mut io: I,
+    (status, problem): &(hyper::StatusCode, shoal_http_api::Problem),
+) {
+    let body = serde_json::to_vec(problem).unwrap_or_default();
+    let retry = if *status == hyper::StatusCode::SERVICE_UNAVAILABLE { "retry-after: 1\r\n" } else { "" };
     let head = format!(
-        "HTTP/1.1 400 Bad Request\r\ncontent-type: {}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        "HTTP/1.1 {} {}\r\ncontent-type: {}\r\ncontent-length: {}\r\n{retry}connection: close\r\n\r\n",
+        status.as_u16(),
+        status.canonical_reason().unwrap_or(""),
         shoal_http_api::PROBLEM_JSON,
         body.len()
     );
     let _ = io.write_all(head.as_bytes()).await;
     let _ = io.write_all(&body).await;
     let _ = io.shutdown().await;
+    let linger = async {
+        let mut sink = [0u8; 4096];
+        let mut left = 64 * 1024;
+        while left > 0 {
+            match tokio::io::AsyncReadExt::read(&mut io, &mut sink).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => left -= n.min(left),
+            }
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(1), linger).await;
 }
 
-/// Serves one connection until it ends: first the requests `simple` names without hyper, then,
-/// from the first it does not name, with hyper. Once `shutdown` turns true it finishes the
+/// Serves one connection with hyper until it ends. Once `shutdown` turns true it finishes the
 /// request in flight and closes. A connection may be upgraded (a peer link,
 /// `transport::link`): it then leaves hyper, and its new owner watches the shutdown itself.
-async fn serve_connection<I, S>(
-    builder: &http1::Builder,
-    io: I,
-    service: S,
-    simple: Option<simple::Takes>,
-    mut shutdown: watch::Receiver<bool>,
-) where
-    I: AsyncRead + AsyncWrite + Send + Unpin + 'static,
-    S: Served,
-{
-    match simple {
-        None => serve_hyper(builder, io, service, shutdown).await,
-        Some(takes) => match simple::serve(io, service.clone(), takes, &mut shutdown).await {
-            simple::Ended::Closed => {}
-            simple::Ended::Hyper(io) => serve_hyper(builder, io, service, shutdown).await,
-        },
-    }
-}
-
-/// Serves one connection with hyper until it ends (see [`serve_connection`]).
-async fn serve_hyper<I, S>(builder: &http1::Builder, io: I, service: S, mut shutdown: watch::Receiver<bool>)
+async fn serve_connection<I, S>(builder: &http1::Builder, io: I, service: S, mut shutdown: watch::Receiver<bool>)
 where
     I: AsyncRead + AsyncWrite + Send + Unpin + 'static,
-    S: tower::Service<
-            hyper::Request<hyper::body::Incoming>,
-            Response = axum::response::Response,
-            Error = std::convert::Infallible,
-        > + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
+    S: Served,
 {
     let service = TowerToHyperService::new(service);
     let connection = builder.serve_connection(TokioIo::new(io), service).with_upgrades();

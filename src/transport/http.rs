@@ -178,7 +178,9 @@ fn client(local_ip: Option<IpAddr>, policy: Reconnect, tls: &Arc<rustls::ClientC
     Client::builder(TokioExecutor::new())
         .pool_timer(TokioTimer::new())
         .pool_max_idle_per_host(64)
-        .pool_idle_timeout(Duration::from_secs(60))
+        // Below the API port's default header-read timeout (10 s), which closes idle
+        // connections: one given up here first is never picked as the server closes it.
+        .pool_idle_timeout(Duration::from_secs(5))
         .build(connector)
 }
 
@@ -1252,7 +1254,14 @@ mod tests {
         }
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("address").to_string();
-        crate::http_server::serve(listener, router, crate::metrics::ListenerMetrics::none(), None, None, stopped);
+        crate::http_server::serve(
+            listener,
+            router,
+            crate::metrics::ListenerMetrics::none(),
+            None,
+            crate::http_server::Limits::default(),
+            stopped,
+        );
         (addr, seen, stop)
     }
 
@@ -1398,7 +1407,7 @@ mod tests {
                 router,
                 crate::metrics::ListenerMetrics::none(),
                 None,
-                None,
+                crate::http_server::Limits::default(),
                 stopped.clone(),
             );
         }

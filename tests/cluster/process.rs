@@ -462,3 +462,61 @@ fn json_logs_never_show_the_secrets() {
     let err = text(&out.stderr);
     assert!(err.contains("--cluster-secret") && !err.contains("space-9876"), "{err}");
 }
+
+/// The API port keeps at most `--max-connections` connections: one more is answered 503
+/// problem+json with `Retry-After` and closed, while those admitted are served on; a client
+/// that does not finish a request head within `--header-read-timeout`, or idles that long, is
+/// closed; then the port serves new connections again.
+#[test]
+fn the_api_port_caps_its_connections_and_closes_slow_and_idle_ones() {
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let node = NodeProcess::start_with(&dir.path().join("node"), &["--max-connections", "2", "--header-read-timeout", "3s"]);
+    let connect = || {
+        let tcp = TcpStream::connect(&node.addr).expect("connect");
+        tcp.set_read_timeout(Some(Duration::from_secs(15))).expect("timeout");
+        tcp
+    };
+    let livez = b"GET /livez HTTP/1.1\r\nhost: shoal\r\n\r\n";
+    let mut idle = connect();
+    let mut slow = connect();
+    slow.write_all(b"GET /livez HTTP/1.1\r\nhost: sh").expect("half a head");
+    // The third is refused (the CLI's connections that waited for readiness may still be
+    // closing: then a later one is).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let refusal = loop {
+        let mut third = connect();
+        third.write_all(b"GET /livez HTTP/1.1\r\nhost: shoal\r\nconnection: close\r\n\r\n").expect("request");
+        let mut answer = String::new();
+        let _ = third.read_to_string(&mut answer);
+        if answer.starts_with("HTTP/1.1 503") {
+            break answer;
+        }
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert!(Instant::now() < deadline, "a third connection was never refused");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let lower = refusal.to_ascii_lowercase();
+    assert!(lower.contains("retry-after: 1") && lower.contains("application/problem+json"), "{refusal}");
+    assert!(refusal.contains("\"code\":\"overloaded\"") && refusal.contains("--max-connections"), "{refusal}");
+    // An admitted connection is served.
+    idle.write_all(livez).expect("request");
+    let mut answer = [0u8; 512];
+    let n = idle.read(&mut answer).expect("an answer");
+    assert!(answer[..n].starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&answer[..n]));
+    // Both are closed at the timeout: the slow head unanswered, the idle one after its answer.
+    let started = Instant::now();
+    for (what, tcp) in [("slow", &mut slow), ("idle", &mut idle)] {
+        let mut rest = Vec::new();
+        let read = tcp.read_to_end(&mut rest);
+        assert!(read.is_ok() || read.as_ref().is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset), "{what}: {read:?}");
+        assert!(rest.is_empty(), "{what}: {}", String::from_utf8_lossy(&rest));
+    }
+    assert!(started.elapsed() < Duration::from_secs(12), "closed at the timeout: {:?}", started.elapsed());
+    // Room again.
+    let mut again = connect();
+    again.write_all(livez).expect("request");
+    let n = again.read(&mut answer).expect("an answer");
+    assert!(answer[..n].starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&answer[..n]));
+}
