@@ -700,7 +700,12 @@ pub fn status_table(view: &ClusterView) -> String {
             r.mode, r.attached_buckets, r.owned_buckets, r.queue_depth, r.lag_seconds, r.replica_items
         ));
     }
-    let pfail: Vec<String> = view.peers.iter().filter(|p| p.state == "pfail").map(|p| p.node_id.to_string()).collect();
+    let pfail: Vec<String> = view
+        .peers
+        .iter()
+        .filter(|p| p.state == shoal_http_api::types::PeerState::Pfail)
+        .map(|p| p.node_id.to_string())
+        .collect();
     if !pfail.is_empty() {
         out.push_str(&format!("pfail in node {}'s view: {}\n", view.node_id, pfail.join(", ")));
     }

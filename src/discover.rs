@@ -191,7 +191,7 @@ async fn ask(peers: &Peers, candidates: &[String]) -> Round {
     let answers = futures::future::join_all(candidates.iter().map(|c| async move {
         let answer = match peers.cluster(c, ANSWER_TIMEOUT).await {
             Ok(view) if view.members.iter().any(|m| m.id == view.node_id) => Answer::Member(Box::new(view)),
-            Err(CallError::Api(e)) if e.code() == Unavailable::NotMember.code() => Answer::Empty,
+            Err(CallError::Api(e)) if e.unavailable_code() == Some(Unavailable::NotMember) => Answer::Empty,
             _ => Answer::Unknown,
         };
         (c.clone(), answer)

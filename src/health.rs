@@ -31,7 +31,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use shoal_http_api::types::PeerHealth;
+use shoal_http_api::types::{PeerHealth, PeerState};
 use shoal_raft::{ControlPlane, MemberStatus, NodeId};
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -232,13 +232,12 @@ impl Health {
                 PeerHealth {
                     node_id: m.id,
                     state: if Some(m.id) == state.away() {
-                        "maintenance"
+                        PeerState::Maintenance
                     } else if self.is_pfail(m.id) {
-                        "pfail"
+                        PeerState::Pfail
                     } else {
-                        "ok"
-                    }
-                    .to_string(),
+                        PeerState::Ok
+                    },
                     last_contact_ms: since.map(|d| d.as_millis() as u64),
                 }
             })

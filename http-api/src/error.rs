@@ -289,6 +289,14 @@ impl ApiError {
         ApiError::Unavailable { code, detail: detail.into(), retry_after: Duration::from_secs(1) }
     }
 
+    /// Why the node is unavailable, for a 503.
+    pub fn unavailable_code(&self) -> Option<Unavailable> {
+        match self {
+            ApiError::Unavailable { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+
     /// When the client should retry: every 503 says it (the owner's own value when the
     /// error was forwarded).
     pub fn retry_after(&self) -> Option<Duration> {

@@ -567,8 +567,9 @@ pub(crate) async fn read_body(mut body: Body, limit: usize) -> Result<Bytes, Api
     let mut len = 0usize;
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| {
-            let too_large = std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>())
-                || e.to_string().contains("length limit");
+            // A limit a layer put on the body (a `Limited` body), however deep in the chain.
+            let too_large = std::iter::successors(std::error::Error::source(&e), |s| s.source())
+                .any(|s| s.is::<http_body_util::LengthLimitError>());
             if too_large {
                 ApiError::ValueTooLarge { limit }
             } else {

@@ -30,7 +30,7 @@ use crate::types::*;
     components(schemas(
         Problem, PutOk, BulkKeys, BulkPut, BulkPutItem, BulkResults, KeyResult, KeyError, KeyList, FoundKey,
         NodeFailure, Removed, EventsView, ClusterView, MemberView, TransitionView, TransferSummary, TransferView, TransferStatus, MapView, MapNode, NodeStats, LeaveOk,
-        HealthView, PeerHealth, ReplicationView, ClusterConfig, ClearLost, LostCleared, MaintenanceRequest, MaintenanceView,
+        HealthView, PeerHealth, PeerState, ReplicationView, ClusterConfig, ClearLost, LostCleared, MaintenanceRequest, MaintenanceView,
         AgentsView, AgentView, KarmaBlockView, AgentErrors, ReadFrom, BucketsView, NodeLoad, BucketFigures,
         RebalancePlan, PlannedMove, NodeBalance, BucketSort, Priority
     )),

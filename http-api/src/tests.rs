@@ -760,6 +760,10 @@ async fn a_body_in_one_piece_or_many_reads_whole_and_one_over_the_limit_is_refus
     let refused = crate::kv::read_body(pieces(4), 30).await;
     assert!(matches!(refused, Err(ApiError::ValueTooLarge { limit: 30 })), "{refused:?}");
     assert!(crate::kv::read_body(Body::empty(), 0).await.expect("empty").is_empty());
+    // A limit a layer put on the body is told by the error's type, not its text.
+    let limited = Body::new(http_body_util::Limited::new(http_body_util::Full::new(Bytes::from(vec![0u8; 50])), 10));
+    let refused = crate::kv::read_body(limited, 100).await;
+    assert!(matches!(refused, Err(ApiError::ValueTooLarge { limit: 100 })), "{refused:?}");
 }
 
 /// A bulk body announced over the limit is refused at once: nothing of it is read (the body
@@ -778,4 +782,13 @@ async fn a_bulk_body_announced_over_the_limit_is_refused_before_it_is_read() {
     let answer = tokio::time::timeout(Duration::from_secs(10), router(node.clone()).oneshot(request)).await;
     let (status, p) = problem(answer.expect("answered without the body").expect("infallible")).await;
     assert_eq!((status, p["code"].as_str()), (StatusCode::PAYLOAD_TOO_LARGE, Some("value_too_large")));
+}
+
+/// A peer's state reads on the wire as it did when it was a string, and as it prints.
+#[test]
+fn peer_states_keep_their_wire_names() {
+    for (state, name) in [(PeerState::Ok, "ok"), (PeerState::Pfail, "pfail"), (PeerState::Maintenance, "maintenance")] {
+        assert_eq!(serde_json::to_value(state).expect("json"), json!(name));
+        assert_eq!(state.to_string(), name);
+    }
 }

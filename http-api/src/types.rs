@@ -503,7 +503,7 @@ impl ClusterView {
     /// reason: they are not members any more (a failed node rejoins under a new id).
     pub fn unhealthy(&self) -> Vec<String> {
         let mut reasons: Vec<String> = self.unavailable().into_iter().collect();
-        for p in self.peers.iter().filter(|p| p.state != "ok") {
+        for p in self.peers.iter().filter(|p| p.state != PeerState::Ok) {
             reasons.push(format!("node {} is {} in node {}'s view", p.node_id, p.state, self.node_id));
         }
         if let Some(m) = &self.maintenance {
@@ -579,10 +579,33 @@ pub struct MaintenanceView {
 pub struct PeerHealth {
     /// The peer.
     pub node_id: NodeId,
-    /// `ok`, `pfail`, or `maintenance` (away on purpose: not failed for its silence).
-    pub state: String,
+    /// What the answering node makes of it.
+    pub state: PeerState,
     /// Milliseconds since its last pong (or ping), if it ever answered.
     pub last_contact_ms: Option<u64>,
+}
+
+/// A peer's state in one node's view.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum PeerState {
+    /// It answered within the node timeout.
+    Ok,
+    /// It has not (possibly failed: a majority of such reports fails it).
+    Pfail,
+    /// Away on purpose: not failed for its silence.
+    Maintenance,
+}
+
+impl std::fmt::Display for PeerState {
+    /// As it is on the wire.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            PeerState::Ok => "ok",
+            PeerState::Pfail => "pfail",
+            PeerState::Maintenance => "maintenance",
+        })
+    }
 }
 
 /// Replication in `GET /v1/cluster`, from the answering node's side.

@@ -146,7 +146,11 @@ where
 
 /// A connection's place under the cap: `Ok(None)` without a cap, `Err` over it (said once in
 /// the log per listener, until a connection is admitted again).
-fn admit(cap: Option<&Arc<Semaphore>>, capped: &AtomicBool, max: Option<usize>) -> Result<Option<OwnedSemaphorePermit>, usize> {
+fn admit(
+    cap: Option<&Arc<Semaphore>>,
+    capped: &AtomicBool,
+    max: Option<usize>,
+) -> Result<Option<OwnedSemaphorePermit>, usize> {
     let Some(cap) = cap else { return Ok(None) };
     match cap.clone().try_acquire_owned() {
         Ok(permit) => {
@@ -156,7 +160,10 @@ fn admit(cap: Option<&Arc<Semaphore>>, capped: &AtomicBool, max: Option<usize>) 
         Err(_) => {
             let max = max.unwrap_or_default();
             if !capped.swap(true, Ordering::Relaxed) {
-                tracing::warn!(max, "client connections at their cap (--max-connections): new ones are refused with 503");
+                tracing::warn!(
+                    max,
+                    "client connections at their cap (--max-connections): new ones are refused with 503"
+                );
             }
             Err(max)
         }
@@ -184,7 +191,9 @@ async fn answer<I, S>(
 fn over_cap(max: usize) -> (hyper::StatusCode, shoal_http_api::Problem) {
     let e = shoal_http_api::ApiError::unavailable(
         shoal_http_api::Unavailable::Overloaded,
-        format!("this node serves at most {max} client connections at once (--max-connections); retry, or use another node"),
+        format!(
+            "this node serves at most {max} client connections at once (--max-connections); retry, or use another node"
+        ),
     );
     (e.status(), e.problem())
 }

@@ -659,7 +659,13 @@ impl ShoalApi for NodeApi {
             .health
             .peers()
             .into_iter()
-            .map(|p| (p.node_id, p.state == "pfail", p.last_contact_ms.map(|ms| ms as f64 / 1000.0)))
+            .map(|p| {
+                (
+                    p.node_id,
+                    p.state == shoal_http_api::types::PeerState::Pfail,
+                    p.last_contact_ms.map(|ms| ms as f64 / 1000.0),
+                )
+            })
             .collect();
         let mut text = self.metrics.render();
         text.push_str(&crate::metrics::render_peers(&peers));

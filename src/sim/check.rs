@@ -187,6 +187,7 @@ pub fn check_final(history: &[Op], emptied: &Emptied, finals: &BTreeMap<String, 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use shoal_http_api::{ApiError, Unavailable};
     use std::time::Duration;
 
     fn op(n: usize, key: &str, kind: OpKind, outcome: Outcome, during_split: bool) -> Op {
@@ -292,7 +293,11 @@ mod tests {
             ("lost", OpKind::Put("a".into()), ok()),
             ("lost", OpKind::Put("b".into()), ok()),
             ("fine", OpKind::Put("a".into()), ok()),
-            ("fine", OpKind::Put("b".into()), Outcome::Failed("replication_failed".into())),
+            (
+                "fine",
+                OpKind::Put("b".into()),
+                Outcome::Failed(ApiError::unavailable(Unavailable::ReplicationFailed, "a test")),
+            ),
             ("gone", OpKind::Put("a".into()), ok()),
             ("gone", OpKind::Delete, ok()),
         ] {

@@ -37,7 +37,7 @@ use std::time::Duration;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use shoal_http_api::types::RouteContext;
-use shoal_http_api::{ApiError, ShoalApi};
+use shoal_http_api::{ApiError, ShoalApi, Unavailable};
 use shoal_raft::{BucketId, NodeId};
 use tokio::time::Instant;
 
@@ -409,7 +409,13 @@ async fn simulate(seed: u64, scenario: Scenario) -> Report {
             .filter(|op| {
                 let left = leaving.get(&op.host).is_some_and(|&t| op.end >= t);
                 match &op.outcome {
-                    Outcome::Failed(code) => !(left && (code == "node_leaving" || code == "node_draining")),
+                    Outcome::Failed(e) => {
+                        !(left
+                            && matches!(
+                                e.unavailable_code(),
+                                Some(Unavailable::NodeLeaving | Unavailable::NodeDraining)
+                            ))
+                    }
                     Outcome::Unknown(_) => !left,
                     _ => false,
                 }
@@ -629,7 +635,9 @@ async fn final_reads(cluster: &SimCluster, clients: usize, keys: usize) -> BTree
                 match workload::run(cluster, h, &key, &OpKind::Get).await {
                     Outcome::Ok { value, .. } => end = Some(Final::Read(value)),
                     Outcome::NotFound => end = Some(Final::Read(None)),
-                    Outcome::Failed(code) if code == "bucket_lost" => end = Some(Final::Lost),
+                    Outcome::Failed(e) if e.unavailable_code() == Some(Unavailable::BucketLost) => {
+                        end = Some(Final::Lost)
+                    }
                     other => last = format!("{other:?}"),
                 }
                 if end.is_some() {

@@ -48,8 +48,8 @@ pub enum Outcome {
     },
     /// The key is absent (a read or a delete).
     NotFound,
-    /// The node answered an error (its code): a write may still have happened.
-    Failed(String),
+    /// The node answered an error: a write may still have happened.
+    Failed(ApiError),
     /// No answer: anything may have happened.
     Unknown(String),
 }
@@ -158,7 +158,7 @@ fn outcome_of<T>(result: Result<Result<T, ApiError>, CallError>, ok: impl FnOnce
     match result {
         Ok(Ok(t)) => ok(t),
         Ok(Err(ApiError::NotFound)) => Outcome::NotFound,
-        Ok(Err(e)) => Outcome::Failed(e.code().to_string()),
+        Ok(Err(e)) => Outcome::Failed(e),
         Err(e) => Outcome::Unknown(e.to_string()),
     }
 }

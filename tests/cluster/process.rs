@@ -472,7 +472,8 @@ fn the_api_port_caps_its_connections_and_closes_slow_and_idle_ones() {
     use std::io::{Read, Write};
     use std::net::TcpStream;
     let dir = tempfile::tempdir().expect("temp dir");
-    let node = NodeProcess::start_with(&dir.path().join("node"), &["--max-connections", "2", "--header-read-timeout", "3s"]);
+    let node =
+        NodeProcess::start_with(&dir.path().join("node"), &["--max-connections", "2", "--header-read-timeout", "3s"]);
     let connect = || {
         let tcp = TcpStream::connect(&node.addr).expect("connect");
         tcp.set_read_timeout(Some(Duration::from_secs(15))).expect("timeout");
@@ -510,7 +511,10 @@ fn the_api_port_caps_its_connections_and_closes_slow_and_idle_ones() {
     for (what, tcp) in [("slow", &mut slow), ("idle", &mut idle)] {
         let mut rest = Vec::new();
         let read = tcp.read_to_end(&mut rest);
-        assert!(read.is_ok() || read.as_ref().is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset), "{what}: {read:?}");
+        assert!(
+            read.is_ok() || read.as_ref().is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+            "{what}: {read:?}"
+        );
         assert!(rest.is_empty(), "{what}: {}", String::from_utf8_lossy(&rest));
     }
     assert!(started.elapsed() < Duration::from_secs(12), "closed at the timeout: {:?}", started.elapsed());
