@@ -1121,6 +1121,15 @@ mod tests {
     use super::*;
     use crate::transport::{link, Replicate};
 
+    /// Serves `router` on a fresh loopback port until `stopped` turns true: its address.
+    async fn serve_on_loopback(router: axum::Router, stopped: tokio::sync::watch::Receiver<bool>) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("address").to_string();
+        let none = crate::metrics::ListenerMetrics::none();
+        crate::http_server::serve(listener, router, none, None, crate::http_server::Limits::default(), stopped);
+        addr
+    }
+
     fn request(bucket: u16, body: &'static [u8]) -> Replicate {
         Replicate {
             bucket: BucketId(bucket),
@@ -1252,17 +1261,7 @@ mod tests {
                 axum::http::StatusCode::NOT_FOUND
             });
         }
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr = listener.local_addr().expect("address").to_string();
-        crate::http_server::serve(
-            listener,
-            router,
-            crate::metrics::ListenerMetrics::none(),
-            None,
-            crate::http_server::Limits::default(),
-            stopped,
-        );
-        (addr, seen, stop)
+        (serve_on_loopback(router, stopped).await, seen, stop)
     }
 
     fn transport() -> HttpTransport {
@@ -1398,20 +1397,8 @@ mod tests {
                 }
             }),
         );
-        let mut addrs = Vec::new();
-        for router in [api, peer] {
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-            addrs.push(listener.local_addr().expect("address").to_string());
-            crate::http_server::serve(
-                listener,
-                router,
-                crate::metrics::ListenerMetrics::none(),
-                None,
-                crate::http_server::Limits::default(),
-                stopped.clone(),
-            );
-        }
-        (Addrs { api: addrs.remove(0), peer: addrs.remove(0) }, seen, stop)
+        let api = serve_on_loopback(api, stopped.clone()).await;
+        (Addrs { api, peer: serve_on_loopback(peer, stopped).await }, seen, stop)
     }
 
     async fn read(transport: &HttpTransport, to: &Addrs, key: &str) -> Result<PeerAnswer, CallError> {
