@@ -105,7 +105,7 @@ fn serve(config: ServeConfig) -> Result<(), String> {
                 Err(e) => return Err(e.to_string()),
             };
             // A failed node discards its stale data and Raft state and joins as a new member.
-            shoal::node::discard_data_dir(&config.data_dir)?;
+            shoal::node::discard_data_dir(&config.data_dir).map_err(|e| e.to_string())?;
             tracing::info!(join = ?rejoin, "rejoining the cluster as a new member");
             config.join = rejoin;
         }

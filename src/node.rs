@@ -772,16 +772,27 @@ fn failed(state: &ClusterState, node_id: NodeId) -> StartError {
     StartError::Failed { node_id, join }
 }
 
+/// A file of the data dir that could not be removed.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot remove {}: {source}", path.display())]
+pub struct DiscardError {
+    /// The file or directory.
+    pub path: std::path::PathBuf,
+    /// Why.
+    pub source: std::io::Error,
+}
+
 /// Discards what a failed node holds in its data dir (its identity and Raft state), so that
 /// it can join again as a new member.
-pub fn discard_data_dir(data_dir: &std::path::Path) -> Result<(), String> {
-    let remove = |p: std::path::PathBuf| match std::fs::metadata(&p) {
-        Ok(m) if m.is_dir() => std::fs::remove_dir_all(&p),
-        Ok(_) => std::fs::remove_file(&p),
+pub fn discard_data_dir(data_dir: &std::path::Path) -> Result<(), DiscardError> {
+    let remove = |p: &std::path::Path| match std::fs::metadata(p) {
+        Ok(m) if m.is_dir() => std::fs::remove_dir_all(p),
+        Ok(_) => std::fs::remove_file(p),
         Err(_) => Ok(()),
     };
     for name in ["node.json", "raft"] {
-        remove(data_dir.join(name)).map_err(|e| format!("cannot remove {}: {e}", data_dir.join(name).display()))?;
+        let path = data_dir.join(name);
+        remove(&path).map_err(|source| DiscardError { path, source })?;
     }
     Ok(())
 }

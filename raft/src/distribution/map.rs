@@ -6,6 +6,22 @@ use serde::{Deserialize, Serialize};
 
 use super::{BucketId, NodeId, BUCKET_COUNT};
 
+/// A broken invariant of a distribution map.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MapFault {
+    /// It does not give every bucket an owner.
+    #[error("map has {0} buckets")]
+    BucketCount(usize),
+    /// A bucket's owner is not a member.
+    #[error("bucket {} is owned by non-member {owner}", bucket.0)]
+    NotAMember {
+        /// The bucket.
+        bucket: BucketId,
+        /// Its owner.
+        owner: NodeId,
+    },
+}
+
 /// The owner of every bucket, as committed through Raft.
 ///
 /// Invariants (checked by [`DistributionMap::check`] and by the property tests):
@@ -57,15 +73,15 @@ impl DistributionMap {
     }
 
     /// Checks the invariants against the member list; `Err` names the first one broken.
-    pub fn check(&self, members: &[NodeId]) -> Result<(), String> {
+    pub fn check(&self, members: &[NodeId]) -> Result<(), MapFault> {
         if self.is_empty() {
             return Ok(());
         }
         if self.owners.len() != BUCKET_COUNT {
-            return Err(format!("map has {} buckets", self.owners.len()));
+            return Err(MapFault::BucketCount(self.owners.len()));
         }
         if let Some(b) = self.owners.iter().position(|o| !members.contains(o)) {
-            return Err(format!("bucket {b} is owned by non-member {}", self.owners[b]));
+            return Err(MapFault::NotAMember { bucket: BucketId(b as u16), owner: self.owners[b] });
         }
         Ok(())
     }

@@ -23,7 +23,7 @@ pub use balance::{
     BALANCE_TOLERANCE,
 };
 pub use hash::{bucket_of, routing_key_of};
-pub use map::DistributionMap;
+pub use map::{DistributionMap, MapFault};
 pub use rebalance::{minimum_moves, rebalance, target_counts};
 
 use serde::{Deserialize, Serialize};
