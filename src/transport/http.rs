@@ -954,21 +954,21 @@ fn one_answer(answers: Vec<ReplicaAnswer>) -> Result<ReplicaAnswer, CallError> {
 
 /// The requests of a batch body from sender `from`, or why it is malformed (nothing of a
 /// malformed batch is applied).
-pub fn decode_batch(from: NodeId, mut body: Bytes) -> Result<Vec<Replicate>, String> {
+pub fn decode_batch(from: NodeId, mut body: Bytes) -> Result<Vec<Replicate>, super::Malformed> {
     let mut out = Vec::new();
     while !body.is_empty() {
         if body.len() < BATCH_PART_HEADER {
-            return Err(format!("request {} of the batch: truncated header", out.len()));
+            return Err(super::Malformed::BatchPart { index: out.len(), what: "truncated header" });
         }
         let header = body.split_to(BATCH_PART_HEADER);
         let bucket = u16::from_be_bytes([header[0], header[1]]);
         if usize::from(bucket) >= shoal_raft::BUCKET_COUNT {
-            return Err(format!("request {} of the batch: no bucket {bucket}", out.len()));
+            return Err(super::Malformed::NoBucket { index: out.len(), bucket });
         }
         let word = |at: usize| u64::from_be_bytes(header[at..at + 8].try_into().unwrap_or_default());
         let len = u32::from_be_bytes(header[19..23].try_into().unwrap_or_default()) as usize;
         if body.len() < len {
-            return Err(format!("request {} of the batch: truncated body", out.len()));
+            return Err(super::Malformed::BatchPart { index: out.len(), what: "truncated body" });
         }
         out.push(Replicate {
             bucket: shoal_raft::BucketId(bucket),
@@ -1160,11 +1160,12 @@ mod tests {
         let whole = encode_batch(&[request(1, b"abc"), request(2, b"defg")]);
         for cut in [1, 22, whole.len() - 1] {
             let error = decode_batch(7, whole.slice(..cut)).expect_err("truncated");
-            assert!(error.contains("truncated"), "{error}");
+            assert!(matches!(error, crate::transport::Malformed::BatchPart { .. }), "{error}");
         }
         let mut bad = whole.to_vec();
         bad[0..2].copy_from_slice(&1000u16.to_be_bytes());
-        assert!(decode_batch(7, Bytes::from(bad)).expect_err("no such bucket").contains("no bucket 1000"));
+        let error = decode_batch(7, Bytes::from(bad)).expect_err("no such bucket");
+        assert_eq!(error, crate::transport::Malformed::NoBucket { index: 0, bucket: 1000 });
     }
 
     #[test]

@@ -330,6 +330,33 @@ fn lease_default() -> bool {
     true
 }
 
+/// Why a message from another node could not be read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Malformed {
+    /// Cut short, too long, or a field out of its range.
+    #[error("a malformed {0}")]
+    Message(&'static str),
+    /// A key or tag that is not text.
+    #[error("a key or tag that is not UTF-8")]
+    NotUtf8,
+    /// One request of a batch of replica writes.
+    #[error("request {index} of the batch: {what}")]
+    BatchPart {
+        /// Its place in the batch.
+        index: usize,
+        /// What is wrong.
+        what: &'static str,
+    },
+    /// A replica write for a bucket that does not exist.
+    #[error("request {index} of the batch: no bucket {bucket}")]
+    NoBucket {
+        /// Its place in the batch.
+        index: usize,
+        /// The bucket it names.
+        bucket: u16,
+    },
+}
+
 /// Why a call got no answer it could use.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CallError {

@@ -77,9 +77,9 @@ pub fn encode_request(request: &PeerRequest, deadline_ms: u64, out: &mut Vec<u8>
 
 /// Reads a payload of [`encode_request`] back into its request and deadline, or says why it
 /// is malformed.
-pub fn decode_request(payload: &[u8]) -> Result<(PeerRequest, u64), String> {
+pub fn decode_request(payload: &[u8]) -> Result<(PeerRequest, u64), super::Malformed> {
     let mut r = Reader(payload);
-    let malformed = || "a malformed read".to_string();
+    let malformed = || super::Malformed::Message("read");
     let deadline_ms = r.u64().ok_or_else(malformed)?;
     let map_version = r.u64().ok_or_else(malformed)?;
     let mirror = match r.u64().ok_or_else(malformed)? {
@@ -95,7 +95,7 @@ pub fn decode_request(payload: &[u8]) -> Result<(PeerRequest, u64), String> {
     let mut keys = Vec::with_capacity(count);
     for _ in 0..count {
         let len = r.u32().ok_or_else(malformed)? as usize;
-        let key = std::str::from_utf8(r.take(len).ok_or_else(malformed)?).map_err(|_| "a key that is not UTF-8")?;
+        let key = std::str::from_utf8(r.take(len).ok_or_else(malformed)?).map_err(|_| super::Malformed::NotUtf8)?;
         keys.push(key.to_string());
     }
     if !r.0.is_empty() {

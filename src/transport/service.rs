@@ -195,20 +195,20 @@ impl PeerService {
                 };
                 match super::http::decode_batch(from, payload.slice(8..)) {
                     Ok(requests) => (LINK_REPLICATED, encode_answers(&Box::pin(self.receive_batch(requests)).await)),
-                    Err(reason) => refused(&reason),
+                    Err(reason) => refused(&reason.to_string()),
                 }
             }
             reads::LINK_READ => match reads::decode_request(&payload) {
                 Ok((request, deadline_ms)) => {
                     elsewhere_counted(counted, self.serve_link_read(request, deadline_ms).await)
                 }
-                Err(reason) => refused(&reason),
+                Err(reason) => refused(&reason.to_string()),
             },
             writes::LINK_WRITE => match writes::decode_request(&payload) {
                 Ok((request, deadline_ms)) => {
                     elsewhere_counted(counted, Box::pin(self.serve_link_write(request, deadline_ms)).await)
                 }
-                Err(reason) => refused(&reason),
+                Err(reason) => refused(&reason.to_string()),
             },
             other => refused(&format!("unknown link request kind {other}")),
         }
@@ -456,7 +456,7 @@ async fn replicate_batch(State(s): State<Arc<PeerService>>, request: Request) ->
     };
     let requests = match super::http::decode_batch(from, body) {
         Ok(requests) => requests,
-        Err(reason) => return (StatusCode::BAD_REQUEST, reason).into_response(),
+        Err(reason) => return (StatusCode::BAD_REQUEST, reason.to_string()).into_response(),
     };
     Json(s.receive_batch(requests).await).into_response()
 }

@@ -106,8 +106,8 @@ pub fn encode_request(request: &PeerRequest, deadline_ms: u64, out: &mut Vec<u8>
 
 /// Reads a payload of [`encode_request`] back into its request and deadline, or says why it
 /// is malformed. A written value is a slice of `payload`, not a copy.
-pub fn decode_request(payload: &Bytes) -> Result<(PeerRequest, u64), String> {
-    let malformed = || "a malformed forwarded write".to_string();
+pub fn decode_request(payload: &Bytes) -> Result<(PeerRequest, u64), super::Malformed> {
+    let malformed = || super::Malformed::Message("forwarded write");
     let mut r = Reader(payload);
     let deadline_ms = r.u64().ok_or_else(malformed)?;
     let map_version = r.u64().ok_or_else(malformed)?;
@@ -161,8 +161,8 @@ pub fn decode_request(payload: &Bytes) -> Result<(PeerRequest, u64), String> {
     Ok((request, deadline_ms))
 }
 
-fn text(bytes: &[u8]) -> Result<String, String> {
-    std::str::from_utf8(bytes).map(str::to_string).map_err(|_| "a key or tag that is not UTF-8".to_string())
+fn text(bytes: &[u8]) -> Result<String, super::Malformed> {
+    std::str::from_utf8(bytes).map(str::to_string).map_err(|_| super::Malformed::NotUtf8)
 }
 
 /// The link answer (kind and payload) to a forwarded write or delete: what
