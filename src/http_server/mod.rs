@@ -24,16 +24,20 @@ use std::time::Duration;
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use tokio_rustls::TlsAcceptor;
 
+use shoal_http_api::ApiError;
+
 use crate::metrics::ListenerMetrics;
 
 /// How long in-flight requests may run after shutdown starts.
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a refused connection may take to send its request and read the refusal.
+const REFUSAL_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What a listener serves: the axum router (with its layers).
 pub trait Served:
@@ -119,7 +123,7 @@ where
                             None => answer(&builder, io, service, admitted, stop).await,
                             Some(acceptor) => {
                                 if speaks_plain_http(&io.tcp).await {
-                                    refuse(io, &plain_http_refusal()).await;
+                                    refuse(&builder, io, plain_http_refusal()).await;
                                 } else {
                                     match tokio::time::timeout(crate::tls::HANDSHAKE_TIMEOUT, acceptor.accept(io)).await {
                                         Ok(Ok(stream)) => answer(&builder, stream, service, admitted, stop).await,
@@ -183,29 +187,27 @@ async fn answer<I, S>(
 {
     match admitted {
         Ok(_permit) => serve_connection(builder, io, service, shutdown).await,
-        Err(max) => refuse(io, &over_cap(max)).await,
+        Err(max) => refuse(builder, io, over_cap(max)).await,
     }
 }
 
 /// The answer to a connection over the cap.
-fn over_cap(max: usize) -> (hyper::StatusCode, shoal_http_api::Problem) {
-    let e = shoal_http_api::ApiError::unavailable(
+fn over_cap(max: usize) -> ApiError {
+    ApiError::unavailable(
         shoal_http_api::Unavailable::Overloaded,
         format!(
             "this node serves at most {max} client connections at once (--max-connections); retry, or use another node"
         ),
-    );
-    (e.status(), e.problem())
+    )
 }
 
 /// The answer to plain HTTP on a TLS listener: 400, as nginx and Go's servers do, saying how to
 /// reach it.
-fn plain_http_refusal() -> (hyper::StatusCode, shoal_http_api::Problem) {
-    let e = shoal_http_api::ApiError::BadRequest(
+fn plain_http_refusal() -> ApiError {
+    ApiError::BadRequest(
         "this node speaks HTTPS: use https:// (and the CA that signed its certificate: curl --cacert, shoal --cacert)"
             .into(),
-    );
-    (e.status(), e.problem())
+    )
 }
 
 /// Whether a client on a TLS listener opened with plain HTTP (its first byte is not a TLS
@@ -217,37 +219,20 @@ async fn speaks_plain_http(tcp: &TcpStream) -> bool {
     matches!(peeked, Ok(Ok(1))) && first[0].is_ascii_alphabetic()
 }
 
-/// Answers `problem` with its status (and `Retry-After: 1` for a 503) and closes the
-/// connection, whatever the client sent. What the client sent is read (a while, a little)
-/// after the answer, as nginx's lingering close does: closed with unread bytes, the socket
-/// would reset the connection, and the client could lose the answer.
-async fn refuse<I: AsyncRead + AsyncWrite + Unpin>(
-    mut io: I,
-    (status, problem): &(hyper::StatusCode, shoal_http_api::Problem),
-) {
-    let body = serde_json::to_vec(problem).unwrap_or_default();
-    let retry = if *status == hyper::StatusCode::SERVICE_UNAVAILABLE { "retry-after: 1\r\n" } else { "" };
-    let head = format!(
-        "HTTP/1.1 {} {}\r\ncontent-type: {}\r\ncontent-length: {}\r\n{retry}connection: close\r\n\r\n",
-        status.as_u16(),
-        status.canonical_reason().unwrap_or(""),
-        shoal_http_api::PROBLEM_JSON,
-        body.len()
-    );
-    let _ = io.write_all(head.as_bytes()).await;
-    let _ = io.write_all(&body).await;
-    let _ = io.shutdown().await;
-    let linger = async {
-        let mut sink = [0u8; 4096];
-        let mut left = 64 * 1024;
-        while left > 0 {
-            match tokio::io::AsyncReadExt::read(&mut io, &mut sink).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => left -= n.min(left),
-            }
-        }
-    };
-    let _ = tokio::time::timeout(Duration::from_secs(1), linger).await;
+/// Answers the connection's first request with `refusal` (problem+json, `Retry-After` for a
+/// 503) and closes it, through hyper like every answer (it reads the request first, so the
+/// client gets the answer, not a reset), within [`REFUSAL_TIMEOUT`].
+async fn refuse<I>(builder: &http1::Builder, io: I, refusal: ApiError)
+where
+    I: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+{
+    let service = hyper::service::service_fn(move |_: hyper::Request<hyper::body::Incoming>| {
+        let answer = axum::response::IntoResponse::into_response(refusal.clone());
+        async move { Ok::<_, std::convert::Infallible>(answer) }
+    });
+    let mut builder = builder.clone();
+    builder.keep_alive(false);
+    let _ = tokio::time::timeout(REFUSAL_TIMEOUT, builder.serve_connection(TokioIo::new(io), service)).await;
 }
 
 /// Serves one connection with hyper until it ends. Once `shutdown` turns true it finishes the
