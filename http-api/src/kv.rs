@@ -617,11 +617,6 @@ pub(crate) fn json_object<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiErro
         .map_err(|e| ApiError::BadRequest(format!("invalid JSON body: {e}")))
 }
 
-/// The body limit of bulk requests: room for a full batch of small items, or one big value.
-fn bulk_body_limit(limits: &Limits) -> usize {
-    limits.max_bulk_body_bytes
-}
-
 /// What a JSON request keeps alive for each byte of its body: the body as it came and, parsed,
 /// an owned copy of every value (its admission counts both).
 pub const PARSED_COPIES: usize = 2;
@@ -651,7 +646,7 @@ pub(crate) async fn bulk_get<N: ShoalApi>(
     let result = async {
         let q: BulkGetQuery = query_of(&uri)?;
         let limits = node.limits();
-        let (req, _admitted): (BulkKeys, _) = read_json(&*node, &headers, body, bulk_body_limit(&limits)).await?;
+        let (req, _admitted): (BulkKeys, _) = read_json(&*node, &headers, body, limits.max_bulk_body_bytes).await?;
         check_bulk_keys(req.keys.iter(), &limits)?;
         let ctx = read_context(&headers, None, q.read.as_deref(), q.max_staleness.as_deref())?;
         // Invalid keys fail alone; the others are asked of the node.
@@ -666,7 +661,7 @@ pub(crate) async fn bulk_get<N: ShoalApi>(
             by_position[i] = Some(answer);
         }
         // The answer is built in memory: it is bounded like a request body, and admitted.
-        let most = bulk_body_limit(&limits);
+        let most = limits.max_bulk_body_bytes;
         if value_bytes > most {
             return Err(ApiError::AnswerTooLarge { bytes: value_bytes, limit: most });
         }
@@ -725,7 +720,7 @@ fn put_item(item: BulkPutItem, limits: &Limits) -> Result<PutItem, (String, ApiE
 pub(crate) async fn bulk_put<N: ShoalApi>(State(node): State<Arc<N>>, headers: HeaderMap, body: Body) -> Response {
     let result = async {
         let limits = node.limits();
-        let (req, _admitted): (BulkPut, _) = read_json(&*node, &headers, body, bulk_body_limit(&limits)).await?;
+        let (req, _admitted): (BulkPut, _) = read_json(&*node, &headers, body, limits.max_bulk_body_bytes).await?;
         check_bulk_keys(req.items.iter().map(|i| &i.key), &limits)?;
         let ctx = route_context(&headers, None)?;
         let n = req.items.len();
@@ -757,7 +752,7 @@ pub(crate) async fn bulk_put<N: ShoalApi>(State(node): State<Arc<N>>, headers: H
 pub(crate) async fn bulk_delete<N: ShoalApi>(State(node): State<Arc<N>>, headers: HeaderMap, body: Body) -> Response {
     let result = async {
         let limits = node.limits();
-        let (req, _admitted): (BulkKeys, _) = read_json(&*node, &headers, body, bulk_body_limit(&limits)).await?;
+        let (req, _admitted): (BulkKeys, _) = read_json(&*node, &headers, body, limits.max_bulk_body_bytes).await?;
         check_bulk_keys(req.keys.iter(), &limits)?;
         let ctx = route_context(&headers, None)?;
         let (valid, invalid): (Vec<_>, Vec<_>) =

@@ -96,8 +96,7 @@ where
         if let Some(timeout) = limits.header_read_timeout {
             builder.timer(TokioTimer::new()).header_read_timeout(timeout);
         }
-        let cap = limits.max_connections.map(|n| Arc::new(Semaphore::new(n)));
-        let capped = Arc::new(AtomicBool::new(false));
+        let cap = limits.max_connections.map(Cap::new);
         loop {
             tokio::select! {
                 accepted = listener.accept() => {
@@ -113,7 +112,7 @@ where
                     let _ = tcp.set_nodelay(true);
                     metrics.accepted.increment(1);
                     metrics.open.increment(1.0);
-                    let admitted = admit(cap.as_ref(), &capped, limits.max_connections);
+                    let admitted = cap.as_ref().map(Cap::admit).transpose();
                     let io = Counted { tcp, metrics: metrics.clone() };
                     let service = router.clone();
                     let (open, builder, stop, held) = (metrics.open.clone(), builder.clone(), shutdown.clone(), open_tx.clone());
@@ -148,28 +147,35 @@ where
     })
 }
 
-/// A connection's place under the cap: `Ok(None)` without a cap, `Err` over it (said once in
-/// the log per listener, until a connection is admitted again).
-fn admit(
-    cap: Option<&Arc<Semaphore>>,
-    capped: &AtomicBool,
-    max: Option<usize>,
-) -> Result<Option<OwnedSemaphorePermit>, usize> {
-    let Some(cap) = cap else { return Ok(None) };
-    match cap.clone().try_acquire_owned() {
-        Ok(permit) => {
-            capped.store(false, Ordering::Relaxed);
-            Ok(Some(permit))
-        }
-        Err(_) => {
-            let max = max.unwrap_or_default();
-            if !capped.swap(true, Ordering::Relaxed) {
-                tracing::warn!(
-                    max,
-                    "client connections at their cap (--max-connections): new ones are refused with 503"
-                );
+/// The most connections a listener keeps at once.
+struct Cap {
+    permits: Arc<Semaphore>,
+    max: usize,
+    /// Whether the log already says the cap is reached (once, until a connection fits again).
+    reached: AtomicBool,
+}
+
+impl Cap {
+    fn new(max: usize) -> Self {
+        Cap { permits: Arc::new(Semaphore::new(max)), max, reached: AtomicBool::new(false) }
+    }
+
+    /// A connection's place under the cap, held while it is served; `Err(max)` over it.
+    fn admit(&self) -> Result<OwnedSemaphorePermit, usize> {
+        match self.permits.clone().try_acquire_owned() {
+            Ok(permit) => {
+                self.reached.store(false, Ordering::Relaxed);
+                Ok(permit)
             }
-            Err(max)
+            Err(_) => {
+                if !self.reached.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        max = self.max,
+                        "client connections at their cap (--max-connections): new ones are refused with 503"
+                    );
+                }
+                Err(self.max)
+            }
         }
     }
 }
