@@ -167,8 +167,6 @@ pub struct StateGauges {
     pub replication_failures: Counter,
     /// Exchanges with replica holders that carried changes.
     pub replication_exchanges: Counter,
-    /// Exchanges with owners that carried forwarded key operations.
-    pub forward_exchanges: Counter,
     /// Bucket snapshots sent to the replica.
     pub replication_snapshots: Counter,
     /// Bytes of the bucket snapshots sent to the replica.
@@ -263,9 +261,6 @@ pub struct LinkRequests {
     pub reads: Counter,
     /// Forwarded writes and deletes.
     pub writes: Counter,
-    /// Forwarded reads, writes and deletes sent back to go over HTTP instead: every slot for
-    /// forwarded link requests busy, keys the node's limits refuse, values too large for a link.
-    pub elsewhere: Counter,
 }
 
 static METADATA: Metadata<'static> = Metadata::new("shoal", Level::INFO, Some(module_path!()));
@@ -384,10 +379,6 @@ impl NodeMetrics {
                 "shoal_replication_exchanges_total",
                 "Exchanges with replica holders that carried changes: writes in flight to one holder at once travel together, so changes per exchange is the batch size.",
             ),
-            forward_exchanges: counter(
-                "shoal_forward_exchanges_total",
-                "Exchanges with owners that carried forwarded reads waiting for one owner together (reads forwarded while no peer link to the owner carried reads): reads per exchange is the batch size. Forwarded operations sent on a peer link one message each (writes, and reads where a link is open) are not counted here; reads an owner sent back from its link are.",
-            ),
             replication_snapshot_bytes: counter(
                 "shoal_replication_snapshot_bytes_total",
                 "Bytes of the bucket snapshots sent to the replica (whole buckets: after a restart, a move or a change of holder).",
@@ -436,18 +427,13 @@ impl NodeMetrics {
                 describe(
                     r,
                     "shoal_peer_link_requests_total",
-                    "Requests this node served over peer links, by kind (replica_writes: one per batch; reads: forwarded and mirror reads; writes: forwarded writes and deletes; elsewhere: forwarded requests sent back to go another way, because every slot for them was busy, or their keys or values are beyond this node's limits or a link's; a read sent back may come again in a bulk read). The rest of the node-to-node traffic is HTTP exchanges.",
+                    "Requests this node served over peer links, by kind (replica_writes: one per batch; reads: forwarded and mirror reads; writes: forwarded writes and deletes). The rest of the node-to-node traffic is HTTP exchanges.",
                 );
                 let kind = |kind: &'static str| {
                     let key = Key::from_parts("shoal_peer_link_requests_total", vec![Label::new("kind", kind)]);
                     r.register_counter(&key, &METADATA)
                 };
-                LinkRequests {
-                    replica_writes: kind("replica_writes"),
-                    reads: kind("reads"),
-                    writes: kind("writes"),
-                    elsewhere: kind("elsewhere"),
-                }
+                LinkRequests { replica_writes: kind("replica_writes"), reads: kind("reads"), writes: kind("writes") }
             },
             hits: counter("shoal_cache_hits_total", "Reads that found their key."),
             misses: counter("shoal_cache_misses_total", "Reads that did not find their key."),

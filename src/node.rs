@@ -658,7 +658,6 @@ pub async fn start_in(
         replicator: replicator.clone(),
         exporter,
         health: health.clone(),
-        link_forwards: tokio::sync::Semaphore::new(crate::transport::service::LINK_FORWARD_SLOTS),
     });
     let servers = serve(service, &shutdown);
     let handle = NodeHandle {

@@ -1,14 +1,10 @@
 //! [`Peers`]: the typed calls a node makes to other nodes, over its [`Transport`].
 //!
-//! A forwarded key request goes to the owner's public API with the sender's map version (over
-//! the peer link to the owner when one is open: `Transport::key_op`); a broadcast asks
-//! each member for its own keys only. Answers come back as the same types and
-//! errors the local path produces, so a client cannot tell a forwarded answer from a local
-//! one; what the network did (unreachable, no answer in time) becomes `owner_unreachable`.
-//! Forwarded reads waiting for the same owner at once share exchanges, unless a peer link to the
-//! owner carries them one message each (`forward.rs`).
-
-mod forward;
+//! A forwarded key request goes to the owner with the sender's map version, one message on
+//! the peer link to it (`Transport::key_op`); a broadcast asks each member for its own keys
+//! only. Answers come back as the same types and errors the local path produces, so a client
+//! cannot tell a forwarded answer from a local one; what the network did (unreachable, no
+//! answer in time) becomes `owner_unreachable`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -41,7 +37,6 @@ const GIVE_BACK_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Clone)]
 pub struct Peers {
     transport: Arc<dyn Transport>,
-    forwards: forward::Forwards,
 }
 
 /// A forwarded operation's failure as the client sees it.
@@ -60,7 +55,7 @@ fn api_error(addr: &str, e: CallError) -> ApiError {
 impl Peers {
     /// Typed calls over `transport`.
     pub fn new(transport: Arc<dyn Transport>) -> Self {
-        Peers { forwards: forward::forwards(transport.clone()), transport }
+        Peers { transport }
     }
 
     /// The transport.
@@ -72,30 +67,18 @@ impl Peers {
         self.transport.call(api_addr, request, FORWARD_TIMEOUT).await.map_err(|e| api_error(api_addr, e))
     }
 
-    /// Exchanges that carried forwarded key operations so far (several operations sent
-    /// together count once).
-    pub fn forward_exchanges(&self) -> u64 {
-        self.forwards.exchanges()
+    /// A forwarded key operation (`Get`, `Put`, `Delete`) to the owner at `to`.
+    async fn key_op(&self, to: &Addrs, request: PeerRequest) -> Result<PeerAnswer, ApiError> {
+        self.transport.key_op(to.clone(), request, FORWARD_TIMEOUT).await.map_err(|e| api_error(&to.api, e))
     }
 
-    /// Forwards a key operation to `owner` at `to`: a read with others waiting for that owner,
-    /// unless a link to it carries reads (see `forward.rs`).
-    async fn forward_op(
-        &self,
-        to: &Addrs,
-        owner: NodeId,
-        op: forward::KeyOp,
-        map_version: u64,
-    ) -> Result<forward::KeyDone, ApiError> {
-        let forwarded = forward::Forwarded { op, owner, map_version, peer_addr: to.peer.clone() };
-        forward::forward(&self.forwards, &to.api, forwarded).await
-    }
-
-    /// Forwards a GET to `owner`; `None`: the key does not exist.
-    pub async fn get(&self, to: &Addrs, owner: NodeId, key: &str, map_version: u64) -> Result<Option<GetOk>, ApiError> {
-        match self.forward_op(to, owner, forward::KeyOp::Get(key.to_string()), map_version).await? {
-            forward::KeyDone::Got(found) => Ok(found),
-            other => Err(ApiError::Internal(format!("a forwarded read was answered with {other:?}"))),
+    /// Forwards a GET to the owner at `to`; `None`: the key does not exist.
+    pub async fn get(&self, to: &Addrs, key: &str, map_version: u64) -> Result<Option<GetOk>, ApiError> {
+        match self.key_op(to, PeerRequest::Get { key: key.to_string(), map_version, mirror: None }).await {
+            Ok(PeerAnswer::Got(ok)) => Ok(Some(ok)),
+            Err(ApiError::NotFound) => Ok(None),
+            Err(e) => Err(e),
+            Ok(other) => Err(api_error(&to.api, unexpected(&other))),
         }
     }
 
@@ -135,27 +118,21 @@ impl Peers {
         }
     }
 
-    /// Forwards a PUT to `owner`.
-    pub async fn put(&self, to: &Addrs, owner: NodeId, item: &PutItem, map_version: u64) -> Result<PutOk, ApiError> {
-        match self.forward_op(to, owner, forward::KeyOp::Put(item.clone()), map_version).await? {
-            forward::KeyDone::Put(ok) => Ok(ok),
-            other => Err(ApiError::Internal(format!("a forwarded write was answered with {other:?}"))),
+    /// Forwards a PUT to the owner at `to`.
+    pub async fn put(&self, to: &Addrs, item: &PutItem, map_version: u64) -> Result<PutOk, ApiError> {
+        match self.key_op(to, PeerRequest::Put { item: item.clone(), map_version }).await? {
+            PeerAnswer::Put(ok) => Ok(ok),
+            other => Err(api_error(&to.api, unexpected(&other))),
         }
     }
 
-    /// Forwards a DELETE to `owner`; `false`: the key did not exist.
-    pub async fn delete(
-        &self,
-        to: &Addrs,
-        owner: NodeId,
-        key: &str,
-        cas: Option<u64>,
-        map_version: u64,
-    ) -> Result<bool, ApiError> {
-        let op = forward::KeyOp::Delete { key: key.to_string(), cas };
-        match self.forward_op(to, owner, op, map_version).await? {
-            forward::KeyDone::Deleted(existed) => Ok(existed),
-            other => Err(ApiError::Internal(format!("a forwarded delete was answered with {other:?}"))),
+    /// Forwards a DELETE to the owner at `to`; `false`: the key did not exist.
+    pub async fn delete(&self, to: &Addrs, key: &str, cas: Option<u64>, map_version: u64) -> Result<bool, ApiError> {
+        match self.key_op(to, PeerRequest::Delete { key: key.to_string(), cas, map_version }).await {
+            Ok(PeerAnswer::Deleted) => Ok(true),
+            Err(ApiError::NotFound) => Ok(false),
+            Err(e) => Err(e),
+            Ok(other) => Err(api_error(&to.api, unexpected(&other))),
         }
     }
 

@@ -350,7 +350,6 @@ impl NodeApi {
         g.replication_sent.absolute(r.sent.load(Ordering::Relaxed));
         g.replication_failures.absolute(r.failures.load(Ordering::Relaxed));
         g.replication_exchanges.absolute(self.replicator.exchanges());
-        g.forward_exchanges.absolute(self.peers.forward_exchanges());
         g.replication_snapshots.absolute(r.snapshots.load(Ordering::Relaxed));
         g.replication_snapshot_bytes.absolute(r.snapshot_bytes.load(Ordering::Relaxed));
         g.replication_undone.absolute(r.undone.load(Ordering::Relaxed));

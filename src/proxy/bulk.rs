@@ -372,7 +372,7 @@ impl NodeApi {
                 done
             }
         };
-        let remote = |to: Addrs, owner: NodeId, batch: Vec<(String, Option<u64>)>, v: u64| {
+        let remote = |to: Addrs, _: NodeId, batch: Vec<(String, Option<u64>)>, v: u64| {
             let peers = &self.peers;
             async move {
                 if batch.iter().all(|(_, cas)| cas.is_none()) {
@@ -382,7 +382,7 @@ impl NodeApi {
                 // Versioned deletes (rare: a bucket that moved away meanwhile) go one by one.
                 let mut results = Vec::with_capacity(batch.len());
                 for (key, cas) in &batch {
-                    results.push(match peers.delete(&to, owner, key, *cas, v).await {
+                    results.push(match peers.delete(&to, key, *cas, v).await {
                         Ok(existed) => Ok(existed),
                         Err(e @ ApiError::NotOwner { .. }) => return Err(e),
                         Err(e) => Err(e),

@@ -497,9 +497,9 @@ impl ShoalApi for NodeApi {
             }
         }
         let local = || self.local_get(&key, bucket);
-        let remote = |owner: NodeId, to: Addrs, v: u64| {
+        let remote = |_: NodeId, to: Addrs, v: u64| {
             let (peers, key) = (&self.peers, &key);
-            async move { peers.get(&to, owner, key, v).await }
+            async move { peers.get(&to, key, v).await }
         };
         let result = self.route(bucket, ctx, local, remote).await.and_then(|found| found.ok_or(ApiError::NotFound));
         if let Some(owner) = to_owner {
@@ -523,9 +523,9 @@ impl ShoalApi for NodeApi {
         }
         let bucket = bucket_of(item.key.as_bytes());
         let local = || self.local_put(&item, bucket);
-        let remote = |owner: NodeId, to: Addrs, v: u64| {
+        let remote = |_: NodeId, to: Addrs, v: u64| {
             let (peers, item) = (&self.peers, &item);
-            async move { peers.put(&to, owner, item, v).await }
+            async move { peers.put(&to, item, v).await }
         };
         let result = self.route(bucket, ctx, local, remote).await;
         self.timed(Op::Put, started, result)
@@ -538,9 +538,9 @@ impl ShoalApi for NodeApi {
         }
         let bucket = bucket_of(key.as_bytes());
         let local = || self.local_delete(&key, cas, bucket);
-        let remote = |owner: NodeId, to: Addrs, v: u64| {
+        let remote = |_: NodeId, to: Addrs, v: u64| {
             let (peers, key) = (&self.peers, &key);
-            async move { peers.delete(&to, owner, key, cas, v).await }
+            async move { peers.delete(&to, key, cas, v).await }
         };
         let result = self.route(bucket, ctx, local, remote).await.and_then(|deleted| {
             if deleted {

@@ -29,15 +29,14 @@ use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use shoal_http_api::types::{
-    BulkKeys, BulkPut, BulkPutItem, BulkResults, GetOk, KeyError, KeyResult, Priority, WriteCondition,
+    BulkKeys, BulkPut, BulkPutItem, BulkResults, KeyError, KeyResult, Priority, WriteCondition,
 };
 use shoal_http_api::{
-    ApiError, Problem, PutItem, Unavailable, HEADER_BUCKET, HEADER_FORWARDED_MAP_VERSION, HEADER_FORWARD_DEADLINE,
-    HEADER_MIRROR_READ, HEADER_NODE, HEADER_REPLICA_LAG, HEADER_SCOPE,
+    ApiError, Problem, PutItem, Unavailable, HEADER_FORWARDED_MAP_VERSION, HEADER_FORWARD_DEADLINE, HEADER_SCOPE,
 };
 use shoal_raft::{BoxFuture, ControlRpc, ControlTransport, NodeId, TransportError};
 
-use super::link::{self, LinkError, Links, OpenError, Route};
+use super::link::{self, LinkError, Links, OpenError};
 use super::{
     reads, writes, Addrs, CallError, FrameStream, PeerAnswer, PeerRequest, ReplicaAnswer, Replicate, StreamRequest,
     Transport,
@@ -47,14 +46,8 @@ use super::{
 pub const SECRET_HEADER: HeaderName = HeaderName::from_static("x-shoal-cluster-secret");
 /// The header naming the Raft node a Raft message is meant for.
 pub const HEADER_RAFT_TARGET: HeaderName = HeaderName::from_static("x-shoal-raft-target");
-/// `POST /internal/replicate/{bucket}`: the sending owner.
+/// `POST /internal/found/{bucket}`: the node that gives the bucket back.
 pub const HEADER_FROM: HeaderName = HeaderName::from_static("x-shoal-from");
-/// `POST /internal/replicate/{bucket}`: the sender's map version; on a 409, the holder's.
-pub const HEADER_MAP_VERSION: HeaderName = HeaderName::from_static("x-shoal-map-version");
-/// `POST /internal/replicate/{bucket}`: `1` for a whole bucket.
-pub const HEADER_SNAPSHOT: HeaderName = HeaderName::from_static("x-shoal-snapshot");
-/// `POST /internal/replicate/{bucket}`: the request's sequence number.
-pub const HEADER_SEQ: HeaderName = HeaderName::from_static("x-shoal-seq");
 /// The media type of bucket streams and replication bodies.
 pub const TRANSFER_MEDIA_TYPE: &str = "application/vnd.shoal.transfer";
 
@@ -341,50 +334,18 @@ impl HttpTransport {
     }
 
     async fn send(&self, addr: &str, request: PeerRequest, timeout: Duration) -> Result<PeerAnswer, CallError> {
-        let request = match request {
-            PeerRequest::Replicate(r) => {
-                match self.replicate_over_link(addr, std::slice::from_ref(&r), timeout).await {
-                    Some(answers) => return Ok(PeerAnswer::Replicated(one_answer(answers?)?)),
-                    None => PeerRequest::Replicate(r),
-                }
-            }
-            PeerRequest::ReplicateBatch(requests) => match self.replicate_over_link(addr, &requests, timeout).await {
-                Some(answers) => return Ok(PeerAnswer::ReplicatedBatch(answers?)),
-                None => PeerRequest::ReplicateBatch(requests),
-            },
-            other => other,
-        };
         match request {
             PeerRequest::Replicate(r) => {
-                let headers = [
-                    (HEADER_FROM, HeaderValue::from(r.from)),
-                    (HEADER_MAP_VERSION, HeaderValue::from(r.map_version)),
-                    (HEADER_SNAPSHOT, HeaderValue::from_static(if r.snapshot { "1" } else { "0" })),
-                    (HEADER_SEQ, HeaderValue::from(r.seq)),
-                ];
-                let uri = self.url(addr, &format!("/internal/replicate/{}", r.bucket.0));
-                let answer = self.peer(Method::POST, uri, &headers, r.body, timeout).await?;
-                let reason = || String::from_utf8_lossy(&answer.body).into_owned();
-                Ok(PeerAnswer::Replicated(match answer.status {
-                    s if s.is_success() => ReplicaAnswer::Applied,
-                    StatusCode::PRECONDITION_FAILED => ReplicaAnswer::NeedSnapshot(reason()),
-                    StatusCode::CONFLICT => {
-                        let version =
-                            answer.headers.get(HEADER_MAP_VERSION).and_then(|v| v.to_str().ok()?.parse().ok());
-                        ReplicaAnswer::Fenced { map_version: version.unwrap_or(r.map_version + 1), reason: reason() }
-                    }
-                    s => return Err(CallError::Refused { status: s.as_u16(), reason: reason() }),
-                }))
+                Ok(PeerAnswer::Replicated(one_answer(self.replicate(addr, std::slice::from_ref(&r), timeout).await?)?))
             }
             PeerRequest::ReplicateBatch(requests) => {
-                let from = requests.first().map_or(0, |r| r.from);
-                let uri = self.url(addr, "/internal/replicate");
-                let body = encode_batch(&requests);
-                let answer =
-                    self.peer(Method::POST, uri, &[(HEADER_FROM, HeaderValue::from(from))], body, timeout).await?;
-                refused_unless_success(&answer)?;
-                Ok(PeerAnswer::ReplicatedBatch(json(&answer.body)?))
+                Ok(PeerAnswer::ReplicatedBatch(self.replicate(addr, &requests, timeout).await?))
             }
+            // Their way is the link to the peer listener, which only `key_op` knows.
+            PeerRequest::Get { .. }
+            | PeerRequest::BulkGet { .. }
+            | PeerRequest::Put { .. }
+            | PeerRequest::Delete { .. } => Err(CallError::Broken("a key operation is sent with key_op".into())),
             PeerRequest::Shadow { bucket, body } => {
                 let uri = self.url(addr, &format!("/internal/shadow/{}", bucket.0));
                 let answer = self.peer(Method::POST, uri, &[], body, timeout).await?;
@@ -411,42 +372,6 @@ impl HttpTransport {
                 let answer = self.peer(Method::GET, uri, &[], Bytes::new(), timeout).await?;
                 refused_unless_success(&answer)?;
                 Ok(PeerAnswer::TransferStatus(json(&answer.body)?))
-            }
-            PeerRequest::Get { key, map_version, mirror } => {
-                let answer = self
-                    .api(Method::GET, addr, &key_path(&key), &read_headers(map_version, mirror), Bytes::new(), timeout)
-                    .await?;
-                let header = |name: HeaderName| answer.headers.get(name).and_then(|v| v.to_str().ok());
-                let version = header(hyper::header::ETAG).and_then(|e| e.trim_matches('"').parse().ok()).unwrap_or(0);
-                let bucket = header(HEADER_BUCKET).and_then(|b| b.parse().ok()).unwrap_or(0);
-                let node = header(HEADER_NODE).and_then(|n| n.parse().ok()).unwrap_or(0);
-                let lag_ms = header(HEADER_REPLICA_LAG).and_then(|n| n.parse().ok());
-                Ok(PeerAnswer::Got(GetOk { value: answer.body, version, bucket, node, lag_ms }))
-            }
-            PeerRequest::Put { item, map_version } => {
-                let mut path = key_path(&item.key);
-                let query = put_query(&item);
-                if !query.is_empty() {
-                    path.push('?');
-                    path.push_str(&serde_urlencoded::to_string(&query).map_err(|e| CallError::Broken(e.to_string()))?);
-                }
-                let headers = forwarded(map_version);
-                let ok = self.api_json(Method::PUT, addr, &path, &headers, item.value.clone(), timeout).await?;
-                Ok(PeerAnswer::Put(ok))
-            }
-            PeerRequest::Delete { key, cas, map_version } => {
-                let mut path = key_path(&key);
-                if let Some(cas) = cas {
-                    path.push_str(&format!("?cas={cas}"));
-                }
-                self.api(Method::DELETE, addr, &path, &forwarded(map_version), Bytes::new(), timeout).await?;
-                Ok(PeerAnswer::Deleted)
-            }
-            PeerRequest::BulkGet { keys, map_version, mirror } => {
-                let headers = read_headers(map_version, mirror);
-                let answer: BulkResults =
-                    self.post_json(addr, "/v1/bulk/get", &headers, &BulkKeys { keys }, timeout).await?;
-                Ok(PeerAnswer::BulkGot(answer.results.iter().map(bulk_get_result).collect()))
             }
             PeerRequest::BulkPut { items, map_version } => {
                 let body = BulkPut { items: items.iter().map(bulk_item).collect() };
@@ -519,68 +444,43 @@ impl HttpTransport {
         }
     }
 
-    /// Sends replica writes over the link to the peer listener at `addr` when one is open (one
-    /// is opened in the background when none is); `None` when they must go over HTTP instead
-    /// (no link yet, or the writes are too large to share one).
-    async fn replicate_over_link(
+    /// Sends replica writes over the link to the peer listener at `addr`.
+    async fn replicate(
         &self,
         addr: &str,
         requests: &[Replicate],
         timeout: Duration,
-    ) -> Option<Result<Vec<ReplicaAnswer>, CallError>> {
+    ) -> Result<Vec<ReplicaAnswer>, CallError> {
         let size: usize = requests.iter().map(|r| BATCH_PART_HEADER + r.body.len()).sum();
-        if size > link::MAX_REQUEST {
-            return None;
-        }
-        let link = self.link_to(addr)?;
         let from = requests.first().map_or(0, |r| r.from);
         let payload = |out: &mut Vec<u8>| {
             out.reserve(8 + size);
             out.extend_from_slice(&from.to_be_bytes());
             encode_batch_into(out, requests);
         };
-        let answer = match link.call(LINK_REPLICATE, payload, timeout).await {
-            Ok(answer) => answer,
-            Err(LinkError::NotSent) => return None,
-            Err(LinkError::Broken) => return Some(Err(CallError::Broken("the link to the peer broke".into()))),
-            Err(LinkError::Timeout) => return Some(Err(CallError::Timeout)),
-        };
-        Some(match answer.kind {
+        let answer = self.on_link(addr, LINK_REPLICATE, payload, timeout).await?;
+        match answer.kind {
             LINK_REPLICATED => decode_answers(&answer.payload)
                 .filter(|answers| answers.len() == requests.len())
                 .ok_or_else(|| CallError::Broken("an unreadable answer to replica writes".into())),
             _ => Err(link_refusal(&answer.payload)),
-        })
+        }
     }
 
     /// Sends a forwarded or mirror read, or a forwarded write or delete, over the link to the
-    /// peer listener at `peer_addr` when one is open (one is opened in the background when none
-    /// is); `None` when it must go over HTTP instead: no link yet, a request too large for one
-    /// message, values too large to come back on one, every slot at the peer taken, or a peer
-    /// whose links carry no such requests.
-    async fn key_op_over_link(
+    /// peer listener at `peer_addr`.
+    async fn key_op_on_link(
         &self,
         peer_addr: &str,
         request: &PeerRequest,
         timeout: Duration,
-    ) -> Option<Result<PeerAnswer, CallError>> {
-        let (kind, size) = match request {
-            PeerRequest::Get { key, .. } => (reads::LINK_READ, reads::request_size(std::slice::from_ref(key))),
-            PeerRequest::BulkGet { keys, .. } => (reads::LINK_READ, reads::request_size(keys)),
-            PeerRequest::Put { .. } | PeerRequest::Delete { .. } => {
-                (writes::LINK_WRITE, writes::request_size(request)?)
-            }
-            _ => return None,
+    ) -> Result<PeerAnswer, CallError> {
+        let kind = match request {
+            PeerRequest::Get { .. } | PeerRequest::BulkGet { .. } => reads::LINK_READ,
+            _ => writes::LINK_WRITE,
         };
-        if size > link::MAX_REQUEST {
-            return None;
-        }
-        let link = self.link_to(peer_addr)?;
-        if link.refuses(kind) {
-            return None;
-        }
-        // The deadline a forward over HTTP carries: a request that reaches the owner later is
-        // refused, and nothing is done.
+        // The deadline a forward carries: a request that reaches the owner later is refused,
+        // and nothing is done.
         let deadline_ms = shoal_http_api::unix_ms() + FORWARD_TIMEOUT.as_millis() as u64;
         let payload = |out: &mut Vec<u8>| {
             if kind == reads::LINK_READ {
@@ -589,70 +489,80 @@ impl HttpTransport {
                 writes::encode_request(request, deadline_ms, out);
             }
         };
-        let answer = match link.call(kind, payload, timeout).await {
-            Ok(answer) => answer,
-            Err(LinkError::NotSent) => return None,
-            Err(LinkError::Broken) => return Some(Err(CallError::Broken("the link to the peer broke".into()))),
-            Err(LinkError::Timeout) => return Some(Err(CallError::Timeout)),
-        };
-        if answer.kind == LINK_REFUSED {
-            // A peer whose links do not carry this kind (an older version): the next ones go
-            // over HTTP at once instead of asking the link first. Refused, it did nothing.
-            link.refuses_from_now(kind);
-            return None;
-        }
-        if kind == reads::LINK_READ {
+        let answer = self.on_link(peer_addr, kind, payload, timeout).await?;
+        let decoded = if kind == reads::LINK_READ {
             reads::decode_answer(request, answer.kind, &answer.payload)
         } else {
             writes::decode_answer(request, answer.kind, &answer.payload)
-        }
+        };
+        decoded.unwrap_or_else(|| Err(link_refusal(&answer.payload)))
     }
 
-    /// The open link to the peer listener at `addr`; `None` while there is none (the first
-    /// caller to find none starts opening one in the background).
-    fn link_to(&self, addr: &str) -> Option<link::LinkRef> {
-        match self.links.get(addr) {
-            Route::Link(link) => Some(link),
-            Route::Other { open } => {
-                if open {
-                    self.open_link(addr);
-                }
-                None
-            }
-        }
+    /// Sends a request of `kind` on the link to the peer listener at `addr` (opened first when
+    /// there is none) and waits for its answer; all of it within `timeout`.
+    async fn on_link(
+        &self,
+        addr: &str,
+        kind: u8,
+        payload: impl FnOnce(&mut Vec<u8>),
+        timeout: Duration,
+    ) -> Result<link::Message, CallError> {
+        let started = tokio::time::Instant::now();
+        let link = tokio::time::timeout(timeout, self.links.get(addr, || self.connect_link(addr)))
+            .await
+            .map_err(|_| CallError::Timeout)?
+            .map_err(|e| CallError::Unreachable(e.to_string()))?;
+        let left = timeout.saturating_sub(started.elapsed());
+        link.call(kind, payload, left).await.map_err(|e| match e {
+            // Not sent, or refused unhandled by a peer that stops: it did nothing.
+            LinkError::NotSent => CallError::Unreachable("the peer's link closed (it stops)".into()),
+            LinkError::Broken => CallError::Broken("the link to the peer broke".into()),
+            LinkError::Timeout => CallError::Timeout,
+            LinkError::Busy => CallError::Api(ApiError::unavailable(
+                Unavailable::Overloaded,
+                "the owner serves as many forwarded requests from this node as it takes",
+            )),
+            LinkError::TooLarge(n) => CallError::Refused { status: 413, reason: e.to_string() + &format!(" ({n})") },
+        })
     }
 
-    /// Starts opening a link to the peer listener at `addr`: an HTTP upgrade, with the
-    /// cluster secret.
-    fn open_link(&self, addr: &str) {
+    /// Connects a link to the peer listener at `addr`: an HTTP upgrade, with the cluster
+    /// secret, through the node's connector (its reconnect policy included).
+    fn connect_link(
+        &self,
+        addr: &str,
+    ) -> impl std::future::Future<Output = Result<TokioIo<hyper::upgrade::Upgraded>, OpenError>> + Send + 'static {
         let uri: Result<Uri, _> = self.url(addr, "/internal/link").parse();
         let (client, secret) = (self.calls.clone(), self.secret.clone());
         // Connecting (every attempt), then the upgrade's answer.
         let within = self.reconnect.total() + self.reconnect.timeout;
-        self.links.open(addr, async move {
+        async move {
+            let unreachable = |e: &dyn std::fmt::Display| OpenError::Unreachable(e.to_string());
             let mut builder = Request::builder()
                 .method(Method::GET)
-                .uri(uri.map_err(|_| OpenError::Unsupported)?)
+                .uri(uri.map_err(|e| unreachable(&e))?)
                 .header(CONNECTION, HeaderValue::from_static("upgrade"))
                 .header(UPGRADE, HeaderValue::from_static(link::PROTOCOL));
             if let Some(secret) = secret {
                 builder = builder.header(SECRET_HEADER, secret);
             }
-            let request = builder.body(Full::new(Bytes::new())).map_err(|_| OpenError::Unsupported)?;
+            let request = builder.body(Full::new(Bytes::new())).map_err(|e| unreachable(&e))?;
             let response = tokio::time::timeout(within, client.request(request))
                 .await
-                .map_err(|_| OpenError::Unreachable)?
-                .map_err(|_| OpenError::Unreachable)?;
+                .map_err(|_| unreachable(&"no answer in time"))?
+                .map_err(|e| match transport_error(&e) {
+                    CallError::Unreachable(reason) => OpenError::Unreachable(reason),
+                    other => unreachable(&other),
+                })?;
             if response.status() != StatusCode::SWITCHING_PROTOCOLS {
-                tracing::debug!(status = %response.status(), "the peer has no links: replica writes and forwarded reads go over HTTP");
-                return Err(OpenError::Unsupported);
+                return Err(OpenError::Refused(response.status().as_u16()));
             }
             let upgraded = tokio::time::timeout(within, hyper::upgrade::on(response))
                 .await
-                .map_err(|_| OpenError::Unreachable)?
-                .map_err(|_| OpenError::Unreachable)?;
+                .map_err(|_| unreachable(&"no upgrade in time"))?
+                .map_err(|e| unreachable(&e))?;
             Ok(TokioIo::new(upgraded))
-        });
+        }
     }
 
     /// Whether a link to the peer listener at `addr` is open.
@@ -752,39 +662,13 @@ impl Transport for HttpTransport {
         timeout: Duration,
     ) -> BoxFuture<'_, Result<PeerAnswer, CallError>> {
         Box::pin(async move {
-            let started = tokio::time::Instant::now();
-            match self.key_op_over_link(&to.peer, &request, timeout).await {
-                Some(answer) => answer,
-                // Over HTTP in the time that is left: the caller waits `timeout` in all. Boxed:
-                // an HTTP exchange's future is large, and this one's is moved into a box for
-                // every operation, those on the link too.
-                None => match timeout.checked_sub(started.elapsed()).filter(|left| !left.is_zero()) {
-                    Some(left) => Box::pin(self.send(&to.api, request, left)).await,
-                    None => Err(CallError::Timeout),
-                },
-            }
-        })
-    }
-
-    fn reads_on_link(&self, peer_addr: &str) -> bool {
-        self.links.carries(peer_addr, reads::LINK_READ)
-    }
-
-    fn get_on_link<'a>(
-        &'a self,
-        peer_addr: &'a str,
-        key: String,
-        map_version: u64,
-        timeout: Duration,
-    ) -> BoxFuture<'a, Result<Result<PeerAnswer, CallError>, String>> {
-        Box::pin(async move {
-            let request = PeerRequest::Get { key, map_version, mirror: None };
-            match self.key_op_over_link(peer_addr, &request, timeout).await {
-                Some(answer) => Ok(answer),
-                None => match request {
-                    PeerRequest::Get { key, .. } => Err(key),
-                    _ => unreachable!("the request made above"),
-                },
+            match request {
+                PeerRequest::Get { .. }
+                | PeerRequest::BulkGet { .. }
+                | PeerRequest::Put { .. }
+                | PeerRequest::Delete { .. } => self.key_op_on_link(&to.peer, &request, timeout).await,
+                // Boxed: an HTTP exchange's future is large.
+                other => Box::pin(self.send(&to.api, other, timeout)).await,
             }
         })
     }
@@ -836,16 +720,8 @@ fn json<T: DeserializeOwned>(body: &[u8]) -> Result<T, CallError> {
 /// (8), sequence number (8), body length (4), big-endian.
 const BATCH_PART_HEADER: usize = 23;
 
-/// A batch of replica requests of one sender as one body: per request its header
-/// ([`BATCH_PART_HEADER`]), then its framed body. The sender goes in `HEADER_FROM`.
-pub fn encode_batch(requests: &[Replicate]) -> Bytes {
-    let size: usize = requests.iter().map(|r| BATCH_PART_HEADER + r.body.len()).sum();
-    let mut out = Vec::with_capacity(size);
-    encode_batch_into(&mut out, requests);
-    Bytes::from(out)
-}
-
-/// [`encode_batch`], appended to `out`.
+/// A batch of replica requests of one sender, appended to `out`: per request its header
+/// ([`BATCH_PART_HEADER`]), then its framed body.
 fn encode_batch_into(out: &mut Vec<u8>, requests: &[Replicate]) {
     for r in requests {
         out.extend_from_slice(&r.bucket.0.to_be_bytes());
@@ -863,14 +739,6 @@ pub const LINK_REPLICATE: u8 = 1;
 pub const LINK_REPLICATED: u8 = 2;
 /// A link answer: the request was refused whole (HTTP status, then the reason).
 pub const LINK_REFUSED: u8 = 3;
-
-// A link remembers the kinds of request a peer refused by their low six bits: no two kinds of
-// request may share them.
-const _: () = assert!(
-    LINK_REPLICATE & 63 != reads::LINK_READ & 63
-        && LINK_REPLICATE & 63 != writes::LINK_WRITE & 63
-        && reads::LINK_READ & 63 != writes::LINK_WRITE & 63
-);
 
 /// The answers to replica writes on a link: per answer a tag (0 applied, 1 needs a snapshot,
 /// 2 fenced with the holder's map version, 3 refused), then for all but the first the reason
@@ -982,23 +850,9 @@ pub fn decode_batch(from: NodeId, mut body: Bytes) -> Result<Vec<Replicate>, sup
     Ok(out)
 }
 
-/// `/v1/kv/<key, percent-encoded>`.
-fn key_path(key: &str) -> String {
-    format!("/v1/kv/{}", utf8_percent_encode(key, SEGMENT))
-}
-
 fn forwarded(map_version: u64) -> [(HeaderName, String); 2] {
     let deadline = shoal_http_api::unix_ms() + FORWARD_TIMEOUT.as_millis() as u64;
     [(HEADER_FORWARDED_MAP_VERSION, map_version.to_string()), (HEADER_FORWARD_DEADLINE, deadline.to_string())]
-}
-
-/// [`forwarded`], and for a mirror read the staleness it allows.
-fn read_headers(map_version: u64, mirror: Option<Duration>) -> Vec<(HeaderName, String)> {
-    let mut headers = forwarded(map_version).to_vec();
-    if let Some(staleness) = mirror {
-        headers.push((HEADER_MIRROR_READ, staleness.as_millis().to_string()));
-    }
-    headers
 }
 
 fn local_scope() -> [(HeaderName, String); 1] {
@@ -1027,25 +881,6 @@ fn key_error(e: &KeyError) -> ApiError {
     e.error()
 }
 
-fn bulk_get_result(r: &KeyResult) -> Result<Option<GetOk>, ApiError> {
-    match (&r.error, r.found) {
-        (Some(e), _) => Err(key_error(e)),
-        (None, Some(true)) => {
-            let value = match (&r.value, &r.value_base64) {
-                (Some(text), _) => Bytes::from(text.clone()),
-                (None, Some(b64)) => base64::engine::general_purpose::STANDARD
-                    .decode(b64)
-                    .map(Bytes::from)
-                    .map_err(|e| ApiError::Internal(format!("peer sent bad base64: {e}")))?,
-                (None, None) => Bytes::new(),
-            };
-            // The node is filled in by the caller, which knows whom it asked.
-            Ok(Some(GetOk { value, version: r.version.unwrap_or(0), bucket: r.bucket, node: 0, lag_ms: None }))
-        }
-        (None, _) => Ok(None),
-    }
-}
-
 fn bulk_put_result(r: KeyResult) -> Result<shoal_http_api::types::PutOk, ApiError> {
     match r.error {
         Some(e) => Err(key_error(&e)),
@@ -1054,31 +889,6 @@ fn bulk_put_result(r: KeyResult) -> Result<shoal_http_api::types::PutOk, ApiErro
             Ok(shoal_http_api::types::PutOk { version: r.version.unwrap_or(0), bucket: r.bucket, node: 0, key: r.key })
         }
     }
-}
-
-/// The query of a forwarded PUT: the item's options in the public API's syntax.
-fn put_query(item: &PutItem) -> Vec<(&'static str, String)> {
-    let o = &item.options;
-    let mut q = Vec::new();
-    if let Some(ttl) = o.ttl {
-        q.push(("ttl", shoal_http_api::format_duration(ttl)));
-    }
-    if let Some(sliding) = o.sliding {
-        q.push(("sliding", shoal_http_api::format_duration(sliding)));
-    }
-    if !o.tags.is_empty() {
-        q.push(("tags", o.tags.join(",")));
-    }
-    match o.condition {
-        WriteCondition::Always => {}
-        WriteCondition::Absent => q.push(("mode", "add".into())),
-        WriteCondition::Present => q.push(("mode", "replace".into())),
-        WriteCondition::Version(v) => q.push(("cas", v.to_string())),
-    }
-    if o.priority != Priority::Normal {
-        q.push(("priority", o.priority.name().to_string()));
-    }
-    q
 }
 
 /// An item in the bulk-put syntax (values that are not UTF-8 go as base64).
@@ -1114,7 +924,7 @@ mod tests {
     use std::time::Duration;
 
     use axum::extract::Request;
-    use axum::routing::{get, post};
+    use axum::routing::get;
     use bytes::Bytes;
     use shoal_raft::BucketId;
 
@@ -1139,6 +949,12 @@ mod tests {
             seq: 1000 + u64::from(bucket),
             body: Bytes::from_static(body),
         }
+    }
+
+    fn encode_batch(requests: &[Replicate]) -> Bytes {
+        let mut out = Vec::new();
+        encode_batch_into(&mut out, requests);
+        Bytes::from(out)
     }
 
     #[test]
@@ -1187,100 +1003,85 @@ mod tests {
         assert_eq!(decode_answers(&[9]), None, "an unknown tag");
     }
 
-    /// What a test peer listener saw: replica writes over HTTP and over a link, link requests.
+    /// What a test peer listener saw: requests on links, upgrades asked for.
     #[derive(Default)]
     struct Seen {
-        http: AtomicUsize,
         link: AtomicUsize,
         upgrades: AtomicUsize,
-        /// Link requests refused as of an unknown kind.
-        refused: AtomicUsize,
     }
 
-    /// A link handler that answers each request with `answer` at once, counting in `seen`.
-    fn handler(
-        seen: &Arc<Seen>,
-        answer: impl Fn(&Seen, u8, Bytes) -> (u8, Vec<u8>) + Send + Sync + 'static,
-    ) -> link::Handler {
-        let (seen, answer) = (seen.clone(), Arc::new(answer));
-        Arc::new(move |kind, payload| {
-            let (seen, answer) = (seen.clone(), answer.clone());
-            Box::pin(async move { answer(&seen, kind, payload) })
-        })
-    }
-
-    /// A peer listener on loopback that applies every replica write (alone, batched over HTTP,
-    /// or over a link when `links`), checking the cluster secret; its address and what it saw.
-    async fn peer(links: bool) -> (String, Arc<Seen>, tokio::sync::watch::Sender<bool>) {
+    /// A peer listener on loopback whose links (when `links`; else it refuses the upgrade)
+    /// answer with `answer`, counting in `seen`, checking the cluster secret; its address,
+    /// what it saw, and its stop.
+    async fn listener(
+        links: bool,
+        answer: impl Fn(u8, Bytes) -> (u8, Vec<u8>) + Send + Sync + 'static,
+    ) -> (String, Arc<Seen>, tokio::sync::watch::Sender<bool>) {
         let seen = Arc::new(Seen::default());
         let (stop, stopped) = tokio::sync::watch::channel(false);
-        let handler = handler(&seen, |seen, kind, payload| {
+        let answer = Arc::new(answer);
+        let handler: link::Handler = {
+            let seen = seen.clone();
+            Arc::new(move |kind, payload| {
+                let (seen, answer) = (seen.clone(), answer.clone());
+                Box::pin(async move {
+                    seen.link.fetch_add(1, Ordering::SeqCst);
+                    answer(kind, payload)
+                })
+            })
+        };
+        let secret = |request: &Request| request.headers().get(SECRET_HEADER).is_some_and(|v| v == "s3cret");
+        let upgrades = seen.clone();
+        let router = axum::Router::new().route(
+            "/internal/link",
+            get(move |request: Request| {
+                upgrades.upgrades.fetch_add(1, Ordering::SeqCst);
+                assert!(secret(&request));
+                let (handler, stopped) = (handler.clone(), stopped.clone());
+                async move {
+                    if !links {
+                        return axum::response::IntoResponse::into_response(axum::http::StatusCode::NOT_FOUND);
+                    }
+                    link::accept(request, handler, stopped, link::served(metrics::Gauge::noop()).0).await
+                }
+            }),
+        );
+        (serve_on_loopback(router, stop.subscribe()).await, seen, stop)
+    }
+
+    /// A peer listener that applies every replica write.
+    async fn peer(links: bool) -> (String, Arc<Seen>, tokio::sync::watch::Sender<bool>) {
+        listener(links, |kind, payload| {
             assert_eq!(kind, LINK_REPLICATE);
             let requests = decode_batch(7, payload.slice(8..)).expect("a batch");
-            seen.link.fetch_add(requests.len(), Ordering::SeqCst);
             (LINK_REPLICATED, encode_answers(&vec![ReplicaAnswer::Applied; requests.len()]))
-        });
-        let secret = |request: &Request| request.headers().get(SECRET_HEADER).is_some_and(|v| v == "s3cret");
-        let mut router = axum::Router::new()
-            .route(
-                "/internal/replicate/{bucket}",
-                post({
-                    let seen = seen.clone();
-                    move |request: Request| async move {
-                        assert!(secret(&request));
-                        seen.http.fetch_add(1, Ordering::SeqCst);
-                        axum::http::StatusCode::NO_CONTENT
-                    }
-                }),
-            )
-            .route(
-                "/internal/replicate",
-                post({
-                    let seen = seen.clone();
-                    move |request: Request| async move {
-                        let body = axum::body::to_bytes(request.into_body(), usize::MAX).await.expect("body");
-                        let n = decode_batch(7, body).expect("a batch").len();
-                        seen.http.fetch_add(n, Ordering::SeqCst);
-                        axum::Json(vec![ReplicaAnswer::Applied; n])
-                    }
-                }),
-            );
-        if links {
-            let (seen, stopped) = (seen.clone(), stopped.clone());
-            router = router.route(
-                "/internal/link",
-                get(move |request: Request| {
-                    assert!(secret(&request));
-                    seen.upgrades.fetch_add(1, Ordering::SeqCst);
-                    link::accept(request, handler.clone(), stopped.clone(), link::served(metrics::Gauge::noop()).0)
-                }),
-            );
-        } else {
-            let seen = seen.clone();
-            router = router.fallback(move || async move {
-                seen.upgrades.fetch_add(1, Ordering::SeqCst);
-                axum::http::StatusCode::NOT_FOUND
-            });
-        }
-        (serve_on_loopback(router, stopped).await, seen, stop)
+        })
+        .await
     }
 
     fn transport() -> HttpTransport {
         HttpTransport::new(None, Some("s3cret"), None, Reconnect::with_timeout(Duration::from_secs(2)), None)
     }
 
-    async fn write(transport: &HttpTransport, addr: &str, writes: usize) {
-        let requests: Vec<Replicate> = (0..writes as u16).map(|b| request(b, b"change")).collect();
-        let answer = if writes == 1 {
+    async fn write_bodies(transport: &HttpTransport, addr: &str, bodies: Vec<Bytes>) -> Result<(), CallError> {
+        let n = bodies.len();
+        let requests: Vec<Replicate> =
+            bodies.into_iter().enumerate().map(|(b, body)| Replicate { body, ..request(b as u16, b"") }).collect();
+        let answer = if n == 1 {
             transport.call(addr, PeerRequest::Replicate(requests[0].clone()), Duration::from_secs(5)).await
         } else {
             transport.call(addr, PeerRequest::ReplicateBatch(requests), Duration::from_secs(5)).await
         };
-        match answer.expect("answered") {
+        match answer? {
             PeerAnswer::Replicated(a) => assert_eq!(a, ReplicaAnswer::Applied),
-            PeerAnswer::ReplicatedBatch(a) => assert_eq!(a, vec![ReplicaAnswer::Applied; writes]),
+            PeerAnswer::ReplicatedBatch(a) => assert_eq!(a, vec![ReplicaAnswer::Applied; n]),
             other => panic!("{other:?}"),
         }
+        Ok(())
+    }
+
+    async fn write(transport: &HttpTransport, addr: &str, writes: usize) -> Result<(), CallError> {
+        write_bodies(transport, addr, vec![Bytes::from_static(b"change"); writes]).await
     }
 
     /// Polls `condition` until it holds, for at most ten seconds.
@@ -1293,34 +1094,45 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn replica_writes_go_over_http_until_a_link_opens_then_over_the_link() {
+    async fn replica_writes_of_any_size_travel_on_the_link_which_the_first_one_opens() {
         let (addr, seen, stop) = peer(true).await;
         let transport = transport();
-        write(&transport, &addr, 1).await;
-        assert_eq!(seen.http.load(Ordering::SeqCst), 1, "the first write goes over HTTP");
-        eventually("a link opens", || transport.has_link(&addr)).await;
-        write(&transport, &addr, 1).await;
-        write(&transport, &addr, 3).await;
-        assert_eq!((seen.http.load(Ordering::SeqCst), seen.link.load(Ordering::SeqCst)), (1, 4));
+        // Writes at once, before any link: they wait for the one link the first opens.
+        let first = futures::future::join_all((0..4).map(|_| write(&transport, &addr, 1))).await;
+        assert!(first.iter().all(Result::is_ok), "{first:?}");
         assert_eq!(seen.upgrades.load(Ordering::SeqCst), 1);
+        write(&transport, &addr, 3).await.expect("a batch");
+        // Three megabytes, and a batch with a large body among small ones: in fragments.
+        write_bodies(&transport, &addr, vec![Bytes::from(vec![1u8; 3 << 20])]).await.expect("large");
+        let bodies = vec![Bytes::from_static(b"a"), Bytes::from(vec![2u8; 300_000]), Bytes::from_static(b"b")];
+        write_bodies(&transport, &addr, bodies).await.expect("a mixed batch");
+        assert_eq!((seen.link.load(Ordering::SeqCst), seen.upgrades.load(Ordering::SeqCst)), (7, 1));
 
-        // A write too large to share the link goes over HTTP.
-        let mut large = request(5, b"");
-        large.body = Bytes::from(vec![0u8; link::MAX_REQUEST + 1]);
-        transport.call(&addr, PeerRequest::Replicate(large), Duration::from_secs(5)).await.expect("answered");
-        assert_eq!(seen.http.load(Ordering::SeqCst), 2);
-
-        // The peer stops: its link closes, and the next write does not go over it.
+        // The peer stops: its link closes, and the next write finds nobody.
         stop.send_replace(true);
         eventually("the link closes", || !transport.has_link(&addr)).await;
-        let after = transport.call(&addr, PeerRequest::Replicate(request(1, b"x")), Duration::from_secs(5)).await;
+        let after = write(&transport, &addr, 1).await;
         assert!(matches!(after, Err(CallError::Unreachable(_))), "{after:?}");
     }
 
+    #[tokio::test]
+    async fn a_peer_that_refuses_links_is_unreachable_and_asked_again_by_the_next_request() {
+        let (addr, seen, _stop) = peer(false).await;
+        let transport = transport();
+        for attempt in 1..=3 {
+            let refused = write(&transport, &addr, 1).await;
+            assert!(matches!(&refused, Err(CallError::Unreachable(why)) if why.contains("404")), "{refused:?}");
+            assert_eq!(seen.upgrades.load(Ordering::SeqCst), attempt);
+        }
+        assert!(!transport.has_link(&addr));
+        assert_eq!(seen.link.load(Ordering::SeqCst), 0);
+    }
+
     /// What the test owner answers a read of `key`: found, absent, refused with a 503 and its
-    /// retry-after, or a value too large for a link.
-    fn read_of(key: &str) -> Result<GetOk, ApiError> {
-        let found = |value: Bytes| GetOk { value, version: 9, bucket: 321, node: 2, lag_ms: None };
+    /// retry-after, or a value larger than a link frame.
+    fn read_of(key: &str) -> Result<shoal_http_api::types::GetOk, ApiError> {
+        let found =
+            |value: Bytes| shoal_http_api::types::GetOk { value, version: 9, bucket: 321, node: 2, lag_ms: None };
         match key {
             "found" => Ok(found(Bytes::from_static(b"the value"))),
             "moving" => Err(ApiError::Unavailable {
@@ -1328,7 +1140,7 @@ mod tests {
                 detail: "bucket 321 is moving".into(),
                 retry_after: Duration::from_secs(3),
             }),
-            "large" => Ok(found(Bytes::from(vec![7u8; link::MAX_REQUEST + 1]))),
+            "large" => Ok(found(Bytes::from(vec![7u8; 3 << 20]))),
             _ => Err(ApiError::NotFound),
         }
     }
@@ -1342,19 +1154,11 @@ mod tests {
         }
     }
 
-    /// An owner on loopback: its API answers `GET /v1/kv/{key}` as `read_of` says and
-    /// `PUT /v1/kv/{key}` as `write_of` says, and its peer listener serves links that carry the
-    /// kinds of request in `carries` (the others are refused, as an older version refuses
-    /// them). Its API and peer addresses, the requests each way saw, and its stop.
-    async fn owner(carries: &'static [u8]) -> (Addrs, Arc<Seen>, tokio::sync::watch::Sender<bool>) {
-        let seen = Arc::new(Seen::default());
-        let (stop, stopped) = tokio::sync::watch::channel(false);
-        let handler = handler(&seen, move |seen, kind, payload| {
-            if !carries.contains(&kind) {
-                seen.refused.fetch_add(1, Ordering::SeqCst);
-                return (LINK_REFUSED, encode_refusal(400, "unknown link request kind"));
-            }
-            seen.link.fetch_add(1, Ordering::SeqCst);
+    /// An owner on loopback whose links answer forwarded reads as `read_of` says and writes as
+    /// `write_of` says; its addresses (nobody listens at its API address: key operations do
+    /// not go there), what it saw, and its stop.
+    async fn owner() -> (Addrs, Arc<Seen>, tokio::sync::watch::Sender<bool>) {
+        let (peer, seen, stop) = listener(true, |kind, payload| {
             if kind == writes::LINK_WRITE {
                 let answer = match writes::decode_request(&payload).expect("a write").0 {
                     PeerRequest::Put { item, map_version: 5 } => write_of(&item.key).map(PeerAnswer::Put),
@@ -1362,44 +1166,15 @@ mod tests {
                 };
                 return writes::encode_answer(answer.map_err(CallError::Api));
             }
+            assert_eq!(kind, reads::LINK_READ);
             let answer = match reads::decode_request(&payload).expect("a read").0 {
                 PeerRequest::Get { key, map_version: 5, mirror: None } => read_of(&key).map(PeerAnswer::Got),
                 other => panic!("{other:?}"),
             };
-            reads::encode_answer(answer.map_err(CallError::Api), link::MAX_REQUEST)
-                .unwrap_or((reads::LINK_ELSEWHERE, Vec::new()))
-        });
-        let counted = |seen: &Arc<Seen>| {
-            seen.http.fetch_add(1, Ordering::SeqCst);
-        };
-        let api = axum::Router::new().route(
-            "/v1/kv/{key}",
-            get({
-                let seen = seen.clone();
-                move |axum::extract::Path(key): axum::extract::Path<String>| async move {
-                    counted(&seen);
-                    read_of(&key).map(shoal_http_api::value_response)
-                }
-            })
-            .put({
-                let seen = seen.clone();
-                move |axum::extract::Path(key): axum::extract::Path<String>| async move {
-                    counted(&seen);
-                    write_of(&key).map(axum::Json)
-                }
-            }),
-        );
-        let peer = axum::Router::new().route(
-            "/internal/link",
-            get({
-                let stopped = stopped.clone();
-                move |request: Request| {
-                    link::accept(request, handler.clone(), stopped.clone(), link::served(metrics::Gauge::noop()).0)
-                }
-            }),
-        );
-        let api = serve_on_loopback(api, stopped.clone()).await;
-        (Addrs { api, peer: serve_on_loopback(peer, stopped).await }, seen, stop)
+            reads::encode_answer(answer.map_err(CallError::Api))
+        })
+        .await;
+        (Addrs { api: "127.0.0.1:9".into(), peer }, seen, stop)
     }
 
     async fn read(transport: &HttpTransport, to: &Addrs, key: &str) -> Result<PeerAnswer, CallError> {
@@ -1407,10 +1182,15 @@ mod tests {
         transport.key_op(to.clone(), request, Duration::from_secs(5)).await
     }
 
+    async fn put(transport: &HttpTransport, to: &Addrs, key: &str) -> Result<PeerAnswer, CallError> {
+        let item = PutItem { key: key.into(), value: Bytes::from_static(b"v"), options: Default::default() };
+        transport.key_op(to.clone(), PeerRequest::Put { item, map_version: 5 }, Duration::from_secs(5)).await
+    }
+
     /// A read's or write's answer in one comparable form.
     fn shown(answer: &Result<PeerAnswer, CallError>) -> String {
         match answer {
-            Ok(PeerAnswer::Got(ok)) => format!("{ok:?}"),
+            Ok(PeerAnswer::Got(ok)) => format!("{} bytes at version {}", ok.value.len(), ok.version),
             Ok(PeerAnswer::Put(ok)) => format!("{ok:?}"),
             Err(CallError::Api(e)) => format!("{:?} {:?}", e.problem(), e.retry_after()),
             other => panic!("{other:?}"),
@@ -1418,93 +1198,19 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn forwarded_reads_go_over_the_link_once_open_and_answer_as_over_http() {
-        let (to, seen, _stop) = owner(&[reads::LINK_READ, writes::LINK_WRITE]).await;
+    async fn forwarded_reads_and_writes_go_on_the_link_and_answer_as_the_owner_does() {
+        let (to, seen, _stop) = owner().await;
         let transport = transport();
-        assert!(!transport.reads_on_link(&to.peer), "no link yet: forwarded reads share HTTP exchanges");
-        let keys = ["found", "absent", "moving"];
-        let mut over_http = Vec::new();
-        for key in keys {
-            over_http.push(shown(&read(&transport, &to, key).await));
-        }
-        assert!(seen.http.load(Ordering::SeqCst) >= 1, "the first read goes over HTTP");
-        eventually("a link opens", || transport.has_link(&to.peer)).await;
-        assert!(transport.reads_on_link(&to.peer), "forwarded reads go alone on the link");
-        let counts = || (seen.http.load(Ordering::SeqCst), seen.link.load(Ordering::SeqCst));
-        let (http, link) = counts();
-        for (key, answer) in keys.iter().zip(&over_http) {
-            assert_eq!(&shown(&read(&transport, &to, key).await), answer, "{key}: the same answer both ways");
-        }
-        assert_eq!(counts(), (http, link + 3), "no HTTP read once the link is open");
-        assert!(over_http[2].contains("bucket_moving") && over_http[2].contains("3s"), "{}", over_http[2]);
-        // A value too large for a link is read again over HTTP.
-        let large = read(&transport, &to, "large").await;
-        assert!(matches!(&large, Ok(PeerAnswer::Got(ok)) if ok.value.len() == link::MAX_REQUEST + 1), "{large:?}");
-        assert_eq!(counts(), (http + 1, link + 4));
-    }
-
-    #[tokio::test]
-    async fn forwarded_reads_to_a_peer_whose_links_carry_no_reads_go_over_http() {
-        let (to, seen, _stop) = owner(&[]).await;
-        let transport = transport();
-        assert!(read(&transport, &to, "found").await.is_ok());
-        eventually("a link opens", || transport.has_link(&to.peer)).await;
-        for _ in 0..3 {
-            assert!(matches!(read(&transport, &to, "absent").await, Err(CallError::Api(ApiError::NotFound))));
-        }
-        assert_eq!((seen.http.load(Ordering::SeqCst), seen.link.load(Ordering::SeqCst)), (4, 0));
-        // The link was asked once: after its refusal, reads go straight over HTTP (and share
-        // exchanges there).
-        assert_eq!(seen.refused.load(Ordering::SeqCst), 1);
-        assert!(!transport.reads_on_link(&to.peer));
-    }
-
-    async fn put(transport: &HttpTransport, to: &Addrs, key: &str) -> Result<PeerAnswer, CallError> {
-        let item = PutItem { key: key.into(), value: Bytes::from_static(b"v"), options: Default::default() };
-        transport.key_op(to.clone(), PeerRequest::Put { item, map_version: 5 }, Duration::from_secs(5)).await
-    }
-
-    #[tokio::test]
-    async fn forwarded_writes_go_over_the_link_where_it_carries_them_and_over_http_elsewhere() {
-        for (carries, over_link) in
-            [(&[reads::LINK_READ, writes::LINK_WRITE][..], true), (&[reads::LINK_READ][..], false)]
-        {
-            let (to, seen, _stop) = owner(carries).await;
-            let transport = transport();
-            let first = [shown(&put(&transport, &to, "k").await), shown(&put(&transport, &to, "stale").await)];
-            assert!(
-                first[1].contains("precondition_failed") && first[1].contains("current_version: Some(3)"),
-                "{first:?}"
-            );
-            eventually("a link opens", || transport.has_link(&to.peer)).await;
-            let counts = || (seen.http.load(Ordering::SeqCst), seen.link.load(Ordering::SeqCst));
-            let before = counts();
-            for _ in 0..3 {
-                let again = [shown(&put(&transport, &to, "k").await), shown(&put(&transport, &to, "stale").await)];
-                assert_eq!(again, first, "the same answers both ways");
-            }
-            if over_link {
-                assert_eq!(counts(), (before.0, before.1 + 6), "no HTTP write once the link is open");
-            } else {
-                // The link was asked once: after its refusal, writes go straight over HTTP.
-                assert_eq!(counts(), (before.0 + 6, before.1));
-                assert_eq!(seen.refused.load(Ordering::SeqCst), 1);
-            }
-        }
-    }
-
-    #[tokio::test]
-    async fn replica_writes_to_a_peer_without_links_stay_on_http() {
-        let (addr, seen, _stop) = peer(false).await;
-        let transport = transport();
-        write(&transport, &addr, 1).await;
-        eventually("the upgrade is refused", || seen.upgrades.load(Ordering::SeqCst) == 1).await;
-        for _ in 0..5 {
-            write(&transport, &addr, 2).await;
-        }
-        assert!(!transport.has_link(&addr));
-        assert_eq!((seen.http.load(Ordering::SeqCst), seen.link.load(Ordering::SeqCst)), (11, 0));
-        assert_eq!(seen.upgrades.load(Ordering::SeqCst), 1, "not asked again at once");
+        let found = shown(&read(&transport, &to, "found").await);
+        assert_eq!(found, "9 bytes at version 9");
+        assert!(matches!(read(&transport, &to, "absent").await, Err(CallError::Api(ApiError::NotFound))));
+        let moving = shown(&read(&transport, &to, "moving").await);
+        assert!(moving.contains("bucket_moving") && moving.contains("3s"), "{moving}");
+        assert_eq!(shown(&read(&transport, &to, "large").await), format!("{} bytes at version 9", 3 << 20));
+        assert!(shown(&put(&transport, &to, "k").await).contains("version: 4"));
+        let stale = shown(&put(&transport, &to, "stale").await);
+        assert!(stale.contains("precondition_failed") && stale.contains("current_version: Some(3)"), "{stale}");
+        assert_eq!((seen.link.load(Ordering::SeqCst), seen.upgrades.load(Ordering::SeqCst)), (6, 1));
     }
 
     /// A port nobody listens on until `after`, then a proxy to `target` there.
@@ -1532,7 +1238,7 @@ mod tests {
     /// refuses the third too is unreachable.
     #[tokio::test]
     async fn a_peer_that_refuses_the_first_two_connects_is_reached_on_the_third() {
-        let (target, seen, _stop) = peer(false).await;
+        let (target, seen, _stop) = peer(true).await;
         let transport = transport();
         // Connects at 0, 2 and 4 s: the first two are refused.
         let addr = listening_after(target.clone(), Duration::from_millis(3000)).await;
@@ -1540,7 +1246,7 @@ mod tests {
         let answer = transport.call(&addr, PeerRequest::Replicate(request(1, b"x")), Duration::from_secs(20)).await;
         assert!(matches!(answer, Ok(PeerAnswer::Replicated(ReplicaAnswer::Applied))), "{answer:?}");
         assert!(started.elapsed() >= Duration::from_secs(4), "two attempts were refused: {:?}", started.elapsed());
-        assert_eq!(seen.http.load(Ordering::SeqCst), 1);
+        assert_eq!(seen.link.load(Ordering::SeqCst), 1);
         // Listening only after the third attempt: unreachable, after the two pauses.
         let late = listening_after(target, Duration::from_secs(6)).await;
         let started = tokio::time::Instant::now();

@@ -1,5 +1,5 @@
-//! Peer links: one long-lived connection to each peer for small requests that come often
-//! (replica writes, forwarded reads and writes), instead of an HTTP exchange each.
+//! Peer links: one long-lived connection to each peer, the only way replica writes and
+//! forwarded reads and writes travel between nodes.
 //!
 //! An HTTP exchange costs both sides hyper's general machinery (the client's pool checkout,
 //! request encoding and response parsing; the server's parsing and routing): about 25k
@@ -8,19 +8,27 @@
 //! other peer request), and then carries messages in both directions:
 //!
 //! ```text
-//!  message = id:u64 kind:u8 len:u32 payload[len]        (big-endian)
+//!  frame = id:u64 kind:u8 more:1 len:31 payload[len]      (big-endian; len <= 64 KiB)
 //! ```
+//!
+//! A message whose payload is larger than one frame travels as several frames of the same id
+//! and kind, each but the last with `more` set; the writer sends one frame of it at a time and
+//! everything small that waits in between, so a replica snapshot of a whole bucket does not
+//! hold up the small messages behind it. Each direction carries at most one message in
+//! fragments at a time, so a reader keeps at most one partial message (at most
+//! [`MAX_MESSAGE`]). A frame or message over its bound, or fragments of a second message while
+//! one is open, are a protocol error: the link closes.
 //!
 //! The opener sends requests; the other side answers each with a message of the same id, in
 //! whatever order its handlers finish (a small one that needs no wait is answered at once by
 //! the reader; one that waits, or a large one, goes on in a task of its own). Many requests are
 //! in flight at once, and the writer of each side puts every message that waits into one write.
 //!
-//! A link only ever speeds up what HTTP would do; what a caller sees on failure is what the
-//! HTTP exchange would have given it:
-//! - While no link to a peer is open, requests go over HTTP and one is opened in the
-//!   background. A peer that does not serve links (an older version) answers the upgrade with
-//!   something else than 101, and is asked again only after [`RETRY_UNSUPPORTED`].
+//! What a caller sees on failure is what an HTTP exchange would have given it:
+//! - The first request to a peer opens the link (an HTTP upgrade through the node's one
+//!   connector, so with its reconnect policy) and waits for it; requests that come meanwhile
+//!   wait for the same attempt. A peer that cannot be reached, or refuses the upgrade, fails
+//!   them as unreachable; the next request tries again.
 //! - A link that breaks fails the requests in flight on it (`Broken`: the peer may or may not
 //!   have handled them), as a broken connection fails an HTTP exchange.
 //! - A request that gets no answer in time fails with `Timeout`. If nothing at all came back
@@ -34,11 +42,13 @@
 //!   request it is still handling. A forwarded write must not land after its client gave up,
 //!   as it would not over HTTP, whose connection closes with the caller.
 //! - The serving side handles at most [`MAX_IN_FLIGHT`] requests of a link at once (it reads
-//!   no more until one ends). When its node shuts down it answers every request it had taken
-//!   (for at most [`crate::http_server::DRAIN_TIMEOUT`]), and each one that comes meanwhile with
-//!   [`GOING_AWAY`]: not handled, so the opener sends it another way (over HTTP, to a listener
-//!   that is closed: unreachable, as if the link had never been there).
+//!   no more until one ends), of which at most [`FORWARDS_IN_FLIGHT`] forwarded ones (kinds with
+//!   the [`FORWARD`] bit; the opener waits for a place before it sends one), so replica writes
+//!   always find room. When its node shuts down it answers every request it had taken (for at
+//!   most [`crate::http_server::DRAIN_TIMEOUT`]), and each one that comes meanwhile with
+//!   [`GOING_AWAY`]: not handled, so the caller gets unreachable, as from a closed listener.
 
+use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -54,7 +64,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::AbortHandle;
 
 /// The value of the `Upgrade` header that asks for a link.
-pub const PROTOCOL: &str = "shoal-link/1";
+pub const PROTOCOL: &str = "shoal-link/2";
 /// The answer of a serving side that is stopping: the request was not handled.
 pub const GOING_AWAY: u8 = 255;
 /// A message from the opener: its caller gave up on the request of this id (one of a
@@ -63,20 +73,35 @@ pub const CANCEL: u8 = 254;
 /// The bit of a request kind whose requests may be cancelled ([`CANCEL`]), and are stopped when
 /// the link ends.
 pub const CANCELLABLE: u8 = 0x40;
-/// Bytes before a message's payload.
+/// Bytes before a frame's payload.
 const HEADER_LEN: usize = 13;
-/// Requests larger than this go over HTTP: a link carries one message at a time in each
-/// direction, and a large one would hold up every small one behind it.
-pub const MAX_REQUEST: usize = 2 << 20;
-/// The largest payload a side accepts (room for a request of [`MAX_REQUEST`] and what its
-/// kind puts around it); a larger one is a protocol error and closes the link.
-const MAX_PAYLOAD: usize = MAX_REQUEST + 64 * 1024;
+/// The largest payload of one frame a writer sends; a larger message goes in fragments.
+const MAX_FRAME: usize = 64 * 1024;
+/// The largest frame payload a reader accepts: [`MAX_FRAME`], and the unfragmented messages
+/// of up to 2 MiB (and what their kind put around them) that nodes of the version before
+/// fragments sent.
+const MAX_FRAME_READ: usize = (2 << 20) + 64 * 1024;
+/// The bit of a frame's length that says more fragments of its message follow.
+const MORE: u32 = 1 << 31;
+/// The largest message (all its fragments together) a reader accepts: a replica snapshot of a
+/// whole bucket is the largest there is (a bucket of 1 GiB is a cache of a terabyte).
+pub const MAX_MESSAGE: usize = 1 << 30;
 /// Requests of one link a serving side handles at once.
 pub const MAX_IN_FLIGHT: usize = 64;
-/// How long after a failed attempt to open a link (the peer unreachable) the next one may start.
-const RETRY_UNREACHABLE: Duration = Duration::from_secs(1);
-/// How long a peer that refused the upgrade (an older version) is left on HTTP.
-pub const RETRY_UNSUPPORTED: Duration = Duration::from_secs(60);
+/// The bit of a request kind that is a forwarded operation (a client's read or write that
+/// another node serves): an opener has at most [`FORWARDS_IN_FLIGHT`] of them in flight on a
+/// link, so that they never take the places its replica writes need. A forwarded write waits
+/// for its replica write on another link; without the bound, two links full of forwarded
+/// writes waiting for replica writes on each other would wait for ever.
+pub const FORWARD: u8 = 0x20;
+/// Forwarded requests an opener has in flight on one link at most.
+pub const FORWARDS_IN_FLIGHT: usize = MAX_IN_FLIGHT / 2;
+/// Forwarded requests a serving side handles on one link at once: the opener's bound, and
+/// room for those its callers gave up on that it has not seen end yet. One more is answered
+/// [`BUSY`] at once.
+const FORWARDS_SERVED: usize = FORWARDS_IN_FLIGHT + MAX_IN_FLIGHT / 4;
+/// The answer to a forwarded request over [`FORWARDS_SERVED`]: not handled.
+pub const BUSY: u8 = 253;
 /// Read and write buffers of a link, per direction.
 const BUFFER: usize = 64 * 1024;
 /// Requests up to this size are first tried at once by the serving side's reader, without a
@@ -96,6 +121,13 @@ pub enum LinkError {
     /// No answer in time.
     #[error("no answer in time")]
     Timeout,
+    /// The serving side handles as many forwarded requests of the link as it takes: this one
+    /// was not handled.
+    #[error("the peer serves as many forwarded requests as it takes")]
+    Busy,
+    /// The request is larger than a link message may be (its size).
+    #[error("a request of {0} bytes, more than a link message may carry")]
+    TooLarge(usize),
 }
 
 /// A message: the request or answer id, its kind, its payload.
@@ -109,11 +141,13 @@ pub struct Message {
     pub payload: Bytes,
 }
 
-/// Builds a message in one buffer, header first: `payload` appends the payload.
+/// Builds a message in one buffer, header first: `payload` appends the payload. The writer
+/// ([`write_messages`]) sends one larger than a frame in fragments.
 pub fn encode(id: u64, kind: u8, payload: impl FnOnce(&mut Vec<u8>)) -> Bytes {
     let mut out = Vec::with_capacity(256);
     out.extend_from_slice(&[0; HEADER_LEN]);
     payload(&mut out);
+    // A message over `MAX_MESSAGE` (and so any that would touch the `more` bit) is never sent.
     let len = (out.len() - HEADER_LEN) as u32;
     out[0..8].copy_from_slice(&id.to_be_bytes());
     out[8] = kind;
@@ -121,18 +155,36 @@ pub fn encode(id: u64, kind: u8, payload: impl FnOnce(&mut Vec<u8>)) -> Bytes {
     Bytes::from(out)
 }
 
+/// The header of one frame.
+fn frame_header(id: u64, kind: u8, len: usize, more: bool) -> [u8; HEADER_LEN] {
+    let mut header = [0; HEADER_LEN];
+    header[0..8].copy_from_slice(&id.to_be_bytes());
+    header[8] = kind;
+    let len = len as u32 | if more { MORE } else { 0 };
+    header[9..13].copy_from_slice(&len.to_be_bytes());
+    header
+}
+
+/// A message being read in fragments.
+struct Partial {
+    id: u64,
+    kind: u8,
+    payload: BytesMut,
+}
+
 /// Reads messages from a connection. Cancel-safe: what was read of a message stays in the
 /// buffer, so [`Self::next`] may race other futures in a `select!`. A message that arrived
-/// whole is a slice of the buffer, not a copy.
+/// in one frame is a slice of the buffer, not a copy.
 pub struct MessageReader<R> {
     io: R,
     buf: BytesMut,
+    partial: Option<Partial>,
 }
 
 impl<R: AsyncRead + Unpin> MessageReader<R> {
     /// A reader of `io`.
     pub fn new(io: R) -> Self {
-        MessageReader { io, buf: BytesMut::with_capacity(BUFFER) }
+        MessageReader { io, buf: BytesMut::with_capacity(BUFFER), partial: None }
     }
 
     /// The next message; `None` at a clean end (the other side closed between messages).
@@ -144,7 +196,7 @@ impl<R: AsyncRead + Unpin> MessageReader<R> {
             };
             self.buf.reserve(wanted.max(BUFFER));
             if self.io.read_buf(&mut self.buf).await? == 0 {
-                if self.buf.is_empty() {
+                if self.buf.is_empty() && self.partial.is_none() {
                     return Ok(None);
                 }
                 return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "a link message was cut"));
@@ -152,49 +204,115 @@ impl<R: AsyncRead + Unpin> MessageReader<R> {
         }
     }
 
-    /// The message at the front of the buffer, or how many more bytes it needs.
+    /// The first whole message in the buffer, or how many more bytes the next frame needs.
     fn parse(&mut self) -> std::io::Result<Result<Message, usize>> {
-        if self.buf.len() < HEADER_LEN {
-            return Ok(Err(HEADER_LEN - self.buf.len()));
+        loop {
+            if self.buf.len() < HEADER_LEN {
+                return Ok(Err(HEADER_LEN - self.buf.len()));
+            }
+            let raw = u32::from_be_bytes(self.buf[9..13].try_into().unwrap_or_default());
+            let (more, len) = (raw & MORE != 0, (raw & !MORE) as usize);
+            if len > MAX_FRAME_READ {
+                return Err(malformed(format!("a link frame of {len} bytes (at most {MAX_FRAME_READ})")));
+            }
+            if self.buf.len() < HEADER_LEN + len {
+                return Ok(Err(HEADER_LEN + len - self.buf.len()));
+            }
+            let id = self.buf.get_u64();
+            let kind = self.buf.get_u8();
+            self.buf.advance(4);
+            let payload = self.buf.split_to(len);
+            match self.partial.take() {
+                // A message in one frame (small ones may come between the fragments of another).
+                partial if !more && partial.as_ref().is_none_or(|p| p.id != id) => {
+                    self.partial = partial;
+                    return Ok(Ok(Message { id, kind, payload: payload.freeze() }));
+                }
+                None => self.partial = Some(Partial { id, kind, payload }),
+                Some(mut open) if open.id == id && open.kind == kind => {
+                    if open.payload.len() + len > MAX_MESSAGE {
+                        return Err(malformed(format!("a link message over {MAX_MESSAGE} bytes")));
+                    }
+                    open.payload.extend_from_slice(&payload);
+                    if !more {
+                        return Ok(Ok(Message { id, kind, payload: open.payload.freeze() }));
+                    }
+                    self.partial = Some(open);
+                }
+                Some(_) => return Err(malformed("fragments of two link messages at once".into())),
+            }
         }
-        let len = u32::from_be_bytes(self.buf[9..13].try_into().unwrap_or_default()) as usize;
-        if len > MAX_PAYLOAD {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidData,
-                format!("a link message of {len} bytes (at most {MAX_PAYLOAD})"),
-            ));
-        }
-        if self.buf.len() < HEADER_LEN + len {
-            return Ok(Err(HEADER_LEN + len - self.buf.len()));
-        }
-        let id = self.buf.get_u64();
-        let kind = self.buf.get_u8();
-        self.buf.advance(4);
-        Ok(Ok(Message { id, kind, payload: self.buf.split_to(len).freeze() }))
     }
+}
+
+fn malformed(what: String) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, what)
 }
 
 /// Writes what `messages` brings, everything that waits in one write, until it closes (then
 /// shuts the connection's sending side) or a write fails (the error).
+/// A message larger than a frame is written a frame at a time, with whatever small message
+/// waits in between; large messages take their turns one after the other.
 async fn write_messages<W: AsyncWrite + Unpin>(
     writer: W,
     mut messages: mpsc::UnboundedReceiver<Bytes>,
 ) -> std::io::Result<()> {
     let mut writer = BufWriter::with_capacity(BUFFER, writer);
-    while let Some(first) = messages.recv().await {
-        // The tasks already waiting to run go first, so that what they send goes out in the
-        // same write. Without this turn, each message went out in a write of its own: each
-        // sender is a task of its own (a client's request forwarded to its owner), and tokio's
-        // multi-threaded runtime runs the task a wake-up is for (this one) right after the task
-        // that woke it, on the same worker. So the peer also read and answered them one by one.
-        behind_ready_tasks().await;
-        writer.write_all(&first).await?;
+    // Messages to send in fragments, in order; the front one is under way.
+    let mut large: VecDeque<Fragments> = VecDeque::new();
+    loop {
+        if large.is_empty() {
+            let Some(first) = messages.recv().await else { break };
+            // The tasks already waiting to run go first, so that what they send goes out in
+            // the same write. Without this turn, each message went out in a write of its own:
+            // each sender is a task of its own (a client's request forwarded to its owner), and
+            // tokio's multi-threaded runtime runs the task a wake-up is for (this one) right
+            // after the task that woke it, on the same worker. So the peer also read and
+            // answered them one by one.
+            behind_ready_tasks().await;
+            write_or_queue(&mut writer, first, &mut large).await?;
+        }
         while let Ok(next) = messages.try_recv() {
-            writer.write_all(&next).await?;
+            write_or_queue(&mut writer, next, &mut large).await?;
+        }
+        if let Some(message) = large.front_mut() {
+            if write_fragment(&mut writer, message).await? {
+                large.pop_front();
+            }
         }
         writer.flush().await?;
     }
     writer.shutdown().await
+}
+
+/// A message to send in fragments: its id, its kind, and what is left of its payload.
+struct Fragments {
+    id: u64,
+    kind: u8,
+    left: Bytes,
+}
+
+/// Writes a message that fits one frame; queues a larger one for [`write_fragment`].
+async fn write_or_queue<W: AsyncWrite + Unpin>(
+    writer: &mut W,
+    message: Bytes,
+    large: &mut VecDeque<Fragments>,
+) -> std::io::Result<()> {
+    if message.len() - HEADER_LEN <= MAX_FRAME {
+        return writer.write_all(&message).await;
+    }
+    let id = u64::from_be_bytes(message[0..8].try_into().unwrap_or_default());
+    large.push_back(Fragments { id, kind: message[8], left: message.slice(HEADER_LEN..) });
+    Ok(())
+}
+
+/// Writes the next fragment of `message`; whether it was the last.
+async fn write_fragment<W: AsyncWrite + Unpin>(writer: &mut W, message: &mut Fragments) -> std::io::Result<bool> {
+    let len = message.left.len().min(MAX_FRAME);
+    let last = len == message.left.len();
+    writer.write_all(&frame_header(message.id, message.kind, len, !last)).await?;
+    writer.write_all(&message.left.split_to(len)).await?;
+    Ok(last)
 }
 
 /// Resolves once the tasks waiting in this worker's queue have usually had their turn: it wakes
@@ -229,10 +347,8 @@ struct Link {
     last_read: AtomicU64,
     /// The reader's and the writer's tasks.
     tasks: Mutex<Vec<AbortHandle>>,
-    /// Kinds of request (one bit each, by the kind's low six bits) the peer refused as unknown:
-    /// an older version whose links carry fewer kinds. They go another way for as long as this link lives (a
-    /// peer that restarts, upgraded, comes back on a new link).
-    refused: AtomicU64,
+    /// Places for forwarded requests in flight ([`FORWARD`]).
+    forwards: Arc<tokio::sync::Semaphore>,
 }
 
 impl Link {
@@ -246,22 +362,17 @@ impl Link {
         self.pending.lock().take();
     }
 
-    /// Whether the peer refused requests of `kind` on this link.
-    fn refuses(&self, kind: u8) -> bool {
-        self.refused.load(Ordering::Relaxed) & (1 << (kind & 63)) != 0
-    }
-
     /// Microseconds since the link opened.
     fn now(&self) -> u64 {
         self.opened.elapsed().as_micros() as u64
     }
 }
 
-/// Whether a link to a peer is open, being opened, or not to be tried before some time.
+/// Whether a link to a peer is open or being opened (by the attempt of this number, whose
+/// outcome the receiver tells).
 enum Slot {
-    Opening,
+    Opening(u64, watch::Receiver<Option<Result<(), OpenError>>>),
     Open(Arc<Link>),
-    Closed { until: Instant },
 }
 
 type Slots = Arc<Mutex<HashMap<String, Slot>>>;
@@ -270,18 +381,7 @@ type Slots = Arc<Mutex<HashMap<String, Slot>>>;
 #[derive(Default)]
 pub struct Links {
     slots: Slots,
-}
-
-/// What [`Links::get`] says about a peer.
-pub enum Route {
-    /// Send over this link.
-    Link(LinkRef),
-    /// Send another way; when `open` is true, the caller should open a link meanwhile
-    /// ([`Links::open`]).
-    Other {
-        /// Whether this caller is the one to open it.
-        open: bool,
-    },
+    attempts: AtomicU64,
 }
 
 /// A handle on an open link.
@@ -292,20 +392,47 @@ pub struct LinkRef {
 }
 
 impl Links {
-    /// How a request to `addr` goes now.
-    pub fn get(&self, addr: &str) -> Route {
-        let mut slots = self.slots.lock();
-        match slots.get(addr) {
-            Some(Slot::Open(link)) => {
-                Route::Link(LinkRef { link: link.clone(), slots: Arc::downgrade(&self.slots), addr: addr.to_string() })
-            }
-            Some(Slot::Opening) => Route::Other { open: false },
-            Some(Slot::Closed { until }) if Instant::now() < *until => Route::Other { open: false },
-            _ => {
-                slots.insert(addr.to_string(), Slot::Opening);
-                Route::Other { open: true }
+    /// The link to `addr`: the open one, or one opened now with `connect` (which upgrades a
+    /// connection to the peer). Callers that come while a link opens wait for the same
+    /// attempt, and share its failure; the next caller after a failure tries again.
+    pub async fn get<F, S>(&self, addr: &str, connect: impl FnOnce() -> F) -> Result<LinkRef, OpenError>
+    where
+        F: Future<Output = Result<S, OpenError>> + Send + 'static,
+        S: AsyncRead + AsyncWrite + Send + 'static,
+    {
+        let mut connect = Some(connect);
+        loop {
+            let mut outcome = {
+                let mut slots = self.slots.lock();
+                match slots.get(addr) {
+                    Some(Slot::Open(link)) => return Ok(self.handle(addr, link.clone())),
+                    Some(Slot::Opening(_, outcome)) => outcome.clone(),
+                    None => {
+                        // A link that closed as soon as it opened: this caller opens it again,
+                        // once; a second time is the attempt's failure.
+                        let Some(connect) = connect.take() else {
+                            return Err(OpenError::Unreachable("the link closed as it opened".into()));
+                        };
+                        let attempt = self.attempts.fetch_add(1, Ordering::Relaxed);
+                        let (told, outcome) = watch::channel(None);
+                        slots.insert(addr.to_string(), Slot::Opening(attempt, outcome.clone()));
+                        self.open(addr, attempt, connect(), told);
+                        outcome
+                    }
+                }
+            };
+            let told = outcome.wait_for(Option::is_some).await.map(|outcome| outcome.clone());
+            match told {
+                Ok(Some(Ok(()))) => {}
+                Ok(Some(Err(e))) => return Err(e),
+                // The attempt's task ended without telling (its runtime stops).
+                Ok(None) | Err(_) => return Err(OpenError::Unreachable("the attempt to open a link ended".into())),
             }
         }
+    }
+
+    fn handle(&self, addr: &str, link: Arc<Link>) -> LinkRef {
+        LinkRef { link, slots: Arc::downgrade(&self.slots), addr: addr.to_string() }
     }
 
     /// Whether a link to `addr` is open.
@@ -313,40 +440,29 @@ impl Links {
         matches!(self.slots.lock().get(addr), Some(Slot::Open(_)))
     }
 
-    /// Whether a link to `addr` is open and its peer has not refused requests of `kind` on it.
-    pub fn carries(&self, addr: &str, kind: u8) -> bool {
-        matches!(self.slots.lock().get(addr), Some(Slot::Open(link)) if !link.refuses(kind))
-    }
-
-    /// Opens a link to `addr` in the background with `connect` (which upgrades a connection
-    /// to the peer), after [`Links::get`] told this caller to.
-    pub fn open<F, S>(&self, addr: &str, connect: F)
+    /// Opens a link to `addr` with `connect`, in a task of its own (a caller that gives up
+    /// does not stop it for the others), and tells how it went through `told`.
+    fn open<F, S>(&self, addr: &str, attempt: u64, connect: F, told: watch::Sender<Option<Result<(), OpenError>>>)
     where
         F: Future<Output = Result<S, OpenError>> + Send + 'static,
         S: AsyncRead + AsyncWrite + Send + 'static,
     {
         // Whatever ends the attempt (a panic, a runtime shutting down), the slot does not stay
-        // `Opening`: the guard closes it for a while unless the link was installed.
-        let mut guard = Opening { slots: Some(Arc::downgrade(&self.slots)), addr: addr.to_string() };
+        // `Opening`: the guard takes it out unless the link was installed.
+        let guard = Opening { slots: Arc::downgrade(&self.slots), addr: addr.to_string(), attempt };
         tokio::spawn(async move {
             let connected = connect.await;
-            let Some(slots) = guard.slots.as_ref().and_then(Weak::upgrade) else { return };
-            let retry = match connected {
+            let Some(slots) = guard.slots.upgrade() else { return };
+            let outcome = match connected {
                 Ok(io) => {
                     install(&slots, &guard.addr, io);
-                    return guard.end(Duration::ZERO);
+                    Ok(())
                 }
-                Err(OpenError::Unreachable) => RETRY_UNREACHABLE,
-                Err(OpenError::Unsupported) => RETRY_UNSUPPORTED,
+                Err(e) => Err(e),
             };
-            guard.end(retry);
+            drop(guard);
+            told.send_replace(Some(outcome));
         });
-    }
-
-    /// Opening a link to `addr` failed: none is tried again for `retry`.
-    #[cfg(test)]
-    fn failed(&self, addr: &str, retry: Duration) {
-        self.slots.lock().insert(addr.to_string(), Slot::Closed { until: Instant::now() + retry });
     }
 
     /// `io`, a connection to `addr` already upgraded, becomes the link to `addr`.
@@ -359,37 +475,34 @@ impl Links {
     }
 }
 
-/// An attempt to open a link: when it ends with the slot still `Opening` (no link installed),
-/// the slot is closed for a while.
+/// An attempt to open a link: when it ends with its slot still `Opening` (no link installed),
+/// the slot is taken out.
 struct Opening {
-    slots: Option<Weak<Mutex<HashMap<String, Slot>>>>,
+    slots: Weak<Mutex<HashMap<String, Slot>>>,
     addr: String,
-}
-
-impl Opening {
-    /// The attempt ended: unless a link was installed, none is tried for `retry`.
-    fn end(&mut self, retry: Duration) {
-        let Some(slots) = self.slots.take().and_then(|slots| slots.upgrade()) else { return };
-        let mut slots = slots.lock();
-        if matches!(slots.get(&self.addr), Some(Slot::Opening)) {
-            slots.insert(self.addr.clone(), Slot::Closed { until: Instant::now() + retry });
-        }
-    }
+    attempt: u64,
 }
 
 impl Drop for Opening {
     fn drop(&mut self) {
-        self.end(RETRY_UNREACHABLE);
+        let Some(slots) = self.slots.upgrade() else { return };
+        let mut slots = slots.lock();
+        if matches!(slots.get(&self.addr), Some(Slot::Opening(attempt, _)) if *attempt == self.attempt) {
+            slots.remove(&self.addr);
+        }
     }
 }
 
-/// Why a link could not be opened.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Why a link could not be opened: the peer could not be reached, did not answer in time, or
+/// refused the upgrade (the reason).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum OpenError {
-    /// The peer could not be reached, or did not answer in time.
-    Unreachable,
-    /// The peer answered the upgrade with something else than 101 (an older version).
-    Unsupported,
+    /// No connection, or no answer to the upgrade.
+    #[error("{0}")]
+    Unreachable(String),
+    /// The peer answered the upgrade with something else than 101 (its status).
+    #[error("the peer refused a link ({0})")]
+    Refused(u16),
 }
 
 /// Starts the tasks of a link over `io` and makes it the link to `addr`.
@@ -406,7 +519,7 @@ where
         opened: Instant::now(),
         last_read: AtomicU64::new(0),
         tasks: Mutex::default(),
-        refused: AtomicU64::new(0),
+        forwards: Arc::new(tokio::sync::Semaphore::new(FORWARDS_IN_FLIGHT)),
     });
     let (weak, weak_slots, at) = (Arc::downgrade(&link), Arc::downgrade(slots), addr.to_string());
     let writer = tokio::spawn(async move {
@@ -437,8 +550,8 @@ impl Drop for Links {
     }
 }
 
-/// Closes `link` and forgets it, if it is still the link to `addr` (the next request may open
-/// a new one at once).
+/// Closes `link` and forgets it, if it is still the link to `addr` (the next request opens
+/// a new one).
 fn forget(slots: &Weak<Mutex<HashMap<String, Slot>>>, addr: &str, link: &Arc<Link>) {
     retire(slots, addr, link);
     link.close();
@@ -450,7 +563,7 @@ fn retire(slots: &Weak<Mutex<HashMap<String, Slot>>>, addr: &str, link: &Arc<Lin
     if let Some(slots) = slots.upgrade() {
         let mut slots = slots.lock();
         if matches!(slots.get(addr), Some(Slot::Open(open)) if Arc::ptr_eq(open, link)) {
-            slots.insert(addr.to_string(), Slot::Closed { until: Instant::now() });
+            slots.remove(addr);
         }
     }
 }
@@ -482,16 +595,6 @@ async fn read_answers<R: AsyncRead + Unpin>(
 }
 
 impl LinkRef {
-    /// Whether the peer refused requests of `kind` on this link ([`Self::refuses_from_now`]).
-    pub fn refuses(&self, kind: u8) -> bool {
-        self.link.refuses(kind)
-    }
-
-    /// The peer refused a request of `kind` as one it does not know: the next ones go another way.
-    pub fn refuses_from_now(&self, kind: u8) {
-        self.link.refused.fetch_or(1 << (kind & 63), Ordering::Relaxed);
-    }
-
     /// Sends a request of `kind` (its payload appended by `payload`) and waits at most
     /// `timeout` for the answer. A request of a [`CANCELLABLE`] kind that gets no answer (it
     /// timed out, or the caller dropped this future) is cancelled at the peer.
@@ -502,6 +605,17 @@ impl LinkRef {
         timeout: Duration,
     ) -> Result<Message, LinkError> {
         let link = &self.link;
+        let started = tokio::time::Instant::now();
+        let _place = if kind & FORWARD != 0 {
+            match tokio::time::timeout(timeout, link.forwards.clone().acquire_owned()).await {
+                Ok(Ok(place)) => Some(place),
+                Ok(Err(_)) => return Err(LinkError::NotSent),
+                Err(_) => return Err(LinkError::Timeout),
+            }
+        } else {
+            None
+        };
+        let timeout = timeout.saturating_sub(started.elapsed());
         let id = link.next_id.fetch_add(1, Ordering::Relaxed);
         let (waiter, answer) = oneshot::channel();
         match link.pending.lock().as_mut() {
@@ -512,7 +626,12 @@ impl LinkRef {
         // behind: the guard takes it out unless the answer came.
         let mut waiting = Waiting { link, id, answered: false, cancel: kind & CANCELLABLE != 0 };
         let sent_at = link.now();
-        if link.out.send(encode(id, kind, payload)).is_err() {
+        let message = encode(id, kind, payload);
+        if message.len() - HEADER_LEN > MAX_MESSAGE {
+            waiting.cancel = false;
+            return Err(LinkError::TooLarge(message.len() - HEADER_LEN));
+        }
+        if link.out.send(message).is_err() {
             return Err(LinkError::NotSent);
         }
         let answer = tokio::time::timeout(timeout, answer).await;
@@ -525,6 +644,7 @@ impl LinkRef {
                 retire(&self.slots, &self.addr, link);
                 Err(LinkError::NotSent)
             }
+            Ok(Ok(answer)) if answer.kind == BUSY => Err(LinkError::Busy),
             Ok(Ok(answer)) => Ok(answer),
             Ok(Err(_)) => Err(LinkError::Broken),
             Err(_) => {
@@ -630,6 +750,8 @@ where
     let mut stopping = false;
     // Requests of cancellable kinds being handled, by id.
     let cancellable: Running = Arc::default();
+    // Forwarded requests being handled in tasks.
+    let forwards = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     loop {
         let Ok(permit) = permits.clone().acquire_owned().await else { break };
         // Biased: a shutdown is seen before any request that came after it.
@@ -645,6 +767,10 @@ where
             Ok(Some(cancel)) if cancel.kind == CANCEL => stop_request(&cancellable, cancel.id),
             Ok(Some(request)) => {
                 let (id, kind) = (request.id, request.kind);
+                if kind & FORWARD != 0 && forwards.load(Ordering::Relaxed) >= FORWARDS_SERVED {
+                    let _ = out.send(encode(id, BUSY, |_| {}));
+                    continue;
+                }
                 let small = request.payload.len() <= INLINE_MOST;
                 let mut handling = handler(kind, request.payload);
                 // Most requests are small and need no wait (a read of a key, a replica write
@@ -666,6 +792,7 @@ where
                     }
                 }
                 let (out, served) = (out.clone(), served.clone());
+                let forwarded = (kind & FORWARD != 0).then(|| InFlight::new(&forwards));
                 let running = (kind & CANCELLABLE != 0).then(|| cancellable.clone());
                 // Held while the task is spawned and recorded: it cannot take itself out first.
                 let mut recorded = running.is_some().then(|| cancellable.lock());
@@ -674,7 +801,7 @@ where
                     let (kind, payload) = handling.await;
                     drop(record);
                     let _ = out.send(encode(id, kind, |buf| buf.extend_from_slice(&payload)));
-                    drop((permit, served));
+                    drop((permit, served, forwarded));
                 });
                 if let Some(recorded) = recorded.as_mut() {
                     recorded.insert(id, task.abort_handle());
@@ -726,6 +853,22 @@ where
     drop(out);
     let _ = tokio::time::timeout(crate::http_server::DRAIN_TIMEOUT, &mut writer).await;
     writer.abort();
+}
+
+/// One request counted while it is handled (a forwarded one, in its link's count).
+struct InFlight(Arc<std::sync::atomic::AtomicUsize>);
+
+impl InFlight {
+    fn new(count: &Arc<std::sync::atomic::AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::Relaxed);
+        InFlight(count.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// A cancellable request's place in its link's record of them: taken out when its handling
@@ -817,7 +960,7 @@ mod tests {
             assert!(MessageReader::new(&whole[..cut]).next().await.is_err(), "cut at {cut}");
         }
         let mut huge = encode(5, 1, |_| {}).to_vec();
-        huge[9..13].copy_from_slice(&((MAX_PAYLOAD + 1) as u32).to_be_bytes());
+        huge[9..13].copy_from_slice(&((MAX_FRAME_READ + 1) as u32).to_be_bytes());
         let error = MessageReader::new(&huge[..]).next().await.expect_err("too large");
         assert_eq!(error.kind(), std::io::ErrorKind::InvalidData);
     }
@@ -841,8 +984,6 @@ mod tests {
         let (stop, stopped) = watch::channel(false);
         let server = tokio::spawn(serve(far, handler, stopped, served(metrics::Gauge::noop()).0));
         let links = Links::default();
-        assert!(matches!(links.get("peer"), Route::Other { open: true }));
-        assert!(matches!(links.get("peer"), Route::Other { open: false }), "one opener at a time");
         links.opened("peer", near);
         (links, stop, server)
     }
@@ -858,9 +999,9 @@ mod tests {
     }
 
     fn open(links: &Links) -> LinkRef {
-        match links.get("peer") {
-            Route::Link(link) => link,
-            Route::Other { .. } => panic!("no open link"),
+        match links.slots.lock().get("peer") {
+            Some(Slot::Open(link)) => links.handle("peer", link.clone()),
+            _ => panic!("no open link"),
         }
     }
 
@@ -938,7 +1079,6 @@ mod tests {
         let (_stop, stopped) = watch::channel(false);
         let _server = tokio::spawn(serve(far, echo(), stopped, served(metrics::Gauge::noop()).0));
         let links = Links::default();
-        assert!(matches!(links.get("peer"), Route::Other { open: true }));
         links.opened("peer", near);
         let link = Arc::new(open(&links));
         const CALLS: u8 = 40;
@@ -971,8 +1111,8 @@ mod tests {
         assert_eq!(late, Err(LinkError::Timeout));
         assert!(!links.is_open("peer"));
         assert_eq!(link.call(1, |out| out.push(0), Duration::from_secs(5)).await, Err(LinkError::NotSent));
-        // The next request may open a new link at once.
-        assert!(matches!(links.get("peer"), Route::Other { open: true }));
+        // The next request opens a new link.
+        assert!(links.slots.lock().get("peer").is_none());
     }
 
     #[tokio::test]
@@ -1093,7 +1233,6 @@ mod tests {
         let (_stop, stopped) = watch::channel(false);
         let server = tokio::spawn(serve(far, echo(), stopped, served));
         let links = Links::default();
-        let _ = links.get("peer");
         links.opened("peer", near);
         let answer = open(&links).call(1, |out| out.push(0), Duration::from_secs(10)).await;
         assert_eq!(answer.expect("answered").kind, 2);
@@ -1108,7 +1247,6 @@ mod tests {
     async fn requests_in_flight_when_the_peer_goes_away_fail_as_broken() {
         let (near, far) = tokio::io::duplex(1024);
         let links = Links::default();
-        let _ = links.get("peer");
         links.opened("peer", near);
         let link = open(&links);
         let call = tokio::spawn(async move { link.call(1, |out| out.push(0), Duration::from_secs(30)).await });
@@ -1156,19 +1294,195 @@ mod tests {
     #[tokio::test]
     async fn an_attempt_to_open_that_dies_does_not_leave_the_peer_opening() {
         let links = Links::default();
-        assert!(matches!(links.get("peer"), Route::Other { open: true }));
-        links.open::<_, tokio::io::DuplexStream>("peer", async { panic!("the opener dies") });
-        until("the slot leaves Opening", || !matches!(links.slots.lock().get("peer"), Some(Slot::Opening))).await;
-        assert!(matches!(links.get("peer"), Route::Other { open: false }), "closed for a while");
+        let opened = links.get::<_, tokio::io::DuplexStream>("peer", || async { panic!("the opener dies") }).await;
+        assert!(opened.is_err());
+        assert!(links.slots.lock().get("peer").is_none(), "the next caller tries again");
     }
 
-    #[test]
-    fn a_peer_that_refused_is_not_asked_again_before_its_time() {
+    #[tokio::test]
+    async fn callers_that_come_while_a_link_opens_wait_for_it_and_share_its_failure() {
         let links = Links::default();
-        assert!(matches!(links.get("old"), Route::Other { open: true }));
-        links.failed("old", RETRY_UNSUPPORTED);
-        assert!(matches!(links.get("old"), Route::Other { open: false }));
-        links.failed("old", Duration::ZERO);
-        assert!(matches!(links.get("old"), Route::Other { open: true }));
+        let attempts = Arc::new(AtomicU64::new(0));
+        let release = Arc::new(tokio::sync::Notify::new());
+        let (near, far) = tokio::io::duplex(64 * 1024);
+        let (_stop, stopped) = watch::channel(false);
+        let _server = tokio::spawn(serve(far, echo(), stopped, served(metrics::Gauge::noop()).0));
+        let near = Arc::new(Mutex::new(Some(near)));
+        let connect = || {
+            let (attempts, release, near) = (attempts.clone(), release.clone(), near.clone());
+            move || async move {
+                attempts.fetch_add(1, Ordering::SeqCst);
+                release.notified().await;
+                near.lock().take().ok_or(OpenError::Unreachable("refused".into()))
+            }
+        };
+        // Two callers at once: one attempt, and both get the link it opened.
+        let both = futures::future::join(links.get("peer", connect()), links.get("peer", connect()));
+        let released = async {
+            until("the attempt starts", || attempts.load(Ordering::SeqCst) == 1).await;
+            release.notify_waiters();
+        };
+        let ((first, second), ()) = tokio::join!(both, released);
+        assert_eq!(attempts.load(Ordering::SeqCst), 1);
+        for link in [first.expect("opened"), second.expect("opened")] {
+            assert_eq!(link.call(1, |out| out.push(0), Duration::from_secs(10)).await.expect("answered").kind, 2);
+        }
+        // Once it is gone, the next callers wait for a new attempt, and share its failure.
+        open(&links).link.close();
+        links.slots.lock().clear();
+        let both = futures::future::join(links.get("peer", connect()), links.get("peer", connect()));
+        let released = async {
+            until("the second attempt starts", || attempts.load(Ordering::SeqCst) == 2).await;
+            release.notify_waiters();
+        };
+        let ((first, second), ()) = tokio::join!(both, released);
+        assert_eq!(attempts.load(Ordering::SeqCst), 2);
+        assert_eq!(first.err(), Some(OpenError::Unreachable("refused".into())));
+        assert_eq!(second.err(), Some(OpenError::Unreachable("refused".into())));
+    }
+
+    #[tokio::test]
+    async fn a_message_larger_than_a_frame_goes_in_fragments_with_small_ones_between() {
+        let (links, _stop, _server) = linked(echo());
+        let link = open(&links);
+        // The large one first (its first byte asks for no wait), then small ones: they are all
+        // answered, the large one reversed whole.
+        let large: Vec<u8> = (0..5 * MAX_FRAME + 17).map(|i| if i == 0 { 0 } else { (i % 251) as u8 }).collect();
+        let big = link.call(1, |out| out.extend_from_slice(&large), Duration::from_secs(30));
+        let small = futures::future::join_all(
+            (0..20u8).map(|i| link.call(3, move |out| out.extend_from_slice(&[0, i]), Duration::from_secs(30))),
+        );
+        let (big, small) = tokio::join!(big, small);
+        assert_eq!(big.expect("answered").payload.to_vec(), large.iter().rev().copied().collect::<Vec<_>>());
+        for (i, answer) in small.into_iter().enumerate() {
+            assert_eq!(answer.expect("answered").payload.to_vec(), vec![i as u8, 0]);
+        }
+    }
+
+    /// The frames `write_messages` puts on the wire for `messages`.
+    async fn written(messages: &[Message]) -> Vec<u8> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        for m in messages {
+            tx.send(encode(m.id, m.kind, |out| out.extend_from_slice(&m.payload))).expect("queued");
+        }
+        drop(tx);
+        let mut wire = Vec::new();
+        write_messages(&mut wire, rx).await.expect("written");
+        wire
+    }
+
+    #[tokio::test]
+    async fn fragments_of_two_messages_at_once_or_of_two_kinds_are_refused() {
+        let mut frames = Vec::new();
+        frames.extend_from_slice(&frame_header(1, 1, 2, true));
+        frames.extend_from_slice(b"ab");
+        let mut second = frames.clone();
+        second.extend_from_slice(&frame_header(2, 1, 2, true));
+        second.extend_from_slice(b"cd");
+        assert!(MessageReader::new(&second[..]).next().await.is_err(), "two messages in fragments");
+        let mut kinds = frames.clone();
+        kinds.extend_from_slice(&frame_header(1, 2, 2, false));
+        kinds.extend_from_slice(b"cd");
+        assert!(MessageReader::new(&kinds[..]).next().await.is_err(), "a fragment of another kind");
+        // A small message between two fragments is read at once, then the whole one.
+        let mut between = frames.clone();
+        between.extend_from_slice(&frame_header(9, 3, 1, false));
+        between.push(b'x');
+        between.extend_from_slice(&frame_header(1, 1, 2, false));
+        between.extend_from_slice(b"cd");
+        let mut reader = MessageReader::new(&between[..]);
+        assert_eq!(
+            reader.next().await.expect("read"),
+            Some(Message { id: 9, kind: 3, payload: Bytes::from_static(b"x") })
+        );
+        assert_eq!(
+            reader.next().await.expect("read"),
+            Some(Message { id: 1, kind: 1, payload: Bytes::from_static(b"abcd") })
+        );
+        // The end of the connection in the middle of a message is not a clean end.
+        assert!(MessageReader::new(&frames[..]).next().await.is_err());
+    }
+
+    #[tokio::test]
+    async fn forwarded_requests_beyond_what_a_link_serves_are_answered_busy() {
+        let (release, done) = (Arc::new(tokio::sync::Notify::new()), Arc::new(AtomicU64::new(0)));
+        let (handler, mut taken) = held(release.clone(), done.clone());
+        let (near, far) = tokio::io::duplex(64 * 1024);
+        let (_stop, stopped) = watch::channel(false);
+        let _server = tokio::spawn(serve(far, handler, stopped, served(metrics::Gauge::noop()).0));
+        // A raw opener that does not keep to its bound.
+        let (read, mut write) = tokio::io::split(near);
+        for id in 0..=FORWARDS_SERVED as u64 {
+            write.write_all(&encode(id, FORWARD | 1, |out| out.push(0))).await.expect("sent");
+        }
+        for _ in 0..FORWARDS_SERVED {
+            taken.recv().await.expect("taken");
+        }
+        let mut answers = MessageReader::new(read);
+        let busy = answers.next().await.expect("read").expect("an answer");
+        assert_eq!((busy.id, busy.kind), (FORWARDS_SERVED as u64, BUSY));
+        // A replica write still finds room.
+        write.write_all(&encode(999, 1, |out| out.push(0))).await.expect("sent");
+        assert_eq!(taken.recv().await, Some(1));
+    }
+
+    /// Runs `f` on a runtime of its own (a property's case is a plain function).
+    fn block_on<F: Future>(f: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime").block_on(f)
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+        /// Whatever bytes arrive, in whatever pieces, the reader reads messages or fails: it
+        /// never panics, and never holds more than its bounds.
+        #[test]
+        fn the_reader_survives_any_bytes_in_any_pieces(
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..4096),
+            piece in 1usize..64,
+        ) {
+            block_on(async {
+                let (mut tx, rx) = tokio::io::duplex(piece);
+                let write = tokio::spawn(async move {
+                    let _ = tx.write_all(&bytes).await;
+                });
+                let mut reader = MessageReader::new(rx);
+                while let Ok(Some(message)) = reader.next().await {
+                    proptest::prop_assert!(message.payload.len() <= MAX_MESSAGE);
+                }
+                // The writer may wait for room the reader no longer makes: its end goes first.
+                drop(reader);
+                let _ = write.await;
+                Ok(())
+            })?;
+        }
+
+        /// Messages of any size, written as the writer writes them (large ones in fragments)
+        /// and read in pieces of any size, read back as sent.
+        #[test]
+        fn messages_of_any_size_read_back_as_written(
+            sizes in proptest::collection::vec(0usize..3 * MAX_FRAME, 1..6),
+            piece in 1usize..100_000,
+        ) {
+            block_on(async {
+                let sent: Vec<Message> = sizes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &n)| Message { id: i as u64, kind: 7, payload: Bytes::from(vec![i as u8; n]) })
+                    .collect();
+                let wire = written(&sent).await;
+                let (mut tx, rx) = tokio::io::duplex(piece);
+                let write = tokio::spawn(async move { tx.write_all(&wire).await });
+                let mut reader = MessageReader::new(rx);
+                let mut read = Vec::new();
+                while let Some(message) = reader.next().await.expect("well-formed") {
+                    read.push(message);
+                }
+                write.await.expect("writer").expect("written");
+                read.sort_by_key(|m| m.id);
+                proptest::prop_assert_eq!(read, sent);
+                Ok(())
+            })?;
+        }
     }
 }

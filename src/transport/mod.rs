@@ -25,9 +25,9 @@
 //!   shadow writes).
 //! - `lanes.rs`: [`lanes::Lanes`], requests to one peer that wait at the same time sent in one
 //!   exchange (replica writes, forwarded key operations).
-//! - `link.rs`: [`link::Links`], one long-lived connection per peer (an HTTP upgrade) that
-//!   carries replica writes and forwarded key operations as small binary messages, many in flight at
-//!   once, instead of an HTTP exchange each; HTTP remains the way while no link is open.
+//! - `link.rs`: [`link::Links`], one long-lived connection per peer (an HTTP upgrade), the only
+//!   way replica writes and forwarded reads, writes and deletes travel: binary messages, many
+//!   in flight at once, large ones in fragments.
 //! - `reads.rs`: the wire format of forwarded and mirror reads on links.
 //! - `writes.rs`: the wire format of forwarded writes and deletes on links.
 
@@ -398,12 +398,10 @@ pub trait Transport: ControlTransport {
     fn call(&self, addr: &str, request: PeerRequest, timeout: Duration)
         -> BoxFuture<'_, Result<PeerAnswer, CallError>>;
 
-    /// Sends a forwarded or mirror key operation (`Get`, `BulkGet`, and forwarded `Put` and
-    /// `Delete`) to the member at `to`, which answers it as its public API would. By default,
-    /// and whenever a faster way is not open, it is a [`Self::call`] to the API address;
-    /// [`HttpTransport`] sends it over the peer link to the member when one is open (a
-    /// forwarded write there is cancelled when its caller gives up, as its HTTP exchange
-    /// would be).
+    /// Sends a forwarded or mirror key operation to the member at `to`, which answers it as its
+    /// public API would: `Get`, `BulkGet`, `Put` and `Delete` go on the peer link to it
+    /// ([`HttpTransport`]; a forwarded write there is cancelled when its caller gives up), bulk
+    /// writes and deletes to its API address. By default, a [`Self::call`] to the API address.
     fn key_op(
         &self,
         to: Addrs,
@@ -411,28 +409,6 @@ pub trait Transport: ControlTransport {
         timeout: Duration,
     ) -> BoxFuture<'_, Result<PeerAnswer, CallError>> {
         self.call(&to.api, request, timeout)
-    }
-
-    /// Whether a read [`Self::key_op`] sends to the member whose peer listener is at
-    /// `peer_addr` goes on a link now: there each read is a small message of its own, and
-    /// waiting to share a request with others would only add hand-offs. By default never.
-    fn reads_on_link(&self, _peer_addr: &str) -> bool {
-        false
-    }
-
-    /// Reads `key` at the member whose peer listener is at `peer_addr` on the link to it, as
-    /// [`Self::key_op`] would there. `Err(key)` when it did not go on a link (none open, or the
-    /// member's links carry no reads), or the member sent it back (it was serving as many
-    /// forwarded link requests as it takes at once, or the read is beyond its limits or a
-    /// link's): the caller sends it another way. By default it never goes.
-    fn get_on_link<'a>(
-        &'a self,
-        _peer_addr: &'a str,
-        key: String,
-        _map_version: u64,
-        _timeout: Duration,
-    ) -> BoxFuture<'a, Result<Result<PeerAnswer, CallError>, String>> {
-        Box::pin(async move { Err(key) })
     }
 
     /// Opens a stream at the node at `peer_addr`; waits at most `timeout` for it to start.

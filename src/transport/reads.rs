@@ -1,27 +1,24 @@
 //! Forwarded and mirror reads on peer links: their wire format.
 //!
-//! A node reads a key it does not own from the owner (or from a mirror), alone or with others
-//! for the same node as one bulk read. Over HTTP that is an exchange with the other node's
-//! public API; over an open peer link (`transport::link`) it is one small message each way.
-//! The answer carries what the HTTP answer would: each found value with its version, bucket,
-//! node and replica lag; an error of the whole read as its problem document and retry-after;
-//! an error of one key of a bulk read as the [`KeyError`] a bulk answer gives it. So the
-//! reader rebuilds exactly the errors it would have rebuilt from HTTP, and a forwarded error
-//! keeps its status and code.
+//! A node reads a key it does not own from the owner (or from a mirror), alone or several of
+//! one owner as one bulk read: one small message each way on the peer link
+//! (`transport::link`). The answer carries what a client of the owner would get: each found
+//! value with its version, bucket, node and replica lag; an error of the whole read as its
+//! problem document and retry-after; an error of one key of a bulk read as the [`KeyError`] a
+//! bulk answer gives it. So a forwarded error keeps its status and code.
 //!
 //! ```text
 //!  request  = deadline_ms:u64 map_version:u64 mirror_ms:u64 single:u8 count:u32 (len:u32 key)*
-//!             (deadline_ms: Unix time after which the sender no longer waits, as a forward
-//!             over HTTP carries it; mirror_ms = u64::MAX: not a mirror read)
+//!             (deadline_ms: Unix time after which the sender no longer waits;
+//!             mirror_ms = u64::MAX: not a mirror read)
 //!  answer   READ_DONE      (tag:u8 item)*   tag 0 absent; 1 found: version:u64 bucket:u16
 //!                                           node:u64 lag_ms:u64 (u64::MAX: none) len:u32 value;
 //!                                           2 failed: len:u32 KeyError JSON
 //!           READ_FAILED    retry_after_s:u64 (0: none) Problem JSON
-//!           READ_ELSEWHERE (empty: the values are too large for a link; read over HTTP)
 //! ```
 //!
-//! Everything is big-endian. A read is idempotent, so answering `READ_ELSEWHERE` after doing
-//! it, and reading again over HTTP, changes nothing.
+//! Everything is big-endian; every count and length is checked against what is left of the
+//! payload before anything is taken.
 
 use std::time::Duration;
 
@@ -29,17 +26,15 @@ use bytes::Bytes;
 use shoal_http_api::types::{GetOk, KeyError};
 use shoal_http_api::{ApiError, Problem, Unavailable};
 
+use super::link::FORWARD;
 use super::{CallError, PeerAnswer, PeerRequest};
 
 /// A link request: a forwarded or mirror read ([`encode_request`]).
-pub const LINK_READ: u8 = 4;
+pub const LINK_READ: u8 = 4 | FORWARD;
 /// A link answer: one result per key.
 pub const LINK_READ_DONE: u8 = 5;
 /// A link answer: the whole read (or forwarded write, `transport::writes`) failed.
 pub const LINK_FAILED: u8 = 6;
-/// A link answer: the request was not handled (every slot for forwarded requests is taken, or
-/// the values found are too large to travel on a link); the sender sends it again over HTTP.
-pub const LINK_ELSEWHERE: u8 = 7;
 
 /// Bytes of a request before its keys.
 const REQUEST_HEADER: usize = 29;
@@ -113,18 +108,15 @@ pub fn decode_request(payload: &[u8]) -> Result<(PeerRequest, u64), super::Malfo
 
 /// The link answer (kind and payload) to a read: what [`super::PeerService::serve`] answered.
 /// `None` when it would be larger than `most` bytes (the reader asks over HTTP).
-pub fn encode_answer(answer: Result<PeerAnswer, CallError>, most: usize) -> Option<(u8, Vec<u8>)> {
+pub fn encode_answer(answer: Result<PeerAnswer, CallError>) -> (u8, Vec<u8>) {
     let items = match answer {
         Ok(PeerAnswer::Got(ok)) => vec![Ok(Some(ok))],
         Ok(PeerAnswer::BulkGot(items)) => items,
-        Ok(other) => return Some(failed(&ApiError::Internal(format!("a read answered with {other:?}")))),
-        Err(CallError::Api(e)) => return Some(failed(&e)),
-        Err(other) => return Some(failed(&ApiError::Internal(other.to_string()))),
+        Ok(other) => return failed(&ApiError::Internal(format!("a read answered with {other:?}"))),
+        Err(CallError::Api(e)) => return failed(&e),
+        Err(other) => return failed(&ApiError::Internal(other.to_string())),
     };
     let values: usize = items.iter().map(|i| i.as_ref().map_or(0, |f| f.as_ref().map_or(0, |ok| ok.value.len()))).sum();
-    if values > most {
-        return None;
-    }
     let mut out = Vec::with_capacity(values + items.len() * FOUND_HEADER);
     for item in &items {
         match item {
@@ -146,24 +138,17 @@ pub fn encode_answer(answer: Result<PeerAnswer, CallError>, most: usize) -> Opti
             }
         }
     }
-    // Errors' texts count too: many keys that each failed can outgrow a link message.
-    (out.len() <= most).then_some((LINK_READ_DONE, out))
+    (LINK_READ_DONE, out)
 }
 
-/// Whether a forwarded read or write that came over a link at `now_ms` is served now: a slot
-/// of `slots` while it is, or the answer it gets instead: refused if its deadline has passed
-/// (as a late forward over HTTP is: nothing was done), sent elsewhere (over HTTP) when every
-/// slot is taken.
-pub fn admit(
-    slots: &tokio::sync::Semaphore,
-    deadline_ms: u64,
-    now_ms: u64,
-) -> Result<tokio::sync::SemaphorePermit<'_>, (u8, Vec<u8>)> {
+/// Whether a forwarded read or write that came over a link at `now_ms` is served: refused if
+/// its deadline has passed (its sender no longer waits: nothing is done).
+pub fn admit(deadline_ms: u64, now_ms: u64) -> Result<(), (u8, Vec<u8>)> {
     if now_ms > deadline_ms {
         let late = "the forwarded request arrived after its deadline; nothing was done";
         return Err(failed(&ApiError::unavailable(Unavailable::Expired, late)));
     }
-    slots.try_acquire().map_err(|_| (LINK_ELSEWHERE, Vec::new()))
+    Ok(())
 }
 
 /// A whole read's (or forwarded write's) failure, as its HTTP answer would carry it: the
@@ -179,14 +164,12 @@ pub fn failed(e: &ApiError) -> (u8, Vec<u8>) {
 }
 
 /// What a read request sent on a link gets: `request`'s answer, rebuilt from the link answer
-/// of `kind` and `payload` as it would have been from HTTP; `None` when it must be read over
-/// HTTP instead ([`LINK_ELSEWHERE`], or the peer does not know link reads).
+/// of `kind` and `payload`; `None` for an answer of another kind (a refusal).
 pub fn decode_answer(request: &PeerRequest, kind: u8, payload: &Bytes) -> Option<Result<PeerAnswer, CallError>> {
     let broken = || CallError::Broken("an unreadable answer to a read on a peer link".into());
     match kind {
         LINK_READ_DONE => {}
         LINK_FAILED => return Some(Err(failure(payload))),
-        // Too large for a link, or a peer whose links carry no reads (an older version).
         _ => return None,
     }
     let Some(items) = decode_items(payload) else { return Some(Err(broken())) };
@@ -283,7 +266,7 @@ mod tests {
         let (decoded, deadline) = decode_request(&payload).expect("a well-formed read");
         assert_eq!(deadline, 1_234_567);
         assert_eq!(format!("{decoded:?}"), format!("{request:?}"), "the request reads back as sent");
-        let (kind, answer) = encode_answer(answer, 1 << 20)?;
+        let (kind, answer) = encode_answer(answer);
         decode_answer(request, kind, &Bytes::from(answer))
     }
 
@@ -352,29 +335,17 @@ mod tests {
     }
 
     #[test]
-    fn values_too_large_for_a_link_are_read_over_http() {
-        let big = GetOk { value: Bytes::from(vec![1u8; 2048]), ..found("", None) };
-        assert_eq!(encode_answer(Ok(PeerAnswer::Got(big.clone())), 2047), None);
-        assert!(encode_answer(Ok(PeerAnswer::Got(big)), 2048 + FOUND_HEADER).is_some());
-        // Many keys that failed, each with its error's text, count as much as values.
-        let failed = vec![Err(ApiError::unavailable(Unavailable::BucketMoving, "x".repeat(100))); 40];
-        assert_eq!(encode_answer(Ok(PeerAnswer::BulkGot(failed)), 2048), None);
-        assert!(decode_answer(&get("k", None), LINK_ELSEWHERE, &Bytes::new()).is_none());
-        // A peer whose links carry replica writes only refuses the kind: read over HTTP.
+    fn large_answers_travel_whole_and_a_late_read_is_refused() {
+        let big = GetOk { value: Bytes::from(vec![1u8; 3 << 20]), ..found("", None) };
+        let back = round_trip(&get("k", None), Ok(PeerAnswer::Got(big.clone())));
+        assert!(matches!(back, Some(Ok(PeerAnswer::Got(ok))) if ok.value == big.value));
+        // A refusal is no read answer.
         assert!(decode_answer(&get("k", None), super::super::http::LINK_REFUSED, &Bytes::new()).is_none());
-    }
-
-    #[test]
-    fn a_late_read_is_refused_and_one_beyond_the_slots_goes_elsewhere() {
-        let slots = tokio::sync::Semaphore::new(1);
-        let late = admit(&slots, 1_000, 1_001).expect_err("late");
+        let late = admit(1_000, 1_001).expect_err("late");
         let refused = decode_answer(&get("k", None), late.0, &Bytes::from(late.1));
         let Some(Err(CallError::Api(e))) = refused else { panic!("{refused:?}") };
         assert_eq!((e.status().as_u16(), e.code()), (503, "expired"));
-        let held = admit(&slots, 1_000, 1_000).expect("a slot");
-        assert_eq!(admit(&slots, 1_000, 999).expect_err("no slot left"), (LINK_ELSEWHERE, Vec::new()));
-        drop(held);
-        assert!(admit(&slots, 1_000, 999).is_ok(), "the slot is back");
+        assert!(admit(1_000, 1_000).is_ok());
     }
 
     #[test]
@@ -392,8 +363,7 @@ mod tests {
         lying[25..29].copy_from_slice(&u32::MAX.to_be_bytes());
         assert!(decode_request(&lying).is_err());
         assert!(!encode_request(&PeerRequest::NodeStats, 0, &mut Vec::new()));
-        let (kind, answer) =
-            encode_answer(Ok(PeerAnswer::BulkGot(vec![Ok(Some(found("v", None)))])), 1 << 20).expect("small");
+        let (kind, answer) = encode_answer(Ok(PeerAnswer::BulkGot(vec![Ok(Some(found("v", None)))])));
         for cut in 0..answer.len() {
             let request = get("k", None);
             let decoded = decode_answer(&request, kind, &Bytes::copy_from_slice(&answer[..cut]));

@@ -17,8 +17,8 @@ use shoal_http_api::{ApiError, ShoalApi};
 use shoal_raft::{BucketId, ControlError, ControlPlane, ControlRpc, NodeId, ServeError, BUCKET_COUNT};
 
 use super::http::{
-    encode_answers, encode_refusal, MaintenanceAsk, HEADER_FROM, HEADER_MAP_VERSION, HEADER_RAFT_TARGET, HEADER_SEQ,
-    HEADER_SNAPSHOT, LINK_REFUSED, LINK_REPLICATE, LINK_REPLICATED, TRANSFER_MEDIA_TYPE,
+    encode_answers, encode_refusal, MaintenanceAsk, HEADER_FROM, HEADER_RAFT_TARGET, LINK_REFUSED, LINK_REPLICATE,
+    LINK_REPLICATED, TRANSFER_MEDIA_TYPE,
 };
 use super::{link, reads, writes};
 use super::{CallError, FrameStream, PeerAnswer, PeerRequest, Ping, ReplicaAnswer, Replicate, StreamRequest};
@@ -39,27 +39,10 @@ pub struct PeerService {
     pub exporter: Exporter,
     /// Pings.
     pub health: Arc<Health>,
-    /// Forwarded reads and writes served over peer links at once ([`LINK_FORWARD_SLOTS`]).
-    pub link_forwards: tokio::sync::Semaphore,
 }
-
-/// Forwarded reads and writes over peer links a node serves at once, on all its links
-/// together: half of what one link serves at once, so that forwarded requests waiting on one
-/// link (a write waits for its replica, on another link) leave room for its replica writes,
-/// which wait on no other link.
-pub const LINK_FORWARD_SLOTS: usize = link::MAX_IN_FLIGHT / 2;
 
 fn forwarded(map_version: u64) -> RouteContext {
     RouteContext { forwarded_map_version: Some(map_version), from_peer: true, ..RouteContext::default() }
-}
-
-/// `answer`, counted when it sends its request elsewhere (another way: a write over HTTP, a
-/// read through its lane).
-fn elsewhere_counted(counted: &crate::metrics::LinkRequests, answer: (u8, Vec<u8>)) -> (u8, Vec<u8>) {
-    if answer.0 == reads::LINK_ELSEWHERE {
-        counted.elsewhere.increment(1);
-    }
-    answer
 }
 
 /// [`forwarded`], and for a mirror read the staleness it allows.
@@ -199,15 +182,11 @@ impl PeerService {
                 }
             }
             reads::LINK_READ => match reads::decode_request(&payload) {
-                Ok((request, deadline_ms)) => {
-                    elsewhere_counted(counted, self.serve_link_read(request, deadline_ms).await)
-                }
+                Ok((request, deadline_ms)) => self.serve_link_read(request, deadline_ms).await,
                 Err(reason) => refused(&reason.to_string()),
             },
             writes::LINK_WRITE => match writes::decode_request(&payload) {
-                Ok((request, deadline_ms)) => {
-                    elsewhere_counted(counted, Box::pin(self.serve_link_write(request, deadline_ms)).await)
-                }
+                Ok((request, deadline_ms)) => Box::pin(self.serve_link_write(request, deadline_ms)).await,
                 Err(reason) => refused(&reason.to_string()),
             },
             other => refused(&format!("unknown link request kind {other}")),
@@ -215,41 +194,34 @@ impl PeerService {
     }
 
     /// A forwarded or mirror read that came over a peer link: served as any read from another
-    /// node ([`Self::serve_read`]), unless it arrived after its sender's deadline (refused as a late
-    /// forward over HTTP is); a bulk read's values are admitted into the node's budget for
-    /// answer bodies while they are copied into the answer, as the bulk route admits them.
-    ///
-    /// Sent "elsewhere" instead (the sender reads it through its lane): values too large for a link, keys this node's own
-    /// limits refuse, and every read that comes while [`LINK_FORWARD_SLOTS`] others are being
-    /// served. A read may wait (a bucket that is passing, a map to catch up with), and a link
-    /// serves a bounded number of requests at once: reads may not take the slots its replica
-    /// writes need.
+    /// node ([`Self::serve_read`]), unless it arrived after its sender's deadline (refused: nothing
+    /// is done) or names keys this node's own limits refuse (nodes configured differently: the
+    /// read fails as the key route would fail it); a bulk read's values are admitted into the
+    /// node's budget for answer bodies while they are copied into the answer, as the bulk route
+    /// admits them.
     async fn serve_link_read(&self, request: PeerRequest, deadline_ms: u64) -> (u8, Vec<u8>) {
-        let elsewhere = || (reads::LINK_ELSEWHERE, Vec::new());
-        // Keys this node's own limits refuse (nodes configured differently): over HTTP, the
-        // route fails the read, or each such key of a bulk read alone, as it does for a client.
         let limits = self.api.limits();
         let keys = match &request {
             PeerRequest::Get { key, .. } => std::slice::from_ref(key),
             PeerRequest::BulkGet { keys, .. } => keys.as_slice(),
             _ => &[],
         };
-        if keys.len() > limits.max_bulk_keys || keys.iter().any(|k| shoal_http_api::check_key(k, &limits).is_err()) {
-            return elsewhere();
+        if keys.len() > limits.max_bulk_keys {
+            let most = limits.max_bulk_keys;
+            return reads::failed(&ApiError::BadRequest(format!("at most {most} keys per bulk request")));
         }
-        let _slot = match reads::admit(&self.link_forwards, deadline_ms, shoal_http_api::unix_ms()) {
-            Ok(slot) => slot,
-            Err(answer) => return answer,
-        };
+        if let Some(Err(e)) = keys.iter().map(|k| shoal_http_api::check_key(k, &limits)).find(Result::is_err) {
+            return reads::failed(&e);
+        }
+        if let Err(late) = reads::admit(deadline_ms, shoal_http_api::unix_ms()) {
+            return late;
+        }
         self.api.metrics().link_requests.reads.increment(1);
         let bulk = matches!(request, PeerRequest::BulkGet { .. });
         let answer = self.serve_read(request).await;
         let _admitted = match &answer {
             Ok(PeerAnswer::BulkGot(items)) if bulk => {
                 let values = items.iter().flatten().flatten().map(|ok| ok.value.len()).sum();
-                if values > link::MAX_REQUEST {
-                    return elsewhere();
-                }
                 match self.api.admit_body(values).await {
                     Ok(permit) => Some(permit),
                     Err(e) => return reads::failed(&e),
@@ -257,21 +229,18 @@ impl PeerService {
             }
             _ => None,
         };
-        reads::encode_answer(answer, link::MAX_REQUEST).unwrap_or_else(elsewhere)
+        reads::encode_answer(answer)
     }
 
     /// A forwarded write or delete that came over a peer link: checked against this node's
     /// limits and its value admitted into the node's body budget, as the key routes do, then
     /// served as any forward from another node ([`Self::serve_write`]), unless it arrived after its
-    /// sender's deadline (refused, nothing done). It takes one of the [`LINK_FORWARD_SLOTS`]
-    /// (a write waits for its replica, and must not take the slots the link's replica writes
-    /// need); when none is free it goes over HTTP instead. The link cancels it when its
-    /// sender gives up (`transport::link`).
+    /// sender's deadline (refused, nothing done). The link cancels it when its sender gives up,
+    /// and bounds how many a sender has in flight (`transport::link`).
     async fn serve_link_write(&self, request: PeerRequest, deadline_ms: u64) -> (u8, Vec<u8>) {
-        let _slot = match reads::admit(&self.link_forwards, deadline_ms, shoal_http_api::unix_ms()) {
-            Ok(slot) => slot,
-            Err(answer) => return answer,
-        };
+        if let Err(late) = reads::admit(deadline_ms, shoal_http_api::unix_ms()) {
+            return late;
+        }
         self.api.metrics().link_requests.writes.increment(1);
         let limits = self.api.limits();
         let (key, value) = match &request {
@@ -342,8 +311,6 @@ pub fn peer_routes(
         .route("/raft/snapshot", post(raft_snapshot))
         .route("/internal/admin", post(admin))
         .route("/internal/members/{id}", get(member_status))
-        .route("/internal/replicate", post(replicate_batch))
-        .route("/internal/replicate/{bucket}", post(replicate))
         .route("/internal/shadow/{bucket}", post(shadow))
         .route("/internal/found/{bucket}", post(found))
         .route("/internal/maintenance", post(maintenance))
@@ -405,60 +372,6 @@ fn bucket_of_path(bucket: u16) -> Result<BucketId, (StatusCode, String)> {
 
 fn header_u64(headers: &HeaderMap, name: &HeaderName) -> Option<u64> {
     headers.get(name)?.to_str().ok()?.parse().ok()
-}
-
-/// A request's headers and whole body, taken apart (axum's `HeaderMap` extractor would copy
-/// every header: a measurable share of a replication exchange).
-async fn headers_and_body(request: Request) -> Result<(HeaderMap, Bytes), Response> {
-    let (parts, body) = request.into_parts();
-    match axum::body::to_bytes(body, usize::MAX).await {
-        Ok(body) => Ok((parts.headers, body)),
-        Err(e) => Err((StatusCode::BAD_REQUEST, format!("reading the body: {e}")).into_response()),
-    }
-}
-
-async fn replicate(State(s): State<Arc<PeerService>>, Path(bucket): Path<u16>, request: Request) -> Response {
-    let bucket = match bucket_of_path(bucket) {
-        Ok(b) => b,
-        Err(refusal) => return refusal.into_response(),
-    };
-    let (headers, body) = match headers_and_body(request).await {
-        Ok(taken) => taken,
-        Err(refusal) => return refusal,
-    };
-    let (Some(from), Some(map_version)) =
-        (header_u64(&headers, &HEADER_FROM), header_u64(&headers, &HEADER_MAP_VERSION))
-    else {
-        return (StatusCode::BAD_REQUEST, "missing sender or map version").into_response();
-    };
-    let snapshot = headers.get(HEADER_SNAPSHOT).is_some_and(|v| v == "1");
-    let seq = header_u64(&headers, &HEADER_SEQ).unwrap_or(0);
-    let request = Replicate { bucket, from, map_version, snapshot, seq, body };
-    match s.replicator.receive(request).await {
-        ReplicaAnswer::Applied => StatusCode::NO_CONTENT.into_response(),
-        ReplicaAnswer::NeedSnapshot(reason) => (StatusCode::PRECONDITION_FAILED, reason).into_response(),
-        ReplicaAnswer::Fenced { map_version, reason } => {
-            (StatusCode::CONFLICT, [(HEADER_MAP_VERSION, map_version.to_string())], reason).into_response()
-        }
-        ReplicaAnswer::Refused(reason) => (StatusCode::BAD_REQUEST, reason).into_response(),
-    }
-}
-
-/// Several buckets' changes of one sender (`http::encode_batch`): each is applied or refused
-/// as if it came alone; the answers, in order, as JSON.
-async fn replicate_batch(State(s): State<Arc<PeerService>>, request: Request) -> Response {
-    let (headers, body) = match headers_and_body(request).await {
-        Ok(taken) => taken,
-        Err(refusal) => return refusal,
-    };
-    let Some(from) = header_u64(&headers, &HEADER_FROM) else {
-        return (StatusCode::BAD_REQUEST, "missing sender").into_response();
-    };
-    let requests = match super::http::decode_batch(from, body) {
-        Ok(requests) => requests,
-        Err(reason) => return (StatusCode::BAD_REQUEST, reason.to_string()).into_response(),
-    };
-    Json(s.receive_batch(requests).await).into_response()
 }
 
 async fn shadow(State(s): State<Arc<PeerService>>, Path(bucket): Path<u16>, body: Bytes) -> Response {

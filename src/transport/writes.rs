@@ -1,14 +1,12 @@
 //! Forwarded writes and deletes on peer links: their wire format.
 //!
-//! A node forwards a write or delete of a key it does not own to the owner. Over HTTP that is
-//! an exchange with the owner's public API (its own connection, so that the write dies with
-//! its caller); over an open peer link (`transport::link`) it is one small message each way,
-//! of a cancellable kind: a caller that gives up cancels it at the owner, and the owner stops
-//! every such request when the link ends. The message carries what the HTTP request would:
-//! the map version the sender routed by, its deadline (Unix time; the owner refuses it later,
-//! as it refuses a late forward over HTTP), the key and, for a write, the value and every
-//! option. The answer is what the HTTP answer would say, so the sender rebuilds the same
-//! result, and a forwarded error keeps its status and code.
+//! A node forwards a write or delete of a key it does not own to the owner: one small message
+//! each way on the peer link (`transport::link`), of a cancellable kind: a caller that gives up
+//! cancels it at the owner, and the owner stops every such request when the link ends (a
+//! forwarded write must die with its caller). The message carries what a client's request
+//! would: the map version the sender routed by, its deadline (Unix time; the owner refuses it
+//! later, nothing done), the key and, for a write, the value and every option. The answer is
+//! what a client of the owner would get, so a forwarded error keeps its status and code.
 //!
 //! ```text
 //!  request = deadline_ms:u64 map_version:u64 op:u8 len:u32 key
@@ -18,7 +16,6 @@
 //!            op 2 (delete): cas:u8 (0 none, 1 at version) version:u64
 //!  answer  WRITE_DONE   write: version:u64 bucket:u16 node:u64; delete: empty (it existed)
 //!          FAILED       as a read's (`transport::reads`): retry_after_s:u64 Problem JSON
-//!          ELSEWHERE    not handled (no slot free): send it over HTTP
 //! ```
 //!
 //! Everything is big-endian. Durations travel in whole milliseconds, as they do over HTTP.
@@ -29,12 +26,12 @@ use bytes::Bytes;
 use shoal_http_api::types::{Priority, PutOk, PutOptions, WriteCondition};
 use shoal_http_api::{ApiError, PutItem};
 
-use super::link::CANCELLABLE;
+use super::link::{CANCELLABLE, FORWARD};
 use super::reads::{failure, Reader, LINK_FAILED};
 use super::{CallError, PeerAnswer, PeerRequest};
 
 /// A link request: a forwarded write or delete (cancellable).
-pub const LINK_WRITE: u8 = 8 | CANCELLABLE;
+pub const LINK_WRITE: u8 = 8 | CANCELLABLE | FORWARD;
 /// A link answer: the write or delete done.
 pub const LINK_WRITE_DONE: u8 = 9;
 
@@ -210,7 +207,7 @@ pub fn decode_answer(request: &PeerRequest, kind: u8, payload: &[u8]) -> Option<
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transport::reads::{LINK_ELSEWHERE, LINK_READ};
+    use crate::transport::reads::LINK_READ;
 
     fn item(key: &str, value: &[u8], options: PutOptions) -> PeerRequest {
         let item = PutItem { key: key.into(), value: Bytes::copy_from_slice(value), options };
@@ -312,8 +309,7 @@ mod tests {
                 other => panic!("{error:?}: {other:?}"),
             }
         }
-        // Not handled: sent over HTTP instead; a peer that does not know link writes.
-        assert!(decode_answer(&put, LINK_ELSEWHERE, &[]).is_none());
+        // An answer of another kind is no write answer.
         assert!(decode_answer(&put, LINK_READ, &[]).is_none());
         assert!(matches!(decode_answer(&put, LINK_WRITE_DONE, &[1, 2]), Some(Err(CallError::Broken(_)))));
     }
