@@ -442,9 +442,16 @@ async fn a_whole_cluster_stopped_at_once_stops_within_its_bound_and_any_two_serv
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    // A bucket still being taken over answers 503 with Retry-After meanwhile; then each
+    // serves again, empty.
     for key in &keys {
-        let r = http.get(format!("http://{}/v1/kv/{key}", addrs[back])).send().await.expect("get");
-        assert_eq!(r.status().as_u16(), 404, "{key}: every bucket serves again, empty");
+        crate::harness::wait_for(&format!("{key} served again, empty"), || async {
+            let r = http.get(format!("http://{}/v1/kv/{key}", addrs[back])).send().await.ok()?;
+            let status = r.status().as_u16();
+            assert!(status == 404 || (status == 503 && r.headers().contains_key("retry-after")), "{key}: {status}");
+            (status == 404).then_some(())
+        })
+        .await;
     }
     let v = view_of(&http, &addrs[back], "/v1/cluster").await.expect("view");
     assert_eq!(v["lost_buckets"], json!([]), "{v}");

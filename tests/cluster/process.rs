@@ -97,7 +97,7 @@ impl NodeProcess {
     pub fn wait_ready(&self) {
         let deadline = Instant::now() + Duration::from_secs(60);
         while client(&self.addr, &["status"]).status.code() != Some(0) {
-            assert!(Instant::now() < deadline, "node at {} did not become ready", self.addr);
+            assert!(Instant::now() < deadline, "node at {} did not become ready; its log:\n{}", self.addr, self.log());
             std::thread::sleep(Duration::from_millis(100));
         }
     }
