@@ -260,6 +260,25 @@ impl ControlPlane {
         None
     }
 
+    /// Why failing `node_id` now would leave a voter configuration in force without a
+    /// majority of members: a failed member stops and comes back as a new member, never as
+    /// that voter, so such a configuration could commit nothing ever again (the voter change
+    /// away from it included). Happens when a second voter of three is failed before the voter
+    /// change that replaced the first one committed. The node stays a member; the voters move
+    /// around the first failed one once it answers, and it can be failed after.
+    fn failure_strands_voters(&self, state: &ClusterState, node_id: NodeId) -> Option<String> {
+        let membership = self.raft_metrics().membership_config.membership().clone();
+        membership.get_joint_config().iter().filter(|voters| voters.contains(&node_id)).find_map(|voters| {
+            let staying = voters.iter().filter(|&&id| id != node_id && state.is_member(id)).count();
+            (staying * 2 <= voters.len()).then(|| {
+                format!(
+                    "failing node {node_id} would leave the Raft voters {voters:?} with {staying} members: \
+                     the voters must move away from the failed ones first"
+                )
+            })
+        })
+    }
+
     /// Refuses `command` when the voters it leads to have no majority that runs.
     fn refuse_stuck_voters(&self, state: &ClusterState, command: &ClusterCommand) -> Result<(), ControlError> {
         let Some(voters) = state.voters_after(command) else { return Ok(()) };
@@ -649,6 +668,9 @@ impl ControlPlane {
         let membership_at = self.raft_metrics().membership_config.log_id().map_or(0, |l| l.index);
         if membership_at > self.commit_index() {
             return Err(ControlError::ChangeInProgress);
+        }
+        if let Some(reason) = self.failure_strands_voters(&self.state(), node_id) {
+            return Err(ControlError::Rejected { reason });
         }
         self.record_sizes().await;
         let map_version = match self.write(ClusterCommand::NodeFailed { node_id }).await? {
