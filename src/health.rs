@@ -73,8 +73,10 @@ pub struct Health {
     failing: AtomicBool,
     /// Peers with a ping in flight.
     in_flight: Mutex<BTreeSet<NodeId>>,
-    /// Set on SIGTERM: not ready, no new writes (see `NodeHandle::drain`).
+    /// Set once the node drains: not ready, no new writes (see `NodeHandle::drain`).
     draining: AtomicBool,
+    /// Set on SIGTERM, before any maintenance or drain (see `NodeHandle::stop_for_restart`).
+    stopping: AtomicBool,
     /// Set while a leaving node waits for its replicas before handing over.
     handing_over: AtomicBool,
     /// This node runs the procedure that puts it into maintenance.
@@ -112,6 +114,7 @@ impl Health {
             failing: AtomicBool::new(false),
             in_flight: Mutex::new(BTreeSet::new()),
             draining: AtomicBool::new(false),
+            stopping: AtomicBool::new(false),
             handing_over: AtomicBool::new(false),
             entering_maintenance: AtomicBool::new(false),
             pfail_now: watch::channel(BTreeSet::new()).0,
@@ -121,6 +124,19 @@ impl Health {
     /// Marks the node as stopping: `/readyz` fails and writes are refused from now on.
     pub fn start_draining(&self) {
         self.draining.store(true, Ordering::Relaxed);
+    }
+
+    /// Marks the node as stopping (SIGTERM) while it still serves: it no longer stands for
+    /// election or marks itself running. A stopping leader's successor that stops too would
+    /// otherwise take the lead just as the others exit, and then could not commit that it
+    /// stops (a whole cluster stopped at once).
+    pub fn start_stopping(&self) {
+        self.stopping.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether the node stops: it got SIGTERM, or drains.
+    pub fn is_stopping(&self) -> bool {
+        self.stopping.load(Ordering::Relaxed) || self.is_draining()
     }
 
     /// This node starts (true) or ends (false) the procedure that puts it into maintenance.

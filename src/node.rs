@@ -162,6 +162,7 @@ impl NodeHandle {
     /// [`Self::drain_until`]). The maintenance takes at most two thirds of the time there is.
     /// `window` zero: no maintenance. Returns whether the replicas were confirmed in sync.
     pub async fn stop_for_restart(&self, window: Duration, deadline: tokio::time::Instant) -> bool {
+        self.health.start_stopping();
         let now = tokio::time::Instant::now();
         let maintenance_by = now + deadline.saturating_duration_since(now) * 2 / 3;
         let state = self.control.state();

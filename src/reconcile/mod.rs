@@ -344,7 +344,7 @@ impl Reconciler {
             voter: self.control.is_voter(),
             leader: self.control.is_leader(),
             failed: node.failed,
-            draining: node.draining,
+            draining: self.health.is_stopping(),
             active: BucketId::all().filter(|&b| self.store.bucket_stats(b).0 > 0).collect(),
             replicas: self.replicator.replica_sources(),
             restoring,

@@ -62,7 +62,7 @@ pub struct Facts {
     pub leader: bool,
     /// A peer said the cluster failed it.
     pub failed: bool,
-    /// It is stopping (SIGTERM).
+    /// It is stopping (SIGTERM), whether it drains yet or not.
     pub draining: bool,
     /// Buckets with items in the active store.
     pub active: BTreeSet<BucketId>,

@@ -434,7 +434,7 @@ async fn a_whole_cluster_stopped_at_once_stops_within_its_bound_and_any_two_serv
             break;
         }
         if tokio::time::Instant::now() > deadline {
-            let logs: Vec<String> = (0..3).filter(|&k| k != missing).map(|k| nodes[k].log()).collect();
+            let logs: Vec<String> = (0..3).map(|k| format!("slot {k}:\n{}", nodes[k].log())).collect();
             panic!(
                 "not every bucket served again ({lost:?} lost, failed {failed:?}): {v:?}\n{}",
                 logs.join("\n----\n")
