@@ -1,7 +1,7 @@
 //! Failure detection: ping/pong between every pair of members.
 //!
 //! ```text
-//!  every --ping-interval:  A ── POST /internal/ping {from: A, pfail: [ids A has not heard from]} ──▶ B
+//!  every --ping-interval:  A ── Ping {from: A, pfail: [ids A has not heard from]} ──▶ B
 //!                          A ◀── {node_id: B, status: A's membership in B's view} ──────────────────┘
 //!  no pong for --node-timeout: B is pfail in A's view
 //!  the leader: pfail in the view of a majority of the members (its own view and the reports in
@@ -423,7 +423,7 @@ impl Health {
 }
 
 impl Health {
-    /// Answers a ping (`POST /internal/ping`): the sender's pfail list is a report, and the
+    /// Answers a ping (a call on the peer link): the sender's pfail list is a report, and the
     /// answer promises not to report the sender pfail within the node timeout. (It does not
     /// count as contact for this node's own lease: a ping may have waited in a socket buffer;
     /// only this node's own pings, timed from their sending, do — and a ping from a new

@@ -261,6 +261,8 @@ pub struct LinkRequests {
     pub reads: Counter,
     /// Forwarded writes and deletes.
     pub writes: Counter,
+    /// Every other request to the peer listener (pings, shadow writes, maintenance...).
+    pub calls: Counter,
 }
 
 static METADATA: Metadata<'static> = Metadata::new("shoal", Level::INFO, Some(module_path!()));
@@ -427,13 +429,18 @@ impl NodeMetrics {
                 describe(
                     r,
                     "shoal_peer_link_requests_total",
-                    "Requests this node served over peer links, by kind (replica_writes: one per batch; reads: forwarded and mirror reads; writes: forwarded writes and deletes). The rest of the node-to-node traffic is HTTP exchanges.",
+                    "Requests this node served over peer links, by kind (replica_writes: one per batch; reads: forwarded and mirror reads; writes: forwarded writes and deletes; calls: pings, shadow writes, give-backs, transfer status, maintenance and bucket messages). Raft, admin messages, bucket streams and requests to a member's API address are HTTP exchanges.",
                 );
                 let kind = |kind: &'static str| {
                     let key = Key::from_parts("shoal_peer_link_requests_total", vec![Label::new("kind", kind)]);
                     r.register_counter(&key, &METADATA)
                 };
-                LinkRequests { replica_writes: kind("replica_writes"), reads: kind("reads"), writes: kind("writes") }
+                LinkRequests {
+                    replica_writes: kind("replica_writes"),
+                    reads: kind("reads"),
+                    writes: kind("writes"),
+                    calls: kind("calls"),
+                }
             },
             hits: counter("shoal_cache_hits_total", "Reads that found their key."),
             misses: counter("shoal_cache_misses_total", "Reads that did not find their key."),

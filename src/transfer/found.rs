@@ -7,11 +7,11 @@
 //! ```text
 //!  returned node R (failed)                          owner H of lost bucket b
 //!    LostOf { R } ──▶ leader: [(b, H, addr)]   (the lost buckets R served last)
-//!    POST /internal/found/b  (R's items of b) ──▶   lock b; still lost, last served by R, owned by H?
+//!    GiveBack b  (R's items of b) ───────────▶   lock b; still lost, last served by R, owned by H?
 //!                                                   install the items
 //!                                                   send b whole to H's heir (its replica)
 //!                                                   Found { H, R, [b] } ──▶ Raft
-//!    ◀── 204 ───────────────────────────────────   (b serves again)
+//!    ◀── Found ─────────────────────────────────   (b serves again)
 //!    then: discard the data, rejoin as a new member
 //! ```
 //!
@@ -61,7 +61,7 @@ fn take_back_refusal(state: &ClusterState, me: NodeId, from: NodeId, bucket: Buc
 }
 
 impl Exporter {
-    /// `POST /internal/found/{bucket}`: installs the copy of lost `bucket` its last server
+    /// `GiveBack` (a call on the peer link): installs the copy of lost `bucket` its last server
     /// `from` gives back, and has Raft mark the bucket found. 409 when the bucket is not lost
     /// (any more), `from` did not serve it last, or this node does not own it; 400 for a bad
     /// body; 503 when the change could not be committed (the copy stays installed; the next

@@ -5,7 +5,7 @@
 //! `copy_back`): nothing it acknowledged is lost.
 //!
 //! ```text
-//!  client ── PUT k ──▶ new owner B: permit, write locally ── POST /internal/shadow/b ──▶ A
+//!  client ── PUT k ──▶ new owner B: permit, write locally ── Shadow b (link) ──▶ A
 //!         ◀── 200 ────  (after A applied it, or A could not be reached: logged)
 //! ```
 
@@ -23,7 +23,7 @@ use crate::transport::frame::decode_body;
 const SHADOW_WAIT: Duration = Duration::from_secs(2);
 
 impl Exporter {
-    /// `POST /internal/shadow/{bucket}`: applies the owner's writes to this node's shadow
+    /// `Shadow` (a call on the peer link): applies the owner's writes to this node's shadow
     /// copy. Refused (409) when this node holds no shadow of the bucket, 400 for a bad body.
     pub async fn apply_shadow(&self, bucket: BucketId, body: Bytes) -> Result<(), (u16, String)> {
         let me = self.control.node_id();

@@ -2,7 +2,7 @@
 //!
 //! Every `--transfer-check-interval` (the reconciler plans the check) the leader asks every
 //! member that still has buckets to
-//! receive for the time since its last transfer activity (`/internal/transfer/status`). If one
+//! receive for the time since its last transfer activity (`TransferStatus`, a call on the peer link). If one
 //! has been idle longer than `--transfer-stuck-after` — or a transition has waited that long
 //! for acknowledgements — the transfer is stuck: the leader logs it, counts it
 //! (`shoal_transfer_stuck_total`) and clears the state-transfer flag, so membership may change

@@ -36,6 +36,7 @@ use shoal_http_api::{
 };
 use shoal_raft::{BoxFuture, ControlRpc, ControlTransport, NodeId, TransportError};
 
+use super::calls;
 use super::link::{self, LinkError, Links, OpenError};
 use super::{
     reads, writes, Addrs, CallError, FrameStream, PeerAnswer, PeerRequest, ReplicaAnswer, Replicate, StreamRequest,
@@ -46,8 +47,6 @@ use super::{
 pub const SECRET_HEADER: HeaderName = HeaderName::from_static("x-shoal-cluster-secret");
 /// The header naming the Raft node a Raft message is meant for.
 pub const HEADER_RAFT_TARGET: HeaderName = HeaderName::from_static("x-shoal-raft-target");
-/// `POST /internal/found/{bucket}`: the node that gives the bucket back.
-pub const HEADER_FROM: HeaderName = HeaderName::from_static("x-shoal-from");
 /// The media type of bucket streams and replication bodies.
 pub const TRANSFER_MEDIA_TYPE: &str = "application/vnd.shoal.transfer";
 
@@ -124,13 +123,6 @@ impl tower::Service<Uri> for Reconnecting {
 const SEGMENT: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'_').remove(b'~');
 
 type HttpClient = Client<HttpsConnector<Reconnecting>, Full<Bytes>>;
-
-/// The body of `POST /internal/maintenance`.
-#[derive(Debug, Clone, Copy, Serialize, serde::Deserialize)]
-pub struct MaintenanceAsk {
-    /// How long the receiver may stay away, in ms.
-    pub period_ms: u64,
-}
 
 /// The production transport (see the module docs).
 pub struct HttpTransport {
@@ -305,34 +297,6 @@ impl HttpTransport {
         self.api_json(Method::POST, api_addr, path, headers, Bytes::from(body), timeout).await
     }
 
-    /// A JSON body posted to a peer listener.
-    async fn post_body<T: Serialize + ?Sized>(
-        &self,
-        peer_addr: &str,
-        path: &str,
-        body: &T,
-        timeout: Duration,
-    ) -> Result<Answer, CallError> {
-        let body = serde_json::to_vec(body).map_err(|e| CallError::Broken(e.to_string()))?;
-        let headers = [(CONTENT_TYPE, HeaderValue::from_static("application/json"))];
-        self.peer(Method::POST, self.url(peer_addr, path), &headers, body.into(), timeout).await
-    }
-
-    /// [`Self::post_body`], answered with JSON; an error answer comes back as it was given.
-    async fn peer_json<T: Serialize, R: DeserializeOwned>(
-        &self,
-        peer_addr: &str,
-        path: &str,
-        body: &T,
-        timeout: Duration,
-    ) -> Result<R, CallError> {
-        let answer = self.post_body(peer_addr, path, body, timeout).await?;
-        if !answer.status.is_success() {
-            return Err(CallError::Api(error_of(&answer, peer_addr)));
-        }
-        json(&answer.body)
-    }
-
     async fn send(&self, addr: &str, request: PeerRequest, timeout: Duration) -> Result<PeerAnswer, CallError> {
         match request {
             PeerRequest::Replicate(r) => {
@@ -346,33 +310,14 @@ impl HttpTransport {
             | PeerRequest::BulkGet { .. }
             | PeerRequest::Put { .. }
             | PeerRequest::Delete { .. } => Err(CallError::Broken("a key operation is sent with key_op".into())),
-            PeerRequest::Shadow { bucket, body } => {
-                let uri = self.url(addr, &format!("/internal/shadow/{}", bucket.0));
-                let answer = self.peer(Method::POST, uri, &[], body, timeout).await?;
-                refused_unless_success(&answer)?;
-                Ok(PeerAnswer::ShadowApplied)
-            }
-            PeerRequest::GiveBack { from, bucket, body } => {
-                let uri = self.url(addr, &format!("/internal/found/{}", bucket.0));
-                let answer =
-                    self.peer(Method::POST, uri, &[(HEADER_FROM, HeaderValue::from(from))], body, timeout).await?;
-                refused_unless_success(&answer)?;
-                Ok(PeerAnswer::Found)
-            }
-            PeerRequest::Ping(ping) => {
-                let body = serde_json::to_vec(&ping).map_err(|e| CallError::Broken(e.to_string()))?;
-                let headers = [(CONTENT_TYPE, HeaderValue::from_static("application/json"))];
-                let answer =
-                    self.peer(Method::POST, self.url(addr, "/internal/ping"), &headers, body.into(), timeout).await?;
-                refused_unless_success(&answer)?;
-                Ok(PeerAnswer::Pong(json(&answer.body)?))
-            }
-            PeerRequest::TransferStatus => {
-                let uri = self.url(addr, "/internal/transfer/status");
-                let answer = self.peer(Method::GET, uri, &[], Bytes::new(), timeout).await?;
-                refused_unless_success(&answer)?;
-                Ok(PeerAnswer::TransferStatus(json(&answer.body)?))
-            }
+            request @ (PeerRequest::Shadow { .. }
+            | PeerRequest::GiveBack { .. }
+            | PeerRequest::Ping(_)
+            | PeerRequest::TransferStatus
+            | PeerRequest::EnterMaintenance { .. }
+            | PeerRequest::ReportBuckets(_)
+            | PeerRequest::Buckets(_)
+            | PeerRequest::Rebalance(_)) => self.call_on_link(addr, &request, timeout).await,
             PeerRequest::BulkPut { items, map_version } => {
                 let body = BulkPut { items: items.iter().map(bulk_item).collect() };
                 let answer: BulkResults =
@@ -424,23 +369,6 @@ impl HttpTransport {
                 let view = self.api_json(Method::GET, addr, "/v1/cluster", &[], Bytes::new(), timeout).await?;
                 Ok(PeerAnswer::Cluster(Box::new(view)))
             }
-            PeerRequest::EnterMaintenance { period } => {
-                let ask = MaintenanceAsk { period_ms: period.as_millis() as u64 };
-                Ok(PeerAnswer::Maintenance(self.peer_json(addr, "/internal/maintenance", &ask, timeout).await?))
-            }
-            PeerRequest::ReportBuckets(report) => {
-                let answer = self.post_body(addr, "/internal/buckets/report", &*report, timeout).await?;
-                if !answer.status.is_success() {
-                    return Err(CallError::Api(error_of(&answer, addr)));
-                }
-                Ok(PeerAnswer::Reported)
-            }
-            PeerRequest::Buckets(query) => {
-                Ok(PeerAnswer::Buckets(Box::new(self.peer_json(addr, "/internal/buckets", &query, timeout).await?)))
-            }
-            PeerRequest::Rebalance(request) => Ok(PeerAnswer::Rebalance(Box::new(
-                self.peer_json(addr, "/internal/rebalance", &request, timeout).await?,
-            ))),
         }
     }
 
@@ -465,6 +393,19 @@ impl HttpTransport {
                 .ok_or_else(|| CallError::Broken("an unreadable answer to replica writes".into())),
             _ => Err(link_refusal(&answer.payload)),
         }
+    }
+
+    /// Sends a call (`calls`) over the link to the peer listener at `addr`.
+    async fn call_on_link(
+        &self,
+        addr: &str,
+        request: &PeerRequest,
+        timeout: Duration,
+    ) -> Result<PeerAnswer, CallError> {
+        let mut payload = Vec::new();
+        calls::encode_request(request, &mut payload)?;
+        let answer = self.on_link(addr, calls::LINK_CALL, |out| out.extend_from_slice(&payload), timeout).await?;
+        calls::decode_answer(answer.kind, &answer.payload).unwrap_or_else(|| Err(link_refusal(&answer.payload)))
     }
 
     /// Sends a forwarded or mirror read, or a forwarded write or delete, over the link to the
@@ -700,16 +641,6 @@ fn transport_error(e: &hyper_util::client::legacy::Error) -> CallError {
     } else {
         CallError::Broken(text)
     }
-}
-
-fn refused_unless_success(answer: &Answer) -> Result<(), CallError> {
-    if answer.status.is_success() {
-        return Ok(());
-    }
-    Err(CallError::Refused {
-        status: answer.status.as_u16(),
-        reason: String::from_utf8_lossy(&answer.body).into_owned(),
-    })
 }
 
 fn json<T: DeserializeOwned>(body: &[u8]) -> Result<T, CallError> {
@@ -1211,6 +1142,46 @@ mod tests {
         let stale = shown(&put(&transport, &to, "stale").await);
         assert!(stale.contains("precondition_failed") && stale.contains("current_version: Some(3)"), "{stale}");
         assert_eq!((seen.link.load(Ordering::SeqCst), seen.upgrades.load(Ordering::SeqCst)), (6, 1));
+    }
+
+    /// Pings, shadow writes and the other calls go on the link as well, and come back as their
+    /// handler answered: a value, a refusal with its status, an API error with its code.
+    #[tokio::test]
+    async fn calls_go_on_the_link_and_answer_as_their_handler_did() {
+        use crate::transport::{calls, Ping, Pong};
+        let (to, seen, _stop) = listener(true, |kind, payload| {
+            assert_eq!(kind, calls::LINK_CALL);
+            calls::encode_answer(match calls::decode_request(payload).expect("a call") {
+                PeerRequest::Ping(ping) => Ok(PeerAnswer::Pong(Pong {
+                    node_id: 2,
+                    incarnation: ping.incarnation + 1,
+                    status: shoal_raft::MemberStatus::Member,
+                    lease: true,
+                })),
+                PeerRequest::Shadow { bucket, body } => Err(CallError::Refused {
+                    status: 409,
+                    reason: format!("{} bytes for bucket {}", body.len(), bucket.0),
+                }),
+                PeerRequest::EnterMaintenance { .. } => Err(CallError::Api(ApiError::Conflict("busy".into()))),
+                other => panic!("{other:?}"),
+            })
+        })
+        .await;
+        let transport = transport();
+        let timeout = Duration::from_secs(5);
+        let ping = PeerRequest::Ping(Ping { from: 1, pfail: vec![], incarnation: 41, replica: None });
+        let pong = transport.call(&to, ping, timeout).await;
+        assert!(matches!(pong, Ok(PeerAnswer::Pong(Pong { node_id: 2, incarnation: 42, .. }))), "{pong:?}");
+        let shadow = PeerRequest::Shadow { bucket: BucketId(5), body: Bytes::from(vec![7u8; 100_000]) };
+        let refused = transport.call(&to, shadow, timeout).await;
+        assert!(
+            matches!(&refused, Err(CallError::Refused { status: 409, reason }) if reason == "100000 bytes for bucket 5"),
+            "{refused:?}"
+        );
+        let maintenance = PeerRequest::EnterMaintenance { period: Duration::from_secs(60) };
+        let conflict = transport.call(&to, maintenance, timeout).await;
+        assert!(matches!(&conflict, Err(CallError::Api(e)) if e.code() == "conflict"), "{conflict:?}");
+        assert_eq!((seen.link.load(Ordering::SeqCst), seen.upgrades.load(Ordering::SeqCst)), (3, 1));
     }
 
     /// A port nobody listens on until `after`, then a proxy to `target` there.

@@ -4,14 +4,16 @@
 //!
 //! ```text
 //!   sender                         Transport                          receiver
-//!   Peers (typed calls) ──▶ call(addr, PeerRequest) ──▶ HTTP ──▶ routes ──▶ PeerService::serve
+//!   Peers (typed calls) ──▶ call(addr, PeerRequest) ──▶ peer link ──▶ PeerService::serve
 //!   Puller              ──▶ open_stream(addr, ..)   ──▶ (or the simulated network) ──▶ open_stream
 //!   shoal-raft          ──▶ control(addr, rpc, body)──▶ ...                ──▶ ControlPlane::serve_rpc
 //! ```
 //!
-//! Two kinds of destination: a peer address (the internal listener: replication, shadows,
-//! pings, transfer status and streams, Raft and admin messages) and an API address (forwarded
-//! key operations and broadcasts, which the owner answers exactly as it would answer a client).
+//! Two kinds of destination: a peer address (the internal listener: its link carries replica
+//! writes, forwarded single-key operations and bulk reads, shadows, pings, transfer status,
+//! maintenance and bucket messages; bucket streams, Raft and admin messages are HTTP) and an API
+//! address (forwarded bulk writes and deletes and broadcasts, HTTP exchanges that the receiver
+//! answers as it would answer a client).
 //! Answers are typed; errors keep what the receiver said ([`CallError::Api`]) apart from what
 //! the network did (unreachable, timed out, broken).
 //!
@@ -26,11 +28,15 @@
 //! - `lanes.rs`: [`lanes::Lanes`], requests to one peer that wait at the same time sent in one
 //!   exchange (replica writes, forwarded key operations).
 //! - `link.rs`: [`link::Links`], one long-lived connection per peer (an HTTP upgrade), the only
-//!   way replica writes and forwarded reads, writes and deletes travel: binary messages, many
-//!   in flight at once, large ones in fragments.
+//!   way every request to a peer listener travels but Raft's, admin messages and bucket streams:
+//!   binary messages, many in flight at once, large ones in fragments.
 //! - `reads.rs`: the wire format of forwarded and mirror reads on links.
 //! - `writes.rs`: the wire format of forwarded writes and deletes on links.
+//! - `calls.rs`: the wire format of every other request to a peer listener on links (shadow
+//!   writes, give-backs, pings, transfer status, maintenance, bucket reports and views,
+//!   rebalancing).
 
+pub mod calls;
 pub mod frame;
 pub mod http;
 pub mod lanes;
@@ -57,19 +63,23 @@ use shoal_raft::{BoxFuture, BucketId, ControlTransport, MemberStatus, NodeId};
 pub use http::HttpTransport;
 pub use service::PeerService;
 
-/// A request to another node.
-#[derive(Debug, Clone)]
+/// A request to another node. The ones without a kind of their own on a peer link travel as
+/// JSON (`calls`); the others cannot be serialized.
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum PeerRequest {
     /// Changes (or a whole snapshot) of a bucket for its replica, to the holder's peer address.
+    #[serde(skip)]
     Replicate(Replicate),
     /// Changes of several buckets of one sender for their replica, in one exchange: each is
     /// applied (or refused) as if it came alone.
+    #[serde(skip)]
     ReplicateBatch(Vec<Replicate>),
     /// Writes of a bucket for the shadow the previous owner keeps during a transfer.
     Shadow {
         /// The bucket.
         bucket: BucketId,
         /// Framed changes (`transport::frame`).
+        #[serde(skip)]
         body: Bytes,
     },
     /// A lost bucket's copy, from the node that served it last (failed while cut off, back
@@ -80,6 +90,7 @@ pub enum PeerRequest {
         /// The bucket.
         bucket: BucketId,
         /// Its items, framed (`transport::frame`).
+        #[serde(skip)]
         body: Bytes,
     },
     /// A failure-detection ping.
@@ -87,6 +98,7 @@ pub enum PeerRequest {
     /// The receiver's transfer progress (the leader's stuck detector asks).
     TransferStatus,
     /// A forwarded read, to the owner's API address (or, with `mirror`, to a mirror).
+    #[serde(skip)]
     Get {
         /// The key.
         key: String,
@@ -97,6 +109,7 @@ pub enum PeerRequest {
         mirror: Option<Duration>,
     },
     /// A forwarded write.
+    #[serde(skip)]
     Put {
         /// The item.
         item: PutItem,
@@ -104,6 +117,7 @@ pub enum PeerRequest {
         map_version: u64,
     },
     /// A forwarded delete.
+    #[serde(skip)]
     Delete {
         /// The key.
         key: String,
@@ -113,6 +127,7 @@ pub enum PeerRequest {
         map_version: u64,
     },
     /// Forwarded reads of keys one owner holds (or, with `mirror`, mirror reads).
+    #[serde(skip)]
     BulkGet {
         /// The keys.
         keys: Vec<String>,
@@ -122,6 +137,7 @@ pub enum PeerRequest {
         mirror: Option<Duration>,
     },
     /// Forwarded writes of items one owner holds.
+    #[serde(skip)]
     BulkPut {
         /// The items.
         items: Vec<PutItem>,
@@ -129,6 +145,7 @@ pub enum PeerRequest {
         map_version: u64,
     },
     /// Forwarded deletes of keys one owner holds.
+    #[serde(skip)]
     BulkDelete {
         /// The keys.
         keys: Vec<String>,
@@ -172,12 +189,15 @@ pub enum PeerRequest {
     Rebalance(RebalanceRequest),
 }
 
-/// The answer to a [`PeerRequest`], in the same order of variants.
-#[derive(Debug, Clone)]
+/// The answer to a [`PeerRequest`], in the same order of variants (serialized as the
+/// requests are).
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum PeerAnswer {
     /// What the replica holder did.
+    #[serde(skip)]
     Replicated(ReplicaAnswer),
     /// What the replica holder did with each request of a batch, in its order.
+    #[serde(skip)]
     ReplicatedBatch(Vec<ReplicaAnswer>),
     /// The shadow applied the writes.
     ShadowApplied,
@@ -188,16 +208,22 @@ pub enum PeerAnswer {
     /// Transfer progress.
     TransferStatus(TransferStatus),
     /// The value read.
+    #[serde(skip)]
     Got(GetOk),
     /// The write done.
+    #[serde(skip)]
     Put(PutOk),
     /// The key was deleted.
+    #[serde(skip)]
     Deleted,
     /// One result per key.
+    #[serde(skip)]
     BulkGot(Vec<Result<Option<GetOk>, ApiError>>),
     /// One result per item.
+    #[serde(skip)]
     BulkPut(Vec<Result<PutOk, ApiError>>),
     /// One result per key (`Ok(false)`: absent).
+    #[serde(skip)]
     BulkDeleted(Vec<Result<bool, ApiError>>),
     /// Keys found.
     Keys(KeyList),

@@ -7,21 +7,21 @@ use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Query, Request, State};
-use axum::http::{HeaderMap, HeaderName, StatusCode};
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::Router;
 use futures::StreamExt;
-use shoal_http_api::types::{BucketsQuery, RebalanceRequest, RouteContext};
+use shoal_http_api::types::RouteContext;
 use shoal_http_api::{ApiError, ShoalApi};
 use shoal_raft::{BucketId, ControlError, ControlPlane, ControlRpc, NodeId, ServeError, BUCKET_COUNT};
 
 use super::http::{
-    encode_answers, encode_refusal, MaintenanceAsk, HEADER_FROM, HEADER_RAFT_TARGET, LINK_REFUSED, LINK_REPLICATE,
-    LINK_REPLICATED, TRANSFER_MEDIA_TYPE,
+    encode_answers, encode_refusal, HEADER_RAFT_TARGET, LINK_REFUSED, LINK_REPLICATE, LINK_REPLICATED,
+    TRANSFER_MEDIA_TYPE,
 };
-use super::{link, reads, writes};
-use super::{CallError, FrameStream, PeerAnswer, PeerRequest, Ping, ReplicaAnswer, Replicate, StreamRequest};
+use super::{calls, link, reads, writes};
+use super::{CallError, FrameStream, PeerAnswer, PeerRequest, ReplicaAnswer, Replicate, StreamRequest};
 use crate::health::Health;
 use crate::proxy::NodeApi;
 use crate::replication::Replicator;
@@ -189,6 +189,13 @@ impl PeerService {
                 Ok((request, deadline_ms)) => Box::pin(self.serve_link_write(request, deadline_ms)).await,
                 Err(reason) => refused(&reason.to_string()),
             },
+            calls::LINK_CALL => match calls::decode_request(payload) {
+                Ok(request) => {
+                    counted.calls.increment(1);
+                    calls::encode_answer(Box::pin(self.serve(request)).await)
+                }
+                Err(reason) => refused(&reason),
+            },
             other => refused(&format!("unknown link request kind {other}")),
         }
     }
@@ -281,10 +288,9 @@ impl PeerService {
 
 /// The peer listener's routes (the cluster secret is checked in front of them, `crate::auth`):
 /// Raft (`/raft/{append,vote,snapshot}`), admin (`/internal/admin`, `/internal/members/{id}`),
-/// replication (`/internal/replicate/{bucket}`), shadows (`/internal/shadow/{bucket}`), pings
-/// (`/internal/ping`), transfer status and bucket streams (`/internal/transfer/...`), and peer
-/// links (`/internal/link`, an upgrade; the links it opens end when `shutdown` turns true, and
-/// `served` counts them while they run).
+/// bucket streams (`/internal/transfer/{bucket}`), and peer links (`/internal/link`, an
+/// upgrade, which carry every other request; the links it opens end when `shutdown` turns
+/// true, and `served` counts them while they run).
 ///
 /// Bodies have no size limit here: a replica snapshot carries a whole bucket and a
 /// replicated write a whole value (up to `--max-value-bytes`), and only members that know
@@ -311,14 +317,6 @@ pub fn peer_routes(
         .route("/raft/snapshot", post(raft_snapshot))
         .route("/internal/admin", post(admin))
         .route("/internal/members/{id}", get(member_status))
-        .route("/internal/shadow/{bucket}", post(shadow))
-        .route("/internal/found/{bucket}", post(found))
-        .route("/internal/maintenance", post(maintenance))
-        .route("/internal/buckets/report", post(report_buckets))
-        .route("/internal/buckets", post(buckets))
-        .route("/internal/rebalance", post(rebalance))
-        .route("/internal/ping", post(ping))
-        .route("/internal/transfer/status", get(transfer_status))
         .route("/internal/transfer/{bucket}", get(stream_bucket))
         .layer(axum::extract::DefaultBodyLimit::disable())
         .with_state(service)
@@ -368,78 +366,6 @@ fn bucket_of_path(bucket: u16) -> Result<BucketId, (StatusCode, String)> {
         return Err((StatusCode::BAD_REQUEST, format!("no bucket {bucket}")));
     }
     Ok(BucketId(bucket))
-}
-
-fn header_u64(headers: &HeaderMap, name: &HeaderName) -> Option<u64> {
-    headers.get(name)?.to_str().ok()?.parse().ok()
-}
-
-async fn shadow(State(s): State<Arc<PeerService>>, Path(bucket): Path<u16>, body: Bytes) -> Response {
-    let bucket = match bucket_of_path(bucket) {
-        Ok(b) => b,
-        Err(refusal) => return refusal.into_response(),
-    };
-    match s.exporter.apply_shadow(bucket, body).await {
-        Ok(()) => StatusCode::NO_CONTENT.into_response(),
-        Err((status, reason)) => (StatusCode::from_u16(status).unwrap_or(StatusCode::CONFLICT), reason).into_response(),
-    }
-}
-
-async fn found(
-    State(s): State<Arc<PeerService>>,
-    Path(bucket): Path<u16>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    let bucket = match bucket_of_path(bucket) {
-        Ok(b) => b,
-        Err(refusal) => return refusal.into_response(),
-    };
-    let Some(from) = header_u64(&headers, &HEADER_FROM) else {
-        return (StatusCode::BAD_REQUEST, "missing sender").into_response();
-    };
-    match s.exporter.take_back(from, bucket, body).await {
-        Ok(()) => StatusCode::NO_CONTENT.into_response(),
-        Err((status, reason)) => (StatusCode::from_u16(status).unwrap_or(StatusCode::CONFLICT), reason).into_response(),
-    }
-}
-
-async fn maintenance(State(s): State<Arc<PeerService>>, Json(ask): Json<MaintenanceAsk>) -> Response {
-    let wait = crate::maintenance::PREPARE_WAIT + crate::maintenance::SYNC_WAIT;
-    match s.api.maintenance_here(std::time::Duration::from_millis(ask.period_ms), wait).await {
-        Ok(view) => Json(view).into_response(),
-        Err(e) => e.into_response(),
-    }
-}
-
-async fn report_buckets(
-    State(s): State<Arc<PeerService>>,
-    Json(report): Json<crate::balance::BucketReport>,
-) -> Response {
-    s.api.receive_bucket_report(report);
-    StatusCode::NO_CONTENT.into_response()
-}
-
-async fn buckets(State(s): State<Arc<PeerService>>, Json(query): Json<BucketsQuery>) -> Response {
-    match s.api.buckets_here(query) {
-        Ok(view) => Json(view).into_response(),
-        Err(e) => e.into_response(),
-    }
-}
-
-async fn rebalance(State(s): State<Arc<PeerService>>, Json(request): Json<RebalanceRequest>) -> Response {
-    match s.api.rebalance_here(request).await {
-        Ok(plan) => Json(plan).into_response(),
-        Err(e) => e.into_response(),
-    }
-}
-
-async fn ping(State(s): State<Arc<PeerService>>, Json(ping): Json<Ping>) -> Response {
-    Json(s.health.pong(ping)).into_response()
-}
-
-async fn transfer_status(State(s): State<Arc<PeerService>>) -> Response {
-    Json(s.exporter.progress.status(s.control.node_id())).into_response()
 }
 
 /// Query of the bucket stream.

@@ -96,11 +96,8 @@ fn a_statefulset_forms_one_cluster_in_ordinal_order_drains_on_sigterm_and_scales
         ("POST", "/raft/snapshot"),
         ("POST", "/internal/admin"),
         ("GET", "/internal/members/1"),
-        ("GET", "/internal/transfer/status"),
         ("GET", "/internal/transfer/7?to=1&epoch=0"),
-        ("POST", "/internal/shadow/7"),
-        ("POST", "/internal/replicate/7"),
-        ("POST", "/internal/ping"),
+        ("GET", "/internal/link"),
     ];
     let register = r#"{"type":"register","api_addr":"127.0.0.1:1","peer_addr":"127.0.0.1:2"}"#;
     for (method, path) in endpoints {
@@ -111,7 +108,7 @@ fn a_statefulset_forms_one_cluster_in_ordinal_order_drains_on_sigterm_and_scales
         assert_eq!(status_of(method, &url, &wrong), 401, "{method} {path} with a wrong secret");
     }
     let right = format!("x-shoal-cluster-secret: {SECRET}");
-    assert_eq!(status_of("GET", &format!("http://{peer0}/internal/transfer/status"), &["-H", &right]), 200);
+    assert_eq!(status_of("GET", &format!("http://{peer0}/internal/members/1"), &["-H", &right]), 200);
     // Nothing changed: the register request above was never applied (id 4 is unknown), the
     // map and the members are as they were.
     let status = Command::new("curl")

@@ -153,13 +153,13 @@ async fn a_cluster_with_tls_serves_https_on_both_listeners_and_only_clients_that
     let api = cluster.api(0);
     let peer = cluster.node(0).peer_addr();
     // Plain HTTP to either listener is answered 400, saying to use HTTPS (as nginx does).
-    for url in [format!("http://{api}/v1/cluster"), format!("http://{peer}/internal/transfer/status")] {
+    for url in [format!("http://{api}/v1/cluster"), format!("http://{peer}/internal/members/1")] {
         let r = plain.get(&url).send().await.expect("an answer");
         assert_eq!(r.status().as_u16(), 400, "{url}");
         let problem: serde_json::Value = r.json().await.expect("a problem document");
         assert!(problem["detail"].as_str().is_some_and(|d| d.contains("speaks HTTPS")), "{url}: {problem}");
     }
-    let peer_answer = cluster.http.get(format!("https://{peer}/internal/transfer/status")).send().await;
+    let peer_answer = cluster.http.get(format!("https://{peer}/internal/members/1")).send().await;
     assert!(peer_answer.expect("the peer listener over TLS").status().is_success());
 
     // A client that trusts another CA, or none given for this private CA, is refused.
