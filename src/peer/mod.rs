@@ -182,36 +182,36 @@ impl Peers {
         }
     }
 
-    /// Asks one member for its own keys with `prefix`.
-    pub async fn keys(&self, api_addr: &str, prefix: &str, page: &Page) -> Result<KeyList, ApiError> {
-        match self.forward(api_addr, PeerRequest::Keys { prefix: prefix.to_string(), page: page.clone() }).await? {
+    /// Asks the member at `peer_addr` for its own keys with `prefix`.
+    pub async fn keys(&self, peer_addr: &str, prefix: &str, page: &Page) -> Result<KeyList, ApiError> {
+        match self.forward(peer_addr, PeerRequest::Keys { prefix: prefix.to_string(), page: page.clone() }).await? {
             PeerAnswer::Keys(list) => Ok(list),
-            other => Err(api_error(api_addr, unexpected(&other))),
+            other => Err(api_error(peer_addr, unexpected(&other))),
         }
     }
 
-    /// Asks one member for its own keys tagged `tag`.
-    pub async fn tagged(&self, api_addr: &str, tag: &str, page: &Page) -> Result<KeyList, ApiError> {
-        match self.forward(api_addr, PeerRequest::Tagged { tag: tag.to_string(), page: page.clone() }).await? {
+    /// Asks the member at `peer_addr` for its own keys tagged `tag`.
+    pub async fn tagged(&self, peer_addr: &str, tag: &str, page: &Page) -> Result<KeyList, ApiError> {
+        match self.forward(peer_addr, PeerRequest::Tagged { tag: tag.to_string(), page: page.clone() }).await? {
             PeerAnswer::Keys(list) => Ok(list),
-            other => Err(api_error(api_addr, unexpected(&other))),
+            other => Err(api_error(peer_addr, unexpected(&other))),
         }
     }
 
-    /// Asks one member to remove its own items tagged `tag`.
-    pub async fn remove_tagged(&self, api_addr: &str, tag: &str) -> Result<Removed, ApiError> {
-        match self.forward(api_addr, PeerRequest::RemoveTagged { tag: tag.to_string() }).await? {
+    /// Asks the member at `peer_addr` to remove its own items tagged `tag`.
+    pub async fn remove_tagged(&self, peer_addr: &str, tag: &str) -> Result<Removed, ApiError> {
+        match self.forward(peer_addr, PeerRequest::RemoveTagged { tag: tag.to_string() }).await? {
             PeerAnswer::Removed(removed) => Ok(removed),
-            other => Err(api_error(api_addr, unexpected(&other))),
+            other => Err(api_error(peer_addr, unexpected(&other))),
         }
     }
 
-    /// One member's own figures, with a short timeout (for `GET /v1/cluster`).
-    pub async fn node_stats(&self, api_addr: &str) -> Result<NodeStats, ApiError> {
-        match self.transport.call(api_addr, PeerRequest::NodeStats, STATS_TIMEOUT).await {
+    /// The own figures of the member at `peer_addr`, with a short timeout (for `GET /v1/cluster`).
+    pub async fn node_stats(&self, peer_addr: &str) -> Result<NodeStats, ApiError> {
+        match self.transport.call(peer_addr, PeerRequest::NodeStats, STATS_TIMEOUT).await {
             Ok(PeerAnswer::NodeStats(stats)) => Ok(stats),
-            Ok(other) => Err(api_error(api_addr, unexpected(&other))),
-            Err(e) => Err(api_error(api_addr, e)),
+            Ok(other) => Err(api_error(peer_addr, unexpected(&other))),
+            Err(e) => Err(api_error(peer_addr, e)),
         }
     }
 

@@ -61,7 +61,7 @@ impl NodeApi {
             if m.id == self.node_id {
                 Some(self.own_stats())
             } else {
-                self.peers.node_stats(&m.api_addr).await.ok()
+                self.peers.node_stats(&m.peer_addr).await.ok()
             }
         }))
         .await;

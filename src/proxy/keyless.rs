@@ -27,7 +27,7 @@ impl NodeApi {
     {
         let state = self.control.state();
         let calls = state.members.iter().filter(|m| m.id != self.node_id).map(|m| {
-            let call = remote(m.api_addr.clone());
+            let call = remote(m.peer_addr.clone());
             async move { (m.id, call.await) }
         });
         let mut answers = vec![(self.node_id, local())];
@@ -100,9 +100,9 @@ impl NodeApi {
                 &page,
                 scope,
                 |buckets| self.cache.keys_with_prefix(prefix.as_bytes(), buckets, &ask),
-                |api| {
+                |peer| {
                     let (peers, prefix, ask) = (&self.peers, &prefix, &ask);
-                    async move { peers.keys(&api, prefix, ask).await }
+                    async move { peers.keys(&peer, prefix, ask).await }
                 },
             )
             .await;
@@ -117,9 +117,9 @@ impl NodeApi {
                 &page,
                 scope,
                 |buckets| self.cache.keys_with_tag(&tag, buckets, &ask),
-                |api| {
+                |peer| {
                     let (peers, tag, ask) = (&self.peers, &tag, &ask);
-                    async move { peers.tagged(&api, tag, ask).await }
+                    async move { peers.tagged(&peer, tag, ask).await }
                 },
             )
             .await;
@@ -140,9 +140,9 @@ impl NodeApi {
         let (answers, errors) = self
             .broadcast(
                 || here,
-                |api| {
+                |peer| {
                     let (peers, tag) = (&self.peers, &tag);
-                    async move { peers.remove_tagged(&api, tag).await }
+                    async move { peers.remove_tagged(&peer, tag).await }
                 },
             )
             .await;

@@ -1,6 +1,7 @@
 //! The wire format of the requests between nodes on a peer link that are neither replica
 //! writes nor forwarded key operations: shadow writes, give-backs, pings, transfer status,
-//! maintenance, bucket reports and views, rebalancing. One kind, [`LINK_CALL`]: the request as
+//! maintenance, bucket reports and views, rebalancing, the broadcasts of key and tag listings
+//! and tag removals, node figures. One kind, [`LINK_CALL`]: the request as
 //! JSON (its length first, u32), then the framed body that shadow writes and give-backs carry.
 //! The answer is [`LINK_CALLED`] with the answer as JSON, or an error: [`reads::LINK_FAILED`]
 //! (an API error, as a problem document) or [`super::http::LINK_REFUSED`] (a status and a

@@ -25,15 +25,12 @@ use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use shoal_http_api::types::{
     BulkKeys, BulkPut, BulkPutItem, BulkResults, KeyError, KeyResult, Priority, WriteCondition,
 };
-use shoal_http_api::{
-    ApiError, Problem, PutItem, Unavailable, HEADER_FORWARDED_MAP_VERSION, HEADER_FORWARD_DEADLINE, HEADER_SCOPE,
-};
+use shoal_http_api::{ApiError, Problem, PutItem, Unavailable, HEADER_FORWARDED_MAP_VERSION, HEADER_FORWARD_DEADLINE};
 use shoal_raft::{BoxFuture, ControlRpc, ControlTransport, NodeId, TransportError};
 
 use super::calls;
@@ -118,9 +115,6 @@ impl tower::Service<Uri> for Reconnecting {
         })
     }
 }
-
-/// Characters escaped in a key's path segment: all but unreserved ones.
-const SEGMENT: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'_').remove(b'~');
 
 type HttpClient = Client<HttpsConnector<Reconnecting>, Full<Bytes>>;
 
@@ -317,7 +311,11 @@ impl HttpTransport {
             | PeerRequest::EnterMaintenance { .. }
             | PeerRequest::ReportBuckets(_)
             | PeerRequest::Buckets(_)
-            | PeerRequest::Rebalance(_)) => self.call_on_link(addr, &request, timeout).await,
+            | PeerRequest::Rebalance(_)
+            | PeerRequest::Keys { .. }
+            | PeerRequest::Tagged { .. }
+            | PeerRequest::RemoveTagged { .. }
+            | PeerRequest::NodeStats) => self.call_on_link(addr, &request, timeout).await,
             PeerRequest::BulkPut { items, map_version } => {
                 let body = BulkPut { items: items.iter().map(bulk_item).collect() };
                 let answer: BulkResults =
@@ -339,32 +337,6 @@ impl HttpTransport {
                         .collect(),
                 ))
             }
-            PeerRequest::Keys { prefix, page } => {
-                let mut query = vec![("prefix", prefix), ("limit", page.limit.to_string())];
-                query.extend(page.start_after.map(|s| ("start_after", s)));
-                let query = serde_urlencoded::to_string(query).map_err(|e| CallError::Broken(e.to_string()))?;
-                let path = format!("/v1/kv?{query}");
-                Ok(PeerAnswer::Keys(
-                    self.api_json(Method::GET, addr, &path, &local_scope(), Bytes::new(), timeout).await?,
-                ))
-            }
-            PeerRequest::Tagged { tag, page } => {
-                let mut query = vec![("limit", page.limit.to_string())];
-                query.extend(page.start_after.map(|s| ("start_after", s)));
-                let query = serde_urlencoded::to_string(query).map_err(|e| CallError::Broken(e.to_string()))?;
-                let path = format!("/v1/tags/{}?{query}", utf8_percent_encode(&tag, SEGMENT));
-                Ok(PeerAnswer::Keys(
-                    self.api_json(Method::GET, addr, &path, &local_scope(), Bytes::new(), timeout).await?,
-                ))
-            }
-            PeerRequest::RemoveTagged { tag } => {
-                let path = format!("/v1/tags/{}", utf8_percent_encode(&tag, SEGMENT));
-                let removed = self.api_json(Method::DELETE, addr, &path, &local_scope(), Bytes::new(), timeout).await?;
-                Ok(PeerAnswer::Removed(removed))
-            }
-            PeerRequest::NodeStats => Ok(PeerAnswer::NodeStats(
-                self.api_json(Method::GET, addr, "/v1/node", &[], Bytes::new(), timeout).await?,
-            )),
             PeerRequest::Cluster => {
                 let view = self.api_json(Method::GET, addr, "/v1/cluster", &[], Bytes::new(), timeout).await?;
                 Ok(PeerAnswer::Cluster(Box::new(view)))
@@ -784,10 +756,6 @@ pub fn decode_batch(from: NodeId, mut body: Bytes) -> Result<Vec<Replicate>, sup
 fn forwarded(map_version: u64) -> [(HeaderName, String); 2] {
     let deadline = shoal_http_api::unix_ms() + FORWARD_TIMEOUT.as_millis() as u64;
     [(HEADER_FORWARDED_MAP_VERSION, map_version.to_string()), (HEADER_FORWARD_DEADLINE, deadline.to_string())]
-}
-
-fn local_scope() -> [(HeaderName, String); 1] {
-    [(HEADER_SCOPE, "local".to_string())]
 }
 
 /// Rebuilds the error a peer's API answered with.

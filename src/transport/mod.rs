@@ -11,9 +11,10 @@
 //!
 //! Two kinds of destination: a peer address (the internal listener: its link carries replica
 //! writes, forwarded single-key operations and bulk reads, shadows, pings, transfer status,
-//! maintenance and bucket messages; bucket streams, Raft and admin messages are HTTP) and an API
-//! address (forwarded bulk writes and deletes and broadcasts, HTTP exchanges that the receiver
-//! answers as it would answer a client).
+//! maintenance and bucket messages, broadcasts and node figures; bucket streams, Raft and admin
+//! messages are HTTP) and an API address (forwarded bulk writes and deletes, and the cluster
+//! view a joiner asks its seed for: HTTP exchanges that the receiver answers as it would answer
+//! a client).
 //! Answers are typed; errors keep what the receiver said ([`CallError::Api`]) apart from what
 //! the network did (unreachable, timed out, broken).
 //!
@@ -32,9 +33,9 @@
 //!   binary messages, many in flight at once, large ones in fragments.
 //! - `reads.rs`: the wire format of forwarded and mirror reads on links.
 //! - `writes.rs`: the wire format of forwarded writes and deletes on links.
-//! - `calls.rs`: the wire format of every other request to a peer listener on links (shadow
-//!   writes, give-backs, pings, transfer status, maintenance, bucket reports and views,
-//!   rebalancing).
+//! - `calls.rs`: the wire format of every other request on links (shadow writes, give-backs,
+//!   pings, transfer status, maintenance, bucket reports and views, rebalancing, broadcasts,
+//!   node figures).
 
 pub mod calls;
 pub mod frame;
