@@ -64,7 +64,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::AbortHandle;
 
 /// The value of the `Upgrade` header that asks for a link.
-pub const PROTOCOL: &str = "shoal-link/2";
+pub const PROTOCOL: &str = "shoal-link/3";
 /// The answer of a serving side that is stopping: the request was not handled.
 pub const GOING_AWAY: u8 = 255;
 /// A message from the opener: its caller gave up on the request of this id (one of a
@@ -895,7 +895,7 @@ fn stop_request(running: &Mutex<HashMap<u64, AbortHandle>>, id: u64) {
     }
 }
 
-/// Answers an HTTP request for a link (`Upgrade: shoal-link/1`) with 101 and serves the link
+/// Answers an HTTP request for a link (`Upgrade:` [`PROTOCOL`]) with 101 and serves the link
 /// that the connection becomes (see [`serve`]); anything else gets a 400.
 pub async fn accept(
     mut request: axum::extract::Request,
