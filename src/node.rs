@@ -163,6 +163,7 @@ impl NodeHandle {
     /// `window` zero: no maintenance. Returns whether the replicas were confirmed in sync.
     pub async fn stop_for_restart(&self, window: Duration, deadline: tokio::time::Instant) -> bool {
         self.health.start_stopping();
+        self.control.stop_standing();
         let now = tokio::time::Instant::now();
         let maintenance_by = now + deadline.saturating_duration_since(now) * 2 / 3;
         let state = self.control.state();
@@ -276,6 +277,7 @@ impl NodeHandle {
     /// the replicas were confirmed in sync in time.
     pub async fn drain_until(&self, deadline: tokio::time::Instant) -> bool {
         self.health.start_draining();
+        self.control.stop_standing();
         let leader = self.control.leader() == Some(self.node_id);
         let timeout = deadline.saturating_duration_since(tokio::time::Instant::now());
         tracing::info!(node_id = self.node_id, leader, timeout = ?timeout, "draining: replicas first, then stop");

@@ -341,6 +341,14 @@ impl ControlPlane {
         leader
     }
 
+    /// This node no longer stands for election on its own (it stops): a stopping leader that
+    /// stepped down for its successor's election, then lost it (the successor's log was a
+    /// moment behind), would otherwise win the next election itself, ahead of the successor's
+    /// retry, and keep the lead until it exits. It still votes.
+    pub fn stop_standing(&self) {
+        self.inner.raft.runtime_config().elect(false);
+    }
+
     /// Starts a Raft election on this node at once (a stopping leader's successor takes the
     /// lead); answers without waiting for its outcome.
     pub async fn elect(&self) -> Result<(), ControlError> {
