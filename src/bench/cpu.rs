@@ -107,7 +107,9 @@ mod tests {
                 x = std::hint::black_box(x.wrapping_add(i * i));
             }
         }
-        assert!(x > 0);
+        // (No assertion on `x`: when other tests of this process already took a tick, the loop
+        // never runs.)
+        std::hint::black_box(x);
         assert!(own_cpu_seconds().is_some_and(|s| s > 0.0));
         assert!(machine_busy_seconds().is_some_and(|s| s > 0.0));
         assert_eq!(process_cpu_seconds(u32::MAX), None);
