@@ -429,7 +429,7 @@ impl NodeMetrics {
                 describe(
                     r,
                     "shoal_peer_link_requests_total",
-                    "Requests this node served over peer links, by kind (replica_writes: one per batch; reads: forwarded and mirror reads; writes: forwarded writes and deletes; calls: pings, shadow writes, give-backs, transfer status, maintenance and bucket messages, broadcasts, node figures). Raft, admin messages, bucket streams and requests to a member's API address are HTTP exchanges.",
+                    "Requests this node served over peer links, by kind (replica_writes: one per batch; reads: forwarded and mirror reads; writes: forwarded writes and deletes, single and bulk; calls: pings, shadow writes, give-backs, transfer status, maintenance and bucket messages, broadcasts, node figures). Raft, admin messages, bucket streams and a joiner's request for the cluster view are HTTP exchanges.",
                 );
                 let kind = |kind: &'static str| {
                     let key = Key::from_parts("shoal_peer_link_requests_total", vec![Label::new("kind", kind)]);

@@ -402,7 +402,6 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
     let ip = config.listen.ip();
     let local_ip = (ip.is_loopback() && !ip.is_unspecified()).then_some(ip);
     let secret = config.cluster_secret.as_ref().map(|s| s.expose().to_string());
-    let client_token = config.client_token.as_ref().map(|s| s.expose().to_string());
     let tls = config.tls().map_err(StartError::Config)?;
     if let Some(tls) = &tls {
         tls.cert.follow();
@@ -410,7 +409,6 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
     let transport = Arc::new(HttpTransport::new(
         local_ip,
         secret.as_deref(),
-        client_token.as_deref(),
         crate::transport::http::Reconnect::with_timeout(config.reconnect_timeout),
         tls.as_ref().map(|t| t.client.clone()),
     ));

@@ -19,16 +19,13 @@ use serde::Deserialize;
 use shoal_raft::bucket_of;
 
 use crate::api::{Limits, PutItem, ShoalApi};
-use crate::error::{ApiError, Unavailable};
+use crate::error::ApiError;
 use crate::json;
 use crate::types::{
     BulkKeys, BulkPut, BulkPutItem, BulkResults, GetOk, KeyError, KeyResult, Page, Priority, PutOptions, ReadFrom,
     RouteContext, Scope, WriteCondition,
 };
-use crate::{
-    HEADER_BUCKET, HEADER_FORWARDED_MAP_VERSION, HEADER_FORWARD_DEADLINE, HEADER_MIRROR_READ, HEADER_NODE,
-    HEADER_REPLICA_LAG, HEADER_SCOPE,
-};
+use crate::{HEADER_BUCKET, HEADER_NODE, HEADER_REPLICA_LAG, HEADER_SCOPE};
 
 /// Query of `GET /v1/kv/{key}`.
 #[derive(Debug, Deserialize, Default)]
@@ -296,68 +293,21 @@ fn json_response(body: Vec<u8>) -> Response {
     response
 }
 
-/// Whether any header is one of those nodes send each other (`x-shoal-...`). A client's
-/// request has a few headers and none of these: one pass over their names costs less than
-/// looking each of ours up (every lookup hashes the name).
-fn has_peer_headers(headers: &HeaderMap) -> bool {
-    headers.keys().any(|name| name.as_str().starts_with("x-shoal-"))
+/// How to route a client's key operation: its `?redirect=`. (Another node's forwards come
+/// over the peer link, never through this API.)
+fn route_context(redirect: Option<&str>) -> Result<RouteContext, ApiError> {
+    Ok(RouteContext { redirect: flag("redirect", redirect)?, ..RouteContext::default() })
 }
 
-/// How to route a key operation: the client's `?redirect=`, and for another node's forward
-/// the map version it routed with and its deadline.
-fn route_context(headers: &HeaderMap, redirect: Option<&str>) -> Result<RouteContext, ApiError> {
-    context_of(headers, redirect, has_peer_headers(headers))
-}
-
-/// [`route_context`], told whether the request has any of the nodes' headers (`peer`).
-fn context_of(headers: &HeaderMap, redirect: Option<&str>, peer: bool) -> Result<RouteContext, ApiError> {
-    if !peer {
-        return Ok(RouteContext { redirect: flag("redirect", redirect)?, ..RouteContext::default() });
-    }
-    let forwarded_map_version = match headers.get(HEADER_FORWARDED_MAP_VERSION) {
-        None => None,
-        Some(v) => Some(
-            v.to_str()
-                .ok()
-                .and_then(|v| v.parse::<u64>().ok())
-                .ok_or_else(|| ApiError::BadRequest(format!("{HEADER_FORWARDED_MAP_VERSION} must be a number")))?,
-        ),
-    };
-    let deadline = headers.get(HEADER_FORWARD_DEADLINE).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-    if deadline.is_some_and(|d| unix_ms() > d) {
-        return Err(ApiError::unavailable(
-            Unavailable::Expired,
-            "the forwarded request arrived after its deadline; nothing was done",
-        ));
-    }
-    Ok(RouteContext {
-        forwarded_map_version,
-        from_peer: deadline.is_some(),
-        redirect: flag("redirect", redirect)?,
-        ..RouteContext::default()
-    })
-}
-
-/// [`route_context`] of a read, with the client's `?read=` and `?max_staleness=` and another
-/// node's mirror-read header.
+/// [`route_context`] of a read, with the client's `?read=` and `?max_staleness=`.
 fn read_context(
-    headers: &HeaderMap,
     redirect: Option<&str>,
     read: Option<&str>,
     max_staleness: Option<&str>,
 ) -> Result<RouteContext, ApiError> {
-    let peer = has_peer_headers(headers);
-    let mut ctx = context_of(headers, redirect, peer)?;
+    let mut ctx = route_context(redirect)?;
     ctx.read = read.map(|r| r.parse::<ReadFrom>().map_err(ApiError::BadRequest)).transpose()?;
     ctx.max_staleness = max_staleness.map(staleness).transpose()?;
-    if let Some(v) = peer.then(|| headers.get(HEADER_MIRROR_READ)).flatten() {
-        let ms = v
-            .to_str()
-            .ok()
-            .and_then(|v| v.parse::<u64>().ok())
-            .ok_or_else(|| ApiError::BadRequest(format!("{HEADER_MIRROR_READ} must be a number")))?;
-        ctx.mirror_read = Some(Duration::from_millis(ms));
-    }
     Ok(ctx)
 }
 
@@ -463,7 +413,7 @@ pub(crate) async fn get_key<N: ShoalApi>(
         let key = key?;
         let q: GetQuery = query_of(&parts.uri)?;
         check_key(&key, &node.limits())?;
-        let ctx = read_context(&parts.headers, q.redirect.as_deref(), q.read.as_deref(), q.max_staleness.as_deref())?;
+        let ctx = read_context(q.redirect.as_deref(), q.read.as_deref(), q.max_staleness.as_deref())?;
         let ok = node.get(key, ctx).await?;
         if not_modified(&parts.headers, ok.version) {
             let mut response = value_response(GetOk { value: Bytes::new(), ..ok }).into_response();
@@ -494,7 +444,7 @@ pub(crate) async fn put_key<N: ShoalApi>(
         let mut options =
             put_options(q.ttl.as_deref(), q.sliding.as_deref(), split_tags(q.tags.as_deref()), cas, mode)?;
         options.priority = priority(q.priority.as_deref())?;
-        let ctx = route_context(&parts.headers, q.redirect.as_deref())?;
+        let ctx = route_context(q.redirect.as_deref())?;
         let (value, _admitted) = admitted_body(&*node, &parts.headers, body, limits.max_value_bytes, 1).await?;
         let ok = node.put(PutItem { key, value, options }, ctx).await?;
         let mut out = Vec::with_capacity(64 + ok.key.len());
@@ -527,7 +477,7 @@ pub(crate) async fn delete_key<N: ShoalApi>(
                 return Err(ApiError::BadRequest("a delete takes If-Match (\"N\" or *), not If-None-Match".into()));
             }
         };
-        let ctx = route_context(&parts.headers, q.redirect.as_deref())?;
+        let ctx = route_context(q.redirect.as_deref())?;
         node.delete(key, cas, ctx).await?;
         Ok(StatusCode::NO_CONTENT.into_response())
     }
@@ -648,7 +598,7 @@ pub(crate) async fn bulk_get<N: ShoalApi>(
         let limits = node.limits();
         let (req, _admitted): (BulkKeys, _) = read_json(&*node, &headers, body, limits.max_bulk_body_bytes).await?;
         check_bulk_keys(req.keys.iter(), &limits)?;
-        let ctx = read_context(&headers, None, q.read.as_deref(), q.max_staleness.as_deref())?;
+        let ctx = read_context(None, q.read.as_deref(), q.max_staleness.as_deref())?;
         // Invalid keys fail alone; the others are asked of the node.
         let valid: Vec<usize> = (0..req.keys.len()).filter(|&i| check_key(&req.keys[i], &limits).is_ok()).collect();
         let answers = node.bulk_get(valid.iter().map(|&i| req.keys[i].clone()).collect(), ctx).await?;
@@ -722,7 +672,7 @@ pub(crate) async fn bulk_put<N: ShoalApi>(State(node): State<Arc<N>>, headers: H
         let limits = node.limits();
         let (req, _admitted): (BulkPut, _) = read_json(&*node, &headers, body, limits.max_bulk_body_bytes).await?;
         check_bulk_keys(req.items.iter().map(|i| &i.key), &limits)?;
-        let ctx = route_context(&headers, None)?;
+        let ctx = route_context(None)?;
         let n = req.items.len();
         let mut results: Vec<Option<KeyResult>> = vec![None; n];
         let mut valid = Vec::new();
@@ -754,7 +704,7 @@ pub(crate) async fn bulk_delete<N: ShoalApi>(State(node): State<Arc<N>>, headers
         let limits = node.limits();
         let (req, _admitted): (BulkKeys, _) = read_json(&*node, &headers, body, limits.max_bulk_body_bytes).await?;
         check_bulk_keys(req.keys.iter(), &limits)?;
-        let ctx = route_context(&headers, None)?;
+        let ctx = route_context(None)?;
         let (valid, invalid): (Vec<_>, Vec<_>) =
             req.keys.iter().cloned().enumerate().partition(|(_, k)| check_key(k, &limits).is_ok());
         let answers = node.bulk_delete(valid.iter().map(|(_, k)| k.clone()).collect(), ctx).await?;

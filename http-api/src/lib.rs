@@ -47,13 +47,8 @@ use axum::http::HeaderName;
 // Header names are constants (`from_static` is evaluated at compile time), so the hot path
 // never parses or hashes a name string.
 
-/// Set by a node that forwards a key request: the map version it routed by.
-pub const HEADER_FORWARDED_MAP_VERSION: HeaderName = HeaderName::from_static("x-shoal-map-version");
-/// On a forwarded request: the wall-clock time (Unix milliseconds) after which the forwarder
-/// has given up; a request that arrives later (held up by the network) is refused unapplied,
-/// so a delayed write can never land after the client moved on.
-pub const HEADER_FORWARD_DEADLINE: HeaderName = HeaderName::from_static("x-shoal-deadline-ms");
-/// `local` on a keyless request: answer from this node's buckets only (used by broadcasts).
+/// `local` on a keyless request: answer from this node's buckets only (the client library
+/// asks every member so).
 pub const HEADER_SCOPE: HeaderName = HeaderName::from_static("x-shoal-scope");
 /// The bucket of the key in a GET answer.
 pub const HEADER_BUCKET: HeaderName = HeaderName::from_static("x-shoal-bucket");
@@ -62,9 +57,6 @@ pub const HEADER_NODE: HeaderName = HeaderName::from_static("x-shoal-node");
 /// In a GET answer served from a replica copy: at most how far behind its owner that copy was,
 /// in milliseconds.
 pub const HEADER_REPLICA_LAG: HeaderName = HeaderName::from_static("x-shoal-replica-lag-ms");
-/// Set by a node that sends a read to a mirror: serve it from your replica copy if it is
-/// fresh within this many milliseconds, else refuse (`replica_not_fresh`).
-pub const HEADER_MIRROR_READ: HeaderName = HeaderName::from_static("x-shoal-mirror-read");
 
 async fn openapi_json() -> impl axum::response::IntoResponse {
     ([(axum::http::header::CONTENT_TYPE, "application/json")], openapi::document())

@@ -63,11 +63,12 @@ impl Peers {
         &self.transport
     }
 
-    async fn forward(&self, api_addr: &str, request: PeerRequest) -> Result<PeerAnswer, ApiError> {
-        self.transport.call(api_addr, request, FORWARD_TIMEOUT).await.map_err(|e| api_error(api_addr, e))
+    /// A call to the member at `peer_addr`, with the forwards' timeout.
+    async fn forward(&self, peer_addr: &str, request: PeerRequest) -> Result<PeerAnswer, ApiError> {
+        self.transport.call(peer_addr, request, FORWARD_TIMEOUT).await.map_err(|e| api_error(peer_addr, e))
     }
 
-    /// A forwarded key operation (`Get`, `Put`, `Delete`) to the owner at `to`.
+    /// A forwarded key operation to the owner at `to`.
     async fn key_op(&self, to: &Addrs, request: PeerRequest) -> Result<PeerAnswer, ApiError> {
         self.transport.key_op(to.clone(), request, FORWARD_TIMEOUT).await.map_err(|e| api_error(&to.api, e))
     }
@@ -156,29 +157,29 @@ impl Peers {
     /// Forwards a bulk PUT of items `owner` holds.
     pub async fn bulk_put(
         &self,
-        api_addr: &str,
+        to: &Addrs,
         owner: NodeId,
         items: Vec<PutItem>,
         map_version: u64,
     ) -> Result<Vec<Result<PutOk, ApiError>>, ApiError> {
-        match self.forward(api_addr, PeerRequest::BulkPut { items, map_version }).await? {
+        match self.key_op(to, PeerRequest::BulkPut { items, map_version }).await? {
             PeerAnswer::BulkPut(results) => {
                 Ok(results.into_iter().map(|r| r.map(|ok| PutOk { node: owner, ..ok })).collect())
             }
-            other => Err(api_error(api_addr, unexpected(&other))),
+            other => Err(api_error(&to.api, unexpected(&other))),
         }
     }
 
-    /// Forwards a bulk DELETE of keys the owner holds.
+    /// Forwards a bulk DELETE of keys the owner at `to` holds.
     pub async fn bulk_delete(
         &self,
-        api_addr: &str,
+        to: &Addrs,
         keys: Vec<String>,
         map_version: u64,
     ) -> Result<Vec<Result<bool, ApiError>>, ApiError> {
-        match self.forward(api_addr, PeerRequest::BulkDelete { keys, map_version }).await? {
+        match self.key_op(to, PeerRequest::BulkDelete { keys, map_version }).await? {
             PeerAnswer::BulkDeleted(results) => Ok(results),
-            other => Err(api_error(api_addr, unexpected(&other))),
+            other => Err(api_error(&to.api, unexpected(&other))),
         }
     }
 

@@ -325,7 +325,7 @@ impl NodeApi {
         };
         let remote = |to: Addrs, owner: NodeId, batch: Vec<PutItem>, v: u64| {
             let peers = &self.peers;
-            async move { peers.bulk_put(&to.api, owner, batch, v).await }
+            async move { peers.bulk_put(&to, owner, batch, v).await }
         };
         let result = self.bulk(&items, |i| i.key.as_str(), ctx, local, remote).await;
         self.timed(Op::BulkPut, started, result)
@@ -377,7 +377,7 @@ impl NodeApi {
             async move {
                 if batch.iter().all(|(_, cas)| cas.is_none()) {
                     let keys = batch.into_iter().map(|(k, _)| k).collect();
-                    return peers.bulk_delete(&to.api, keys, v).await;
+                    return peers.bulk_delete(&to, keys, v).await;
                 }
                 // Versioned deletes (rare: a bucket that moved away meanwhile) go one by one.
                 let mut results = Vec::with_capacity(batch.len());

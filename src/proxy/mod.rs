@@ -4,7 +4,7 @@
 //! ```text
 //!  client ──> any node ── owner_of(bucket_of(key)) == me ? ──yes──> CacheStore
 //!                │                                    no
-//!                └── forward (x-shoal-map-version: v) ──> owner ── owns it in its map ≥ v?
+//!                └── forward (map version v, on the link) ──> owner ── owns it in its map ≥ v?
 //!                         ^                                          yes: serve; no: 421 not_owner
 //!                         └──── wait until our map ≥ theirs, route again (bounded) ────┘
 //! ```

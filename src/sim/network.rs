@@ -335,7 +335,7 @@ fn over_the_wire(answer: Result<PeerAnswer, CallError>) -> Result<PeerAnswer, Ca
     }
 }
 
-/// Whether a request is a forwarded key operation (it expires, see `HEADER_FORWARD_DEADLINE`).
+/// Whether a request is a forwarded key operation (it expires, as its deadline on the link says).
 fn forwarded(request: &PeerRequest) -> bool {
     matches!(
         request,

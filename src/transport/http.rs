@@ -15,7 +15,6 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use base64::Engine;
 use bytes::Bytes;
 use futures::StreamExt;
 use http_body_util::{BodyExt, BodyStream, Full};
@@ -26,11 +25,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use serde::de::DeserializeOwned;
-use serde::Serialize;
-use shoal_http_api::types::{
-    BulkKeys, BulkPut, BulkPutItem, BulkResults, KeyError, KeyResult, Priority, WriteCondition,
-};
-use shoal_http_api::{ApiError, Problem, PutItem, Unavailable, HEADER_FORWARDED_MAP_VERSION, HEADER_FORWARD_DEADLINE};
+use shoal_http_api::{ApiError, Problem, Unavailable};
 use shoal_raft::{BoxFuture, ControlRpc, ControlTransport, NodeId, TransportError};
 
 use super::calls;
@@ -48,7 +43,7 @@ pub const HEADER_RAFT_TARGET: HeaderName = HeaderName::from_static("x-shoal-raft
 pub const TRANSFER_MEDIA_TYPE: &str = "application/vnd.shoal.transfer";
 
 /// How long a forwarded request may take before the caller gets `owner_unreachable`; the
-/// owner refuses it once this has passed (`HEADER_FORWARD_DEADLINE`).
+/// owner refuses it once this has passed (the deadline a forward carries on the link).
 pub const FORWARD_TIMEOUT: Duration = Duration::from_secs(10);
 /// How a node connects to another: each attempt may take `timeout`; one that fails is
 /// followed by `attempts` more, `pause` apart (the seed's socket reconnect policy).
@@ -127,8 +122,6 @@ pub struct HttpTransport {
     /// `https` when the node has TLS (every peer has it too), else `http`.
     scheme: &'static str,
     secret: Option<HeaderValue>,
-    /// `Bearer <client token>`, for key operations sent to another node's API.
-    bearer: Option<HeaderValue>,
     /// Long-lived connections to peer listeners for replica writes and forwarded reads
     /// (`transport::link`).
     links: Links,
@@ -169,7 +162,6 @@ impl HttpTransport {
     pub fn new(
         local_ip: Option<IpAddr>,
         secret: Option<&str>,
-        client_token: Option<&str>,
         reconnect: Reconnect,
         tls: Option<Arc<rustls::ClientConfig>>,
     ) -> Self {
@@ -192,7 +184,6 @@ impl HttpTransport {
             reconnect,
             scheme,
             secret: secret.and_then(sensitive),
-            bearer: client_token.and_then(|t| sensitive(&format!("Bearer {t}"))),
             links: Links::default(),
         }
     }
@@ -250,10 +241,6 @@ impl HttpTransport {
         timeout: Duration,
     ) -> Result<Answer, CallError> {
         let mut builder = self.builder(method, self.url(api_addr, path), false)?;
-        if let Some(bearer) = self.bearer.as_ref().filter(|_| shoal_http_api::is_key_path(path)) {
-            // A key operation forwarded to its owner carries the cluster's client token.
-            builder = builder.header(hyper::header::AUTHORIZATION, bearer.clone());
-        }
         for (name, value) in headers {
             builder = builder.header(name, value);
         }
@@ -279,18 +266,6 @@ impl HttpTransport {
         json(&answer.body)
     }
 
-    async fn post_json<T: Serialize, R: DeserializeOwned>(
-        &self,
-        api_addr: &str,
-        path: &str,
-        headers: &[(HeaderName, String)],
-        body: &T,
-        timeout: Duration,
-    ) -> Result<R, CallError> {
-        let body = serde_json::to_vec(body).map_err(|e| CallError::Broken(e.to_string()))?;
-        self.api_json(Method::POST, api_addr, path, headers, Bytes::from(body), timeout).await
-    }
-
     async fn send(&self, addr: &str, request: PeerRequest, timeout: Duration) -> Result<PeerAnswer, CallError> {
         match request {
             PeerRequest::Replicate(r) => {
@@ -303,7 +278,9 @@ impl HttpTransport {
             PeerRequest::Get { .. }
             | PeerRequest::BulkGet { .. }
             | PeerRequest::Put { .. }
-            | PeerRequest::Delete { .. } => Err(CallError::Broken("a key operation is sent with key_op".into())),
+            | PeerRequest::Delete { .. }
+            | PeerRequest::BulkPut { .. }
+            | PeerRequest::BulkDelete { .. } => Err(CallError::Broken("a key operation is sent with key_op".into())),
             request @ (PeerRequest::Shadow { .. }
             | PeerRequest::GiveBack { .. }
             | PeerRequest::Ping(_)
@@ -316,27 +293,6 @@ impl HttpTransport {
             | PeerRequest::Tagged { .. }
             | PeerRequest::RemoveTagged { .. }
             | PeerRequest::NodeStats) => self.call_on_link(addr, &request, timeout).await,
-            PeerRequest::BulkPut { items, map_version } => {
-                let body = BulkPut { items: items.iter().map(bulk_item).collect() };
-                let answer: BulkResults =
-                    self.post_json(addr, "/v1/bulk/put", &forwarded(map_version), &body, timeout).await?;
-                Ok(PeerAnswer::BulkPut(answer.results.into_iter().map(bulk_put_result).collect()))
-            }
-            PeerRequest::BulkDelete { keys, map_version } => {
-                let answer: BulkResults = self
-                    .post_json(addr, "/v1/bulk/delete", &forwarded(map_version), &BulkKeys { keys }, timeout)
-                    .await?;
-                Ok(PeerAnswer::BulkDeleted(
-                    answer
-                        .results
-                        .iter()
-                        .map(|r| match &r.error {
-                            Some(e) => Err(key_error(e)),
-                            None => Ok(r.deleted.unwrap_or(false)),
-                        })
-                        .collect(),
-                ))
-            }
             PeerRequest::Cluster => {
                 let view = self.api_json(Method::GET, addr, "/v1/cluster", &[], Bytes::new(), timeout).await?;
                 Ok(PeerAnswer::Cluster(Box::new(view)))
@@ -579,7 +535,9 @@ impl Transport for HttpTransport {
                 PeerRequest::Get { .. }
                 | PeerRequest::BulkGet { .. }
                 | PeerRequest::Put { .. }
-                | PeerRequest::Delete { .. } => self.key_op_on_link(&to.peer, &request, timeout).await,
+                | PeerRequest::Delete { .. }
+                | PeerRequest::BulkPut { .. }
+                | PeerRequest::BulkDelete { .. } => self.key_op_on_link(&to.peer, &request, timeout).await,
                 // Boxed: an HTTP exchange's future is large.
                 other => Box::pin(self.send(&to.api, other, timeout)).await,
             }
@@ -753,11 +711,6 @@ pub fn decode_batch(from: NodeId, mut body: Bytes) -> Result<Vec<Replicate>, sup
     Ok(out)
 }
 
-fn forwarded(map_version: u64) -> [(HeaderName, String); 2] {
-    let deadline = shoal_http_api::unix_ms() + FORWARD_TIMEOUT.as_millis() as u64;
-    [(HEADER_FORWARDED_MAP_VERSION, map_version.to_string()), (HEADER_FORWARD_DEADLINE, deadline.to_string())]
-}
-
 /// Rebuilds the error a peer's API answered with.
 fn error_of(answer: &Answer, api_addr: &str) -> ApiError {
     let is_problem = answer.headers.get(CONTENT_TYPE) == Some(&HeaderValue::from_static(shoal_http_api::PROBLEM_JSON));
@@ -772,47 +725,6 @@ fn error_of(answer: &Answer, api_addr: &str) -> ApiError {
             Unavailable::OwnerUnreachable,
             format!("node at {api_addr} answered {}", answer.status),
         ),
-    }
-}
-
-/// The error of one key of a bulk answer.
-fn key_error(e: &KeyError) -> ApiError {
-    e.error()
-}
-
-fn bulk_put_result(r: KeyResult) -> Result<shoal_http_api::types::PutOk, ApiError> {
-    match r.error {
-        Some(e) => Err(key_error(&e)),
-        // The node is filled in by the caller, which knows whom it asked.
-        None => {
-            Ok(shoal_http_api::types::PutOk { version: r.version.unwrap_or(0), bucket: r.bucket, node: 0, key: r.key })
-        }
-    }
-}
-
-/// An item in the bulk-put syntax (values that are not UTF-8 go as base64).
-fn bulk_item(item: &PutItem) -> BulkPutItem {
-    let o = &item.options;
-    let (value, value_base64) = match std::str::from_utf8(&item.value) {
-        Ok(text) => (Some(text.to_string()), None),
-        Err(_) => (None, Some(base64::engine::general_purpose::STANDARD.encode(&item.value))),
-    };
-    let (cas, mode) = match o.condition {
-        WriteCondition::Always => (None, None),
-        WriteCondition::Absent => (None, Some("add".to_string())),
-        WriteCondition::Present => (None, Some("replace".to_string())),
-        WriteCondition::Version(v) => (Some(v), None),
-    };
-    BulkPutItem {
-        key: item.key.clone(),
-        value,
-        value_base64,
-        ttl: o.ttl.map(shoal_http_api::format_duration),
-        sliding: o.sliding.map(shoal_http_api::format_duration),
-        tags: o.tags.clone(),
-        cas,
-        mode,
-        priority: (o.priority != Priority::Normal).then(|| o.priority.name().to_string()),
     }
 }
 
@@ -959,7 +871,7 @@ mod tests {
     }
 
     fn transport() -> HttpTransport {
-        HttpTransport::new(None, Some("s3cret"), None, Reconnect::with_timeout(Duration::from_secs(2)), None)
+        HttpTransport::new(None, Some("s3cret"), Reconnect::with_timeout(Duration::from_secs(2)), None)
     }
 
     async fn write_bodies(transport: &HttpTransport, addr: &str, bodies: Vec<Bytes>) -> Result<(), CallError> {
@@ -1082,7 +994,8 @@ mod tests {
     }
 
     async fn put(transport: &HttpTransport, to: &Addrs, key: &str) -> Result<PeerAnswer, CallError> {
-        let item = PutItem { key: key.into(), value: Bytes::from_static(b"v"), options: Default::default() };
+        let item =
+            shoal_http_api::PutItem { key: key.into(), value: Bytes::from_static(b"v"), options: Default::default() };
         transport.key_op(to.clone(), PeerRequest::Put { item, map_version: 5 }, Duration::from_secs(5)).await
     }
 

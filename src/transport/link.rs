@@ -64,7 +64,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::AbortHandle;
 
 /// The value of the `Upgrade` header that asks for a link.
-pub const PROTOCOL: &str = "shoal-link/3";
+pub const PROTOCOL: &str = "shoal-link/4";
 /// The answer of a serving side that is stopping: the request was not handled.
 pub const GOING_AWAY: u8 = 255;
 /// A message from the opener: its caller gave up on the request of this id (one of a

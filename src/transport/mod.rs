@@ -10,11 +10,10 @@
 //! ```
 //!
 //! Two kinds of destination: a peer address (the internal listener: its link carries replica
-//! writes, forwarded single-key operations and bulk reads, shadows, pings, transfer status,
-//! maintenance and bucket messages, broadcasts and node figures; bucket streams, Raft and admin
-//! messages are HTTP) and an API address (forwarded bulk writes and deletes, and the cluster
-//! view a joiner asks its seed for: HTTP exchanges that the receiver answers as it would answer
-//! a client).
+//! writes, forwarded and mirror key operations, single and bulk, shadows, pings, transfer
+//! status, maintenance and bucket messages, broadcasts and node figures; bucket streams, Raft
+//! and admin messages are HTTP) and an API address (only the cluster view a joiner asks its
+//! seed for: an HTTP exchange that the receiver answers as it would answer a client).
 //! Answers are typed; errors keep what the receiver said ([`CallError::Api`]) apart from what
 //! the network did (unreachable, timed out, broken).
 //!
@@ -98,7 +97,7 @@ pub enum PeerRequest {
     Ping(Ping),
     /// The receiver's transfer progress (the leader's stuck detector asks).
     TransferStatus,
-    /// A forwarded read, to the owner's API address (or, with `mirror`, to a mirror).
+    /// A forwarded read, to the owner (or, with `mirror`, to a mirror).
     #[serde(skip)]
     Get {
         /// The key.
@@ -425,10 +424,10 @@ pub trait Transport: ControlTransport {
     fn call(&self, addr: &str, request: PeerRequest, timeout: Duration)
         -> BoxFuture<'_, Result<PeerAnswer, CallError>>;
 
-    /// Sends a forwarded or mirror key operation to the member at `to`, which answers it as its
-    /// public API would: `Get`, `BulkGet`, `Put` and `Delete` go on the peer link to it
-    /// ([`HttpTransport`]; a forwarded write there is cancelled when its caller gives up), bulk
-    /// writes and deletes to its API address. By default, a [`Self::call`] to the API address.
+    /// Sends a forwarded or mirror key operation (single or bulk) to the member at `to`, which
+    /// answers it as its public API would: on the peer link to it ([`HttpTransport`]; a
+    /// forwarded write there is cancelled when its caller gives up). By default, a
+    /// [`Self::call`] to the API address (the simulation's hosts are named by it).
     fn key_op(
         &self,
         to: Addrs,

@@ -235,6 +235,19 @@ impl<'a> Reader<'a> {
         Some(head)
     }
 
+    /// A `len:u32` and that many bytes.
+    pub(super) fn len_prefixed(&mut self) -> Option<&'a [u8]> {
+        let len = self.u32()? as usize;
+        self.take(len)
+    }
+
+    /// A `count:u32` of things that take at least `least` bytes each: `None` when what is
+    /// left cannot hold them (a count beyond that is a lie, and must not size an allocation).
+    pub(super) fn count(&mut self, least: usize) -> Option<usize> {
+        let count = self.u32()? as usize;
+        (count <= self.0.len() / least.max(1)).then_some(count)
+    }
+
     pub(super) fn u16(&mut self) -> Option<u16> {
         Some(u16::from_be_bytes(self.take(2)?.try_into().ok()?))
     }
@@ -368,6 +381,20 @@ mod tests {
             let request = get("k", None);
             let decoded = decode_answer(&request, kind, &Bytes::copy_from_slice(&answer[..cut]));
             assert!(matches!(decoded, Some(Err(CallError::Broken(_)))), "cut at {cut}: {decoded:?}");
+        }
+    }
+
+    proptest::proptest! {
+        /// Garbage is refused, never a panic, whatever its counts and lengths say.
+        #[test]
+        fn any_bytes_are_a_read_or_refused(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512)) {
+            let _ = decode_request(&bytes);
+            let get = PeerRequest::Get { key: "k".into(), map_version: 1, mirror: None };
+            let bulk = PeerRequest::BulkGet { keys: vec!["a".into(), "b".into()], map_version: 1, mirror: None };
+            for request in [&get, &bulk] {
+                let _ = decode_answer(request, LINK_READ_DONE, &Bytes::from(bytes.clone()));
+                let _ = decode_answer(request, LINK_FAILED, &Bytes::from(bytes.clone()));
+            }
         }
     }
 }

@@ -68,7 +68,7 @@ impl PeerService {
         })
     }
 
-    /// A write or delete forwarded from another node (`Put`, `Delete`; any other request is
+    /// A write or delete forwarded from another node, alone or bulk (any other request is
     /// refused), in a function of its own for the same reason as [`Self::serve_read`].
     async fn serve_write(&self, request: PeerRequest) -> Result<PeerAnswer, CallError> {
         let failed = CallError::Api;
@@ -79,6 +79,12 @@ impl PeerService {
             PeerRequest::Delete { key, cas, map_version } => {
                 self.api.delete(key, cas, forwarded(map_version)).await.map_err(failed)?;
                 PeerAnswer::Deleted
+            }
+            PeerRequest::BulkPut { items, map_version } => {
+                PeerAnswer::BulkPut(self.api.bulk_put(items, forwarded(map_version)).await.map_err(failed)?)
+            }
+            PeerRequest::BulkDelete { keys, map_version } => {
+                PeerAnswer::BulkDeleted(self.api.bulk_delete(keys, forwarded(map_version)).await.map_err(failed)?)
             }
             _ => return Err(CallError::Api(ApiError::Internal("a write of another kind".into()))),
         })
@@ -110,13 +116,10 @@ impl PeerService {
                 PeerAnswer::TransferStatus(self.exporter.progress.status(self.control.node_id()))
             }
             request @ (PeerRequest::Get { .. } | PeerRequest::BulkGet { .. }) => return self.serve_read(request).await,
-            request @ (PeerRequest::Put { .. } | PeerRequest::Delete { .. }) => return self.serve_write(request).await,
-            PeerRequest::BulkPut { items, map_version } => {
-                PeerAnswer::BulkPut(api.bulk_put(items, forwarded(map_version)).await.map_err(failed)?)
-            }
-            PeerRequest::BulkDelete { keys, map_version } => {
-                PeerAnswer::BulkDeleted(api.bulk_delete(keys, forwarded(map_version)).await.map_err(failed)?)
-            }
+            request @ (PeerRequest::Put { .. }
+            | PeerRequest::Delete { .. }
+            | PeerRequest::BulkPut { .. }
+            | PeerRequest::BulkDelete { .. }) => return self.serve_write(request).await,
             PeerRequest::Keys { prefix, page } => {
                 PeerAnswer::Keys(api.keys(prefix, page, shoal_http_api::types::Scope::Local).await.map_err(failed)?)
             }
@@ -213,11 +216,7 @@ impl PeerService {
             PeerRequest::BulkGet { keys, .. } => keys.as_slice(),
             _ => &[],
         };
-        if keys.len() > limits.max_bulk_keys {
-            let most = limits.max_bulk_keys;
-            return reads::failed(&ApiError::BadRequest(format!("at most {most} keys per bulk request")));
-        }
-        if let Some(Err(e)) = keys.iter().map(|k| shoal_http_api::check_key(k, &limits)).find(Result::is_err) {
+        if let Err(e) = admissible(keys.iter().map(|k| (k, 0)), &limits) {
             return reads::failed(&e);
         }
         if let Err(late) = reads::admit(deadline_ms, shoal_http_api::unix_ms()) {
@@ -239,8 +238,9 @@ impl PeerService {
         reads::encode_answer(answer)
     }
 
-    /// A forwarded write or delete that came over a peer link: checked against this node's
-    /// limits and its value admitted into the node's body budget, as the key routes do, then
+    /// A forwarded write or delete, alone or bulk, that came over a peer link: checked against
+    /// this node's limits (nodes configured differently: it fails whole, as a forwarded read
+    /// does) and its values admitted into the node's body budget, as the key routes do, then
     /// served as any forward from another node ([`Self::serve_write`]), unless it arrived after its
     /// sender's deadline (refused, nothing done). The link cancels it when its sender gives up,
     /// and bounds how many a sender has in flight (`transport::link`).
@@ -250,18 +250,18 @@ impl PeerService {
         }
         self.api.metrics().link_requests.writes.increment(1);
         let limits = self.api.limits();
-        let (key, value) = match &request {
-            PeerRequest::Put { item, .. } => (&item.key, item.value.len()),
-            PeerRequest::Delete { key, .. } => (key, 0),
-            _ => return reads::failed(&shoal_http_api::ApiError::Internal("a link write of another kind".into())),
+        let items = match &request {
+            PeerRequest::Put { item, .. } => admissible([(&item.key, item.value.len())].into_iter(), &limits),
+            PeerRequest::Delete { key, .. } => admissible([(key, 0)].into_iter(), &limits),
+            PeerRequest::BulkPut { items, .. } => admissible(items.iter().map(|i| (&i.key, i.value.len())), &limits),
+            PeerRequest::BulkDelete { keys, .. } => admissible(keys.iter().map(|k| (k, 0)), &limits),
+            _ => Err(ApiError::Internal("a link write of another kind".into())),
         };
-        if let Err(e) = shoal_http_api::check_key(key, &limits) {
-            return reads::failed(&e);
-        }
-        if value > limits.max_value_bytes {
-            return reads::failed(&shoal_http_api::ApiError::ValueTooLarge { limit: limits.max_value_bytes });
-        }
-        let _admitted = match self.api.admit_body(value).await {
+        let values = match items {
+            Ok(values) => values,
+            Err(e) => return reads::failed(&e),
+        };
+        let _admitted = match self.api.admit_body(values).await {
             Ok(permit) => permit,
             Err(e) => return reads::failed(&e),
         };
@@ -284,6 +284,26 @@ impl PeerService {
         }
         self.control.serve_rpc(target, rpc, body).await
     }
+}
+
+/// The bytes of the values of a forwarded write's keys and value sizes, or why this node's
+/// limits refuse it: too many keys, a key or a value too large.
+fn admissible<'a>(
+    items: impl Iterator<Item = (&'a String, usize)>,
+    limits: &shoal_http_api::Limits,
+) -> Result<usize, ApiError> {
+    let mut total = 0;
+    for (n, (key, value)) in items.enumerate() {
+        if n == limits.max_bulk_keys {
+            return Err(ApiError::BadRequest(format!("at most {} keys per bulk request", limits.max_bulk_keys)));
+        }
+        shoal_http_api::check_key(key, limits)?;
+        if value > limits.max_value_bytes {
+            return Err(ApiError::ValueTooLarge { limit: limits.max_value_bytes });
+        }
+        total += value;
+    }
+    Ok(total)
 }
 
 /// The peer listener's routes (the cluster secret is checked in front of them, `crate::auth`):

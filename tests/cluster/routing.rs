@@ -133,40 +133,29 @@ async fn tags_prefixes_and_bulk_operations_see_every_node() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_forwarded_request_to_a_non_owner_is_refused_and_redirects_point_to_the_owner() {
+async fn a_client_cannot_pose_as_a_forwarding_node_and_redirects_point_to_the_owner() {
     let c = TestCluster::start(2).await;
     let version = c.wait_for_counts(&[500, 500]).await;
     let map = c.json(0, "/v1/cluster/map").await;
     let owner_of = |key: &str| map["owners"][bucket_of(key.as_bytes()).0 as usize].as_u64().expect("owner");
     let key = (0..).map(|i| format!("k{i}")).find(|k| owner_of(k) == c.id(1)).expect("a key of node 2");
+    assert!(c.put(1, &key, "v").await.is_success());
 
-    let r = c
-        .http
-        .get(c.url(0, &format!("/v1/kv/{key}")))
-        .header("x-shoal-map-version", version)
-        .send()
-        .await
-        .expect("get");
-    assert_eq!(r.status(), 421);
-    let p: Value = r.json().await.expect("problem");
-    assert_eq!((p["code"].as_str(), p["map_version"].as_u64()), (Some("not_owner"), Some(version)));
-
-    // A client's map version from the future is refused at once, for single and bulk requests.
-    let future = (version + 1000).to_string();
-    // (Held, it would be routed by this node's map after the wait: served or 421, not 503.)
-    let r = c.http.get(c.url(0, "/v1/kv/any")).header("x-shoal-map-version", &future).send().await.expect("get");
-    assert_eq!(r.status(), 503);
-    let p: Value = r.json().await.expect("problem");
-    assert_eq!(p["code"], "map_changing", "{p}");
-    let r = c
-        .http
-        .post(c.url(1, "/v1/bulk/get"))
-        .header("x-shoal-map-version", &future)
-        .json(&serde_json::json!({"keys": ["a", "b"]}))
-        .send()
-        .await
-        .expect("bulk get");
-    assert_eq!(r.status(), 503);
+    // Forwards come over the peer link only: headers the nodes once sent each other through
+    // the public API (the sender's map version, a deadline, a mirror read) are a client's
+    // headers like any other, and the request is routed as every client's is.
+    for (name, value) in
+        [("x-shoal-map-version", version.to_string()), ("x-shoal-map-version", (version + 1000).to_string())]
+            .into_iter()
+            .chain([("x-shoal-deadline-ms", "1".to_string()), ("x-shoal-mirror-read", "0".to_string())])
+    {
+        let r = c.http.get(c.url(0, &format!("/v1/kv/{key}"))).header(name, &value).send().await.expect("get");
+        assert_eq!(r.status(), 200, "{name}: {value}");
+        let bulk = serde_json::json!({"items": [{"key": key, "value": "w"}]});
+        let r = c.http.post(c.url(0, "/v1/bulk/put")).header(name, &value).json(&bulk).send().await.expect("bulk");
+        let answer: Value = r.json().await.expect("json");
+        assert!(answer["results"][0]["version"].is_u64(), "{name}: {answer}");
+    }
 
     let r = reqwest::Client::builder()
         .no_proxy()
@@ -365,6 +354,32 @@ async fn forwarded_operations_in_flight_together_each_get_their_own_answer() {
     assert_eq!(delete().await.expect("delete").status(), 204);
     assert_eq!(delete().await.expect("delete").status(), 404);
     assert_eq!(on_links("writes").await, before + 6.0, "each write and delete above went over the link");
+    // A bulk write and a bulk delete of the owner's keys through slot 0: one link write each,
+    // with each key's own answer.
+    let before = on_links("writes").await;
+    // Every key is absent now: `cas: 0` (absent) holds, `cas: 99` does not.
+    let items =
+        [json!({"key": keys[0], "value": "bulk", "cas": 0}), json!({"key": keys[1], "value": "bulk", "cas": 99})]
+            .into_iter()
+            .chain([json!({"key": keys[2], "value": "bulk"})])
+            .collect::<Vec<_>>();
+    let put = c.http.post(c.url(0, "/v1/bulk/put")).json(&json!({ "items": items })).send().await.expect("bulk");
+    let put: Value = put.json().await.expect("json");
+    let codes: Vec<&Value> = put["results"].as_array().expect("results").iter().map(|r| &r["error"]["code"]).collect();
+    assert_eq!(codes, [&Value::Null, &json!("precondition_failed"), &Value::Null], "{put}");
+    let deleted: Value = c
+        .http
+        .post(c.url(0, "/v1/bulk/delete"))
+        .json(&json!({"keys": [&keys[0], &keys[1], &keys[2]]}))
+        .send()
+        .await
+        .expect("bulk delete")
+        .json()
+        .await
+        .expect("json");
+    let flags: Vec<&Value> = deleted["results"].as_array().expect("results").iter().map(|r| &r["deleted"]).collect();
+    assert_eq!(flags, [&json!(true), &json!(false), &json!(true)], "{deleted}");
+    assert_eq!(on_links("writes").await, before + 2.0, "each bulk request went over the link once");
     cluster.shutdown().await;
 }
 
