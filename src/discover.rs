@@ -31,6 +31,7 @@ use axum::response::IntoResponse;
 use shoal_http_api::types::{ClusterView, MemberView};
 use shoal_http_api::{ApiError, Unavailable};
 
+use crate::join::JoinError;
 use crate::peer::Peers;
 use crate::transport::CallError;
 
@@ -124,7 +125,7 @@ struct Round {
 
 /// Decides how a node named `name` with an empty data dir gets into its cluster; gives up at
 /// `timeout`.
-pub async fn discover(peers: &Peers, targets: &[String], name: &str, timeout: Duration) -> Result<Decision, String> {
+pub async fn discover(peers: &Peers, targets: &[String], name: &str, timeout: Duration) -> Result<Decision, JoinError> {
     let ordinal = ordinal_of(name);
     let predecessor = predecessor_of(name);
     let deadline = Instant::now() + timeout;
@@ -152,12 +153,12 @@ pub async fn discover(peers: &Peers, targets: &[String], name: &str, timeout: Du
             "a candidate that is a member (ordinal 0 creates the cluster)".to_string()
         };
         if Instant::now() >= deadline {
-            return Err(format!(
-                "discovery through {} gave up after {}: still waiting for {waiting_for} (candidates: {})",
-                targets.join(","),
-                humantime::format_duration(timeout),
-                candidates.join(", ")
-            ));
+            return Err(JoinError::Undiscovered {
+                targets: targets.join(","),
+                after: humantime::format_duration(timeout).to_string(),
+                waiting_for,
+                candidates: candidates.join(", "),
+            });
         }
         if last_said.elapsed() >= Duration::from_secs(10) {
             tracing::info!(name, candidates = candidates.len(), "discovery: waiting for {waiting_for}");

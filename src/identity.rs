@@ -13,6 +13,37 @@ use shoal_raft::NodeId;
 /// The version of the `node.json` format this release writes and reads.
 const FORMAT: u32 = 1;
 
+/// Why `node.json` could not be read or written.
+#[derive(Debug, thiserror::Error)]
+pub enum IdentityError {
+    /// The file system refused.
+    #[error("cannot {action} {path}: {error}")]
+    Io {
+        /// `read` or `write`.
+        action: &'static str,
+        /// The file.
+        path: String,
+        /// What happened.
+        error: std::io::Error,
+    },
+    /// The file is not an identity.
+    #[error("{path} is corrupt: {error}")]
+    Corrupt {
+        /// The file.
+        path: String,
+        /// What the parser said.
+        error: serde_json::Error,
+    },
+    /// The file is of a format this release does not read.
+    #[error("{path} has format {found}; this release reads {FORMAT}")]
+    Format {
+        /// The file.
+        path: String,
+        /// Its format.
+        found: u32,
+    },
+}
+
 /// The contents of `node.json`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Identity {
@@ -41,23 +72,24 @@ impl Identity {
     }
 
     /// Reads the identity; `Ok(None)` when the data dir has none (a new node).
-    pub fn load(data_dir: &Path) -> Result<Option<Self>, String> {
+    pub fn load(data_dir: &Path) -> Result<Option<Self>, IdentityError> {
         let path = Self::path(data_dir);
+        let shown = || path.display().to_string();
         let bytes = match std::fs::read(&path) {
             Ok(b) => b,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
+            Err(error) => return Err(IdentityError::Io { action: "read", path: shown(), error }),
         };
         let identity: Identity =
-            serde_json::from_slice(&bytes).map_err(|e| format!("{} is corrupt: {e}", path.display()))?;
+            serde_json::from_slice(&bytes).map_err(|error| IdentityError::Corrupt { path: shown(), error })?;
         if identity.format != FORMAT {
-            return Err(format!("{} has format {}; this release reads {FORMAT}", path.display(), identity.format));
+            return Err(IdentityError::Format { path: shown(), found: identity.format });
         }
         Ok(Some(identity))
     }
 
     /// Writes the identity atomically (temp file, fsync, rename).
-    pub fn store(&self, data_dir: &Path) -> Result<(), String> {
+    pub fn store(&self, data_dir: &Path) -> Result<(), IdentityError> {
         let path = Self::path(data_dir);
         let tmp = data_dir.join("node.json.tmp");
         let write = || -> std::io::Result<()> {
@@ -70,7 +102,7 @@ impl Identity {
             }
             Ok(())
         };
-        write().map_err(|e| format!("cannot write {}: {e}", path.display()))
+        write().map_err(|error| IdentityError::Io { action: "write", path: path.display().to_string(), error })
     }
 }
 
@@ -81,11 +113,11 @@ mod tests {
     #[test]
     fn identity_round_trips_and_absence_is_none() {
         let dir = tempfile::tempdir().expect("temp dir");
-        assert_eq!(Identity::load(dir.path()), Ok(None));
+        assert!(matches!(Identity::load(dir.path()), Ok(None)));
         let id = Identity::new(3, "c".into(), vec!["a:1".into()]);
         id.store(dir.path()).expect("store");
-        assert_eq!(Identity::load(dir.path()), Ok(Some(id)));
+        assert_eq!(Identity::load(dir.path()).expect("readable"), Some(id));
         std::fs::write(dir.path().join("node.json"), "{").expect("write");
-        assert!(Identity::load(dir.path()).expect_err("corrupt").contains("corrupt"));
+        assert!(matches!(Identity::load(dir.path()), Err(IdentityError::Corrupt { .. })));
     }
 }

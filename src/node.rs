@@ -67,9 +67,12 @@ pub enum StartError {
         /// The API addresses of the members.
         join: Vec<String>,
     },
+    /// The data dir's identity could not be read or written.
+    #[error("{0}")]
+    Identity(#[from] crate::identity::IdentityError),
     /// Joining failed.
     #[error("join failed: {0}")]
-    Join(String),
+    Join(#[from] crate::join::JoinError),
     /// The control plane failed.
     #[error("control plane: {0}")]
     Control(#[from] shoal_raft::ControlError),
@@ -427,7 +430,7 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
         new_cluster_id: new_cluster_id(),
         probe: None,
     };
-    let identity = Identity::load(&config.data_dir).map_err(StartError::Io)?;
+    let identity = Identity::load(&config.data_dir)?;
     if let Some(id) = identity.as_ref().filter(|id| id.retired) {
         return Err(retired(&config, id.node_id));
     }
@@ -551,14 +554,14 @@ pub async fn start_in(
         Some(id) => id,
         None if config.join.is_empty() => {
             let id = Identity::new(1, env.new_cluster_id.clone(), Vec::new());
-            id.store(&config.data_dir).map_err(StartError::Io)?;
+            id.store(&config.data_dir)?;
             id
         }
         None => {
             let registered =
                 joiner.register(&api_addr, &peer_addr, config.name.as_deref()).await.map_err(StartError::Join)?;
             let id = Identity::new(registered.node_id, registered.cluster_id, config.join.clone());
-            id.store(&config.data_dir).map_err(StartError::Io)?;
+            id.store(&config.data_dir)?;
             tracing::info!(node_id = id.node_id, cluster_id = %id.cluster_id, "registered with the cluster");
             id
         }
@@ -742,14 +745,15 @@ async fn join_or_resume(
     }
     let member = control.wait_for_state(Duration::from_secs(30), |s| s.is_member(node_id)).await;
     if !member {
-        return Err(StartError::Join("admitted, but the membership did not reach this node within 30s".into()));
+        return Err(crate::join::JoinError::NotApplied(Duration::from_secs(30)).into());
     }
     match control.state().cluster_id.as_deref() {
         Some(id) if id == identity.cluster_id => Ok(()),
-        other => Err(StartError::Join(format!(
-            "this data dir belongs to cluster {} but the node joined {other:?}",
-            identity.cluster_id
-        ))),
+        other => Err(crate::join::JoinError::OtherCluster {
+            data_dir: identity.cluster_id.clone(),
+            joined: other.map(str::to_string),
+        }
+        .into()),
     }
 }
 

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use futures::StreamExt;
-use shoal_raft::{AdminRequest, AdminResponse, BucketId, LostBucket, NodeId};
+use shoal_raft::{AdminRequest, AdminResponse, BucketId, ControlError, LostBucket, NodeId};
 use tokio::time::Instant;
 
 use super::{Done, Fetched, Reconciler, RETRY};
@@ -33,20 +33,34 @@ const GIVE_BACK_FOR: Duration = Duration::from_secs(60);
 const GIVE_BACK_PARALLELISM: usize = 8;
 
 /// One way of asking something, by its name for errors.
-type Ask<'a, T> = futures::future::BoxFuture<'a, Result<T, String>>;
+type Ask<'a, T> = futures::future::BoxFuture<'a, Result<T, ControlError>>;
+
+/// Why no way of asking got an answer: the last failure, by its way's name.
+#[derive(Debug, PartialEq, thiserror::Error)]
+enum Unanswered {
+    /// There was no one to ask.
+    #[error("no one to ask")]
+    NoOne,
+    /// The last way failed so.
+    #[error("{name}: {error}")]
+    Failed { name: String, error: ControlError },
+    /// The last way did not answer in time.
+    #[error("{name}: no answer within {timeout:?}")]
+    Timeout { name: String, timeout: Duration },
+}
 
 /// The first of `asks` to succeed, each run at once and given at most `timeout`; when every one
-/// failed, the last failure, prefixed with its name.
-async fn first_answer<T>(asks: Vec<(String, Ask<'_, T>)>, timeout: Duration) -> Result<T, String> {
+/// failed, the last failure, by its name.
+async fn first_answer<T>(asks: Vec<(String, Ask<'_, T>)>, timeout: Duration) -> Result<T, Unanswered> {
     if asks.is_empty() {
-        return Err("no one to ask".into());
+        return Err(Unanswered::NoOne);
     }
     let bounded = asks.into_iter().map(|(name, ask)| {
         Box::pin(async move {
             match tokio::time::timeout(timeout, ask).await {
                 Ok(Ok(answer)) => Ok(answer),
-                Ok(Err(e)) => Err(format!("{name}: {e}")),
-                Err(_) => Err(format!("{name}: no answer within {timeout:?}")),
+                Ok(Err(error)) => Err(Unanswered::Failed { name, error }),
+                Err(_) => Err(Unanswered::Timeout { name, timeout }),
             }
         })
     });
@@ -119,8 +133,11 @@ impl Reconciler {
                 let ask: Ask<'_, _> = Box::pin(async move {
                     match self.control.admin_client().call(&member.peer_addr, request).await {
                         Ok(AdminResponse::LostOf { buckets, pending }) => Ok((buckets, pending)),
-                        Ok(other) => Err(format!("unexpected answer {other:?}")),
-                        Err(e) => Err(e.to_string()),
+                        Ok(other) => Err(ControlError::Network {
+                            peer: member.peer_addr.clone(),
+                            detail: format!("an unexpected answer {other:?}"),
+                        }),
+                        Err(e) => Err(e),
                     }
                 });
                 (format!("via {}", member.id), ask)
@@ -183,20 +200,12 @@ impl Reconciler {
                 .filter(|m| m.id != self.me)
                 .map(|member| {
                     let ask: Ask<'_, ()> = Box::pin(async move {
-                        self.control
-                            .admin_client()
-                            .call(&member.peer_addr, request)
-                            .await
-                            .map(drop)
-                            .map_err(|e| e.to_string())
+                        self.control.admin_client().call(&member.peer_addr, request).await.map(drop)
                     });
                     (format!("via {}", member.id), ask)
                 })
                 .collect();
-            asks.push((
-                "here".into(),
-                Box::pin(async move { self.control.admin(request.clone()).await.map(drop).map_err(|e| e.to_string()) }),
-            ));
+            asks.push(("here".into(), Box::pin(async move { self.control.admin(request.clone()).await.map(drop) })));
             match first_answer(asks, MARK_RUNNING_TIMEOUT).await {
                 Ok(()) => {
                     tracing::debug!(node_id = self.me, "told the cluster this node runs");
@@ -436,7 +445,7 @@ mod tests {
     fn ask<T: Send + 'static>(after: Duration, answer: Result<T, &'static str>) -> Ask<'static, T> {
         Box::pin(async move {
             tokio::time::sleep(after).await;
-            answer.map_err(str::to_string)
+            answer.map_err(|reason| ControlError::Rejected { reason: reason.into() })
         })
     }
 
@@ -458,9 +467,11 @@ mod tests {
             ("via 2".to_string(), ask(Duration::from_secs(3600), Ok(()))),
             ("via 3".to_string(), ask(Duration::from_millis(10), Err("refused"))),
         ];
-        assert_eq!(first_answer(asks, Duration::from_secs(5)).await, Err("via 2: no answer within 5s".into()));
+        let e = first_answer(asks, Duration::from_secs(5)).await.expect_err("no answer");
+        assert_eq!(e.to_string(), "via 2: no answer within 5s");
         let asks = vec![("via 3".to_string(), ask(Duration::ZERO, Err::<(), _>("refused")))];
-        assert_eq!(first_answer(asks, Duration::from_secs(5)).await, Err("via 3: refused".into()));
-        assert!(first_answer::<()>(Vec::new(), Duration::from_secs(5)).await.is_err());
+        let e = first_answer(asks, Duration::from_secs(5)).await.expect_err("refused");
+        assert_eq!(e.to_string(), "via 3: refused");
+        assert_eq!(first_answer::<()>(Vec::new(), Duration::from_secs(5)).await, Err(Unanswered::NoOne));
     }
 }

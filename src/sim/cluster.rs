@@ -245,7 +245,7 @@ impl Shared {
             new_cluster_id: format!("sim{:016x}", rng.random::<u64>()),
             probe: self.probe.clone(),
         };
-        let identity = Identity::load(&host.data_dir)?;
+        let identity = Identity::load(&host.data_dir).map_err(|e| e.to_string())?;
         Ok((config, env, identity, generation))
     }
 }

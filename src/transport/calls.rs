@@ -15,7 +15,7 @@ use shoal_http_api::ApiError;
 use shoal_raft::BUCKET_COUNT;
 
 use super::http::{encode_refusal, LINK_REFUSED};
-use super::{reads, CallError, PeerAnswer, PeerRequest};
+use super::{reads, CallError, Malformed, PeerAnswer, PeerRequest};
 
 /// A link request: a call ([`encode_request`]).
 pub const LINK_CALL: u8 = 10;
@@ -44,19 +44,20 @@ pub fn encode_request(request: &PeerRequest, out: &mut Vec<u8>) -> Result<(), Ca
 
 /// Reads a call payload; why not, for one that is not a call. The JSON's length is bounded by
 /// the payload's, the body is what follows it, and a bucket must exist.
-pub fn decode_request(payload: Bytes) -> Result<PeerRequest, String> {
-    let len = payload.get(..4).and_then(|b| b.try_into().ok()).map(u32::from_be_bytes).ok_or("a call too short")?;
-    let end =
-        4usize.checked_add(len as usize).filter(|&end| end <= payload.len()).ok_or("a call's JSON runs past it")?;
-    let mut request: PeerRequest = serde_json::from_slice(&payload[4..end]).map_err(|e| format!("not a call: {e}"))?;
+pub fn decode_request(payload: Bytes) -> Result<PeerRequest, Malformed> {
+    let malformed = || Malformed::Message("call");
+    let len = payload.get(..4).and_then(|b| b.try_into().ok()).map(u32::from_be_bytes).ok_or_else(malformed)?;
+    let end = 4usize.checked_add(len as usize).filter(|&end| end <= payload.len()).ok_or_else(malformed)?;
+    let mut request: PeerRequest = serde_json::from_slice(&payload[4..end]).map_err(|_| malformed())?;
     if let PeerRequest::Shadow { bucket, .. } | PeerRequest::GiveBack { bucket, .. } = &request {
         if usize::from(bucket.0) >= BUCKET_COUNT {
-            return Err(format!("no bucket {}", bucket.0));
+            return Err(Malformed::NoSuchBucket(bucket.0));
         }
     }
     match body_of(&mut request) {
         Some(body) => *body = payload.slice(end..),
-        None if end < payload.len() => return Err("a body after a call that takes none".into()),
+        // A body after a call that takes none.
+        None if end < payload.len() => return Err(malformed()),
         None => {}
     }
     Ok(request)
@@ -137,7 +138,7 @@ mod tests {
     fn a_call_that_names_no_bucket_or_carries_a_stray_body_is_refused() {
         let mut out = Vec::new();
         encode_request(&PeerRequest::Shadow { bucket: BucketId(1000), body: Bytes::new() }, &mut out).expect("a call");
-        assert_eq!(decode_request(Bytes::from(out)).expect_err("no bucket 1000"), "no bucket 1000");
+        assert_eq!(decode_request(Bytes::from(out)).expect_err("no bucket 1000"), Malformed::NoSuchBucket(1000));
         let mut out = Vec::new();
         encode_request(&PeerRequest::TransferStatus, &mut out).expect("a call");
         out.push(0);

@@ -373,6 +373,9 @@ pub enum Malformed {
         /// What is wrong.
         what: &'static str,
     },
+    /// A call for a bucket that does not exist.
+    #[error("no bucket {0}")]
+    NoSuchBucket(u16),
     /// A replica write for a bucket that does not exist.
     #[error("request {index} of the batch: no bucket {bucket}")]
     NoBucket {

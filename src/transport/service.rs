@@ -197,7 +197,7 @@ impl PeerService {
                     counted.calls.increment(1);
                     calls::encode_answer(Box::pin(self.serve(request)).await)
                 }
-                Err(reason) => refused(&reason),
+                Err(reason) => refused(&reason.to_string()),
             },
             other => refused(&format!("unknown link request kind {other}")),
         }
