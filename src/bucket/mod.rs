@@ -35,9 +35,9 @@ use tokio::sync::{MutexGuard, RwLockReadGuard, RwLockWriteGuard};
 
 pub use permit::WritePermit;
 pub use phase::{
-    export_refusal, holds_replica, keeps_replica, mirror_read, mirrors_of, phase_of, plan_holds, pull_lands,
-    read_refusal, route_of, write_plan, write_refusal, BucketFacts, NodeFacts, NotFresh, Phase, Recipient,
-    ReplicaFacts, Route, Routing, WritePlan,
+    holds_replica, keeps_replica, mirror_read, mirrors_of, phase_of, plan_holds, pull_lands, read_refusal, route_of,
+    write_plan, write_refusal, BucketFacts, NodeFacts, NotFresh, Phase, Recipient, ReplicaFacts, Route, Routing,
+    WritePlan,
 };
 
 use crate::cache::CacheStore;

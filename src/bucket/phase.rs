@@ -408,31 +408,5 @@ pub fn plan_holds(state: &ClusterState, me: NodeId, plan: &WritePlan) -> Result<
     Err(DataError::NotOwner { bucket, map_version: state.map.version })
 }
 
-/// Why this node will not stream `bucket` to its new owner `to` for the move at `epoch`
-/// (yet): it must serve it, hold its data, and the target must give it to `to` at that epoch.
-pub fn export_refusal(
-    state: &ClusterState,
-    me: NodeId,
-    bucket: BucketId,
-    facts: BucketFacts,
-    to: NodeId,
-    epoch: u64,
-) -> Option<String> {
-    match phase_of(state, me, bucket, facts) {
-        Phase::Serving => {}
-        Phase::Restoring | Phase::AwaitingPromotion => {
-            return Some(format!("node {me} is still getting bucket {bucket} back (restore or failover); retry"))
-        }
-        _ => return Some(format!("node {me} does not serve bucket {bucket}")),
-    }
-    if state.target.as_ref().and_then(|t| t.owner_of(bucket)) != Some(to) {
-        return Some(format!("the target does not give bucket {bucket} to node {to}"));
-    }
-    if state.epoch_of(bucket) != epoch {
-        return Some(format!("bucket {bucket} is at move epoch {}, not {epoch}", state.epoch_of(bucket)));
-    }
-    None
-}
-
 #[cfg(test)]
 mod tests;
