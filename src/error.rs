@@ -4,7 +4,6 @@
 use shoal_http_api::{ApiError, Unavailable};
 use shoal_raft::{BucketId, NodeId};
 
-use crate::bucket::NotFresh;
 use crate::cache::CacheError;
 use crate::transport::CallError;
 
@@ -132,6 +131,20 @@ pub enum DataError {
     /// The store refused the write.
     #[error(transparent)]
     Store(#[from] CacheError),
+}
+
+/// Why a replica copy may not serve a read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NotFresh {
+    /// This node is not a mirror of the bucket now (see `crate::bucket::Phase::Mirror`).
+    NotMirror,
+    /// Its copy does not hold every write of the owner's current ownership period.
+    NotAttached,
+    /// Its copy may be further behind than the read allows.
+    Behind {
+        /// How far behind it may be (None: unknown).
+        lag_ms: Option<u64>,
+    },
 }
 
 fn not_fresh(bucket: BucketId, why: NotFresh) -> String {

@@ -36,12 +36,12 @@ use tokio::sync::{MutexGuard, RwLockReadGuard, RwLockWriteGuard};
 pub use permit::WritePermit;
 pub use phase::{
     holds_replica, keeps_replica, mirror_read, mirrors_of, phase_of, plan_holds, pull_lands, read_refusal, route_of,
-    write_plan, write_refusal, BucketFacts, NodeFacts, NotFresh, Phase, Recipient, ReplicaFacts, Route, Routing,
-    WritePlan,
+    write_plan, write_refusal, BucketFacts, NodeFacts, Phase, Recipient, ReplicaFacts, Route, Routing, WritePlan,
 };
 
 use crate::cache::CacheStore;
 use crate::error::DataError;
+pub use crate::error::NotFresh;
 use crate::health::Health;
 use crate::peer::Peers;
 use crate::replication::Replicator;

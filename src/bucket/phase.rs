@@ -4,7 +4,7 @@
 
 use shoal_raft::{BucketId, ClusterState, NodeId};
 
-use crate::error::DataError;
+use crate::error::{DataError, NotFresh};
 
 /// What this node knows of one bucket that the replicated state does not say.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -134,20 +134,6 @@ pub struct ReplicaFacts {
     /// said so); None when the owner said nothing lately or has buckets not attached here.
     /// With sync replication: Some(0) unless the owner still drains a queue.
     pub lag_ms: Option<u64>,
-}
-
-/// Why a replica copy may not serve a read.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum NotFresh {
-    /// This node is not a mirror of the bucket now (see [`Phase::Mirror`]).
-    NotMirror,
-    /// Its copy does not hold every write of the owner's current ownership period.
-    NotAttached,
-    /// Its copy may be further behind than the read allows.
-    Behind {
-        /// How far behind it may be (None: unknown).
-        lag_ms: Option<u64>,
-    },
 }
 
 /// Whether this node's replica copy of a bucket in `phase` may serve a read that allows
