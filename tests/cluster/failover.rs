@@ -315,8 +315,7 @@ async fn a_draining_node_is_unready_and_acknowledges_no_write() {
 async fn a_stopping_leader_hands_the_lead_to_its_successor_and_keeps_its_vote() {
     let mut c = TestCluster::start(3).await;
     c.wait_for_counts(&[333, 333, 334]).await;
-    let leader = wait_for("a leader", || async { c.json(0, "/v1/cluster").await["leader"].as_u64() }).await;
-    let slot = (0..3).find(|&s| c.id(s) == leader).expect("the leader's slot");
+    let (leader, slot) = c.leader().await;
     let other = (slot + 1) % 3;
     let role_of = |view: &Value, id: u64| {
         view["members"]
@@ -354,8 +353,7 @@ async fn a_stopping_leader_hands_the_lead_to_its_successor_and_keeps_its_vote() 
 async fn members_that_stop_stand_for_no_election_and_one_started_again_leads() {
     let mut c = TestCluster::start(3).await;
     c.wait_for_counts(&[333, 333, 334]).await;
-    let leader = wait_for("a leader", || async { c.json(0, "/v1/cluster").await["leader"].as_u64() }).await;
-    let slot = (0..3).find(|&s| c.id(s) == leader).expect("the leader's slot");
+    let (leader, slot) = c.leader().await;
     let others: Vec<usize> = (0..3).filter(|&s| s != slot).collect();
     for &s in &others {
         assert!(c.node(s).drain(Duration::from_secs(20)).await, "drained in time");

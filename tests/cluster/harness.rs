@@ -253,6 +253,18 @@ impl TestCluster {
         r.json().await.expect("json")
     }
 
+    /// POST a JSON body to `slot` and read the JSON answer.
+    pub async fn post_json(&self, slot: usize, path: &str, body: &Value) -> Value {
+        let r = self.http.post(self.url(slot, path)).json(body).send().await.expect("request");
+        r.json().await.expect("json")
+    }
+
+    /// The Raft leader (as slot 0 sees it, once it knows one) and its slot.
+    pub async fn leader(&self) -> (u64, usize) {
+        let leader = wait_for("a leader", || async { self.json(0, "/v1/cluster").await["leader"].as_u64() }).await;
+        (leader, self.running().find(|&s| self.id(s) == leader).expect("the leader's slot"))
+    }
+
     /// The bucket counts of the map as `slot` sees it, sorted, with the map version.
     pub async fn counts(&self, slot: usize) -> (u64, Vec<usize>) {
         let map = self.json(slot, "/v1/cluster/map").await;

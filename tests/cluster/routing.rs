@@ -117,16 +117,7 @@ async fn tags_prefixes_and_bulk_operations_see_every_node() {
     assert_eq!(c.get(1, "p:04").await, None);
     assert_eq!(c.get(1, "p:05").await.as_deref(), Some("v5"));
 
-    let deleted: Value = c
-        .http
-        .post(c.url(1, "/v1/bulk/delete"))
-        .json(&json!({"keys": ["p:05", "p:06"]}))
-        .send()
-        .await
-        .expect("bulk delete")
-        .json()
-        .await
-        .expect("json");
+    let deleted = c.post_json(1, "/v1/bulk/delete", &json!({"keys": ["p:05", "p:06"]})).await;
     assert_eq!(deleted["results"][0]["deleted"], true);
     assert_eq!(deleted["results"][1]["deleted"], false);
     c.shutdown().await;
@@ -363,20 +354,10 @@ async fn forwarded_operations_in_flight_together_each_get_their_own_answer() {
             .into_iter()
             .chain([json!({"key": keys[2], "value": "bulk"})])
             .collect::<Vec<_>>();
-    let put = c.http.post(c.url(0, "/v1/bulk/put")).json(&json!({ "items": items })).send().await.expect("bulk");
-    let put: Value = put.json().await.expect("json");
+    let put = c.post_json(0, "/v1/bulk/put", &json!({ "items": items })).await;
     let codes: Vec<&Value> = put["results"].as_array().expect("results").iter().map(|r| &r["error"]["code"]).collect();
     assert_eq!(codes, [&Value::Null, &json!("precondition_failed"), &Value::Null], "{put}");
-    let deleted: Value = c
-        .http
-        .post(c.url(0, "/v1/bulk/delete"))
-        .json(&json!({"keys": [&keys[0], &keys[1], &keys[2]]}))
-        .send()
-        .await
-        .expect("bulk delete")
-        .json()
-        .await
-        .expect("json");
+    let deleted = c.post_json(0, "/v1/bulk/delete", &json!({"keys": [&keys[0], &keys[1], &keys[2]]})).await;
     let flags: Vec<&Value> = deleted["results"].as_array().expect("results").iter().map(|r| &r["deleted"]).collect();
     assert_eq!(flags, [&json!(true), &json!(false), &json!(true)], "{deleted}");
     assert_eq!(on_links("writes").await, before + 2.0, "each bulk request went over the link once");
