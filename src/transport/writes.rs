@@ -51,6 +51,9 @@ const NONE: u64 = u64::MAX;
 /// Bytes of a write's options before its tags.
 const OPTIONS: usize = 8 + 8 + 1 + 1 + 8 + 4;
 
+/// Bytes of a write done: version, bucket, node.
+const DONE: usize = 8 + 2 + 8;
+
 /// Answer tags of a bulk write or delete.
 const WRITTEN: u8 = 0;
 const DELETED: u8 = 1;
@@ -254,12 +257,16 @@ fn key_failed(out: &mut Vec<u8>, e: &ApiError) {
 /// The link answer (kind and payload) to a forwarded write or delete: what
 /// [`super::PeerService::serve`] answered.
 pub fn encode_answer(answer: Result<PeerAnswer, CallError>) -> (u8, Vec<u8>) {
-    let mut out = Vec::new();
+    // Sized up front: a forwarded write's answer is on the hot path.
+    let mut out = Vec::with_capacity(match &answer {
+        Ok(PeerAnswer::BulkPut(results)) => results.len() * (1 + DONE),
+        Ok(PeerAnswer::BulkDeleted(results)) => results.len(),
+        _ => DONE,
+    });
     match answer {
         Ok(PeerAnswer::Put(ok)) => put_done(&mut out, &ok),
         Ok(PeerAnswer::Deleted) => {}
         Ok(PeerAnswer::BulkPut(results)) => {
-            out.reserve(results.len() * 19);
             for result in &results {
                 match result {
                     Ok(ok) => {
