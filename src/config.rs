@@ -67,7 +67,7 @@ pub enum Command {
     /// Print a shell completion script: `shoal completions bash > /etc/bash_completion.d/shoal`.
     Completions(CompletionsArgs),
     /// Measure throughput, latency and server CPU per operation against a node or cluster.
-    Bench(crate::bench::BenchArgs),
+    Bench(BenchArgs),
 }
 
 /// `shoal completions SHELL`.
@@ -824,6 +824,83 @@ fn parse_voters(text: &str) -> Result<u8, String> {
 /// Parses `owner` or `mirrors`.
 fn parse_read_from(text: &str) -> Result<shoal_http_api::types::ReadFrom, String> {
     text.parse()
+}
+
+/// `shoal bench` options.
+#[derive(Debug, Clone, Args)]
+pub struct BenchArgs {
+    /// API address(es) of the node(s), comma-separated (with direct routing, the map names
+    /// the rest). Plain HTTP only: bench nodes that run without TLS.
+    #[arg(long, env = "SHOAL_ADDR", value_delimiter = ',', default_value = "127.0.0.1:7000")]
+    pub addr: Vec<String>,
+    /// Concurrent connections (each with one request in flight).
+    #[arg(long, default_value_t = 50)]
+    pub connections: usize,
+    /// How long to measure.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub duration: Duration,
+    /// Size of the key space (keys `key:000000000000` ...).
+    #[arg(long, default_value_t = 100_000)]
+    pub keys: u32,
+    /// Value size in bytes.
+    #[arg(long, default_value_t = 100)]
+    pub value_size: usize,
+    /// Share of gets and puts, `get:put`.
+    #[arg(long, default_value = "1:0", value_parser = parse_ratio)]
+    pub ratio: (u32, u32),
+    /// Keys per request: 1 uses the single-key endpoints, more the bulk endpoints.
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    /// Send each key to its owner (direct), to a random node that forwards it (any), or through
+    /// shoal's client library (client: follows the map, splits bulk requests per owner).
+    #[arg(long, value_enum, default_value = "direct")]
+    pub routing: Routing,
+    /// Where gets may be served: `owner`, or `mirrors` (`?read=mirrors`: the owner or the
+    /// holder of its replica, whichever the node's --ha-strategy picks).
+    #[arg(long, default_value = "owner", value_parser = parse_read)]
+    pub read: shoal_http_api::types::ReadFrom,
+    /// PIDs of the server processes whose CPU time to report, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    pub server_pid: Vec<u32>,
+    /// Skip writing every key before measuring.
+    #[arg(long)]
+    pub no_fill: bool,
+    /// Threads of the load generator (1: one event loop, like redis-benchmark).
+    #[arg(long, default_value_t = 1)]
+    pub threads: usize,
+    /// The client token, when the nodes run with one (sent on every key operation).
+    #[arg(long, env = "SHOAL_CLIENT_TOKEN", hide_env_values = true)]
+    pub client_token: Option<crate::auth::Secret>,
+    /// Output format.
+    #[arg(short = 'o', long, value_enum, default_value_t = Output::Table)]
+    pub output: Output,
+}
+
+fn parse_read(text: &str) -> Result<shoal_http_api::types::ReadFrom, String> {
+    text.parse()
+}
+
+fn parse_ratio(text: &str) -> Result<(u32, u32), String> {
+    let (g, p) = text.split_once(':').ok_or_else(|| format!("{text:?}: expected get:put, e.g. 9:1"))?;
+    let parse = |s: &str| s.trim().parse::<u32>().map_err(|_| format!("{text:?}: expected get:put, e.g. 9:1"));
+    let (g, p) = (parse(g)?, parse(p)?);
+    if g + p == 0 {
+        return Err("the ratio cannot be 0:0".into());
+    }
+    Ok((g, p))
+}
+
+/// How to route requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Routing {
+    /// Fetch the map and send each key to its owner.
+    Direct,
+    /// Send each request to a random node, which forwards it.
+    Any,
+    /// Use shoal's client library (`shoal::client`): owners from the map it follows, bulk
+    /// requests split per owner.
+    Client,
 }
 
 /// Parses `250ms`, `30s`, `5m`.

@@ -19,19 +19,6 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use tokio::net::TcpStream;
 
-/// How to route requests.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Routing {
-    /// Fetch the map and send each key to its owner.
-    Direct,
-    /// Send each request to a random node, which forwards it.
-    Any,
-    /// Use shoal's client library (`shoal::client`): owners from the map it follows, bulk
-    /// requests split per owner.
-    Client,
-}
-
 /// What the workers send.
 #[derive(Debug, Clone)]
 pub struct Workload {
