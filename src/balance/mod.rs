@@ -21,92 +21,21 @@
 pub mod plan;
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use serde::{Deserialize, Serialize};
 use shoal_http_api::types::{BucketsQuery, BucketsView, RebalancePlan, RebalanceRequest};
-use shoal_raft::{AdminRequest, AdminResponse, BucketId, ControlError, ControlPlane, NodeId, BUCKET_COUNT};
+use shoal_raft::{AdminRequest, AdminResponse, BucketId, ControlError, ControlPlane, NodeId};
 use tokio::time::Instant;
 
-use crate::bucket::{BucketCore, Phase};
+use crate::bucket::{BucketCore, Phase, Totals};
 use crate::cache::CacheStore;
 use crate::peer::Peers;
 use crate::transfer::progress::Progress;
 use crate::transport::CallError;
+use crate::transport::{BucketReport, ReportedBucket};
 use plan::{Received, Refusal};
-
-/// One node's report of the buckets it serves.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct BucketReport {
-    /// The reporting node.
-    pub node: NodeId,
-    /// Its map version when it measured.
-    pub map_version: u64,
-    /// The buckets it serves.
-    pub buckets: Vec<ReportedBucket>,
-    /// The receive rate of its last transfer that moved enough to tell, bytes per second.
-    #[serde(default)]
-    pub transfer_rate: Option<f64>,
-    /// Buckets it owns but does not hold yet (being restored after a restart, or promoted
-    /// and not installed): its figures are incomplete until they are back.
-    #[serde(default)]
-    pub pending: u32,
-}
-
-/// One bucket in a [`BucketReport`].
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ReportedBucket {
-    /// The bucket.
-    pub bucket: u16,
-    /// Items.
-    pub items: u64,
-    /// Charged bytes.
-    pub bytes: u64,
-    /// Reads per second since the node's previous report.
-    pub reads_per_sec: f64,
-    /// Writes per second.
-    pub writes_per_sec: f64,
-}
-
-/// Reads and writes of each bucket served here, counted as they happen.
-pub struct BucketActivity {
-    reads: Box<[AtomicU64]>,
-    writes: Box<[AtomicU64]>,
-}
-
-impl Default for BucketActivity {
-    fn default() -> Self {
-        let counters = || (0..BUCKET_COUNT).map(|_| AtomicU64::new(0)).collect();
-        BucketActivity { reads: counters(), writes: counters() }
-    }
-}
-
-impl BucketActivity {
-    /// A read of `bucket` served here.
-    pub fn read(&self, bucket: BucketId) {
-        self.reads[bucket.index()].fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// A write of `bucket` done here.
-    pub fn wrote(&self, bucket: BucketId) {
-        self.writes[bucket.index()].fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// Reads and writes of every bucket since start.
-    fn totals(&self) -> Totals {
-        self.reads
-            .iter()
-            .zip(self.writes.iter())
-            .map(|(r, w)| (r.load(Ordering::Relaxed), w.load(Ordering::Relaxed)))
-            .collect()
-    }
-}
-
-/// Reads and writes of every bucket since start.
-type Totals = Vec<(u64, u64)>;
 
 /// The settings of balancing.
 #[derive(Debug, Clone, Copy)]

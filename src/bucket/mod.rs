@@ -27,6 +27,7 @@ pub mod phase;
 pub(crate) mod testing;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock};
@@ -45,6 +46,43 @@ pub use crate::error::NotFresh;
 use crate::health::Health;
 use crate::peer::Peers;
 use crate::replication::Replicator;
+
+/// Reads and writes of each bucket served here, counted as they happen.
+pub struct BucketActivity {
+    reads: Box<[AtomicU64]>,
+    writes: Box<[AtomicU64]>,
+}
+
+impl Default for BucketActivity {
+    fn default() -> Self {
+        let counters = || (0..BUCKET_COUNT).map(|_| AtomicU64::new(0)).collect();
+        BucketActivity { reads: counters(), writes: counters() }
+    }
+}
+
+impl BucketActivity {
+    /// A read of `bucket` served here.
+    pub fn read(&self, bucket: BucketId) {
+        self.reads[bucket.index()].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A write of `bucket` done here.
+    pub fn wrote(&self, bucket: BucketId) {
+        self.writes[bucket.index()].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Reads and writes of every bucket since start.
+    pub fn totals(&self) -> Totals {
+        self.reads
+            .iter()
+            .zip(self.writes.iter())
+            .map(|(r, w)| (r.load(Ordering::Relaxed), w.load(Ordering::Relaxed)))
+            .collect()
+    }
+}
+
+/// Reads and writes of every bucket since start.
+pub type Totals = Vec<(u64, u64)>;
 
 /// Sees what the simulation checks: every write a node acknowledges, with the ownership period
 /// (the bucket's move epoch) it belongs to — no two nodes may acknowledge writes of one bucket
@@ -211,7 +249,7 @@ pub struct BucketCore {
     replicator: Arc<Replicator>,
     peers: Peers,
     probe: Option<Arc<dyn Probe>>,
-    activity: crate::balance::BucketActivity,
+    activity: BucketActivity,
 }
 
 impl BucketCore {
@@ -225,7 +263,7 @@ impl BucketCore {
         peers: Peers,
         probe: Option<Arc<dyn Probe>>,
     ) -> Self {
-        let activity = crate::balance::BucketActivity::default();
+        let activity = BucketActivity::default();
         BucketCore { me: control.node_id(), control, store, facts, health, replicator, peers, probe, activity }
     }
 
@@ -235,7 +273,7 @@ impl BucketCore {
     }
 
     /// Reads and writes of each bucket served here, for the bucket statistics.
-    pub fn activity(&self) -> &crate::balance::BucketActivity {
+    pub fn activity(&self) -> &BucketActivity {
         &self.activity
     }
 

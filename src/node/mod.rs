@@ -17,6 +17,8 @@
 //! - an identity: the same member again (finishing an interrupted join if need be); a node
 //!   that left refuses to start.
 
+mod peers;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -41,7 +43,8 @@ use crate::reconcile::Reconciler;
 use crate::replication::Replicator;
 use crate::transfer::export::Exporter;
 use crate::transfer::progress::Progress;
-use crate::transport::{HttpTransport, PeerService, Transport};
+use crate::transport::{HttpTransport, Transport};
+pub use peers::PeerService;
 
 /// How long a stopping leader waits for its successor to take the lead.
 pub const LEAD_HANDOFF_WAIT: Duration = Duration::from_secs(10);
@@ -493,7 +496,7 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
             let _ = links_stop.wait_for(|stop| *stop).await;
             let _ = tokio::time::timeout(2 * http_server::DRAIN_TIMEOUT, all_served.wait()).await;
         });
-        let mut peer_router = crate::transport::service::peer_routes(service.clone(), shutdown.subscribe(), served);
+        let mut peer_router = peers::peer_routes(service.clone(), shutdown.subscribe(), served);
         if cluster_secret.is_some() {
             peer_router = peer_router
                 .layer(axum::middleware::from_fn_with_state(cluster_secret.clone(), crate::auth::require_secret));

@@ -1,6 +1,8 @@
-//! The receiving side: [`PeerService`] answers every [`PeerRequest`] a node can get, and
-//! [`peer_routes`] turns the peer listener's HTTP requests into the same calls. The simulated
-//! network calls [`PeerService`] directly, so both paths run the same handlers.
+//! What this node answers to other nodes: [`PeerService`] hands every [`PeerRequest`] a node can
+//! get to the part of the node that owns it (replication, transfer, failure detection, the node
+//! API, the control plane), and [`peer_routes`] turns the peer listener's requests into the same
+//! calls. It sits above everything it dispatches to, so `transport/` (the wire) imports none of
+//! them. The simulated network calls [`PeerService`] directly, so both run the same handlers.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,16 +18,16 @@ use shoal_http_api::types::RouteContext;
 use shoal_http_api::{ApiError, ShoalApi};
 use shoal_raft::{BucketId, ControlError, ControlPlane, ControlRpc, NodeId, ServeError, BUCKET_COUNT};
 
-use super::http::{
-    encode_answers, encode_refusal, HEADER_RAFT_TARGET, LINK_REFUSED, LINK_REPLICATE, LINK_REPLICATED,
-    TRANSFER_MEDIA_TYPE,
-};
-use super::{calls, link, reads, writes};
-use super::{CallError, FrameStream, PeerAnswer, PeerRequest, ReplicaAnswer, Replicate, StreamRequest};
 use crate::health::Health;
 use crate::proxy::NodeApi;
 use crate::replication::Replicator;
 use crate::transfer::export::Exporter;
+use crate::transport::http::{
+    decode_batch, encode_answers, encode_refusal, HEADER_RAFT_TARGET, LINK_REFUSED, LINK_REPLICATE, LINK_REPLICATED,
+    TRANSFER_MEDIA_TYPE,
+};
+use crate::transport::{calls, link, reads, writes};
+use crate::transport::{CallError, FrameStream, PeerAnswer, PeerRequest, ReplicaAnswer, Replicate, StreamRequest};
 
 /// Everything a node answers to other nodes.
 pub struct PeerService {
@@ -179,7 +181,7 @@ impl PeerService {
                 let Some(from) = payload.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_be_bytes) else {
                     return refused("replica writes without their sender");
                 };
-                match super::http::decode_batch(from, payload.slice(8..)) {
+                match decode_batch(from, payload.slice(8..)) {
                     Ok(requests) => (LINK_REPLICATED, encode_answers(&Box::pin(self.receive_batch(requests)).await)),
                     Err(reason) => refused(&reason.to_string()),
                 }

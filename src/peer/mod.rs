@@ -17,8 +17,8 @@ use shoal_http_api::types::{
 use shoal_http_api::{ApiError, PutItem, Unavailable};
 use shoal_raft::{BucketId, NodeId};
 
-use crate::balance::BucketReport;
 use crate::transport::http::FORWARD_TIMEOUT;
+use crate::transport::BucketReport;
 use crate::transport::{
     unexpected, Addrs, CallError, FrameStream, PeerAnswer, PeerRequest, Ping, Pong, ReplicaAnswer, Replicate,
     StreamRequest, Transport, PEER_CALL_TIMEOUT,

@@ -407,7 +407,7 @@ impl NodeApi {
     }
 
     /// Keeps a member's bucket statistics (the leader's side of the report).
-    pub fn receive_bucket_report(&self, report: crate::balance::BucketReport) {
+    pub fn receive_bucket_report(&self, report: crate::transport::BucketReport) {
         self.balancer.receive(report);
     }
 

@@ -24,8 +24,8 @@ use super::network::{HostId, SimNetwork};
 use crate::bucket::Probe;
 use crate::config::ServeConfig;
 use crate::identity::Identity;
+use crate::node::PeerService;
 use crate::node::{self, Environment, StartError};
-use crate::transport::PeerService;
 
 /// Where a host is in its life.
 #[derive(Clone)]

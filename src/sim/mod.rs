@@ -599,7 +599,7 @@ fn converged(cluster: &SimCluster) -> Option<String> {
 }
 
 /// Where two running nodes' event logs tell different histories, over the indices both hold.
-fn histories_differ(running: &[(HostId, NodeId, Arc<crate::transport::PeerService>)]) -> Option<String> {
+fn histories_differ(running: &[(HostId, NodeId, Arc<crate::node::PeerService>)]) -> Option<String> {
     let logs: Vec<(HostId, Vec<shoal_raft::Event>)> =
         running.iter().map(|(h, _, service)| (*h, service.control.view().events_since(0, usize::MAX).events)).collect();
     let first = logs.iter().filter_map(|(_, l)| l.first().map(|e| e.index)).max()?;

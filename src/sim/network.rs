@@ -32,8 +32,9 @@ use shoal_raft::{BoxFuture, ControlRpc, ControlTransport, NodeId, ServeError, Tr
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
+use crate::node::PeerService;
 use crate::transport::http::FORWARD_TIMEOUT;
-use crate::transport::{CallError, FrameStream, PeerAnswer, PeerRequest, PeerService, StreamRequest, Transport};
+use crate::transport::{CallError, FrameStream, PeerAnswer, PeerRequest, StreamRequest, Transport};
 
 /// A simulated host: an index into the simulation's hosts.
 pub type HostId = usize;

@@ -1,6 +1,7 @@
 //! The seam for node-to-node traffic: every message one node sends another goes through a
 //! [`Transport`], so the protocol code runs the same over real HTTP and in the deterministic
-//! simulation (`crate::sim`).
+//! simulation (`crate::sim`). This module is the wire only: it imports none of the parts that
+//! answer requests; the receiving dispatch is the node's (`crate::node::PeerService`).
 //!
 //! ```text
 //!   sender                         Transport                          receiver
@@ -21,8 +22,6 @@
 //! - `mod.rs`: the trait, the requests and answers.
 //! - `http.rs`: [`HttpTransport`], the production implementation: one hyper client whose pool
 //!   keeps connections per peer, the cluster secret, the source address.
-//! - `service.rs`: [`PeerService`], the receiving side (one dispatch for every request), and the
-//!   peer listener's routes that feed it.
 //! - `frame.rs`: the wire format of bucket data (bucket streams, replica writes and snapshots,
 //!   shadow writes).
 //! - `lanes.rs`: [`lanes::Lanes`], requests to one peer that wait at the same time sent in one
@@ -42,7 +41,6 @@ pub mod http;
 pub mod lanes;
 pub mod link;
 pub mod reads;
-pub mod service;
 #[cfg(test)]
 pub mod testing;
 pub mod writes;
@@ -61,7 +59,39 @@ use shoal_http_api::{ApiError, PutItem};
 use shoal_raft::{BoxFuture, BucketId, ControlTransport, MemberStatus, NodeId};
 
 pub use http::HttpTransport;
-pub use service::PeerService;
+
+/// One node's report of the buckets it serves.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BucketReport {
+    /// The reporting node.
+    pub node: NodeId,
+    /// Its map version when it measured.
+    pub map_version: u64,
+    /// The buckets it serves.
+    pub buckets: Vec<ReportedBucket>,
+    /// The receive rate of its last transfer that moved enough to tell, bytes per second.
+    #[serde(default)]
+    pub transfer_rate: Option<f64>,
+    /// Buckets it owns but does not hold yet (being restored after a restart, or promoted
+    /// and not installed): its figures are incomplete until they are back.
+    #[serde(default)]
+    pub pending: u32,
+}
+
+/// One bucket in a [`BucketReport`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReportedBucket {
+    /// The bucket.
+    pub bucket: u16,
+    /// Items.
+    pub items: u64,
+    /// Charged bytes.
+    pub bytes: u64,
+    /// Reads per second since the node's previous report.
+    pub reads_per_sec: f64,
+    /// Writes per second.
+    pub writes_per_sec: f64,
+}
 
 /// A request to another node. The ones without a kind of their own on a peer link travel as
 /// JSON (`calls`); the others cannot be serialized.
@@ -182,7 +212,7 @@ pub enum PeerRequest {
         period: Duration,
     },
     /// A member's bucket statistics, to the leader's peer address.
-    ReportBuckets(Box<crate::balance::BucketReport>),
+    ReportBuckets(Box<BucketReport>),
     /// The leader's view of the buckets (a member asks the leader for `GET /v1/cluster/buckets`).
     Buckets(BucketsQuery),
     /// A balancing planned (and started) by the leader (`POST /v1/cluster/rebalance`).

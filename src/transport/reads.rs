@@ -106,7 +106,7 @@ pub fn decode_request(payload: &[u8]) -> Result<(PeerRequest, u64), super::Malfo
     Ok((request, deadline_ms))
 }
 
-/// The link answer (kind and payload) to a read: what [`super::PeerService::serve`] answered.
+/// The link answer (kind and payload) to a read: what [`crate::node::PeerService::serve`] answered.
 /// `None` when it would be larger than `most` bytes (the reader asks over HTTP).
 pub fn encode_answer(answer: Result<PeerAnswer, CallError>) -> (u8, Vec<u8>) {
     let items = match answer {

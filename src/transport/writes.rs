@@ -255,7 +255,7 @@ fn key_failed(out: &mut Vec<u8>, e: &ApiError) {
 }
 
 /// The link answer (kind and payload) to a forwarded write or delete: what
-/// [`super::PeerService::serve`] answered.
+/// [`crate::node::PeerService::serve`] answered.
 pub fn encode_answer(answer: Result<PeerAnswer, CallError>) -> (u8, Vec<u8>) {
     // Sized up front: a forwarded write's answer is on the hot path.
     let mut out = Vec::with_capacity(match &answer {
