@@ -136,7 +136,7 @@ pub enum DataError {
 /// Why a replica copy may not serve a read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NotFresh {
-    /// This node is not a mirror of the bucket now (see `crate::bucket::Phase::Mirror`).
+    /// This node is not a mirror of the bucket now (see `crate::phase::Phase::Mirror`).
     NotMirror,
     /// Its copy does not hold every write of the owner's current ownership period.
     NotAttached,

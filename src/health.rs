@@ -36,9 +36,9 @@ use shoal_raft::{ControlPlane, MemberStatus, NodeId};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::bucket::{write_refusal, NodeFacts};
 use crate::mirror::{Mirrors, Outcome};
 use crate::peer::Peers;
+use crate::phase::{write_refusal, NodeFacts};
 use crate::replication::Replicator;
 use crate::transport::{Ping, Pong};
 
@@ -261,7 +261,7 @@ impl Health {
     }
 
     /// What this node knows of itself that decides whether it may acknowledge a write (see
-    /// `crate::bucket::write_refusal`): a peer said it was failed, it hands its buckets over,
+    /// `crate::phase::write_refusal`): a peer said it was failed, it hands its buckets over,
     /// it stops, or it has not heard from a majority of the members within the node timeout.
     pub fn node_facts(&self) -> NodeFacts {
         let mut facts = NodeFacts {

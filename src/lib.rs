@@ -59,6 +59,7 @@ pub mod metrics;
 pub mod mirror;
 pub mod node;
 pub mod peer;
+pub mod phase;
 pub mod proxy;
 pub mod reconcile;
 pub mod replication;

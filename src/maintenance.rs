@@ -37,8 +37,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use shoal_raft::state::{MaintenancePhase, MaintenanceRefusal};
 use shoal_raft::{AdminRequest, ClusterState, ControlError, ControlPlane, NodeId};
 
-use crate::bucket::LocalFacts;
 use crate::health::Health;
+use crate::phase::LocalFacts;
 use crate::replication::Replicator;
 
 /// How long a member waits for its replica to be complete before it refuses.

@@ -29,9 +29,10 @@ use shoal_http_api::types::{BucketsQuery, BucketsView, RebalancePlan, RebalanceR
 use shoal_raft::{AdminRequest, AdminResponse, BucketId, ControlError, ControlPlane, NodeId};
 use tokio::time::Instant;
 
-use crate::bucket::{BucketCore, Phase, Totals};
+use crate::bucket::{BucketCore, Totals};
 use crate::cache::CacheStore;
 use crate::peer::Peers;
+use crate::phase::Phase;
 use crate::transfer::progress::Progress;
 use crate::transport::CallError;
 use crate::transport::{BucketReport, ReportedBucket};

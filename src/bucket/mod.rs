@@ -1,12 +1,14 @@
 //! The bucket core: the one place that decides what this node does with a bucket, and the one
 //! write path.
 //!
-//! - [`phase`]: pure functions from (the replicated state, this node's facts about the bucket
-//!   and about itself) to the bucket's [`Phase`], where a key operation runs ([`route_of`]),
-//!   and — the question every write asks — whether this node may write the bucket now and who
-//!   must get a copy ([`write_plan`]).
-//! - [`LocalFacts`]: what this node knows of its buckets that Raft does not say (being restored
-//!   after a restart, a promoted copy installed) and the per-bucket write locks.
+//! - `crate::phase` (a module of its own, below this one and below everything this one calls,
+//!   so replication, transfer and failure detection decide there too without importing the
+//!   bucket core): pure functions from (the replicated state, this node's facts about the
+//!   bucket and about itself) to the bucket's [`Phase`], where a key operation runs
+//!   ([`route_of`]), and — the question every write asks — whether this node may write the
+//!   bucket now and who must get a copy ([`write_plan`]); and [`LocalFacts`], what this node
+//!   knows of its buckets that Raft does not say (being restored after a restart, a promoted
+//!   copy installed) and the per-bucket write locks.
 //! - [`BucketCore`]: asks the pure functions on the current state and hands out
 //!   [`WritePermit`]s: a permit holds the bucket's lock while it writes, and its commit sends
 //!   the writes to every copy the plan names, or takes them all back.
@@ -22,27 +24,21 @@
 //! invariants and the tests that check them.
 
 mod permit;
-pub mod phase;
 #[cfg(test)]
 pub(crate) mod testing;
 
-use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use parking_lot::{Mutex, RwLock};
 use shoal_raft::{BucketId, ClusterState, ControlPlane, NodeId, BUCKET_COUNT};
-use tokio::sync::{MutexGuard, RwLockReadGuard, RwLockWriteGuard};
 
-pub use permit::WritePermit;
-pub use phase::{
-    holds_replica, keeps_replica, mirror_read, mirrors_of, phase_of, plan_holds, pull_lands, read_refusal, route_of,
-    write_plan, write_refusal, BucketFacts, NodeFacts, Phase, Recipient, ReplicaFacts, Route, Routing, WritePlan,
+use crate::phase::{
+    phase_of, read_refusal, route_of, write_plan, write_refusal, LocalFacts, NodeFacts, Phase, Route, Routing,
 };
+pub use permit::WritePermit;
 
 use crate::cache::CacheStore;
 use crate::error::DataError;
-pub use crate::error::NotFresh;
 use crate::health::Health;
 use crate::peer::Peers;
 use crate::replication::Replicator;
@@ -102,140 +98,6 @@ pub trait Probe: Send + Sync {
     /// Node `node` answered a read of `bucket` from its replica copy (a mirror read).
     fn served_replica(&self, node: NodeId, bucket: BucketId, epoch: u64) {
         self.served(node, bucket, epoch);
-    }
-}
-
-/// What this node knows of its buckets that the replicated state does not say, and the lock
-/// that serializes writes to each bucket (so its copies apply them in the order it did).
-pub struct LocalFacts {
-    restoring: RwLock<BTreeSet<u16>>,
-    /// Promoted buckets whose copy is installed, with the move epoch of their promotion: a
-    /// later promotion of the same bucket (a new epoch) is installed again.
-    installed: Mutex<BTreeMap<u16, u64>>,
-    /// Buckets this node handed over since it started and still holds the data of: the
-    /// shadows it really has. The replicated state names the node that handed a bucket over,
-    /// but a node that restarted since holds nothing of it.
-    shadows: RwLock<BTreeSet<u16>>,
-    locks: Vec<tokio::sync::Mutex<()>>,
-    /// Per bucket: held for writing while a write permit's writes are in the store but not
-    /// committed (they may still be taken back); reads of the bucket wait for it, so no read
-    /// sees a write that is then taken back.
-    pending: Vec<tokio::sync::RwLock<()>>,
-}
-
-impl Default for LocalFacts {
-    fn default() -> Self {
-        LocalFacts {
-            restoring: RwLock::new(BTreeSet::new()),
-            installed: Mutex::new(BTreeMap::new()),
-            shadows: RwLock::new(BTreeSet::new()),
-            locks: (0..BUCKET_COUNT).map(|_| tokio::sync::Mutex::new(())).collect(),
-            pending: (0..BUCKET_COUNT).map(|_| tokio::sync::RwLock::new(())).collect(),
-        }
-    }
-}
-
-impl LocalFacts {
-    /// This node handed `bucket` over and keeps its data as the shadow.
-    pub fn handed_over(&self, bucket: BucketId) {
-        self.shadows.write().insert(bucket.0);
-    }
-
-    /// This node dropped its active data of `bucket`.
-    pub fn dropped(&self, bucket: BucketId) {
-        self.shadows.write().remove(&bucket.0);
-    }
-
-    /// Whether this node holds a shadow copy of `bucket` (it handed it over since it started
-    /// and has not dropped it).
-    pub fn holds_shadow(&self, bucket: BucketId) -> bool {
-        self.shadows.read().contains(&bucket.0)
-    }
-
-    /// The buckets this node holds a shadow copy of.
-    pub fn shadows(&self) -> BTreeSet<BucketId> {
-        self.shadows.read().iter().map(|&b| BucketId(b)).collect()
-    }
-
-    /// What this node knows of `bucket`, on `state`.
-    pub fn of(&self, state: &ClusterState, bucket: BucketId) -> BucketFacts {
-        BucketFacts { restoring: self.is_restoring(bucket), installed: self.is_installed(state, bucket) }
-    }
-
-    /// Whether node `me` owns `bucket` on `state` but does not hold its data yet (restoring
-    /// after a restart, or promoted and not installed): it must not be exported or sent to a
-    /// replica, which would spread an empty bucket.
-    pub fn not_held(&self, state: &ClusterState, me: NodeId, bucket: BucketId) -> bool {
-        matches!(phase_of(state, me, bucket, self.of(state, bucket)), Phase::Restoring | Phase::AwaitingPromotion)
-    }
-
-    /// Locks `bucket` for a write (or anything that must not interleave with one).
-    pub async fn lock(&self, bucket: BucketId) -> MutexGuard<'_, ()> {
-        self.locks[bucket.index()].lock().await
-    }
-
-    /// Waits until no write of `bucket` may still be taken back, and keeps it so while the
-    /// guard lives: a read holds it while it reads the store.
-    pub async fn committed(&self, bucket: BucketId) -> RwLockReadGuard<'_, ()> {
-        let pending = &self.pending[bucket.index()];
-        match pending.try_read() {
-            Ok(guard) => guard,
-            Err(_) => pending.read().await,
-        }
-    }
-
-    /// Marks `bucket` as having writes that may be taken back, until the guard is dropped.
-    async fn uncommitted(&self, bucket: BucketId) -> RwLockWriteGuard<'_, ()> {
-        self.pending[bucket.index()].write().await
-    }
-
-    /// Whether `bucket` waits to be restored.
-    pub fn is_restoring(&self, bucket: BucketId) -> bool {
-        let set = self.restoring.read();
-        !set.is_empty() && set.contains(&bucket.0)
-    }
-
-    /// The buckets waiting to be restored.
-    pub fn restoring(&self) -> Vec<BucketId> {
-        self.restoring.read().iter().map(|&b| BucketId(b)).collect()
-    }
-
-    /// Marks the buckets to get back before serving them, at start (before serving). After a
-    /// restart: every bucket, because the state this node read from its own disk may be behind
-    /// (a bucket flipped to it just before it went down is not in it yet); the reconciler
-    /// unmarks the ones it does not own once it has caught up with the leader, and the owned
-    /// ones of which no copy is left serve again empty, said once. That includes the only
-    /// member's restart: its memory held the only copy of everything, and the loss is reported,
-    /// not silent. Otherwise: every bucket `me` serves that has a shadow or a replica elsewhere.
-    pub fn mark_restoring(&self, state: &ClusterState, me: NodeId, restarted: bool) {
-        let mut set = self.restoring.write();
-        let replica = state.replica_of(me).is_some();
-        for b in BucketId::all() {
-            let owned = state.map.owner_of(b) == Some(me);
-            if restarted || (owned && (replica || state.shadow_of(b).is_some())) {
-                set.insert(b.0);
-            }
-        }
-    }
-
-    /// `bucket` is back (or has no copy to come back from).
-    pub fn restored(&self, bucket: BucketId) {
-        self.restoring.write().remove(&bucket.0);
-    }
-
-    /// Whether this node installed its copy of `bucket`, promoted to it on `state`.
-    pub fn is_installed(&self, state: &ClusterState, bucket: BucketId) -> bool {
-        if state.promoted.is_empty() || !state.promoted.contains_key(&bucket.0) {
-            return false;
-        }
-        self.installed.lock().get(&bucket.0) == Some(&state.epoch_of(bucket))
-    }
-
-    /// This node installed its copy of `bucket`, promoted to it on `state`.
-    pub fn install(&self, state: &ClusterState, bucket: BucketId) {
-        let mut installed = self.installed.lock();
-        installed.retain(|b, _| state.promoted.contains_key(b));
-        installed.insert(bucket.0, state.epoch_of(bucket));
     }
 }
 

@@ -16,10 +16,10 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::sync::{MutexGuard, RwLockWriteGuard};
 
-use super::phase::{plan_holds, write_refusal, WritePlan};
 use super::BucketCore;
 use crate::cache::{CacheError, Change, ExportedItem, Write};
 use crate::error::{DataError, ReplicaError};
+use crate::phase::{plan_holds, write_refusal, WritePlan};
 use crate::transport::frame::change_body;
 use crate::transport::CallError;
 

@@ -29,7 +29,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::bucket::{BucketCore, LocalFacts, Probe};
+use crate::bucket::{BucketCore, Probe};
 use crate::cache::{CacheStore, Clock};
 use crate::config::ServeConfig;
 use crate::health::Health;
@@ -38,6 +38,7 @@ use crate::identity::Identity;
 use crate::join::Joiner;
 use crate::metrics::NodeMetrics;
 use crate::peer::Peers;
+use crate::phase::LocalFacts;
 use crate::proxy::{NodeApi, NodeParts};
 use crate::reconcile::Reconciler;
 use crate::replication::Replicator;

@@ -14,10 +14,10 @@ use super::{
     addrs_of, is_moving, is_passing, is_passing_answer, routing, write_of, NodeApi, FROZEN_WAIT, PASSING_WAIT,
     ROUTE_ATTEMPTS,
 };
-use crate::bucket::Route;
 use crate::error::DataError;
 use crate::metrics::Op;
 use crate::mirror::{outcome_of, Outcome};
+use crate::phase::Route;
 use crate::transport::Addrs;
 
 /// The results of the keys of one bucket written here, by index into the request.
@@ -233,7 +233,7 @@ impl NodeApi {
         let mut by_holder: BTreeMap<NodeId, Vec<usize>> = BTreeMap::new();
         let mut chosen: BTreeMap<NodeId, Option<NodeId>> = BTreeMap::new();
         for (i, k) in keys.iter().enumerate() {
-            let (Some(owner), Some(holder)) = crate::bucket::mirrors_of(&state, bucket_of(k.as_bytes())) else {
+            let (Some(owner), Some(holder)) = crate::phase::mirrors_of(&state, bucket_of(k.as_bytes())) else {
                 continue;
             };
             let pick = *chosen.entry(owner).or_insert_with(|| self.mirrors.choose(&[owner, holder]));

@@ -40,13 +40,14 @@ use shoal_http_api::types::{
 use shoal_http_api::{ApiError, Limits, PutItem, ShoalApi};
 use shoal_raft::{bucket_of, BucketId, ClusterState, ControlPlane, NodeId};
 
-use crate::bucket::{mirror_read, mirrors_of, BucketCore, Phase, Route, Routing};
+use crate::bucket::BucketCore;
 use crate::cache::{CacheError, CacheStore, Condition, Write};
 use crate::error::DataError;
 use crate::health::Health;
 use crate::metrics::{NodeMetrics, Op};
 use crate::mirror::{outcome_of, Mirrors, Outcome};
 use crate::peer::Peers;
+use crate::phase::{mirror_read, mirrors_of, Phase, Route, Routing};
 use crate::replication::Replicator;
 use crate::transfer::progress::Progress;
 use crate::transport::Addrs;
@@ -337,7 +338,7 @@ impl NodeApi {
             self.control.wait_for_state(MIRROR_CATCH_UP, |s| s.map.version >= want).await;
         }
         if self.control.state().map.version < want {
-            return Err(DataError::ReplicaNotFresh { bucket, why: crate::bucket::NotFresh::NotMirror });
+            return Err(DataError::ReplicaNotFresh { bucket, why: crate::error::NotFresh::NotMirror });
         }
         Ok(())
     }
@@ -365,7 +366,7 @@ impl NodeApi {
         let state = self.control.state();
         let phase = self.core.phase(&state, bucket);
         let Phase::Mirror { owner } = phase else {
-            return Err(DataError::ReplicaNotFresh { bucket, why: crate::bucket::NotFresh::NotMirror });
+            return Err(DataError::ReplicaNotFresh { bucket, why: crate::error::NotFresh::NotMirror });
         };
         let allowed = staleness.as_millis() as u64;
         let (found, lag) = self

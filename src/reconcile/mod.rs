@@ -31,12 +31,13 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use crate::bucket::{phase_of, BucketCore, LocalFacts, Probe};
+use crate::bucket::{BucketCore, Probe};
 use crate::cache::CacheStore;
 use crate::health::Health;
 use crate::identity::Identity;
 use crate::metrics::NodeMetrics;
 use crate::peer::Peers;
+use crate::phase::{phase_of, LocalFacts};
 use crate::replication::Replicator;
 use crate::transfer::import::{backoff, Puller};
 use crate::transfer::progress::Progress;

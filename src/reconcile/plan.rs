@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use shoal_raft::state::MaintenancePhase;
 use shoal_raft::{BucketId, ClusterState, NodeId};
 
-use crate::bucket::{keeps_replica, phase_of, BucketFacts, Phase};
+use crate::phase::{keeps_replica, phase_of, BucketFacts, Phase};
 
 /// How many buckets one attach job sends to a replica holder before the loop plans again.
 pub const ATTACH_BATCH: usize = 64;

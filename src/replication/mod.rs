@@ -76,10 +76,11 @@ use shoal_raft::{BucketId, ClusterState, ControlPlane, NodeId, ReplicationMode, 
 use tokio::sync::{MutexGuard, Notify};
 use tokio::time::Instant;
 
-use crate::bucket::{keeps_replica, LocalFacts, NotFresh, Recipient, ReplicaFacts, WritePlan};
 use crate::cache::{CacheStore, Change};
+use crate::error::NotFresh;
 use crate::error::{DataError, ReplicaError};
 use crate::peer::Peers;
+use crate::phase::{keeps_replica, LocalFacts, Recipient, ReplicaFacts, WritePlan};
 use crate::transport::frame::{change_body, snapshot_body};
 use crate::transport::{CallError, ReplicaAnswer, ReplicaReport, Replicate};
 
@@ -665,7 +666,7 @@ impl Replicator {
     }
 
     /// What this node knows of its replica copy of `bucket` from `owner` (see
-    /// [`crate::bucket::ReplicaFacts`]). How far behind: unknown unless the owner's latest
+    /// [`crate::phase::ReplicaFacts`]). How far behind: unknown unless the owner's latest
     /// report names this node, in its current holding period, as the holder whose copy has
     /// every bucket; then, with sync replication, nothing unless the owner still drains a
     /// queue (writes from before a switch from async); with async replication, what the owner
@@ -704,7 +705,7 @@ impl Replicator {
     /// The holders a write of `bucket` goes to on `state`, if this node owns it: the one it
     /// must reach, and the one join order names when that is not the same.
     pub fn holders_of(&self, state: &ClusterState, bucket: BucketId) -> (Option<Holder>, Option<Holder>) {
-        let plan = crate::bucket::write_plan(state, self.me, bucket, self.facts.of(state, bucket), Default::default());
+        let plan = crate::phase::write_plan(state, self.me, bucket, self.facts.of(state, bucket), Default::default());
         match plan {
             Ok(plan) => (self.holder_for(&plan), self.next_holder_for(&plan)),
             Err(_) => (None, None),

@@ -4,7 +4,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use super::Replicator;
-use crate::bucket::holds_replica;
+use crate::phase::holds_replica;
 use crate::transport::frame::decode_body;
 use crate::transport::{ReplicaAnswer, Replicate};
 

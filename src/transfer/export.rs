@@ -27,9 +27,9 @@ use tokio::time::Instant;
 
 use super::progress::Progress;
 use super::TransferConfig;
-use crate::bucket::LocalFacts;
 use crate::cache::CacheStore;
 use crate::cache::{Change, ExportedItem};
+use crate::phase::LocalFacts;
 use crate::transport::frame::{
     error_frame, put_change, put_chunk, put_end, put_item_head, SnapshotEncoder, CHUNK_BYTES,
 };

@@ -8,9 +8,9 @@ use shoal_raft::{AdminRequest, AdminResponse, BucketId, ControlError, ControlPla
 
 use super::progress::Progress;
 use super::TransferConfig;
-use crate::bucket::pull_lands;
 use crate::cache::CacheStore;
 use crate::peer::Peers;
+use crate::phase::pull_lands;
 use crate::transport::frame::{Decoded, Decoder, FrameError};
 use crate::transport::{CallError, FrameStream, StreamRequest};
 

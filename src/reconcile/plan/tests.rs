@@ -103,11 +103,11 @@ fn a_restarted_node_keeps_an_owned_lost_bucket_marked_until_it_is_found() {
             .any(|a| matches!(a, Action::Unmark { .. } | Action::Restore { .. } | Action::ServeEmpty { .. })),
         "lost: nothing to restore yet, and it stays marked: {actions:?}"
     );
-    assert_eq!(crate::bucket::phase_of(&s, 2, b, f.of(b)), Phase::Lost);
+    assert_eq!(crate::phase::phase_of(&s, 2, b, f.of(b)), Phase::Lost);
     let before = s.clone();
     s.apply(&shoal_raft::ClusterCommand::Found { owner: 2, from: 3, buckets: vec![b.0], heir: None });
     assert!(!s.is_lost(b), "found");
-    assert_eq!(crate::bucket::phase_of(&s, 2, b, f.of(b)), Phase::Restoring, "not served empty");
+    assert_eq!(crate::phase::phase_of(&s, 2, b, f.of(b)), Phase::Restoring, "not served empty");
     let heir = s.heir_of(2).expect("an heir");
     assert!(plan(&before, &s, &f).contains(&Action::Restore { bucket: b, from: heir }));
 }

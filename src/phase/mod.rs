@@ -1,6 +1,13 @@
-//! The pure decisions of the bucket core: from the replicated state, this node's facts about a
-//! bucket and about itself, what the node does with the bucket. No I/O, no locks, no clock:
-//! every function here is a function of its arguments, tested as such.
+//! A bucket's phase on this node: the pure decisions of the bucket core — from the replicated
+//! state, this node's facts about a bucket and about itself, what the node does with the
+//! bucket — and the facts they read ([`LocalFacts`]). No I/O, no locks, no clock in the
+//! decisions: every function here is a function of its arguments, tested as such. Everything
+//! that acts on a bucket (the bucket core, replication, transfer, failure detection) decides
+//! here, and this module imports none of them.
+
+mod facts;
+
+pub use facts::LocalFacts;
 
 use shoal_raft::{BucketId, ClusterState, NodeId};
 
