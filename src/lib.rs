@@ -53,6 +53,8 @@ pub mod health;
 pub mod http_server;
 pub mod identity;
 pub mod join;
+#[cfg(test)]
+mod layers;
 pub mod maintenance;
 pub mod memory;
 pub mod metrics;

@@ -224,10 +224,15 @@ impl Peers {
         }
     }
 
-    /// Asks the member at `peer_addr` to go into maintenance for `period`; its refusal comes
-    /// back as it answered it.
-    pub async fn enter_maintenance(&self, peer_addr: &str, period: Duration) -> Result<MaintenanceView, ApiError> {
-        let timeout = crate::maintenance::ENTER_TIMEOUT;
+    /// Asks the member at `peer_addr` to go into maintenance for `period`, waiting at most
+    /// `timeout` (entering takes Raft proposals and waits of its own); its refusal comes back as
+    /// it answered it.
+    pub async fn enter_maintenance(
+        &self,
+        peer_addr: &str,
+        period: Duration,
+        timeout: Duration,
+    ) -> Result<MaintenanceView, ApiError> {
         match self.transport.call(peer_addr, PeerRequest::EnterMaintenance { period }, timeout).await {
             Ok(PeerAnswer::Maintenance(view)) => Ok(view),
             Ok(other) => Err(api_error(peer_addr, unexpected(&other))),

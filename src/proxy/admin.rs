@@ -122,7 +122,7 @@ impl NodeApi {
             return Err(ApiError::UnknownResource(format!("node {node_id} is not a member")));
         };
         if node_id != self.node_id {
-            return self.peers.enter_maintenance(&member.peer_addr, period).await;
+            return self.peers.enter_maintenance(&member.peer_addr, period, crate::maintenance::ENTER_TIMEOUT).await;
         }
         self.maintenance_here(period, crate::maintenance::PREPARE_WAIT + crate::maintenance::SYNC_WAIT).await
     }
