@@ -2,7 +2,7 @@
 //!
 //! An owner writes each bucket under its lock, and a sync write answers the client only once
 //! the holder applied it, so under load many writes of different buckets wait for the same
-//! holder at once. Each holder has a lane (`transport::lanes`): a write joins the lane's
+//! holder at once. Each holder has a lane (`lanes.rs`): a write joins the lane's
 //! waiting list, and at most two exchanges are in flight per holder; a sender takes everything
 //! waiting (up to [`MAX_BATCH`]) into one request and hands each write the holder's answer to
 //! it. A lone write goes at once, alone (no added wait at low load); under load the batches
@@ -13,8 +13,8 @@
 //! gets no answer (the holder died, the network broke) fails every write in it, and each
 //! writer takes its write back, as it did alone.
 
+use super::lanes::{Exchange, LaneLimits, Lanes};
 use crate::peer::Peers;
-use crate::transport::lanes::{Exchange, LaneLimits, Lanes};
 use crate::transport::{CallError, ReplicaAnswer, Replicate};
 
 /// Writes one exchange carries at most.

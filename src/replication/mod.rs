@@ -58,11 +58,14 @@
 //! # Layout
 //! - `mod.rs`: the [`Replicator`]: sending, attaching, the queue, promotion, counts.
 //! - `batch.rs`: the lanes that batch writes per holder.
+//! - `lanes.rs`: [`lanes::Lanes`], requests to one peer that wait at the same time sent in one
+//!   exchange.
 //! - `receive.rs`: the holder's endpoint.
 //! - `copy_back.rs`: the copy a restarted owner gets its buckets back from.
 
 mod batch;
 mod copy_back;
+mod lanes;
 mod receive;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};

@@ -435,6 +435,7 @@ impl HttpTransport {
     }
 
     /// Whether a link to the peer listener at `addr` is open.
+    #[cfg(test)]
     pub fn has_link(&self, addr: &str) -> bool {
         self.links.is_open(addr)
     }

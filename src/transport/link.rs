@@ -77,10 +77,6 @@ pub const CANCELLABLE: u8 = 0x40;
 const HEADER_LEN: usize = 13;
 /// The largest payload of one frame a writer sends; a larger message goes in fragments.
 const MAX_FRAME: usize = 64 * 1024;
-/// The largest frame payload a reader accepts: [`MAX_FRAME`], and the unfragmented messages
-/// of up to 2 MiB (and what their kind put around them) that nodes of the version before
-/// fragments sent.
-const MAX_FRAME_READ: usize = (2 << 20) + 64 * 1024;
 /// The bit of a frame's length that says more fragments of its message follow.
 const MORE: u32 = 1 << 31;
 /// The largest message (all its fragments together) a reader accepts: a replica snapshot of a
@@ -212,8 +208,8 @@ impl<R: AsyncRead + Unpin> MessageReader<R> {
             }
             let raw = u32::from_be_bytes(self.buf[9..13].try_into().unwrap_or_default());
             let (more, len) = (raw & MORE != 0, (raw & !MORE) as usize);
-            if len > MAX_FRAME_READ {
-                return Err(malformed(format!("a link frame of {len} bytes (at most {MAX_FRAME_READ})")));
+            if len > MAX_FRAME {
+                return Err(malformed(format!("a link frame of {len} bytes (at most {MAX_FRAME})")));
             }
             if self.buf.len() < HEADER_LEN + len {
                 return Ok(Err(HEADER_LEN + len - self.buf.len()));
@@ -436,6 +432,7 @@ impl Links {
     }
 
     /// Whether a link to `addr` is open.
+    #[cfg(test)]
     pub fn is_open(&self, addr: &str) -> bool {
         matches!(self.slots.lock().get(addr), Some(Slot::Open(_)))
     }
@@ -932,7 +929,7 @@ mod tests {
         let sent = [
             Message { id: 1, kind: 7, payload: Bytes::from_static(b"hello") },
             Message { id: u64::MAX, kind: 0, payload: Bytes::new() },
-            Message { id: 3, kind: 255, payload: Bytes::from(vec![9u8; 100_000]) },
+            Message { id: 3, kind: 255, payload: Bytes::from(vec![9u8; MAX_FRAME]) },
         ];
         let mut wire = Vec::new();
         for m in &sent {
@@ -960,7 +957,7 @@ mod tests {
             assert!(MessageReader::new(&whole[..cut]).next().await.is_err(), "cut at {cut}");
         }
         let mut huge = encode(5, 1, |_| {}).to_vec();
-        huge[9..13].copy_from_slice(&((MAX_FRAME_READ + 1) as u32).to_be_bytes());
+        huge[9..13].copy_from_slice(&((MAX_FRAME + 1) as u32).to_be_bytes());
         let error = MessageReader::new(&huge[..]).next().await.expect_err("too large");
         assert_eq!(error.kind(), std::io::ErrorKind::InvalidData);
     }

@@ -24,8 +24,6 @@
 //!   keeps connections per peer, the cluster secret, the source address.
 //! - `frame.rs`: the wire format of bucket data (bucket streams, replica writes and snapshots,
 //!   shadow writes).
-//! - `lanes.rs`: [`lanes::Lanes`], requests to one peer that wait at the same time sent in one
-//!   exchange (replica writes, forwarded key operations).
 //! - `link.rs`: [`link::Links`], one long-lived connection per peer (an HTTP upgrade), the only
 //!   way every request to a peer listener travels but Raft's, admin messages and bucket streams:
 //!   binary messages, many in flight at once, large ones in fragments.
@@ -38,7 +36,6 @@
 pub mod calls;
 pub mod frame;
 pub mod http;
-pub mod lanes;
 pub mod link;
 pub mod reads;
 #[cfg(test)]

@@ -88,11 +88,6 @@ impl<E: Exchange> Lanes<E> {
         Lanes { shared: Arc::new(Shared { exchange, limits, lanes: Mutex::default(), exchanges: AtomicU64::new(0) }) }
     }
 
-    /// How requests travel (for one that must go alone).
-    pub fn exchange(&self) -> &E {
-        &self.shared.exchange
-    }
-
     /// Exchanges sent so far (a batch counts once).
     pub fn exchanges(&self) -> u64 {
         self.shared.exchanges.load(Ordering::Relaxed)
