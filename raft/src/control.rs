@@ -144,6 +144,12 @@ const STALE_NODE_GRACE: Duration = Duration::from_secs(10);
 /// tell it the commit index (several heartbeat intervals).
 const COMMIT_NEWS_GRACE: Duration = Duration::from_secs(2);
 
+/// How long a restarted node asks the leader for its read index before it settles for what it
+/// knows itself (a leader of an earlier version does not know the request, and says so at once).
+const READ_INDEX_FOR: Duration = Duration::from_secs(30);
+/// How long one read index request may take.
+const READ_INDEX_WAIT: Duration = Duration::from_secs(5);
+
 impl ControlPlane {
     /// Opens the Raft storage `config.storage` names and starts Raft. Does not bootstrap or
     /// join.
@@ -385,6 +391,62 @@ impl ControlPlane {
         let metrics = self.inner.raft.metrics().borrow().clone();
         let is_voter = metrics.membership_config.membership().voter_ids().any(|id| id == self.node_id());
         is_voter
+    }
+
+    /// Waits until this node has applied everything the cluster committed before it asked; the
+    /// buckets it owns are then the ones the cluster says. It takes two bounds and waits for the
+    /// higher:
+    /// - the leader's read index: the leader confirms with a majority that it still leads and
+    ///   answers at least the index of its term's first entry, which covers everything committed
+    ///   before its term. This covers a leader this node knew from its stored vote that was
+    ///   replaced while the node was down. Asked for up to `READ_INDEX_FOR`; a leader that cannot
+    ///   read the request (an earlier version) refuses it at once.
+    /// - the commit index this node knows once a leader it can commit through is known (one that
+    ///   restarted as leader from its stored vote counts only once a majority answered it) and a
+    ///   few of its heartbeats went by. This covers a leader that restarted within its own term:
+    ///   its read index comes from the commit index on its disk, which may be behind entries of
+    ///   that term committed before the restart.
+    ///
+    /// Until then every bucket answers `bucket_restoring` (a node that cannot reach a leader could
+    /// not acknowledge writes anyway), rather than one flipped here before the restart being
+    /// served empty.
+    pub async fn catch_up(&self) {
+        let started = tokio::time::Instant::now();
+        let mut said = tokio::time::Instant::now();
+        let mut waiting = |what: &str| {
+            if said.elapsed() >= Duration::from_secs(10) {
+                tracing::info!(node_id = self.node_id(), waited = ?started.elapsed(), "catching up waits for {what}");
+                said = tokio::time::Instant::now();
+            }
+        };
+        let mut read_index = 0;
+        while started.elapsed() < READ_INDEX_FOR {
+            match tokio::time::timeout(READ_INDEX_WAIT, self.read_index()).await {
+                Ok(Ok(index)) => {
+                    read_index = index;
+                    break;
+                }
+                Ok(Err(e @ ControlError::Rejected { .. })) => {
+                    tracing::debug!(error = %e, "the leader does not know read index requests");
+                    break;
+                }
+                Ok(Err(e)) => tracing::debug!(error = %e, "asking the leader for its read index"),
+                Err(_) => tracing::debug!("asking the leader for its read index: no answer in time"),
+            }
+            waiting("the leader's read index");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        while self.commit_refusal().is_some() {
+            waiting("a Raft leader");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // The leader's next heartbeats carry its commit index.
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let target = read_index.max(self.commit_index());
+        while self.raft_metrics().last_applied.map_or(0, |l| l.index) < target {
+            waiting("the Raft log to be applied");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// The leader's read index (see [`AdminRequest::ReadIndex`]), asked through the leader.

@@ -440,7 +440,7 @@ impl Reconciler {
                 let me = self.clone();
                 jobs.spawn(
                     async move {
-                        crate::transfer::restore::catch_up(&me.control).await;
+                        me.control.catch_up().await;
                         Done::CaughtUp
                     },
                     Done::Gone(Kind::CatchUp),

@@ -17,14 +17,12 @@
 //! - `progress.rs`: counters for `/v1/cluster/transfer`, metrics and the stuck detector.
 //! - `shadow.rs`: the previous owner's shadow copy and the new owner's write-through.
 //! - `found.rs`: a lost bucket's last server, back after it was failed, gives its copy back.
-//! - `restore.rs`: catching up before getting buckets back after a restart.
 //! - `stuck.rs`: the leader's stuck-transfer detector.
 
 pub mod export;
 pub mod found;
 pub mod import;
 pub mod progress;
-pub mod restore;
 pub mod shadow;
 pub mod stuck;
 
