@@ -11,7 +11,7 @@
 //! - [`config`]: the command line (`shoal serve` flags, client commands, `shoal bench`).
 //! - [`node`]: [`node::start`] builds a node and returns a [`node::NodeHandle`]; its
 //!   `PeerService` answers other nodes, handing each request to the part that owns it.
-//! - `proxy`: `NodeApi`, the node's API: one key operation, local if this node owns the
+//! - `api`: `NodeApi`, the node's API: one key operation, local if this node owns the
 //!   bucket, else forwarded; cluster admin.
 //! - `transport`: the wire between nodes (peer links, bucket streams, Raft's RPCs over HTTP, or
 //!   the simulated network); `peer`: `Peers`, the typed calls a node makes to others over it.
@@ -42,9 +42,11 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 /// time, `SHOAL_REVISION` when the builder set it, else `unknown`).
 pub const REVISION: &str = env!("SHOAL_REVISION");
 
+pub(crate) mod api;
 pub(crate) mod auth;
 pub(crate) mod balance;
 pub mod bench;
+pub(crate) mod body_budget;
 pub(crate) mod bucket;
 pub mod cache;
 pub mod cli;
@@ -59,13 +61,11 @@ pub(crate) mod join;
 #[cfg(test)]
 mod layers;
 pub(crate) mod maintenance;
-pub(crate) mod memory;
 pub(crate) mod metrics;
 pub mod mirror;
 pub mod node;
 pub(crate) mod peer;
 pub(crate) mod phase;
-pub(crate) mod proxy;
 pub(crate) mod reconcile;
 pub(crate) mod replication;
 #[cfg(feature = "sim")]

@@ -50,7 +50,7 @@ pub struct BalanceConfig {
     pub transfer_rate: u64,
 }
 
-/// Why a view or plan could not be had (mapped to HTTP at the edge, `proxy/admin.rs`).
+/// Why a view or plan could not be had (mapped to HTTP at the edge, `api/admin.rs`).
 #[derive(Debug)]
 pub enum BalanceError {
     /// No plan now.

@@ -3,7 +3,7 @@
 //! One `hashbrown` table per bucket (1000 of them), each behind its own `RwLock`, so requests
 //! for different buckets never contend and a whole bucket can be taken out or put back at
 //! once (state transfer moves buckets). The store knows nothing of ownership or routing: the
-//! proxy decides which node serves a key; the store keeps whatever it is given.
+//! node API (`crate::api`) decides which node serves a key; the store keeps whatever it is given.
 //!
 //! Memory: every item is charged its key, value and tag bytes plus a fixed
 //! [`ITEM_OVERHEAD_BYTES`]; when the total exceeds the limit, writes evict by sampling, as

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //!          ┌──────────────── shoal node ────────────────────────────┐
-//!  client ─┤ API listener ── http-api router ── NodeApi (proxy) ──┐ │
+//!  client ─┤ API listener ── http-api router ── NodeApi (api) ──┐ │
 //!          │                                     │   CacheStore <─┘ │
 //!          │                                     └── Peers ─ Transport ─> other nodes
 //!   peers ─┤ peer listener ── PeerService ── ControlPlane (openraft, sled), replication, ...
@@ -29,6 +29,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::api::{NodeApi, NodeParts};
 use crate::bucket::{BucketCore, Probe};
 use crate::cache::{CacheStore, Clock};
 use crate::config::ServeConfig;
@@ -39,7 +40,6 @@ use crate::join::Joiner;
 use crate::metrics::NodeMetrics;
 use crate::peer::Peers;
 use crate::phase::LocalFacts;
-use crate::proxy::{NodeApi, NodeParts};
 use crate::reconcile::Reconciler;
 use crate::replication::Replicator;
 use crate::transfer::export::Exporter;
@@ -344,7 +344,7 @@ impl NodeHandle {
 /// body within them is always admitted (a value counts twice in the budget, itself and the
 /// store's copy; a bulk body four times, as it came and parsed, and their copies).
 fn limits_of(config: &ServeConfig) -> Limits {
-    let largest = (config.body_budget() / crate::memory::COPIES) as usize;
+    let largest = (config.body_budget() / crate::body_budget::COPIES) as usize;
     let max_value_bytes = (config.max_value_bytes as usize).min(largest);
     if max_value_bytes < config.max_value_bytes as usize {
         tracing::warn!(
@@ -645,7 +645,7 @@ pub async fn start_in(
         replicator: replicator.clone(),
         health: health.clone(),
         peers: peers.clone(),
-        bodies: Arc::new(crate::memory::BodyBudget::new(config.body_budget())),
+        bodies: Arc::new(crate::body_budget::BodyBudget::new(config.body_budget())),
         mirrors: mirrors.clone(),
         balancer: balancer.clone(),
         https: config.tls_cert.is_some(),

@@ -18,8 +18,8 @@ use shoal_http_api::types::RouteContext;
 use shoal_http_api::{ApiError, ShoalApi};
 use shoal_raft::{BucketId, ControlError, ControlPlane, ControlRpc, NodeId, ServeError, BUCKET_COUNT};
 
+use crate::api::NodeApi;
 use crate::health::Health;
-use crate::proxy::NodeApi;
 use crate::replication::Replicator;
 use crate::transfer::export::Exporter;
 use crate::transport::http::{

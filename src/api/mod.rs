@@ -90,7 +90,7 @@ pub struct NodeParts {
     /// Calls to other nodes.
     pub peers: Peers,
     /// Memory for request bodies in flight.
-    pub bodies: Arc<crate::memory::BodyBudget>,
+    pub bodies: Arc<crate::body_budget::BodyBudget>,
     /// Mirror choice and statistics.
     pub mirrors: Arc<Mirrors>,
     /// Bucket statistics and balancing by data.
@@ -111,7 +111,7 @@ pub struct NodeApi {
     core: Arc<BucketCore>,
     replicator: Arc<Replicator>,
     health: Arc<Health>,
-    bodies: Arc<crate::memory::BodyBudget>,
+    bodies: Arc<crate::body_budget::BodyBudget>,
     mirrors: Arc<Mirrors>,
     balancer: Arc<crate::balance::Balancer>,
     https: bool,
