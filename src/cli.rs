@@ -77,308 +77,347 @@ pub async fn run(command: Command) -> Result<(), CliError> {
         Command::Serve(_) | Command::Bench(_) | Command::Completions(_) => {
             Err("not a client command".to_string().into())
         }
-        Command::Get(a) => {
-            let client = connect(&a.client).await?;
-            let value = client.get(&a.key).await?;
-            let Some(value) = value else {
-                return Err(CliError::new(EXIT_NOT_FOUND, format!("no value for {:?} (not_found, HTTP 404)", a.key)));
-            };
-            match a.client.output {
-                Output::Table => {
-                    // On a terminal the value ends its line, so the prompt does not follow it;
-                    // piped, the bytes go out as they are.
-                    use std::io::IsTerminal;
-                    let mut out = std::io::stdout();
-                    out.write_all(&value.bytes).map_err(|e| e.to_string())?;
-                    if out.is_terminal() && !value.bytes.ends_with(b"\n") {
-                        out.write_all(b"\n").map_err(|e| e.to_string())?;
-                    }
-                    Ok(())
-                }
-                Output::Json => {
-                    // Binary-safe, as the bulk API: text as `value`, anything else as `value_base64`.
-                    let mut out = serde_json::json!({
-                        "key": a.key, "version": value.version, "bucket": value.bucket, "node": value.node,
-                    });
-                    match std::str::from_utf8(&value.bytes) {
-                        Ok(text) => out["value"] = text.into(),
-                        Err(_) => {
-                            use base64::Engine;
-                            out["value_base64"] = base64::engine::general_purpose::STANDARD.encode(&value.bytes).into();
-                        }
-                    }
-                    print_json(&out)
-                }
-            }
-        }
-        Command::Put(a) => {
-            let value = match a.value.as_deref() {
-                Some(v) if v != "-" => v.as_bytes().to_vec(),
-                _ => {
-                    let mut buf = Vec::new();
-                    std::io::stdin().read_to_end(&mut buf).map_err(|e| format!("reading stdin: {e}"))?;
-                    buf
-                }
-            };
-            let duration = |flag: &str, text: Option<&str>| {
-                text.map(|t| shoal_http_api::parse_duration(flag, t))
-                    .transpose()
-                    .map_err(|e| CliError::new(EXIT_USAGE, e.to_string()))
-            };
-            let priority = a
-                .priority
-                .as_deref()
-                .map(|p| {
-                    shoal_http_api::types::Priority::from_name(p).ok_or_else(|| {
-                        CliError::new(
-                            EXIT_USAGE,
-                            format!("--priority must be low, below_normal, normal, above_normal, high or not_removable, not {p:?}"),
-                        )
-                    })
-                })
-                .transpose()?;
-            let options = crate::client::PutOptions {
-                ttl: duration("--ttl", a.ttl.as_deref())?,
-                sliding: duration("--sliding", a.sliding.as_deref())?,
-                cas: a.cas,
-                mode: a.mode.as_deref().map(|m| {
-                    if m == "add" {
-                        crate::client::PutMode::Add
-                    } else {
-                        crate::client::PutMode::Replace
-                    }
-                }),
-                tags: a.tags.clone(),
-                priority,
-            };
-            let client = connect(&a.client).await?;
-            let ok = client.put_with(&a.key, value, &options).await?;
-            match a.client.output {
-                Output::Table => {
-                    println!("OK version={} bucket={} node={}", ok.version, ok.bucket, ok.node);
-                    Ok(())
-                }
-                Output::Json => print_json(&ok),
-            }
-        }
-        Command::Del(a) => {
-            let client = connect(&a.client).await?;
-            if !client.delete(&a.key).await? {
-                return Err(CliError::new(EXIT_NOT_FOUND, format!("no value for {:?} (not_found, HTTP 404)", a.key)));
-            }
-            if a.client.output == Output::Table {
-                println!("deleted");
+        Command::Get(a) => get(&a).await,
+        Command::Put(a) => put(&a).await,
+        Command::Del(a) => del(&a).await,
+        Command::Events(a) => events(&a).await,
+        Command::Ls(a) => list(&a).await,
+        Command::Config(ConfigCommand::Get(c)) => config_get(&c).await,
+        Command::Config(ConfigCommand::Set(a)) => config_set(&a).await,
+        Command::Status(a) => status(&a).await,
+        Command::Lost(LostCommand::Clear(a)) => lost_clear(&a).await,
+        Command::Map(c) => map(&c).await,
+        Command::Agents(a) => agents(&a).await,
+        Command::Node(NodeCommand::Maintenance(a)) => maintenance(&a).await,
+        Command::Buckets(a) => buckets(&a).await,
+        Command::Rebalance(a) => rebalance(&a).await,
+        Command::Leave(a) | Command::Node(NodeCommand::Leave(a)) => leave(&a).await,
+    }
+}
+
+/// Get a key: its value (raw bytes on a terminal, JSON with `-o json`).
+async fn get(a: &crate::config::KeyArgs) -> Result<(), CliError> {
+    let client = connect(&a.client).await?;
+    let value = client.get(&a.key).await?;
+    let Some(value) = value else {
+        return Err(CliError::new(EXIT_NOT_FOUND, format!("no value for {:?} (not_found, HTTP 404)", a.key)));
+    };
+    match a.client.output {
+        Output::Table => {
+            // On a terminal the value ends its line, so the prompt does not follow it;
+            // piped, the bytes go out as they are.
+            use std::io::IsTerminal;
+            let mut out = std::io::stdout();
+            out.write_all(&value.bytes).map_err(|e| e.to_string())?;
+            if out.is_terminal() && !value.bytes.ends_with(b"\n") {
+                out.write_all(b"\n").map_err(|e| e.to_string())?;
             }
             Ok(())
         }
-        Command::Events(a) => events(&a).await,
-        Command::Ls(a) => list(&a).await,
-        Command::Config(ConfigCommand::Get(c)) => {
-            let config: shoal_http_api::types::ClusterConfig =
-                json(send(&c, Method::GET, &["v1", "cluster", "config"], &[], None).await?).await?;
-            show(c.output, &config, config_table)
+        Output::Json => {
+            // Binary-safe, as the bulk API: text as `value`, anything else as `value_base64`.
+            let mut out = serde_json::json!({
+                "key": a.key, "version": value.version, "bucket": value.bucket, "node": value.node,
+            });
+            match std::str::from_utf8(&value.bytes) {
+                Ok(text) => out["value"] = text.into(),
+                Err(_) => {
+                    use base64::Engine;
+                    out["value_base64"] = base64::engine::general_purpose::STANDARD.encode(&value.bytes).into();
+                }
+            }
+            print_json(&out)
         }
-        Command::Config(ConfigCommand::Set(a)) => {
-            let value: Value = match a.setting.as_str() {
-                "replication" => a.value.clone().into(),
-                "auto_balance" => match a.value.as_str() {
-                    "true" | "on" => true.into(),
-                    "false" | "off" => false.into(),
-                    other => {
-                        return Err(CliError::new(EXIT_USAGE, format!("auto_balance is true or false, not {other:?}")));
-                    }
-                },
-                other => {
-                    return Err(CliError::new(
-                        EXIT_USAGE,
-                        format!("no setting {other:?}: the settings are replication and auto_balance"),
-                    ));
-                }
-            };
-            let body =
-                serde_json::to_vec(&serde_json::json!({ a.setting.as_str(): value })).map_err(|e| e.to_string())?;
-            let config: shoal_http_api::types::ClusterConfig =
-                json(send(&a.client, Method::PUT, &["v1", "cluster", "config"], &[], Some(body)).await?).await?;
-            show(a.client.output, &config, config_table)
+    }
+}
+
+/// Put a key, from the argument or standard input.
+async fn put(a: &crate::config::PutArgs) -> Result<(), CliError> {
+    let value = match a.value.as_deref() {
+        Some(v) if v != "-" => v.as_bytes().to_vec(),
+        _ => {
+            let mut buf = Vec::new();
+            std::io::stdin().read_to_end(&mut buf).map_err(|e| format!("reading stdin: {e}"))?;
+            buf
         }
-        Command::Status(a) => {
-            let c = &a.client;
-            let deadline = tokio::time::Instant::now() + a.timeout;
-            // While it waits, a spinner on standard error says for what (drawn in place on a
-            // terminal only, so scripts see nothing of it).
-            let waiting = a.wait.then(waiting_spinner);
-            loop {
-                let view: ClusterView = match send(c, Method::GET, &["v1", "cluster"], &[], None).await {
-                    Ok(r) => json(r).await?,
-                    // Waiting, a node that does not answer yet (or answers 503) is a cluster
-                    // that is not healthy yet; any other refusal (a missing token, a bad
-                    // address) will not change by waiting and fails at once.
-                    Err(e) if a.wait && e.exit == EXIT_UNAVAILABLE && tokio::time::Instant::now() < deadline => {
-                        tracing::debug!(error = %e, "waiting for the node");
-                        if let Some(spinner) = &waiting {
-                            spinner.set_message(format!("waiting for the node to answer: {e}"));
-                        }
-                        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-                        continue;
-                    }
-                    Err(e) => return Err(e),
-                };
-                let reasons = view.unhealthy();
-                let unhealthy = (!reasons.is_empty()).then(|| reasons.join("; "));
-                if let (Some(spinner), Some(why)) = (&waiting, &unhealthy) {
-                    spinner.set_message(format!("waiting: {why}"));
+    };
+    let duration = |flag: &str, text: Option<&str>| {
+        text.map(|t| shoal_http_api::parse_duration(flag, t))
+            .transpose()
+            .map_err(|e| CliError::new(EXIT_USAGE, e.to_string()))
+    };
+    let priority = a
+        .priority
+        .as_deref()
+        .map(|p| {
+            shoal_http_api::types::Priority::from_name(p).ok_or_else(|| {
+                CliError::new(
+                    EXIT_USAGE,
+                    format!(
+                        "--priority must be low, below_normal, normal, above_normal, high or not_removable, not {p:?}"
+                    ),
+                )
+            })
+        })
+        .transpose()?;
+    let options = crate::client::PutOptions {
+        ttl: duration("--ttl", a.ttl.as_deref())?,
+        sliding: duration("--sliding", a.sliding.as_deref())?,
+        cas: a.cas,
+        mode: a.mode.as_deref().map(|m| {
+            if m == "add" {
+                crate::client::PutMode::Add
+            } else {
+                crate::client::PutMode::Replace
+            }
+        }),
+        tags: a.tags.clone(),
+        priority,
+    };
+    let client = connect(&a.client).await?;
+    let ok = client.put_with(&a.key, value, &options).await?;
+    match a.client.output {
+        Output::Table => {
+            println!("OK version={} bucket={} node={}", ok.version, ok.bucket, ok.node);
+            Ok(())
+        }
+        Output::Json => print_json(&ok),
+    }
+}
+
+/// Delete a key; a missing key exits as not found.
+async fn del(a: &crate::config::KeyArgs) -> Result<(), CliError> {
+    let client = connect(&a.client).await?;
+    if !client.delete(&a.key).await? {
+        return Err(CliError::new(EXIT_NOT_FOUND, format!("no value for {:?} (not_found, HTTP 404)", a.key)));
+    }
+    if a.client.output == Output::Table {
+        println!("deleted");
+    }
+    Ok(())
+}
+
+/// Show the cluster configuration.
+async fn config_get(c: &ClientArgs) -> Result<(), CliError> {
+    let config: shoal_http_api::types::ClusterConfig =
+        json(send(c, Method::GET, &["v1", "cluster", "config"], &[], None).await?).await?;
+    show(c.output, &config, config_table)
+}
+
+/// Change one cluster setting.
+async fn config_set(a: &crate::config::ConfigSetArgs) -> Result<(), CliError> {
+    let value: Value = match a.setting.as_str() {
+        "replication" => a.value.clone().into(),
+        "auto_balance" => match a.value.as_str() {
+            "true" | "on" => true.into(),
+            "false" | "off" => false.into(),
+            other => {
+                return Err(CliError::new(EXIT_USAGE, format!("auto_balance is true or false, not {other:?}")));
+            }
+        },
+        other => {
+            return Err(CliError::new(
+                EXIT_USAGE,
+                format!("no setting {other:?}: the settings are replication and auto_balance"),
+            ));
+        }
+    };
+    let body = serde_json::to_vec(&serde_json::json!({ a.setting.as_str(): value })).map_err(|e| e.to_string())?;
+    let config: shoal_http_api::types::ClusterConfig =
+        json(send(&a.client, Method::PUT, &["v1", "cluster", "config"], &[], Some(body)).await?).await?;
+    show(a.client.output, &config, config_table)
+}
+
+/// Show the cluster (once, waiting until it is healthy, or every second).
+async fn status(a: &crate::config::StatusArgs) -> Result<(), CliError> {
+    let c = &a.client;
+    let deadline = tokio::time::Instant::now() + a.timeout;
+    // While it waits, a spinner on standard error says for what (drawn in place on a
+    // terminal only, so scripts see nothing of it).
+    let waiting = a.wait.then(waiting_spinner);
+    loop {
+        let view: ClusterView = match send(c, Method::GET, &["v1", "cluster"], &[], None).await {
+            Ok(r) => json(r).await?,
+            // Waiting, a node that does not answer yet (or answers 503) is a cluster
+            // that is not healthy yet; any other refusal (a missing token, a bad
+            // address) will not change by waiting and fails at once.
+            Err(e) if a.wait && e.exit == EXIT_UNAVAILABLE && tokio::time::Instant::now() < deadline => {
+                tracing::debug!(error = %e, "waiting for the node");
+                if let Some(spinner) = &waiting {
+                    spinner.set_message(format!("waiting for the node to answer: {e}"));
                 }
-                if a.wait && unhealthy.is_some() {
-                    if tokio::time::Instant::now() >= deadline {
-                        if let Some(spinner) = &waiting {
-                            spinner.finish_and_clear();
-                        }
-                        return Err(CliError::new(
-                            EXIT_UNAVAILABLE,
-                            format!(
-                                "the cluster is not healthy after {}: {}",
-                                humantime::format_duration(a.timeout),
-                                unhealthy.unwrap_or_default()
-                            ),
-                        ));
-                    }
-                    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-                    continue;
-                }
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        let reasons = view.unhealthy();
+        let unhealthy = (!reasons.is_empty()).then(|| reasons.join("; "));
+        if let (Some(spinner), Some(why)) = (&waiting, &unhealthy) {
+            spinner.set_message(format!("waiting: {why}"));
+        }
+        if a.wait && unhealthy.is_some() {
+            if tokio::time::Instant::now() >= deadline {
                 if let Some(spinner) = &waiting {
                     spinner.finish_and_clear();
                 }
-                let moving = view.transition.is_some() || view.transfer.is_some();
-                let transfer: Option<TransferView> = if moving {
-                    Some(json(send(c, Method::GET, &["v1", "cluster", "transfer"], &[], None).await?).await?)
-                } else {
-                    None
-                };
-                let frame = match c.output {
-                    Output::Table => format!("{}{}", status_table(&view), transfer_bars(&view, transfer.as_ref())),
-                    Output::Json => {
-                        serde_json::to_string_pretty(&serde_json::json!({ "cluster": view, "transfer": transfer }))
-                            .map_err(|e| e.to_string())?
-                            + "\n"
-                    }
-                };
-                if !a.watch {
-                    print!("{frame}");
-                    // Scripts can trust the status: no leader, or lost buckets, is a failure.
-                    return match view.unavailable() {
-                        Some(why) => Err(CliError::new(EXIT_UNAVAILABLE, why)),
-                        None => Ok(()),
-                    };
-                }
-                // On a terminal each frame replaces the last (cursor home, clear screen);
-                // into a pipe frames follow each other, one per second, until Ctrl-C.
-                let mut out = std::io::stdout().lock();
-                if std::io::IsTerminal::is_terminal(&out) {
-                    write!(out, "\x1b[H\x1b[2J").map_err(|e| e.to_string())?;
-                }
-                write!(out, "{frame}").and_then(|_| out.flush()).map_err(|e| e.to_string())?;
-                drop(out);
-                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                return Err(CliError::new(
+                    EXIT_UNAVAILABLE,
+                    format!(
+                        "the cluster is not healthy after {}: {}",
+                        humantime::format_duration(a.timeout),
+                        unhealthy.unwrap_or_default()
+                    ),
+                ));
             }
+            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            continue;
         }
-        Command::Lost(LostCommand::Clear(a)) => {
-            let body = serde_json::to_vec(&serde_json::json!({ "buckets": a.buckets })).map_err(|e| e.to_string())?;
-            let response = send(&a.client, Method::POST, &["v1", "cluster", "lost", "clear"], &[], Some(body)).await?;
-            let cleared: shoal_http_api::types::LostCleared = json(response).await?;
-            match a.client.output {
-                Output::Table if cleared.cleared.is_empty() => {
-                    println!("no bucket was lost");
-                    Ok(())
-                }
-                Output::Table => {
-                    let ids: Vec<usize> = cleared.cleared.iter().map(|&b| usize::from(b)).collect();
-                    println!("{} lost buckets acknowledged; they serve again, empty: {}", ids.len(), ranges(&ids));
-                    Ok(())
-                }
-                Output::Json => print_json(&cleared),
+        if let Some(spinner) = &waiting {
+            spinner.finish_and_clear();
+        }
+        let moving = view.transition.is_some() || view.transfer.is_some();
+        let transfer: Option<TransferView> = if moving {
+            Some(json(send(c, Method::GET, &["v1", "cluster", "transfer"], &[], None).await?).await?)
+        } else {
+            None
+        };
+        let frame = match c.output {
+            Output::Table => format!("{}{}", status_table(&view), transfer_bars(&view, transfer.as_ref())),
+            Output::Json => {
+                serde_json::to_string_pretty(&serde_json::json!({ "cluster": view, "transfer": transfer }))
+                    .map_err(|e| e.to_string())?
+                    + "\n"
             }
-        }
-        Command::Map(c) => {
-            let map: MapView = json(send(&c, Method::GET, &["v1", "cluster", "map"], &[], None).await?).await?;
-            match c.output {
-                Output::Table => {
-                    print!("{}", map_table(&map));
-                    Ok(())
-                }
-                Output::Json => print_json(&map),
-            }
-        }
-        Command::Agents(a) => {
-            let view: AgentsView =
-                json(send(&a.client, Method::GET, &["v1", "cluster", "agents"], &[], None).await?).await?;
-            match a.client.output {
-                Output::Table => {
-                    print!("{}", agents_table(&view, a.blocks));
-                    Ok(())
-                }
-                Output::Json => print_json(&view),
-            }
-        }
-        Command::Node(NodeCommand::Maintenance(a)) => {
-            let view: ClusterView = json(send(&a.client, Method::GET, &["v1", "cluster"], &[], None).await?).await?;
-            let id = member_id(&view, &a.node)?.to_string();
-            let path = ["v1", "cluster", "nodes", &id, "maintenance"];
-            let response = if a.end {
-                send(&a.client, Method::DELETE, &path, &[], None).await?
-            } else {
-                let body = serde_json::to_vec(&serde_json::json!({ "for": a.period })).map_err(|e| e.to_string())?;
-                send(&a.client, Method::POST, &path, &[], Some(body)).await?
+        };
+        if !a.watch {
+            print!("{frame}");
+            // Scripts can trust the status: no leader, or lost buckets, is a failure.
+            return match view.unavailable() {
+                Some(why) => Err(CliError::new(EXIT_UNAVAILABLE, why)),
+                None => Ok(()),
             };
-            let m: MaintenanceView = json(response).await?;
-            match a.client.output {
-                Output::Table if m.ended => {
-                    println!("node {} is no longer in maintenance; if it is not back, the cluster fails it", m.node_id);
-                    Ok(())
-                }
-                Output::Table => {
-                    print!("{}", maintenance_line(&m));
-                    Ok(())
-                }
-                Output::Json => print_json(&m),
+        }
+        // On a terminal each frame replaces the last (cursor home, clear screen);
+        // into a pipe frames follow each other, one per second, until Ctrl-C.
+        let mut out = std::io::stdout().lock();
+        if std::io::IsTerminal::is_terminal(&out) {
+            write!(out, "\x1b[H\x1b[2J").map_err(|e| e.to_string())?;
+        }
+        write!(out, "{frame}").and_then(|_| out.flush()).map_err(|e| e.to_string())?;
+        drop(out);
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    }
+}
+
+/// Acknowledge lost buckets, which then serve again, empty.
+async fn lost_clear(a: &crate::config::LostClearArgs) -> Result<(), CliError> {
+    let body = serde_json::to_vec(&serde_json::json!({ "buckets": a.buckets })).map_err(|e| e.to_string())?;
+    let response = send(&a.client, Method::POST, &["v1", "cluster", "lost", "clear"], &[], Some(body)).await?;
+    let cleared: shoal_http_api::types::LostCleared = json(response).await?;
+    match a.client.output {
+        Output::Table if cleared.cleared.is_empty() => {
+            println!("no bucket was lost");
+            Ok(())
+        }
+        Output::Table => {
+            let ids: Vec<usize> = cleared.cleared.iter().map(|&b| usize::from(b)).collect();
+            println!("{} lost buckets acknowledged; they serve again, empty: {}", ids.len(), ranges(&ids));
+            Ok(())
+        }
+        Output::Json => print_json(&cleared),
+    }
+}
+
+/// Show the distribution map.
+async fn map(c: &ClientArgs) -> Result<(), CliError> {
+    let map: MapView = json(send(c, Method::GET, &["v1", "cluster", "map"], &[], None).await?).await?;
+    match c.output {
+        Output::Table => {
+            print!("{}", map_table(&map));
+            Ok(())
+        }
+        Output::Json => print_json(&map),
+    }
+}
+
+/// Show the members' agents.
+async fn agents(a: &crate::config::AgentsArgs) -> Result<(), CliError> {
+    let view: AgentsView = json(send(&a.client, Method::GET, &["v1", "cluster", "agents"], &[], None).await?).await?;
+    match a.client.output {
+        Output::Table => {
+            print!("{}", agents_table(&view, a.blocks));
+            Ok(())
+        }
+        Output::Json => print_json(&view),
+    }
+}
+
+/// Put a member into maintenance, or end it.
+async fn maintenance(a: &crate::config::MaintenanceArgs) -> Result<(), CliError> {
+    let view: ClusterView = json(send(&a.client, Method::GET, &["v1", "cluster"], &[], None).await?).await?;
+    let id = member_id(&view, &a.node)?.to_string();
+    let path = ["v1", "cluster", "nodes", &id, "maintenance"];
+    let response = if a.end {
+        send(&a.client, Method::DELETE, &path, &[], None).await?
+    } else {
+        let body = serde_json::to_vec(&serde_json::json!({ "for": a.period })).map_err(|e| e.to_string())?;
+        send(&a.client, Method::POST, &path, &[], Some(body)).await?
+    };
+    let m: MaintenanceView = json(response).await?;
+    match a.client.output {
+        Output::Table if m.ended => {
+            println!("node {} is no longer in maintenance; if it is not back, the cluster fails it", m.node_id);
+            Ok(())
+        }
+        Output::Table => {
+            print!("{}", maintenance_line(&m));
+            Ok(())
+        }
+        Output::Json => print_json(&m),
+    }
+}
+
+/// Show bucket statistics.
+async fn buckets(a: &crate::config::BucketsArgs) -> Result<(), CliError> {
+    let mut query = vec![("sort", a.sort.clone()), ("limit", a.top.to_string())];
+    query.extend(node_param(&a.client, a.node.as_deref()).await?);
+    let query: Vec<(&str, &str)> = query.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let view: BucketsView =
+        json(send(&a.client, Method::GET, &["v1", "cluster", "buckets"], &query, None).await?).await?;
+    show(a.client.output, &view, buckets_table)
+}
+
+/// Rebalance the map by data (or show the plan).
+async fn rebalance(a: &crate::config::RebalanceArgs) -> Result<(), CliError> {
+    let mut query: Vec<(&str, String)> = node_param(&a.client, a.node.as_deref()).await?.into_iter().collect();
+    if a.dry_run {
+        query.push(("dry_run", "true".to_string()));
+    }
+    let query: Vec<(&str, &str)> = query.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let plan: RebalancePlan =
+        json(send(&a.client, Method::POST, &["v1", "cluster", "rebalance"], &query, None).await?).await?;
+    show(a.client.output, &plan, plan_table)
+}
+
+/// Make a member leave the cluster.
+async fn leave(a: &crate::config::LeaveArgs) -> Result<(), CliError> {
+    let view: ClusterView = json(send(&a.client, Method::GET, &["v1", "cluster"], &[], None).await?).await?;
+    let id = member_id(&view, &a.node)?.to_string();
+    let response = send(&a.client, Method::POST, &["v1", "cluster", "nodes", &id, "leave"], &[], None).await?;
+    let body: Value = response.json().await.map_err(|e| e.to_string())?;
+    match a.client.output {
+        Output::Table => {
+            println!(
+                "node {} is leaving: its buckets move to the other members, then it stops (map version {}; `shoal status --watch` shows the progress)",
+                body["node_id"], body["map_version"]
+            );
+            if let Some(warning) = body["warning"].as_str() {
+                eprintln!("warning: {warning}");
             }
+            Ok(())
         }
-        Command::Buckets(a) => {
-            let mut query = vec![("sort", a.sort.clone()), ("limit", a.top.to_string())];
-            query.extend(node_param(&a.client, a.node.as_deref()).await?);
-            let query: Vec<(&str, &str)> = query.iter().map(|(k, v)| (*k, v.as_str())).collect();
-            let view: BucketsView =
-                json(send(&a.client, Method::GET, &["v1", "cluster", "buckets"], &query, None).await?).await?;
-            show(a.client.output, &view, buckets_table)
-        }
-        Command::Rebalance(a) => {
-            let mut query: Vec<(&str, String)> = node_param(&a.client, a.node.as_deref()).await?.into_iter().collect();
-            if a.dry_run {
-                query.push(("dry_run", "true".to_string()));
-            }
-            let query: Vec<(&str, &str)> = query.iter().map(|(k, v)| (*k, v.as_str())).collect();
-            let plan: RebalancePlan =
-                json(send(&a.client, Method::POST, &["v1", "cluster", "rebalance"], &query, None).await?).await?;
-            show(a.client.output, &plan, plan_table)
-        }
-        Command::Leave(a) | Command::Node(NodeCommand::Leave(a)) => {
-            let view: ClusterView = json(send(&a.client, Method::GET, &["v1", "cluster"], &[], None).await?).await?;
-            let id = member_id(&view, &a.node)?.to_string();
-            let response = send(&a.client, Method::POST, &["v1", "cluster", "nodes", &id, "leave"], &[], None).await?;
-            let body: Value = response.json().await.map_err(|e| e.to_string())?;
-            match a.client.output {
-                Output::Table => {
-                    println!(
-                        "node {} is leaving: its buckets move to the other members, then it stops (map version {}; `shoal status --watch` shows the progress)",
-                        body["node_id"], body["map_version"]
-                    );
-                    if let Some(warning) = body["warning"].as_str() {
-                        eprintln!("warning: {warning}");
-                    }
-                    Ok(())
-                }
-                Output::Json => print_json(&body),
-            }
-        }
+        Output::Json => print_json(&body),
     }
 }
 
