@@ -375,102 +375,24 @@ impl Reconciler {
         }
     }
 
-    /// Carries out one action; answers whether the node stops.
+    /// Carries out one action; answers whether the node stops. An action that waits on
+    /// anything (another node, Raft) is a job ([`Self::start`]); the rest is done here at once.
     fn act(self: &Arc<Self>, action: Action, state: &Arc<ClusterState>, memory: &mut Memory, jobs: &mut Jobs) -> bool {
-        let r = &mut memory.running;
         match action {
-            Action::GiveBack => {
-                r.give_back = true;
-                let me = self.clone();
-                jobs.spawn(async move { me.give_back().await }, Done::GaveBack);
-            }
             Action::Rejoin => {
-                let join: Vec<String> =
-                    state.members.iter().filter(|m| m.id != self.me).map(|m| m.api_addr.clone()).collect();
-                tracing::error!(
-                    node_id = self.me,
-                    "the cluster failed this node: it stops, discards its data and rejoins"
-                );
-                *self.rejoin.lock() = Some(join);
-                self.shutdown.send_replace(true);
+                self.rejoin(state);
                 return true;
             }
             Action::Stop => {
-                let mut retired = self.identity.clone();
-                retired.retired = true;
-                if let Err(e) = retired.store(&self.data_dir) {
-                    tracing::error!(error = %e, "could not record that this node left");
-                }
-                tracing::info!(node_id = self.me, "this node has left the cluster; stopping");
-                // Not ready any more, and its refusals say that it stops (`node_draining`).
-                self.health.start_draining();
-                // Members that have not applied the retirement yet still send this node their
-                // replica and shadow writes for a moment: it keeps answering them a little
-                // while, so that a leave fails no write.
-                let shutdown = self.shutdown.clone();
-                let control = self.control.clone();
-                tokio::spawn(async move {
-                    tokio::time::sleep(LEFT_LINGER).await;
-                    control.close_as_leader(LEFT_LINGER).await;
-                    shutdown.send_replace(true);
-                });
+                self.stop_as_retired();
                 return true;
             }
             Action::SetLimit { bytes } => {
                 self.store.set_limit(bytes);
                 memory.limit = bytes;
             }
-            Action::Ack { to_version } => {
-                r.ack = Some(to_version);
-                let me = self.clone();
-                jobs.spawn(async move { me.ack(to_version).await }, Done::Acked);
-            }
-            Action::Elect => {
-                r.elect = true;
-                let me = self.clone();
-                jobs.spawn(async move { me.elect().await }, Done::Elected);
-            }
-            Action::MarkRunning => {
-                r.mark_running = true;
-                let me = self.clone();
-                jobs.spawn(async move { me.mark_running().await }, Done::Gone(Kind::MarkRunning));
-            }
-            Action::CatchUp => {
-                r.catch_up = true;
-                let me = self.clone();
-                jobs.spawn(
-                    async move {
-                        me.control.catch_up().await;
-                        Done::CaughtUp
-                    },
-                    Done::Gone(Kind::CatchUp),
-                );
-            }
-            Action::Restore { bucket, from } => {
-                r.restores.insert(bucket);
-                let me = self.clone();
-                jobs.spawn(
-                    async move { me.restore(bucket, from).await },
-                    Done::Restored { bucket, from, outcome: Fetched::Failed },
-                );
-            }
             Action::Unmark { bucket } => self.facts.restored(bucket),
-            Action::ServeEmpty { buckets } => {
-                tracing::debug!(
-                    node_id = self.me,
-                    ?buckets,
-                    map_version = self.control.state().map.version,
-                    "no copy is left of these buckets: they serve again, empty"
-                );
-                memory.emptied.extend(buckets.iter().copied());
-                for b in buckets {
-                    self.facts.restored(b);
-                    memory.no_copy.remove(&b);
-                    if let Some(probe) = &self.probe {
-                        probe.emptied(self.me, b);
-                    }
-                }
-            }
+            Action::ServeEmpty { buckets } => self.serve_empty(buckets, memory),
             Action::Install { bucket, from } => {
                 if self.replicator.install_promoted(bucket, from) {
                     tracing::debug!(bucket = bucket.0, from, "promoted bucket installed from the replica");
@@ -481,67 +403,7 @@ impl Reconciler {
                 self.facts.install(state, bucket);
                 self.replicator.detach(bucket);
             }
-            Action::RestoreShadow { bucket, from } => {
-                r.promotions.insert(bucket);
-                let me = self.clone();
-                jobs.spawn(
-                    async move { me.restore_shadow(bucket, from).await },
-                    Done::Promoted { bucket, from, outcome: Fetched::Failed },
-                );
-            }
-            Action::ReportPromoted { installed, lost } => {
-                r.report = true;
-                let me = self.clone();
-                jobs.spawn(async move { me.report_promoted(installed, lost).await }, Done::Reported);
-            }
-            Action::Pull { bucket, from, epoch } => {
-                r.pulls.insert(bucket);
-                let me = self.clone();
-                jobs.spawn(
-                    async move { me.pull(bucket, from, epoch).await },
-                    Done::Pulled { bucket, ok: false, flipped: false },
-                );
-            }
-            Action::Attach { holder, buckets } => {
-                r.attach = true;
-                let me = self.clone();
-                jobs.spawn(
-                    async move {
-                        if me.replicator.attach(holder, &buckets).await < buckets.len() {
-                            // The holder is not ready (or a bucket moved on): try again later.
-                            tokio::time::sleep(RETRY).await;
-                        }
-                        Done::Attached
-                    },
-                    Done::Attached,
-                );
-            }
-            Action::MoveReplica { holder } => {
-                r.move_replica = true;
-                let me = self.clone();
-                jobs.spawn(async move { me.move_replica(holder).await }, Done::MovedReplica);
-            }
-            Action::HandOver { heir } => {
-                r.handover = true;
-                memory.handover_tried = true;
-                let me = self.clone();
-                jobs.spawn(async move { me.hand_over(heir).await }, Done::HandedOver);
-            }
-            Action::DropActive { bucket } => {
-                // Planned on the loop's state; checked again on the newest one.
-                let now = self.control.state();
-                if phase_of(&now, self.me, bucket, self.facts.of(&now, bucket)).keeps_active_data() {
-                    return false;
-                }
-                let dropped = self.store.take_bucket(bucket).len();
-                self.facts.dropped(bucket);
-                tracing::debug!(
-                    node_id = self.me,
-                    bucket = bucket.0,
-                    dropped,
-                    "dropped a bucket this node keeps nothing of"
-                );
-            }
+            Action::DropActive { bucket } => self.drop_active(bucket),
             Action::DropReplica { bucket, source } => {
                 if !self.replicator.drop_replica(bucket, source) {
                     tracing::debug!(
@@ -552,61 +414,195 @@ impl Reconciler {
                     );
                 }
             }
+            job => self.start(job, memory, jobs),
+        }
+        false
+    }
+
+    /// Starts the job of an action that waits on something, marked as running until its
+    /// result comes back ([`Self::learn`]); the second future's result is what a job that
+    /// panicked gives.
+    fn start(self: &Arc<Self>, action: Action, memory: &mut Memory, jobs: &mut Jobs) {
+        let r = &mut memory.running;
+        let me = self.clone();
+        match action {
+            Action::GiveBack => {
+                r.give_back = true;
+                jobs.spawn(async move { me.give_back().await }, Done::GaveBack);
+            }
+            Action::Ack { to_version } => {
+                r.ack = Some(to_version);
+                jobs.spawn(async move { me.ack(to_version).await }, Done::Acked);
+            }
+            Action::Elect => {
+                r.elect = true;
+                jobs.spawn(async move { me.elect().await }, Done::Elected);
+            }
+            Action::MarkRunning => {
+                r.mark_running = true;
+                jobs.spawn(async move { me.mark_running().await }, Done::Gone(Kind::MarkRunning));
+            }
+            Action::CatchUp => {
+                r.catch_up = true;
+                jobs.spawn(async move { me.caught_up().await }, Done::Gone(Kind::CatchUp));
+            }
+            Action::Restore { bucket, from } => {
+                r.restores.insert(bucket);
+                let failed = Done::Restored { bucket, from, outcome: Fetched::Failed };
+                jobs.spawn(async move { me.restore(bucket, from).await }, failed);
+            }
+            Action::RestoreShadow { bucket, from } => {
+                r.promotions.insert(bucket);
+                let failed = Done::Promoted { bucket, from, outcome: Fetched::Failed };
+                jobs.spawn(async move { me.restore_shadow(bucket, from).await }, failed);
+            }
+            Action::ReportPromoted { installed, lost } => {
+                r.report = true;
+                jobs.spawn(async move { me.report_promoted(installed, lost).await }, Done::Reported);
+            }
+            Action::Pull { bucket, from, epoch } => {
+                r.pulls.insert(bucket);
+                let failed = Done::Pulled { bucket, ok: false, flipped: false };
+                jobs.spawn(async move { me.pull(bucket, from, epoch).await }, failed);
+            }
+            Action::Attach { holder, buckets } => {
+                r.attach = true;
+                jobs.spawn(async move { me.attach(holder, buckets).await }, Done::Attached);
+            }
+            Action::MoveReplica { holder } => {
+                r.move_replica = true;
+                jobs.spawn(async move { me.move_replica(holder).await }, Done::MovedReplica);
+            }
+            Action::HandOver { heir } => {
+                r.handover = true;
+                memory.handover_tried = true;
+                jobs.spawn(async move { me.hand_over(heir).await }, Done::HandedOver);
+            }
             Action::CheckStuck => {
-                if let Some(mut detector) = memory.stuck.take() {
+                if let Some(detector) = memory.stuck.take() {
                     r.stuck = true;
                     memory.stuck_checked = Some(Instant::now());
-                    let me = self.clone();
-                    jobs.spawn(
-                        async move {
-                            detector.check(&me.control, &me.peers, me.transfer, &me.metrics).await;
-                            Done::StuckChecked(detector)
-                        },
-                        Done::Gone(Kind::StuckCheck),
-                    );
+                    jobs.spawn(async move { me.check_stuck(detector).await }, Done::Gone(Kind::StuckCheck));
                 }
             }
             Action::EndMaintenance { node, reason } => {
                 r.end_maintenance = true;
-                let me = self.clone();
-                jobs.spawn(
-                    async move {
-                        let reason = reason.to_string();
-                        if let Err(e) = me.control.admin(AdminRequest::EndMaintenance { node_id: node, reason }).await {
-                            tracing::warn!(node_id = node, error = %e, "could not end the maintenance");
-                            tokio::time::sleep(Duration::from_secs(1)).await;
-                        }
-                        Done::EndedMaintenance
-                    },
-                    Done::EndedMaintenance,
-                );
+                jobs.spawn(async move { me.end_maintenance(node, reason).await }, Done::EndedMaintenance);
             }
             Action::SendQueued => {
                 r.send = true;
-                let me = self.clone();
-                jobs.spawn(
-                    async move {
-                        // Batch after batch until the queue stays empty for a while: under a
-                        // steady load the loop is not woken (and does not plan) once per
-                        // batch, nor once per lull between two batches (planning each time
-                        // took 7% of a node's CPU). A change queued as the job ends wakes the
-                        // loop (the notification is kept for it).
-                        loop {
-                            while me.replicator.queue_waiting() {
-                                me.replicator.send_queued().await;
-                            }
-                            let queued = me.replicator.queued().notified();
-                            if tokio::time::timeout(SEND_LINGER, queued).await.is_err() {
-                                break;
-                            }
-                        }
-                        Done::Sent
-                    },
-                    Done::Sent,
-                );
+                jobs.spawn(async move { me.send_queued().await }, Done::Sent);
+            }
+            done_at_once => tracing::error!(action = ?done_at_once, "an action without a job was started as one"),
+        }
+    }
+
+    /// The cluster failed this node: it stops, and the node rejoins through the other members.
+    fn rejoin(&self, state: &ClusterState) {
+        let join: Vec<String> = state.members.iter().filter(|m| m.id != self.me).map(|m| m.api_addr.clone()).collect();
+        tracing::error!(node_id = self.me, "the cluster failed this node: it stops, discards its data and rejoins");
+        *self.rejoin.lock() = Some(join);
+        self.shutdown.send_replace(true);
+    }
+
+    /// This node left the cluster: it records so and stops, after a linger.
+    fn stop_as_retired(&self) {
+        let mut retired = self.identity.clone();
+        retired.retired = true;
+        if let Err(e) = retired.store(&self.data_dir) {
+            tracing::error!(error = %e, "could not record that this node left");
+        }
+        tracing::info!(node_id = self.me, "this node has left the cluster; stopping");
+        // Not ready any more, and its refusals say that it stops (`node_draining`).
+        self.health.start_draining();
+        // Members that have not applied the retirement yet still send this node their
+        // replica and shadow writes for a moment: it keeps answering them a little
+        // while, so that a leave fails no write.
+        let shutdown = self.shutdown.clone();
+        let control = self.control.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(LEFT_LINGER).await;
+            control.close_as_leader(LEFT_LINGER).await;
+            shutdown.send_replace(true);
+        });
+    }
+
+    /// No copy is left of `buckets`: they serve again, empty.
+    fn serve_empty(&self, buckets: Vec<BucketId>, memory: &mut Memory) {
+        tracing::debug!(
+            node_id = self.me,
+            ?buckets,
+            map_version = self.control.state().map.version,
+            "no copy is left of these buckets: they serve again, empty"
+        );
+        memory.emptied.extend(buckets.iter().copied());
+        for b in buckets {
+            self.facts.restored(b);
+            memory.no_copy.remove(&b);
+            if let Some(probe) = &self.probe {
+                probe.emptied(self.me, b);
             }
         }
-        false
+    }
+
+    /// Drops this node's active data of `bucket`, unless the newest state says it keeps it
+    /// (the action was planned on the loop's state).
+    fn drop_active(&self, bucket: BucketId) {
+        let now = self.control.state();
+        if phase_of(&now, self.me, bucket, self.facts.of(&now, bucket)).keeps_active_data() {
+            return;
+        }
+        let dropped = self.store.take_bucket(bucket).len();
+        self.facts.dropped(bucket);
+        tracing::debug!(node_id = self.me, bucket = bucket.0, dropped, "dropped a bucket this node keeps nothing of");
+    }
+
+    /// Waits until this node applied what the cluster committed before it asked.
+    async fn caught_up(&self) -> Done {
+        self.control.catch_up().await;
+        Done::CaughtUp
+    }
+
+    /// Looks for a stuck state transfer (the detector keeps what it saw between checks).
+    async fn check_stuck(&self, mut detector: Box<StuckDetector>) -> Done {
+        detector.check(&self.control, &self.peers, self.transfer, &self.metrics).await;
+        Done::StuckChecked(detector)
+    }
+
+    /// Attaches `holder` as the replica of `buckets`; when it is not ready (or a bucket moved
+    /// on), waits before the plan may try again.
+    async fn attach(&self, holder: NodeId, buckets: Vec<BucketId>) -> Done {
+        if self.replicator.attach(holder, &buckets).await < buckets.len() {
+            tokio::time::sleep(RETRY).await;
+        }
+        Done::Attached
+    }
+
+    /// Ends `node`'s maintenance through Raft (a failure waits a second before the plan may
+    /// try again).
+    async fn end_maintenance(&self, node: NodeId, reason: impl ToString) -> Done {
+        let reason = reason.to_string();
+        if let Err(e) = self.control.admin(AdminRequest::EndMaintenance { node_id: node, reason }).await {
+            tracing::warn!(node_id = node, error = %e, "could not end the maintenance");
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        Done::EndedMaintenance
+    }
+
+    /// Sends the async replication queue, batch after batch until it stays empty for a while:
+    /// under a steady load the loop is not woken (and does not plan) once per batch, nor once
+    /// per lull between two batches (planning each time took 7% of a node's CPU). A change
+    /// queued as the job ends wakes the loop (the notification is kept for it).
+    async fn send_queued(&self) -> Done {
+        loop {
+            while self.replicator.queue_waiting() {
+                self.replicator.send_queued().await;
+            }
+            let queued = self.replicator.queued().notified();
+            if tokio::time::timeout(SEND_LINGER, queued).await.is_err() {
+                return Done::Sent;
+            }
+        }
     }
 
     /// Feeds a job's result back.
