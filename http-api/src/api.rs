@@ -65,13 +65,20 @@ impl BodyPermit {
     }
 }
 
-/// The operations behind the public API.
+/// The operations behind the public API: the key operations ([`KeyApi`]), cluster admin
+/// ([`AdminApi`]) and the probes ([`Probes`]). Each handler names the part it needs; the router
+/// takes a node that has all three.
+pub trait ShoalApi: KeyApi + AdminApi + Probes {}
+
+impl<N: KeyApi + AdminApi + Probes> ShoalApi for N {}
+
+/// The key operations.
 ///
 /// Contract for every key operation: the key is already validated (non-empty, within
 /// limits); the node serves it if it owns the key's bucket, otherwise forwards it to the owner
 /// (or answers [`ApiError::NotOwner`] when `ctx.forwarded_map_version` is set, or a redirect
 /// when `ctx.redirect` is set, see [`ApiError`]). A write either happens whole or not at all.
-pub trait ShoalApi: Send + Sync + 'static {
+pub trait KeyApi: Send + Sync + 'static {
     /// The limits the handlers enforce.
     fn limits(&self) -> Limits;
 
@@ -126,7 +133,10 @@ pub trait ShoalApi: Send + Sync + 'static {
 
     /// Removes every item tagged `tag`.
     fn remove_tagged(&self, tag: String, scope: Scope) -> impl Future<Output = Result<Removed, ApiError>> + Send;
+}
 
+/// Cluster admin: what the cluster is and does, and the operator's requests.
+pub trait AdminApi: Send + Sync + 'static {
     /// The cluster as this node sees it, with every member's figures.
     fn cluster(&self) -> impl Future<Output = Result<ClusterView, ApiError>> + Send;
 
@@ -184,7 +194,10 @@ pub trait ShoalApi: Send + Sync + 'static {
 
     /// `GET /v1/cluster/agents`: the mirrors this node reads from.
     fn agents(&self) -> AgentsView;
+}
 
+/// The probes: readiness, liveness and metrics.
+pub trait Probes: Send + Sync + 'static {
     /// The readiness checks; ready when all pass.
     fn readiness(&self) -> Vec<Check>;
 

@@ -13,14 +13,14 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use shoal_raft::NodeId;
 
-use crate::api::ShoalApi;
+use crate::api::{AdminApi, Probes};
 use crate::error::{ApiError, Unavailable};
 use crate::kv::{flag, query};
 use crate::types::{
     BucketSort, BucketsQuery, ClearLost, ClusterConfig, EventsView, HealthView, MaintenanceRequest, RebalanceRequest,
 };
 
-pub(crate) async fn cluster<N: ShoalApi>(State(node): State<Arc<N>>) -> Response {
+pub(crate) async fn cluster<N: AdminApi>(State(node): State<Arc<N>>) -> Response {
     match node.cluster().await {
         Ok(view) => Json(view).into_response(),
         Err(e) => e.into_response(),
@@ -29,7 +29,7 @@ pub(crate) async fn cluster<N: ShoalApi>(State(node): State<Arc<N>>) -> Response
 
 /// `GET /v1/cluster/health`: 200 when the cluster is healthy (what `shoal status --wait`
 /// waits for), else 503 `unhealthy` naming every reason, for deploy hooks.
-pub(crate) async fn health<N: ShoalApi>(State(node): State<Arc<N>>) -> Response {
+pub(crate) async fn health<N: AdminApi>(State(node): State<Arc<N>>) -> Response {
     let view = match node.cluster().await {
         Ok(view) => view,
         Err(e) => return e.into_response(),
@@ -72,7 +72,7 @@ fn wait_timeout(text: Option<&str>) -> Result<Duration, ApiError> {
     Ok(timeout)
 }
 
-pub(crate) async fn map<N: ShoalApi>(
+pub(crate) async fn map<N: AdminApi>(
     State(node): State<Arc<N>>,
     q: Result<Query<MapParams>, QueryRejection>,
 ) -> Response {
@@ -109,7 +109,7 @@ pub const EVENTS_DEFAULT_LIMIT: usize = 1000;
 /// How long a followed stream waits for an event before it sends a keep-alive comment.
 const FOLLOW_ROUND: Duration = Duration::from_secs(15);
 
-pub(crate) async fn events<N: ShoalApi>(
+pub(crate) async fn events<N: AdminApi>(
     State(node): State<Arc<N>>,
     headers: axum::http::HeaderMap,
     q: Result<Query<EventsParams>, QueryRejection>,
@@ -150,7 +150,7 @@ pub(crate) async fn events<N: ShoalApi>(
 
 /// The events of `first`, then every later one as it is applied, as server-sent events (the
 /// id is the event's Raft index, the data its JSON). Ends when the node cannot serve.
-fn futures_stream<N: ShoalApi>(
+fn futures_stream<N: AdminApi>(
     node: Arc<N>,
     first: EventsView,
     limit: usize,
@@ -181,14 +181,14 @@ fn futures_stream<N: ShoalApi>(
     })
 }
 
-pub(crate) async fn transfer<N: ShoalApi>(State(node): State<Arc<N>>) -> Response {
+pub(crate) async fn transfer<N: AdminApi>(State(node): State<Arc<N>>) -> Response {
     match node.transfer().await {
         Ok(view) => Json(view).into_response(),
         Err(e) => e.into_response(),
     }
 }
 
-pub(crate) async fn agents<N: ShoalApi>(State(node): State<Arc<N>>) -> Response {
+pub(crate) async fn agents<N: AdminApi>(State(node): State<Arc<N>>) -> Response {
     Json(node.agents()).into_response()
 }
 
@@ -226,7 +226,7 @@ fn buckets_query(p: BucketsParams) -> Result<BucketsQuery, ApiError> {
     Ok(BucketsQuery { sort, limit, node })
 }
 
-pub(crate) async fn buckets<N: ShoalApi>(
+pub(crate) async fn buckets<N: AdminApi>(
     State(node): State<Arc<N>>,
     q: Result<Query<BucketsParams>, QueryRejection>,
 ) -> Response {
@@ -248,7 +248,7 @@ pub(crate) struct RebalanceParams {
     dry_run: Option<String>,
 }
 
-pub(crate) async fn rebalance<N: ShoalApi>(
+pub(crate) async fn rebalance<N: AdminApi>(
     State(node): State<Arc<N>>,
     q: Result<Query<RebalanceParams>, QueryRejection>,
 ) -> Response {
@@ -267,7 +267,7 @@ pub(crate) async fn rebalance<N: ShoalApi>(
     }
 }
 
-pub(crate) async fn node_stats<N: ShoalApi>(State(node): State<Arc<N>>) -> Response {
+pub(crate) async fn node_stats<N: AdminApi>(State(node): State<Arc<N>>) -> Response {
     Json(node.node_stats()).into_response()
 }
 
@@ -278,7 +278,7 @@ pub(crate) struct LeaveQuery {
     force: Option<String>,
 }
 
-pub(crate) async fn leave<N: ShoalApi>(
+pub(crate) async fn leave<N: AdminApi>(
     State(node): State<Arc<N>>,
     id: Result<Path<String>, PathRejection>,
     q: Result<Query<LeaveQuery>, QueryRejection>,
@@ -323,7 +323,7 @@ fn node_id_of(id: Result<Path<String>, PathRejection>) -> Result<NodeId, ApiErro
     crate::kv::number("node id", &id)
 }
 
-pub(crate) async fn enter_maintenance<N: ShoalApi>(
+pub(crate) async fn enter_maintenance<N: AdminApi>(
     State(node): State<Arc<N>>,
     id: Result<Path<String>, PathRejection>,
     body: axum::body::Body,
@@ -349,7 +349,7 @@ pub(crate) async fn enter_maintenance<N: ShoalApi>(
     }
 }
 
-pub(crate) async fn end_maintenance<N: ShoalApi>(
+pub(crate) async fn end_maintenance<N: AdminApi>(
     State(node): State<Arc<N>>,
     id: Result<Path<String>, PathRejection>,
 ) -> Response {
@@ -371,14 +371,14 @@ fn json_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError>
 /// The largest body of a cluster write.
 const CLUSTER_BODY_LIMIT: usize = 64 * 1024;
 
-pub(crate) async fn config<N: ShoalApi>(State(node): State<Arc<N>>) -> Response {
+pub(crate) async fn config<N: AdminApi>(State(node): State<Arc<N>>) -> Response {
     match node.config().await {
         Ok(config) => Json(config).into_response(),
         Err(e) => e.into_response(),
     }
 }
 
-pub(crate) async fn set_config<N: ShoalApi>(State(node): State<Arc<N>>, body: axum::body::Body) -> Response {
+pub(crate) async fn set_config<N: AdminApi>(State(node): State<Arc<N>>, body: axum::body::Body) -> Response {
     let body = match crate::kv::read_body(body, CLUSTER_BODY_LIMIT).await {
         Ok(b) => b,
         Err(e) => return e.into_response(),
@@ -396,7 +396,7 @@ pub(crate) async fn set_config<N: ShoalApi>(State(node): State<Arc<N>>, body: ax
     }
 }
 
-pub(crate) async fn clear_lost<N: ShoalApi>(State(node): State<Arc<N>>, body: axum::body::Body) -> Response {
+pub(crate) async fn clear_lost<N: AdminApi>(State(node): State<Arc<N>>, body: axum::body::Body) -> Response {
     let body = match crate::kv::read_body(body, CLUSTER_BODY_LIMIT).await {
         Ok(b) => b,
         Err(e) => return e.into_response(),
@@ -415,7 +415,7 @@ pub(crate) async fn clear_lost<N: ShoalApi>(State(node): State<Arc<N>>, body: ax
 }
 
 /// 200 while the process and its Raft core run; 503 once the Raft core stopped.
-pub(crate) async fn livez<N: ShoalApi>(State(node): State<Arc<N>>) -> Response {
+pub(crate) async fn livez<N: Probes>(State(node): State<Arc<N>>) -> Response {
     match node.liveness() {
         None => "ok\n".into_response(),
         Some(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("not alive: {why}\n")).into_response(),
@@ -423,7 +423,7 @@ pub(crate) async fn livez<N: ShoalApi>(State(node): State<Arc<N>>) -> Response {
 }
 
 /// 200 when every readiness check passes, 503 otherwise; `?verbose` lists the checks.
-pub(crate) async fn readyz<N: ShoalApi>(State(node): State<Arc<N>>, RawQuery(q): RawQuery) -> Response {
+pub(crate) async fn readyz<N: Probes>(State(node): State<Arc<N>>, RawQuery(q): RawQuery) -> Response {
     // `?verbose` (Kubernetes' spelling), `?verbose=`, `=true` or `=1` list the checks.
     let mut verbose = false;
     for p in q.as_deref().unwrap_or("").split('&').filter(|p| *p == "verbose" || p.starts_with("verbose=")) {
@@ -456,7 +456,7 @@ pub(crate) async fn readyz<N: ShoalApi>(State(node): State<Arc<N>>, RawQuery(q):
     response
 }
 
-pub(crate) async fn metrics<N: ShoalApi>(State(node): State<Arc<N>>) -> Response {
+pub(crate) async fn metrics<N: Probes>(State(node): State<Arc<N>>) -> Response {
     let mut response = node.metrics().into_response();
     response
         .headers_mut()

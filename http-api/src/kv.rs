@@ -18,7 +18,7 @@ use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use shoal_raft::bucket_of;
 
-use crate::api::{Limits, PutItem, ShoalApi};
+use crate::api::{KeyApi, Limits, PutItem};
 use crate::error::ApiError;
 use crate::json;
 use crate::types::{
@@ -400,7 +400,7 @@ fn query_of<T: Default + serde::de::DeserializeOwned>(uri: &Uri) -> Result<T, Ap
 // which would clone the headers and URI of every request on the hottest path.
 
 /// `GET /v1/kv/{key}`.
-pub(crate) async fn get_key<N: ShoalApi>(
+pub(crate) async fn get_key<N: KeyApi>(
     State(node): State<Arc<N>>,
     key: Result<Path<String>, PathRejection>,
     request: Request,
@@ -428,7 +428,7 @@ pub(crate) async fn get_key<N: ShoalApi>(
 }
 
 /// `PUT /v1/kv/{key}`.
-pub(crate) async fn put_key<N: ShoalApi>(
+pub(crate) async fn put_key<N: KeyApi>(
     State(node): State<Arc<N>>,
     key: Result<Path<String>, PathRejection>,
     request: Request,
@@ -456,7 +456,7 @@ pub(crate) async fn put_key<N: ShoalApi>(
 }
 
 /// `DELETE /v1/kv/{key}`.
-pub(crate) async fn delete_key<N: ShoalApi>(
+pub(crate) async fn delete_key<N: KeyApi>(
     State(node): State<Arc<N>>,
     key: Result<Path<String>, PathRejection>,
     request: Request,
@@ -489,7 +489,7 @@ pub(crate) async fn delete_key<N: ShoalApi>(
 /// `limit` when it has none or a larger one): the permit is held until the request is
 /// answered. A longer body is read up to `limit`, then refused with 413 (answering before
 /// reading would break the pipe of a client still sending).
-pub(crate) async fn admitted_body<N: ShoalApi>(
+pub(crate) async fn admitted_body<N: KeyApi>(
     node: &N,
     headers: &HeaderMap,
     body: Body,
@@ -549,7 +549,7 @@ pub(crate) async fn read_body(mut body: Body, limit: usize) -> Result<Bytes, Api
     Ok(gathered.map_or(first, bytes::BytesMut::freeze))
 }
 
-async fn read_json<N: ShoalApi, T: DeserializeOwned>(
+async fn read_json<N: KeyApi, T: DeserializeOwned>(
     node: &N,
     headers: &HeaderMap,
     body: Body,
@@ -587,7 +587,7 @@ fn check_bulk_keys<'a>(keys: impl ExactSizeIterator<Item = &'a String>, limits: 
     Ok(())
 }
 
-pub(crate) async fn bulk_get<N: ShoalApi>(
+pub(crate) async fn bulk_get<N: KeyApi>(
     State(node): State<Arc<N>>,
     uri: Uri,
     headers: HeaderMap,
@@ -667,7 +667,7 @@ fn put_item(item: BulkPutItem, limits: &Limits) -> Result<PutItem, (String, ApiE
     Ok(PutItem { key, value, options })
 }
 
-pub(crate) async fn bulk_put<N: ShoalApi>(State(node): State<Arc<N>>, headers: HeaderMap, body: Body) -> Response {
+pub(crate) async fn bulk_put<N: KeyApi>(State(node): State<Arc<N>>, headers: HeaderMap, body: Body) -> Response {
     let result = async {
         let limits = node.limits();
         let (req, _admitted): (BulkPut, _) = read_json(&*node, &headers, body, limits.max_bulk_body_bytes).await?;
@@ -699,7 +699,7 @@ pub(crate) async fn bulk_put<N: ShoalApi>(State(node): State<Arc<N>>, headers: H
     result.unwrap_or_else(|e: ApiError| e.into_response())
 }
 
-pub(crate) async fn bulk_delete<N: ShoalApi>(State(node): State<Arc<N>>, headers: HeaderMap, body: Body) -> Response {
+pub(crate) async fn bulk_delete<N: KeyApi>(State(node): State<Arc<N>>, headers: HeaderMap, body: Body) -> Response {
     let result = async {
         let limits = node.limits();
         let (req, _admitted): (BulkKeys, _) = read_json(&*node, &headers, body, limits.max_bulk_body_bytes).await?;
@@ -737,7 +737,7 @@ pub(crate) fn list_limit(text: Option<&str>) -> Result<usize, ApiError> {
     }
 }
 
-pub(crate) async fn list_keys<N: ShoalApi>(
+pub(crate) async fn list_keys<N: KeyApi>(
     State(node): State<Arc<N>>,
     q: Result<Query<ListQuery>, QueryRejection>,
     headers: HeaderMap,
@@ -751,7 +751,7 @@ pub(crate) async fn list_keys<N: ShoalApi>(
     result.unwrap_or_else(|e: ApiError| e.into_response())
 }
 
-pub(crate) async fn get_tag<N: ShoalApi>(
+pub(crate) async fn get_tag<N: KeyApi>(
     State(node): State<Arc<N>>,
     tag: Result<Path<String>, PathRejection>,
     q: Result<Query<ListQuery>, QueryRejection>,
@@ -769,7 +769,7 @@ pub(crate) async fn get_tag<N: ShoalApi>(
     result.unwrap_or_else(|e: ApiError| e.into_response())
 }
 
-pub(crate) async fn delete_tag<N: ShoalApi>(
+pub(crate) async fn delete_tag<N: KeyApi>(
     State(node): State<Arc<N>>,
     tag: Result<Path<String>, PathRejection>,
     headers: HeaderMap,

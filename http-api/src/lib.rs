@@ -7,7 +7,8 @@
 //! `README.md` beside this crate lists every endpoint with its codes.
 //!
 //! # Layout
-//! - `api.rs`: [`ShoalApi`], the contract with the node, and [`Limits`].
+//! - `api.rs`: the contract with the node in three parts — [`KeyApi`], [`AdminApi`], [`Probes`]
+//!   ([`ShoalApi`] is all three) — and [`Limits`].
 //! - `kv.rs`: key, bulk, listing and tag routes.
 //! - `json.rs`: the bulk-get answer written straight into a buffer.
 //! - `cluster.rs`: cluster, map, leave, health and metrics routes.
@@ -32,7 +33,7 @@ use std::sync::Arc;
 use axum::routing::{get, post};
 use axum::Router;
 
-pub use api::{BodyPermit, Limits, PutItem, ShoalApi};
+pub use api::{AdminApi, BodyPermit, KeyApi, Limits, Probes, PutItem, ShoalApi};
 pub use cluster::{
     maintenance_period, EVENTS_DEFAULT_LIMIT, MAINTENANCE_DEFAULT, MAINTENANCE_MAX, MAINTENANCE_MIN, MAP_WAIT_DEFAULT,
     MAP_WAIT_MAX,

@@ -45,7 +45,7 @@ impl FakeNode {
 
 const ME: NodeId = 1;
 
-impl ShoalApi for FakeNode {
+impl KeyApi for FakeNode {
     fn limits(&self) -> Limits {
         Limits { max_key_bytes: 16, max_value_bytes: 64, max_bulk_keys: 4, max_bulk_body_bytes: 64 << 20 }
     }
@@ -133,7 +133,9 @@ impl ShoalApi for FakeNode {
     async fn remove_tagged(&self, _tag: String, _scope: Scope) -> Result<Removed, ApiError> {
         Ok(Removed { removed: 1, incomplete: true, errors: vec![NodeFailure { node: 2, detail: "down".into() }] })
     }
+}
 
+impl AdminApi for FakeNode {
     async fn cluster(&self) -> Result<ClusterView, ApiError> {
         Err(ApiError::unavailable(Unavailable::NoLeader, "no leader"))
     }
@@ -268,7 +270,9 @@ impl ShoalApi for FakeNode {
             agents: Vec::new(),
         }
     }
+}
 
+impl Probes for FakeNode {
     fn readiness(&self) -> Vec<Check> {
         vec![
             Check { name: "member".into(), ok: true, detail: String::new() },

@@ -19,7 +19,7 @@
 //! heard from a majority of the members acknowledges no write (`crate::health`).
 //!
 //! # Layout
-//! - `mod.rs`: routing (`target`, `route`), the single-key operations, the `ShoalApi` impl.
+//! - `mod.rs`: routing (`target`, `route`), the single-key operations, the impls of the key API, cluster admin and probes.
 //! - `bulk.rs`: bulk operations, grouped by owner.
 //! - `keyless.rs`: broadcasts (prefix listing, tags).
 //! - `admin.rs`: cluster views, leave, readiness, state gauges.
@@ -37,7 +37,7 @@ use shoal_http_api::types::{
     LeaveOk, LostCleared, MaintenanceView, MapView, NodeStats, Page, PutOk, ReadFrom, RebalancePlan, RebalanceRequest,
     Removed, RouteContext, Scope, TransferView, WriteCondition,
 };
-use shoal_http_api::{ApiError, Limits, PutItem, ShoalApi};
+use shoal_http_api::{AdminApi, ApiError, KeyApi, Limits, Probes, PutItem};
 use shoal_raft::{bucket_of, BucketId, ClusterState, ControlPlane, NodeId};
 
 use crate::bucket::BucketCore;
@@ -469,7 +469,7 @@ impl NodeApi {
     }
 }
 
-impl ShoalApi for NodeApi {
+impl KeyApi for NodeApi {
     fn limits(&self) -> Limits {
         self.limits
     }
@@ -580,7 +580,9 @@ impl ShoalApi for NodeApi {
     async fn remove_tagged(&self, tag: String, scope: Scope) -> Result<Removed, ApiError> {
         self.remove_tagged_everywhere(tag, scope).await
     }
+}
 
+impl AdminApi for NodeApi {
     async fn cluster(&self) -> Result<ClusterView, ApiError> {
         self.cluster_view().await
     }
@@ -645,7 +647,9 @@ impl ShoalApi for NodeApi {
         let members: Vec<NodeId> = self.control.state().members.iter().map(|m| m.id).collect();
         self.mirrors.view(&members)
     }
+}
 
+impl Probes for NodeApi {
     fn readiness(&self) -> Vec<Check> {
         self.checks()
     }

@@ -15,7 +15,7 @@ use axum::routing::{get, post};
 use axum::Router;
 use futures::StreamExt;
 use shoal_http_api::types::RouteContext;
-use shoal_http_api::{ApiError, ShoalApi};
+use shoal_http_api::{AdminApi, ApiError, KeyApi};
 use shoal_raft::{BucketId, ControlError, ControlPlane, ControlRpc, NodeId, ServeError, BUCKET_COUNT};
 
 use crate::api::NodeApi;

@@ -37,7 +37,7 @@ use std::time::Duration;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use shoal_http_api::types::RouteContext;
-use shoal_http_api::{ApiError, ShoalApi, Unavailable};
+use shoal_http_api::{AdminApi, ApiError, KeyApi, Probes, Unavailable};
 use shoal_raft::{BucketId, NodeId};
 use tokio::time::Instant;
 

@@ -11,7 +11,7 @@ use parking_lot::Mutex;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use shoal_http_api::types::{PutOptions, RouteContext};
-use shoal_http_api::{ApiError, PutItem, ShoalApi};
+use shoal_http_api::{ApiError, KeyApi, PutItem};
 use shoal_raft::NodeId;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
