@@ -82,6 +82,9 @@ impl Identity {
         };
         let identity: Identity =
             serde_json::from_slice(&bytes).map_err(|error| IdentityError::Corrupt { path: shown(), error })?;
+        // The one migration point of `node.json`: a step from each older format to the next
+        // goes here (none is older yet); a newer format is refused, as this release would
+        // misread it.
         if identity.format != FORMAT {
             return Err(IdentityError::Format { path: shown(), found: identity.format });
         }

@@ -158,6 +158,7 @@ impl ControlPlane {
             Storage::Dir(dir) => Disk::Sled(open_db(dir).await?),
             Storage::Memory(memory) => Disk::Memory(memory.clone()),
         };
+        disk.migrate().map_err(fatal)?;
         let log_store = DiskLogStore::open(&disk).map_err(fatal)?;
         let state_machine = DiskStateMachine::open(&disk).map_err(fatal)?;
         let view = state_machine.view();

@@ -28,6 +28,28 @@ impl From<sled::Error> for DiskError {
 /// A key and its value.
 pub type Entry = (Vec<u8>, Vec<u8>);
 
+/// The layout of the Raft storage this release writes and reads (the trees, keys and values of
+/// `DESIGN.md`, "Persisted formats"). A change that an older release could not read raises it
+/// and adds its step to [`Disk::migrate`].
+pub const FORMAT: u32 = 1;
+
+/// Why the Raft storage cannot be used by this release.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FormatError {
+    /// A newer release wrote it.
+    #[error("the Raft storage has format {found}; this release reads up to {FORMAT}: run a newer release")]
+    Newer {
+        /// The format on disk.
+        found: u32,
+    },
+    /// The recorded format is not a number.
+    #[error("the Raft storage's format record is unreadable ({0:?})")]
+    Unreadable(Vec<u8>),
+    /// The disk failed.
+    #[error(transparent)]
+    Disk(#[from] DiskError),
+}
+
 /// The ordered byte map of one memory tree.
 type MemoryTree = Arc<Mutex<BTreeMap<Vec<u8>, Vec<u8>>>>;
 
@@ -72,6 +94,27 @@ impl Disk {
             Disk::Sled(db) => Ok(Tree::Sled(db.open_tree(name)?)),
             Disk::Memory(m) => Ok(Tree::Memory(m.trees.lock().entry(name.to_string()).or_default().clone())),
         }
+    }
+
+    /// The one migration point of the Raft storage, run before anything reads it: records
+    /// [`FORMAT`] on a new disk (or one written before formats were recorded, whose layout is
+    /// format 1), brings an older format up to this one step by step (none is older yet), and
+    /// refuses a newer one, which this release would misread.
+    pub fn migrate(&self) -> Result<(), FormatError> {
+        let meta = self.tree("format")?;
+        let found = match meta.get(b"format")? {
+            None => 1,
+            Some(bytes) => match <[u8; 4]>::try_from(bytes.as_slice()) {
+                Ok(be) => u32::from_be_bytes(be),
+                Err(_) => return Err(FormatError::Unreadable(bytes)),
+            },
+        };
+        if found > FORMAT {
+            return Err(FormatError::Newer { found });
+        }
+        // Steps from `found` up to `FORMAT` go here, each from one format to the next.
+        meta.insert(b"format", FORMAT.to_be_bytes().to_vec())?;
+        Ok(())
     }
 
     /// Makes every earlier write of every tree durable.
@@ -174,5 +217,25 @@ impl Tree {
                 Ok(true)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_new_disk_gets_this_format_and_a_newer_or_unreadable_one_is_refused() {
+        let memory = MemoryDisk::default();
+        let disk = Disk::Memory(memory.clone());
+        assert_eq!(disk.migrate(), Ok(()));
+        let meta = disk.tree("format").expect("tree");
+        assert_eq!(meta.get(b"format").expect("get"), Some(FORMAT.to_be_bytes().to_vec()));
+        assert_eq!(disk.migrate(), Ok(()), "a disk of this format opens again");
+        meta.insert(b"format", (FORMAT + 1).to_be_bytes().to_vec()).expect("insert");
+        assert_eq!(disk.migrate(), Err(FormatError::Newer { found: FORMAT + 1 }));
+        assert_eq!(meta.get(b"format").expect("get"), Some((FORMAT + 1).to_be_bytes().to_vec()), "left as it was");
+        meta.insert(b"format", b"x".to_vec()).expect("insert");
+        assert_eq!(disk.migrate(), Err(FormatError::Unreadable(b"x".to_vec())));
     }
 }
