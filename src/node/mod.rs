@@ -404,23 +404,61 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
         .map_err(|e| StartError::Io(format!("cannot create --data-dir {}: {e}", config.data_dir.display())))?;
     let local = |l: &TcpListener| l.local_addr().map_err(|e| StartError::Io(e.to_string()));
     let (api_bound, peer_bound) = (local(&listeners.api)?, local(&listeners.peer)?);
-    // A node on its own loopback address (127.0.0.x) also talks to its peers from it, so that
-    // firewall rules can tell nodes apart.
-    let ip = config.listen.ip();
-    let local_ip = (ip.is_loopback() && !ip.is_unspecified()).then_some(ip);
-    let secret = config.cluster_secret.as_ref().map(|s| s.expose().to_string());
     let tls = config.tls().map_err(StartError::Config)?;
     if let Some(tls) = &tls {
         tls.cert.follow();
     }
+    let acceptor = tls.as_ref().map(crate::tls::NodeTls::acceptor);
+    let env = environment(&config, api_bound, peer_bound, tls.as_ref());
+    let identity = Identity::load(&config.data_dir)?;
+    if let Some(id) = identity.as_ref().filter(|id| id.retired) {
+        return Err(retired(&config, id.node_id));
+    }
+    let io = |e: std::io::Error| StartError::Io(e.to_string());
+    let (api_socket, peer_socket) = (listeners.api.into_std().map_err(io)?, listeners.peer.into_std().map_err(io)?);
+    let (starting_stop, starting) =
+        serve_while_starting([&api_socket, &peer_socket], identity.is_some(), acceptor.clone())?;
+    let listeners = Listeners {
+        api: TcpListener::from_std(api_socket).map_err(io)?,
+        peer: TcpListener::from_std(peer_socket).map_err(io)?,
+    };
+    let mut config = config;
+    if config.name.is_none() && !config.discover.is_empty() {
+        config.name = crate::discover::hostname();
+    }
+    // A node rejoining after it was failed (main's loop) already knows where its cluster is.
+    if identity.is_none() && !config.discover.is_empty() && config.join.is_empty() {
+        discover_cluster(&mut config, &env).await?;
+    }
+    let serve = serving(&config, listeners, acceptor, starting_stop);
+    let mut handle = start_in(config, env, identity, serve).await?;
+    handle.api_addr = api_bound;
+    handle.peer_addr = peer_bound;
+    for server in starting {
+        let _ = server.await;
+    }
+    Ok(handle)
+}
+
+/// A node's environment on real sockets: its transport (from its own loopback address when it
+/// listens on one, so that firewall rules can tell nodes apart), its Raft storage in the data
+/// dir, its advertised addresses, a random incarnation.
+fn environment(
+    config: &ServeConfig,
+    api_bound: SocketAddr,
+    peer_bound: SocketAddr,
+    tls: Option<&crate::tls::NodeTls>,
+) -> Environment {
+    let ip = config.listen.ip();
+    let local_ip = (ip.is_loopback() && !ip.is_unspecified()).then_some(ip);
+    let secret = config.cluster_secret.as_ref().map(|s| s.expose().to_string());
     let transport = Arc::new(HttpTransport::new(
         local_ip,
         secret.as_deref(),
         crate::transport::http::Reconnect::with_timeout(config.reconnect_timeout),
-        tls.as_ref().map(|t| t.client.clone()),
+        tls.map(|t| t.client.clone()),
     ));
-    let acceptor = tls.as_ref().map(crate::tls::NodeTls::acceptor);
-    let env = Environment {
+    Environment {
         transport: transport.clone(),
         control_transport: transport,
         storage: Storage::Dir(config.data_dir.join("raft")),
@@ -433,63 +471,71 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
             .unwrap_or(1),
         new_cluster_id: new_cluster_id(),
         probe: None,
-    };
-    let identity = Identity::load(&config.data_dir)?;
-    if let Some(id) = identity.as_ref().filter(|id| id.retired) {
-        return Err(retired(&config, id.node_id));
     }
-    // Until the node serves, both its ports answer at once: /livez, and 503 saying whether it
-    // has data (see `discover::starting_router`). A bound port that accepted nothing would
-    // hold every caller until its timeout: a member that still takes this address for the
-    // node it knew (its Raft leader, say) while the node rejoins as a new member would wait
-    // half a minute instead of asking another member. The starting servers stop when the
-    // real ones start, or with this function's early returns (the sender is dropped).
-    let io = |e: std::io::Error| StartError::Io(e.to_string());
-    let (api_socket, peer_socket) = (listeners.api.into_std().map_err(io)?, listeners.peer.into_std().map_err(io)?);
-    let (starting_stop, starting_rx) = watch::channel(false);
+}
+
+/// Until the node serves, both its ports answer at once: /livez, and 503 saying whether it
+/// has data (see `discover::starting_router`). A bound port that accepted nothing would hold
+/// every caller until its timeout: a member that still takes this address for the node it
+/// knew (its Raft leader, say) while the node rejoins as a new member would wait half a minute
+/// instead of asking another member. The starting servers stop when the sender turns true (the
+/// real servers start) or is dropped (the start failed).
+fn serve_while_starting(
+    sockets: [&std::net::TcpListener; 2],
+    has_data: bool,
+    acceptor: Option<tokio_rustls::TlsAcceptor>,
+) -> Result<(watch::Sender<bool>, Vec<JoinHandle<()>>), StartError> {
+    let (stop, stopped) = watch::channel(false);
     let mut starting = Vec::new();
-    for socket in [&api_socket, &peer_socket] {
-        let listener = socket.try_clone().and_then(TcpListener::from_std).map_err(io)?;
+    for socket in sockets {
+        let listener = socket.try_clone().and_then(TcpListener::from_std).map_err(|e| StartError::Io(e.to_string()))?;
         starting.push(http_server::serve(
             listener,
-            crate::discover::starting_router(identity.is_some()),
+            crate::discover::starting_router(has_data),
             crate::metrics::ListenerMetrics::none(),
             acceptor.clone(),
             http_server::Limits::default(),
-            starting_rx.clone(),
+            stopped.clone(),
         ));
     }
-    drop(starting_rx);
-    let api_listener = TcpListener::from_std(api_socket).map_err(io)?;
-    let peer_listener = TcpListener::from_std(peer_socket).map_err(io)?;
-    let mut config = config;
-    if config.name.is_none() && !config.discover.is_empty() {
-        config.name = crate::discover::hostname();
-    }
-    // A node rejoining after it was failed (main's loop) already knows where its cluster is.
-    if identity.is_none() && !config.discover.is_empty() && config.join.is_empty() {
-        let name = config.name.clone().unwrap_or_default();
-        let peers = Peers::new(env.transport.clone());
-        let decision = crate::discover::discover(&peers, &config.discover, &name, config.join_timeout).await;
-        match decision.map_err(StartError::Join)? {
-            crate::discover::Decision::Bootstrap => {
-                tracing::info!(name, "discovery: no cluster found; ordinal 0 creates one");
-                config.join.clear();
-            }
-            crate::discover::Decision::Join(seeds) => {
-                tracing::info!(name, seeds = ?seeds, "discovery: joining the cluster");
-                config.join = seeds;
-            }
+    Ok((stop, starting))
+}
+
+/// Finds the cluster through `--discover`: this node bootstraps it (no cluster found, and it
+/// is ordinal 0) or joins the members found.
+async fn discover_cluster(config: &mut ServeConfig, env: &Environment) -> Result<(), StartError> {
+    let name = config.name.clone().unwrap_or_default();
+    let peers = Peers::new(env.transport.clone());
+    let decision = crate::discover::discover(&peers, &config.discover, &name, config.join_timeout).await;
+    match decision.map_err(StartError::Join)? {
+        crate::discover::Decision::Bootstrap => {
+            tracing::info!(name, "discovery: no cluster found; ordinal 0 creates one");
+            config.join.clear();
+        }
+        crate::discover::Decision::Join(seeds) => {
+            tracing::info!(name, seeds = ?seeds, "discovery: joining the cluster");
+            config.join = seeds;
         }
     }
+    Ok(())
+}
+
+/// What starts the node's servers on `listeners` once its parts are built: the peer listener
+/// (behind the cluster secret) and the client API (behind the tokens); the checks are layered
+/// only when there is something to check, as a layer costs every request a boxed future and a
+/// clone of the service behind it. Peer links leave the HTTP server once upgraded: the node's
+/// shutdown waits for them (and the requests they are handling) separately. The starting
+/// servers stop as these start.
+fn serving(
+    config: &ServeConfig,
+    listeners: Listeners,
+    acceptor: Option<tokio_rustls::TlsAcceptor>,
+    starting_stop: watch::Sender<bool>,
+) -> impl FnOnce(Arc<PeerService>, &watch::Sender<bool>) -> Vec<JoinHandle<()>> {
     let tokens = crate::auth::Tokens { admin: config.admin_token.clone(), client: config.client_token.clone() };
     let cluster_secret = config.cluster_secret.clone();
     let client_limits = config.client_limits();
-    let serve = move |service: Arc<PeerService>, shutdown: &watch::Sender<bool>| {
-        // The checks are layered only when there is something to check: a layer costs every
-        // request a boxed future and a clone of the service behind it.
-        // Peer links leave the HTTP server once upgraded: the node's shutdown waits for them
-        // (and the requests they are handling) separately, as it waits for the servers.
+    move |service: Arc<PeerService>, shutdown: &watch::Sender<bool>| {
         let metrics = service.api.metrics();
         let (served, all_served) = crate::transport::link::served(metrics.peer_listener.open.clone());
         let mut links_stop = shutdown.subscribe();
@@ -507,17 +553,18 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
             api_router =
                 api_router.layer(axum::middleware::from_fn_with_state(tokens.clone(), crate::auth::require_tokens));
         }
+        let peer_limits = http_server::Limits::default();
         let servers = vec![
             http_server::serve(
-                peer_listener,
+                listeners.peer,
                 peer_router,
                 metrics.peer_listener.clone(),
                 acceptor.clone(),
-                http_server::Limits::default(),
+                peer_limits,
                 shutdown.subscribe(),
             ),
             http_server::serve(
-                api_listener,
+                listeners.api,
                 api_router,
                 metrics.client_listener.clone(),
                 acceptor,
@@ -528,14 +575,7 @@ pub async fn start_with(config: ServeConfig, listeners: Listeners) -> Result<Nod
         ];
         starting_stop.send_replace(true);
         servers
-    };
-    let mut handle = start_in(config, env, identity, serve).await?;
-    handle.api_addr = api_bound;
-    handle.peer_addr = peer_bound;
-    for server in starting {
-        let _ = server.await;
     }
-    Ok(handle)
 }
 
 /// Starts a node in `env` with the identity its data dir held (if any). `serve` starts serving
@@ -551,168 +591,210 @@ pub async fn start_in(
     let peers = Peers::new(env.transport.clone());
     let admin = shoal_raft::AdminClient::new(env.control_transport.clone(), Duration::from_secs(40));
     let joiner = Joiner::new(config.join.clone(), config.join_timeout, peers.clone(), admin).forced(config.force_join);
-    let (api_addr, peer_addr) = (env.api_addr.clone(), env.peer_addr.clone());
-    // A new node that joins gets its id first; a new cluster's first node is node 1.
     let restarted = identity.is_some();
-    let identity = match identity {
-        Some(id) => id,
-        None if config.join.is_empty() => {
-            let id = Identity::new(1, env.new_cluster_id.clone(), Vec::new());
-            id.store(&config.data_dir)?;
-            id
-        }
-        None => {
-            let registered =
-                joiner.register(&api_addr, &peer_addr, config.name.as_deref()).await.map_err(StartError::Join)?;
-            let id = Identity::new(registered.node_id, registered.cluster_id, config.join.clone());
-            id.store(&config.data_dir)?;
-            tracing::info!(node_id = id.node_id, cluster_id = %id.cluster_id, "registered with the cluster");
-            id
-        }
-    };
-    let node_id = identity.node_id;
-    if restarted && !config.join.is_empty() {
-        tracing::warn!(
-            node_id,
-            cluster_id = %identity.cluster_id,
-            data_dir = %config.data_dir.display(),
-            "the data dir already holds a member of a cluster: --join is ignored and the node restarts as that \
-             member (to join as a new member, start with an empty --data-dir)"
-        );
-    }
-
-    let mut control_config =
-        ControlConfig::new(node_id, api_addr.clone(), peer_addr.clone(), env.storage, env.control_transport);
+    let identity = identity_of(&config, &env, identity, &joiner).await?;
+    let mut control_config = ControlConfig::new(
+        identity.node_id,
+        env.api_addr.clone(),
+        env.peer_addr.clone(),
+        env.storage.clone(),
+        env.control_transport.clone(),
+    );
     let (heartbeat, election_timeout) = config.raft_timing();
     control_config.heartbeat = heartbeat;
     control_config.name = config.name.clone();
     control_config.election_timeout = election_timeout;
     let control = ControlPlane::open(control_config).await?;
-
-    let cache = Arc::new(CacheStore::new(config.cache_size, Clock::new()).with_policy(config.eviction));
-    let metrics = Arc::new(NodeMetrics::new());
-    metrics.state.memory_limit_bytes.set(config.memory_limit.unwrap_or(0) as f64);
-    let limits = limits_of(&config);
-    let transfer_config = config.transfer_config();
-    let progress = Arc::new(Progress::default());
-    // Buckets handed to this node in a transfer that is still running come back from their
-    // shadows before this node serves them (its memory is empty after a restart).
-    let facts = Arc::new(LocalFacts::default());
-    facts.mark_restoring(&control.state(), node_id, restarted);
-    let replicator = Replicator::new(
-        control.clone(),
-        cache.clone(),
-        config.cache_size / 2,
-        facts.clone(),
-        peers.clone(),
-        env.first_seq,
-    );
-    let mirror_latency = Some(metrics.mirror_latency.clone());
-    let mirrors = crate::mirror::Mirrors::new(node_id, config.mirror_config(), mirror_latency, env.incarnation);
-    let health = Health::new(
-        control.clone(),
-        config.health_config(),
-        replicator.clone(),
-        peers.clone(),
-        env.incarnation,
-        mirrors.clone(),
-    );
-    let weak = Arc::downgrade(&health);
-    control.set_liveness(Arc::new(move |id| weak.upgrade().is_none_or(|h| h.answers(id))));
-    let core = Arc::new(BucketCore::new(
-        control.clone(),
-        cache.clone(),
-        facts.clone(),
-        health.clone(),
-        replicator.clone(),
-        peers.clone(),
-        env.probe.clone(),
-    ));
-    let balancer = crate::balance::Balancer::new(
-        control.clone(),
-        core.clone(),
-        cache.clone(),
-        progress.clone(),
-        peers.clone(),
-        config.balance_config(),
-    );
-    let weak = Arc::downgrade(&balancer);
-    control.set_bucket_sizes(Arc::new(move || weak.upgrade().and_then(|b| b.bucket_sizes())));
-    let parts = NodeParts {
-        metrics: metrics.clone(),
-        progress: progress.clone(),
-        core: core.clone(),
-        replicator: replicator.clone(),
-        health: health.clone(),
-        peers: peers.clone(),
-        bodies: Arc::new(crate::body_budget::BodyBudget::new(config.body_budget())),
-        mirrors: mirrors.clone(),
-        balancer: balancer.clone(),
-        https: config.tls_cert.is_some(),
-    };
-    let api = Arc::new(NodeApi::new(control.clone(), cache.clone(), limits, parts));
+    let parts = Parts::build(&config, &env, control, peers, restarted);
     let (shutdown, _) = watch::channel(false);
-    let exporter = Exporter {
-        control: control.clone(),
-        cache: cache.clone(),
-        config: transfer_config,
-        progress: progress.clone(),
-        facts: core.facts().clone(),
-        replicator: replicator.clone(),
-    };
-    let service = Arc::new(PeerService {
-        control: control.clone(),
-        api: api.clone(),
-        replicator: replicator.clone(),
-        exporter,
-        health: health.clone(),
-    });
-    let servers = serve(service, &shutdown);
-    let handle = NodeHandle {
-        node_id,
-        api_addr: api_addr.parse().unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0))),
-        peer_addr: peer_addr.parse().unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0))),
-        control: control.clone(),
-        cache: cache.clone(),
+    let servers = serve(parts.peer_service(&config), &shutdown);
+    let mut handle = NodeHandle {
+        node_id: identity.node_id,
+        api_addr: env.api_addr.parse().unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0))),
+        peer_addr: env.peer_addr.parse().unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0))),
+        control: parts.control.clone(),
+        cache: parts.cache.clone(),
         shutdown,
         servers,
         tasks: Vec::new(),
         rejoin: Arc::new(parking_lot::Mutex::new(None)),
-        health: health.clone(),
-        replicator: replicator.clone(),
-        api,
+        health: parts.health.clone(),
+        replicator: parts.replicator.clone(),
+        api: parts.api.clone(),
     };
-    let joined = join_or_resume(&config, &identity, &control, &joiner).await;
-    if let Err(e) = joined {
+    if let Err(e) = join_or_resume(&config, &identity, &parts.control, &joiner).await {
         handle.shutdown().await;
         return Err(e);
     }
-    let mut handle = handle;
-    handle.tasks.push(tokio::spawn(sweep_expired(cache.clone())));
-    handle.tasks.push(tokio::spawn(sweep_expired(replicator.replica().clone())));
-    handle.tasks.push(tokio::spawn(metrics_upkeep(metrics.clone())));
-    handle.tasks.push(tokio::spawn(replicate_evictions(core.clone())));
-    handle.tasks.push(tokio::spawn(health.clone().run()));
-    handle.tasks.push(tokio::spawn(balancer.run()));
-    handle.tasks.push(tokio::spawn(mirrors.ping_idle(control.clone(), peers.clone())));
-    let reconciler = Reconciler::new(crate::reconcile::Parts {
-        core,
-        store: cache,
-        control,
-        replicator,
-        health,
-        peers,
-        progress,
-        metrics,
-        transfer: transfer_config,
-        limits: (config.cache_size, config.cache_size / 2),
-        identity: (identity, config.data_dir.clone()),
-        shutdown: handle.shutdown.clone(),
-        rejoin: handle.rejoin.clone(),
-    });
-    handle.tasks.push(tokio::spawn(reconciler.run()));
-    tracing::info!(node_id, api = %api_addr, peer = %peer_addr, "node ready");
+    let node_id = identity.node_id;
+    handle.tasks = parts.run(&config, identity, &handle);
+    tracing::info!(node_id, api = %env.api_addr, peer = %env.peer_addr, "node ready");
     Ok(handle)
+}
+
+/// The node's identity: the one its data dir held, or a new one — node 1 of a new cluster
+/// without `--join`, else the id the cluster gives it on registration — stored before it is
+/// used.
+async fn identity_of(
+    config: &ServeConfig,
+    env: &Environment,
+    identity: Option<Identity>,
+    joiner: &Joiner,
+) -> Result<Identity, StartError> {
+    let identity = match identity {
+        Some(id) => {
+            if !config.join.is_empty() {
+                tracing::warn!(
+                    node_id = id.node_id,
+                    cluster_id = %id.cluster_id,
+                    data_dir = %config.data_dir.display(),
+                    "the data dir already holds a member of a cluster: --join is ignored and the node restarts as \
+                     that member (to join as a new member, start with an empty --data-dir)"
+                );
+            }
+            return Ok(id);
+        }
+        None if config.join.is_empty() => Identity::new(1, env.new_cluster_id.clone(), Vec::new()),
+        None => {
+            let registered = joiner
+                .register(&env.api_addr, &env.peer_addr, config.name.as_deref())
+                .await
+                .map_err(StartError::Join)?;
+            let id = Identity::new(registered.node_id, registered.cluster_id, config.join.clone());
+            tracing::info!(node_id = id.node_id, cluster_id = %id.cluster_id, "registered with the cluster");
+            id
+        }
+    };
+    identity.store(&config.data_dir)?;
+    Ok(identity)
+}
+
+/// Every part of a running node, built once its control plane is open.
+struct Parts {
+    control: ControlPlane,
+    cache: Arc<CacheStore>,
+    metrics: Arc<NodeMetrics>,
+    progress: Arc<Progress>,
+    replicator: Arc<Replicator>,
+    mirrors: Arc<crate::mirror::Mirrors>,
+    health: Arc<Health>,
+    core: Arc<BucketCore>,
+    balancer: Arc<crate::balance::Balancer>,
+    api: Arc<NodeApi>,
+    peers: Peers,
+}
+
+impl Parts {
+    /// Builds the data plane on `control`, bottom up: the store and what this node knows of
+    /// its buckets, replication, failure detection, the bucket core, balancing, the node API.
+    fn build(config: &ServeConfig, env: &Environment, control: ControlPlane, peers: Peers, restarted: bool) -> Self {
+        let node_id = control.node_id();
+        let cache = Arc::new(CacheStore::new(config.cache_size, Clock::new()).with_policy(config.eviction));
+        let metrics = Arc::new(NodeMetrics::new());
+        metrics.state.memory_limit_bytes.set(config.memory_limit.unwrap_or(0) as f64);
+        let progress = Arc::new(Progress::default());
+        // Buckets handed to this node in a transfer that is still running come back from their
+        // shadows before this node serves them (its memory is empty after a restart).
+        let facts = Arc::new(LocalFacts::default());
+        facts.mark_restoring(&control.state(), node_id, restarted);
+        let half = config.cache_size / 2;
+        let replicator =
+            Replicator::new(control.clone(), cache.clone(), half, facts.clone(), peers.clone(), env.first_seq);
+        let latency = Some(metrics.mirror_latency.clone());
+        let mirrors = crate::mirror::Mirrors::new(node_id, config.mirror_config(), latency, env.incarnation);
+        let health = Health::new(
+            control.clone(),
+            config.health_config(),
+            replicator.clone(),
+            peers.clone(),
+            env.incarnation,
+            mirrors.clone(),
+        );
+        let weak = Arc::downgrade(&health);
+        control.set_liveness(Arc::new(move |id| weak.upgrade().is_none_or(|h| h.answers(id))));
+        let core = Arc::new(BucketCore::new(
+            control.clone(),
+            cache.clone(),
+            facts,
+            health.clone(),
+            replicator.clone(),
+            peers.clone(),
+            env.probe.clone(),
+        ));
+        let balancer = crate::balance::Balancer::new(
+            control.clone(),
+            core.clone(),
+            cache.clone(),
+            progress.clone(),
+            peers.clone(),
+            config.balance_config(),
+        );
+        let weak = Arc::downgrade(&balancer);
+        control.set_bucket_sizes(Arc::new(move || weak.upgrade().and_then(|b| b.bucket_sizes())));
+        let node_parts = NodeParts {
+            metrics: metrics.clone(),
+            progress: progress.clone(),
+            core: core.clone(),
+            replicator: replicator.clone(),
+            health: health.clone(),
+            peers: peers.clone(),
+            bodies: Arc::new(crate::body_budget::BodyBudget::new(config.body_budget())),
+            mirrors: mirrors.clone(),
+            balancer: balancer.clone(),
+            https: config.tls_cert.is_some(),
+        };
+        let api = Arc::new(NodeApi::new(control.clone(), cache.clone(), limits_of(config), node_parts));
+        Parts { control, cache, metrics, progress, replicator, mirrors, health, core, balancer, api, peers }
+    }
+
+    /// What answers other nodes.
+    fn peer_service(&self, config: &ServeConfig) -> Arc<PeerService> {
+        let exporter = Exporter {
+            control: self.control.clone(),
+            cache: self.cache.clone(),
+            config: config.transfer_config(),
+            progress: self.progress.clone(),
+            facts: self.core.facts().clone(),
+            replicator: self.replicator.clone(),
+        };
+        Arc::new(PeerService {
+            control: self.control.clone(),
+            api: self.api.clone(),
+            replicator: self.replicator.clone(),
+            exporter,
+            health: self.health.clone(),
+        })
+    }
+
+    /// Starts the node's background tasks, the reconciler last, once it is a member.
+    fn run(self, config: &ServeConfig, identity: Identity, handle: &NodeHandle) -> Vec<JoinHandle<()>> {
+        let Parts { control, cache, metrics, progress, replicator, mirrors, health, core, balancer, peers, .. } = self;
+        let reconciler = Reconciler::new(crate::reconcile::Parts {
+            core: core.clone(),
+            store: cache.clone(),
+            control: control.clone(),
+            replicator: replicator.clone(),
+            health: health.clone(),
+            peers: peers.clone(),
+            progress,
+            metrics: metrics.clone(),
+            transfer: config.transfer_config(),
+            limits: (config.cache_size, config.cache_size / 2),
+            identity: (identity, config.data_dir.clone()),
+            shutdown: handle.shutdown.clone(),
+            rejoin: handle.rejoin.clone(),
+        });
+        vec![
+            tokio::spawn(sweep_expired(cache)),
+            tokio::spawn(sweep_expired(replicator.replica().clone())),
+            tokio::spawn(metrics_upkeep(metrics)),
+            tokio::spawn(replicate_evictions(core)),
+            tokio::spawn(health.run()),
+            tokio::spawn(balancer.run()),
+            tokio::spawn(mirrors.ping_idle(control, peers)),
+            tokio::spawn(reconciler.run()),
+        ]
+    }
 }
 
 /// Brings the control plane to "this node is a member with a map": bootstrap, admission, or
