@@ -38,7 +38,7 @@ use tokio::time::Instant;
 
 use crate::mirror::{Mirrors, Outcome};
 use crate::peer::Peers;
-use crate::phase::{write_refusal, NodeFacts};
+use crate::phase::{write_refusal, LocalFacts, NodeFacts};
 use crate::replication::Replicator;
 use crate::transport::{Ping, Pong};
 
@@ -67,20 +67,15 @@ pub struct Health {
     replicator: Arc<Replicator>,
     /// Mirror statistics: every ping's answer (or failure) counts as a mirror ping.
     mirrors: Arc<Mirrors>,
+    /// What this node knows of itself: its gate (draining, handing over) decides, with the
+    /// lease, whether it may write, and so whether it reports others.
+    facts: Arc<LocalFacts>,
     /// `NodeFailed` commands this node proposed as leader.
     pub fails_proposed: AtomicU64,
     /// Set while a `NodeFailed` proposal runs.
     failing: AtomicBool,
     /// Peers with a ping in flight.
     in_flight: Mutex<BTreeSet<NodeId>>,
-    /// Set once the node drains: not ready, no new writes (see `NodeHandle::drain`).
-    draining: AtomicBool,
-    /// Set on SIGTERM, before any maintenance or drain (see `NodeHandle::stop_for_restart`).
-    stopping: AtomicBool,
-    /// Set while a leaving node waits for its replicas before handing over.
-    handing_over: AtomicBool,
-    /// This node runs the procedure that puts it into maintenance.
-    entering_maintenance: AtomicBool,
     /// The members this node holds pfail, as of the last ping round.
     pfail_now: watch::Sender<BTreeSet<NodeId>>,
 }
@@ -95,6 +90,7 @@ impl Health {
         peers: Peers,
         incarnation: u64,
         mirrors: Arc<Mirrors>,
+        facts: Arc<LocalFacts>,
     ) -> Arc<Self> {
         let ping_timeout = config.node_timeout.min(Duration::from_secs(2)).max(Duration::from_millis(200));
         Arc::new(Health {
@@ -110,53 +106,12 @@ impl Health {
             incarnations: Mutex::new(BTreeMap::new()),
             replicator,
             mirrors,
+            facts,
             fails_proposed: AtomicU64::new(0),
             failing: AtomicBool::new(false),
             in_flight: Mutex::new(BTreeSet::new()),
-            draining: AtomicBool::new(false),
-            stopping: AtomicBool::new(false),
-            handing_over: AtomicBool::new(false),
-            entering_maintenance: AtomicBool::new(false),
             pfail_now: watch::channel(BTreeSet::new()).0,
         })
-    }
-
-    /// Marks the node as stopping: `/readyz` fails and writes are refused from now on.
-    pub fn start_draining(&self) {
-        self.draining.store(true, Ordering::Relaxed);
-    }
-
-    /// Marks the node as stopping (SIGTERM) while it still serves: it no longer stands for
-    /// election or marks itself running. A stopping leader's successor that stops too would
-    /// otherwise take the lead just as the others exit, and then could not commit that it
-    /// stops (a whole cluster stopped at once).
-    pub fn start_stopping(&self) {
-        self.stopping.store(true, Ordering::Relaxed);
-    }
-
-    /// Whether the node stops: it got SIGTERM, or drains.
-    pub fn is_stopping(&self) -> bool {
-        self.stopping.load(Ordering::Relaxed) || self.is_draining()
-    }
-
-    /// This node starts (true) or ends (false) the procedure that puts it into maintenance.
-    pub fn set_entering_maintenance(&self, on: bool) {
-        self.entering_maintenance.store(on, Ordering::Relaxed);
-    }
-
-    /// Whether this node runs the procedure that puts it into maintenance.
-    pub fn is_entering_maintenance(&self) -> bool {
-        self.entering_maintenance.load(Ordering::Relaxed)
-    }
-
-    /// Pauses (or resumes) this node's writes while it hands its buckets over.
-    pub fn set_handing_over(&self, on: bool) {
-        self.handing_over.store(on, Ordering::Relaxed);
-    }
-
-    /// Whether the node is stopping.
-    pub fn is_draining(&self) -> bool {
-        self.draining.load(Ordering::Relaxed)
     }
 
     /// Whether failure detection runs.
@@ -266,8 +221,8 @@ impl Health {
     pub fn node_facts(&self) -> NodeFacts {
         let mut facts = NodeFacts {
             failed: self.is_removed(),
-            handing_over: self.handing_over.load(Ordering::Relaxed),
-            draining: self.is_draining(),
+            handing_over: self.facts.is_handing_over(),
+            draining: self.facts.is_draining(),
             no_quorum: None,
         };
         if !self.enabled() {

@@ -37,7 +37,6 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use shoal_raft::state::{MaintenancePhase, MaintenanceRefusal};
 use shoal_raft::{AdminRequest, ClusterState, ControlError, ControlPlane, NodeId};
 
-use crate::health::Health;
 use crate::phase::LocalFacts;
 use crate::replication::Replicator;
 
@@ -71,13 +70,13 @@ pub enum EnterError {
 
 /// Refuses this node's new writes while it lives (503 `node_leaving`: a forwarder waits for
 /// the new owner instead of answering it).
-pub struct WritePause<'a>(&'a Health);
+pub struct WritePause<'a>(&'a LocalFacts);
 
 impl<'a> WritePause<'a> {
     /// Starts refusing writes.
-    pub fn new(health: &'a Health) -> Self {
-        health.set_handing_over(true);
-        WritePause(health)
+    pub fn new(facts: &'a LocalFacts) -> Self {
+        facts.set_handing_over(true);
+        WritePause(facts)
     }
 }
 
@@ -90,7 +89,7 @@ impl Drop for WritePause<'_> {
 /// Marks this node as running the procedure that puts it into maintenance while it lives: a
 /// maintenance that prepares with nobody driving it (the request was cancelled, an answer
 /// lost) is ended by the reconciler.
-struct Entering<'a>(&'a Health);
+struct Entering<'a>(&'a LocalFacts);
 
 impl Drop for Entering<'_> {
     fn drop(&mut self) {
@@ -104,8 +103,6 @@ pub struct HandOff<'a> {
     pub me: NodeId,
     /// The control plane.
     pub control: &'a ControlPlane,
-    /// Its writes' refusal flag.
-    pub health: &'a Health,
     /// Its replica's attachments and the async queue.
     pub replicator: &'a Replicator,
     /// The bucket locks.
@@ -173,8 +170,8 @@ impl HandOff<'_> {
         if let Some(&peer) = suspected.first() {
             return Err(EnterError::Refused(MaintenanceRefusal::PeerDown(peer)));
         }
-        self.health.set_entering_maintenance(true);
-        let _entering = Entering(self.health);
+        self.facts.set_entering_maintenance(true);
+        let _entering = Entering(self.facts);
         let since_ms = now_ms();
         let until_ms = since_ms + period.as_millis() as u64;
         let request = AdminRequest::EnterMaintenance { node_id: self.me, since_ms, until_ms };
@@ -231,7 +228,7 @@ impl HandOff<'_> {
         let Some(heir) = state.heir_of(me) else {
             return Err(EnterError::Refused(MaintenanceRefusal::TooFewMembers(state.members.len())));
         };
-        let pause = WritePause::new(self.health);
+        let pause = WritePause::new(self.facts);
         let checked = match self.in_sync(heir, left(SYNC_WAIT), preparing).await {
             Ok(checked) => checked,
             Err(_) if self.control.state().stopping_peer(me).is_some() => {

@@ -133,7 +133,6 @@ impl NodeApi {
         let handoff = HandOff {
             me: self.node_id,
             control: &self.control,
-            health: &self.health,
             replicator: &self.replicator,
             facts: self.core.facts(),
         };
@@ -266,8 +265,8 @@ impl NodeApi {
             check("map", !state.map.is_empty(), "no distribution map applied".into()),
             check(
                 "draining",
-                !self.health.is_draining() && (alone || !state.draining.contains(&self.node_id)),
-                match self.health.is_draining() {
+                !self.core.facts().is_draining() && (alone || !state.draining.contains(&self.node_id)),
+                match self.core.facts().is_draining() {
                     true => "this node is stopping (SIGTERM)".into(),
                     false => "the cluster has not recorded yet that this node runs again after its stop".into(),
                 },

@@ -115,7 +115,7 @@ pub struct NodeHandle {
     servers: Vec<JoinHandle<()>>,
     tasks: Vec<JoinHandle<()>>,
     rejoin: Arc<parking_lot::Mutex<Option<Vec<String>>>>,
-    health: Arc<Health>,
+    facts: Arc<LocalFacts>,
     replicator: Arc<Replicator>,
     api: Arc<NodeApi>,
 }
@@ -169,7 +169,7 @@ impl NodeHandle {
     /// [`Self::drain_until`]). The maintenance takes at most two thirds of the time there is.
     /// `window` zero: no maintenance. Returns whether the replicas were confirmed in sync.
     pub async fn stop_for_restart(&self, window: Duration, deadline: tokio::time::Instant) -> bool {
-        self.health.start_stopping();
+        self.facts.start_stopping();
         self.control.stop_standing();
         let now = tokio::time::Instant::now();
         let maintenance_by = now + deadline.saturating_duration_since(now) * 2 / 3;
@@ -283,7 +283,7 @@ impl NodeHandle {
     /// successor took the lead, so that the cluster has a leader while it stops. Returns whether
     /// the replicas were confirmed in sync in time.
     pub async fn drain_until(&self, deadline: tokio::time::Instant) -> bool {
-        self.health.start_draining();
+        self.facts.start_draining();
         self.control.stop_standing();
         let leader = self.control.leader() == Some(self.node_id);
         let timeout = deadline.saturating_duration_since(tokio::time::Instant::now());
@@ -618,7 +618,7 @@ pub async fn start_in(
         servers,
         tasks: Vec::new(),
         rejoin: Arc::new(parking_lot::Mutex::new(None)),
-        health: parts.health.clone(),
+        facts: parts.core.facts().clone(),
         replicator: parts.replicator.clone(),
         api: parts.api.clone(),
     };
@@ -709,6 +709,7 @@ impl Parts {
             peers.clone(),
             env.incarnation,
             mirrors.clone(),
+            facts.clone(),
         );
         let weak = Arc::downgrade(&health);
         control.set_liveness(Arc::new(move |id| weak.upgrade().is_none_or(|h| h.answers(id))));

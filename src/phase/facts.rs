@@ -1,7 +1,9 @@
-//! [`LocalFacts`]: what this node knows of its buckets that the replicated state does not say,
-//! and the per-bucket locks of the write path.
+//! [`LocalFacts`]: what this node knows of its buckets and of itself that the replicated state
+//! does not say — its gate (draining, stopping, handing over, entering maintenance) among
+//! them — and the per-bucket locks of the write path.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use parking_lot::{Mutex, RwLock};
 use shoal_raft::{BucketId, ClusterState, NodeId, BUCKET_COUNT};
@@ -25,6 +27,15 @@ pub struct LocalFacts {
     /// committed (they may still be taken back); reads of the bucket wait for it, so no read
     /// sees a write that is then taken back.
     pending: Vec<tokio::sync::RwLock<()>>,
+    /// The node's own gate: set once it drains (not ready, no new writes; see
+    /// `NodeHandle::drain`).
+    draining: AtomicBool,
+    /// Set on SIGTERM, before any maintenance or drain (see `NodeHandle::stop_for_restart`).
+    stopping: AtomicBool,
+    /// Set while a leaving node waits for its replicas before handing over.
+    handing_over: AtomicBool,
+    /// This node runs the procedure that puts it into maintenance.
+    entering_maintenance: AtomicBool,
 }
 
 impl Default for LocalFacts {
@@ -35,11 +46,58 @@ impl Default for LocalFacts {
             shadows: RwLock::new(BTreeSet::new()),
             locks: (0..BUCKET_COUNT).map(|_| tokio::sync::Mutex::new(())).collect(),
             pending: (0..BUCKET_COUNT).map(|_| tokio::sync::RwLock::new(())).collect(),
+            draining: AtomicBool::new(false),
+            stopping: AtomicBool::new(false),
+            handing_over: AtomicBool::new(false),
+            entering_maintenance: AtomicBool::new(false),
         }
     }
 }
 
 impl LocalFacts {
+    /// Marks the node as stopping: `/readyz` fails and writes are refused from now on.
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::Relaxed);
+    }
+
+    /// Marks the node as stopping (SIGTERM) while it still serves: it no longer stands for
+    /// election or marks itself running. A stopping leader's successor that stops too would
+    /// otherwise take the lead just as the others exit, and then could not commit that it
+    /// stops (a whole cluster stopped at once).
+    pub fn start_stopping(&self) {
+        self.stopping.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether the node stops: it got SIGTERM, or drains.
+    pub fn is_stopping(&self) -> bool {
+        self.stopping.load(Ordering::Relaxed) || self.is_draining()
+    }
+
+    /// This node starts (true) or ends (false) the procedure that puts it into maintenance.
+    pub fn set_entering_maintenance(&self, on: bool) {
+        self.entering_maintenance.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether this node runs the procedure that puts it into maintenance.
+    pub fn is_entering_maintenance(&self) -> bool {
+        self.entering_maintenance.load(Ordering::Relaxed)
+    }
+
+    /// Pauses (or resumes) this node's writes while it hands its buckets over.
+    pub fn set_handing_over(&self, on: bool) {
+        self.handing_over.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether the node is stopping.
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    /// Whether the node pauses its writes to hand its buckets over.
+    pub fn is_handing_over(&self) -> bool {
+        self.handing_over.load(Ordering::Relaxed)
+    }
+
     /// This node handed `bucket` over and keeps its data as the shadow.
     pub fn handed_over(&self, bucket: BucketId) {
         self.shadows.write().insert(bucket.0);

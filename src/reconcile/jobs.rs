@@ -398,14 +398,8 @@ impl Reconciler {
     /// never acknowledged). If the replica cannot be confirmed complete in time, L does not
     /// hand over and drains its buckets itself.
     pub(super) async fn hand_over(&self, heir: NodeId) -> Done {
-        let handoff = HandOff {
-            me: self.me,
-            control: &self.control,
-            health: &self.health,
-            replicator: &self.replicator,
-            facts: &self.facts,
-        };
-        let pause = WritePause::new(&self.health);
+        let handoff = HandOff { me: self.me, control: &self.control, replicator: &self.replicator, facts: &self.facts };
+        let pause = WritePause::new(&self.facts);
         let leaving = |s: &shoal_raft::ClusterState| s.member_of(self.me).is_some_and(|m| m.leaving);
         let in_sync = match handoff.in_sync(heir, HANDOVER_SYNC_WAIT, leaving).await {
             Ok(checked) => Some(checked),

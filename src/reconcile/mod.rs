@@ -345,7 +345,7 @@ impl Reconciler {
             voter: self.control.is_voter(),
             leader: self.control.is_leader(),
             failed: node.failed,
-            draining: self.health.is_stopping(),
+            draining: self.facts.is_stopping(),
             active: BucketId::all().filter(|&b| self.store.bucket_stats(b).0 > 0).collect(),
             replicas: self.replicator.replica_sources(),
             restoring,
@@ -371,7 +371,7 @@ impl Reconciler {
             gave_back: memory.gave_back,
             // Read only while a maintenance runs: the simulation never reads the wall clock.
             now_ms: if state.maintenance.is_some() { crate::maintenance::now_ms() } else { 0 },
-            entering_maintenance: self.health.is_entering_maintenance(),
+            entering_maintenance: self.facts.is_entering_maintenance(),
         }
     }
 
@@ -514,7 +514,7 @@ impl Reconciler {
         }
         tracing::info!(node_id = self.me, "this node has left the cluster; stopping");
         // Not ready any more, and its refusals say that it stops (`node_draining`).
-        self.health.start_draining();
+        self.facts.start_draining();
         // Members that have not applied the retirement yet still send this node their
         // replica and shadow writes for a moment: it keeps answering them a little
         // while, so that a leave fails no write.
