@@ -8,7 +8,7 @@ use std::time::Instant;
 use futures::future::join_all;
 use shoal_http_api::types::{GetOk, PutOk, RouteContext};
 use shoal_http_api::{ApiError, PutItem};
-use shoal_raft::{bucket_of, BucketId, NodeId};
+use shoal_raft::{bucket_of, BucketId, ClusterState, NodeId};
 
 use super::{
     addrs_of, is_moving, is_passing, is_passing_answer, routing, write_of, NodeApi, FROZEN_WAIT, PASSING_WAIT,
@@ -22,6 +22,94 @@ use crate::transport::Addrs;
 
 /// The results of the keys of one bucket written here, by index into the request.
 type LocalResults<T> = Vec<(usize, Result<T, DataError>)>;
+
+/// The owners' answers of one round: each owner's keys (indices into the request) and its
+/// results for them, or an error of its whole share.
+type Answers<T> = Vec<(Vec<usize>, Result<Vec<Result<T, ApiError>>, ApiError>)>;
+
+/// The keys of one round this node serves, by bucket, and the others, by owner.
+type Routed = (BTreeMap<BucketId, Vec<usize>>, BTreeMap<NodeId, Vec<usize>>);
+
+/// What one routing round of a bulk operation leaves to do.
+#[derive(Default)]
+struct Round {
+    /// Keys to route again: refused `not_owner`, or frozen by a move.
+    retry: Vec<usize>,
+    /// Keys retried only because their bucket's ownership is passing: they use up no attempt.
+    passing: Vec<usize>,
+    /// How many of `retry` were frozen by a move.
+    frozen: usize,
+    /// The newest map version an owner's refusal named (0: none).
+    newest: u64,
+}
+
+impl Round {
+    /// Whether this round used up one of the request's attempts: not when the map moved on
+    /// meanwhile (`moved_on`), nor when it only waits — for a bucket's ownership to pass, or
+    /// for a frozen bucket while `frozen_waits` — rather than routes again. An owner that no
+    /// longer owns one of the keys refuses its whole share, and during a join or leave buckets
+    /// move one after another: a share spanning several of them was refused round after round
+    /// (`map_changing` after three). Routing again on a newer map is progress, not a lost
+    /// attempt, for as long as a write waits for a frozen bucket.
+    fn used_an_attempt(&self, moved_on: bool, frozen_waits: bool) -> bool {
+        let rerouted = self.newest > 0 || self.retry.len() > self.frozen;
+        let waiting = !self.passing.is_empty() || (self.frozen > 0 && frozen_waits);
+        !moved_on && (rerouted || !waiting)
+    }
+
+    /// Takes the results of the keys served here.
+    fn local<T>(
+        &mut self,
+        done: impl IntoIterator<Item = (usize, Result<T, DataError>)>,
+        may_wait: &impl Fn() -> bool,
+        results: &mut [Option<Result<T, ApiError>>],
+    ) {
+        for (i, result) in done {
+            match result {
+                Err(e) if is_moving(&e) => {
+                    self.frozen += 1;
+                    self.retry.push(i);
+                }
+                Err(DataError::NotOwner { .. }) => self.retry.push(i),
+                Err(e) if is_passing(&e) && may_wait() => self.passing.push(i),
+                other => results[i] = Some(other.map_err(ApiError::from)),
+            }
+        }
+    }
+
+    /// Takes the answers of the owners asked on map `version`, each for the keys at its
+    /// indices: one result per key, or an error of its whole share.
+    fn remote<T>(
+        &mut self,
+        answers: Answers<T>,
+        version: u64,
+        may_wait: &impl Fn() -> bool,
+        results: &mut [Option<Result<T, ApiError>>],
+    ) {
+        for (idx, answer) in answers {
+            match answer {
+                Ok(answers) if answers.len() == idx.len() => {
+                    for (i, a) in idx.into_iter().zip(answers) {
+                        match a {
+                            Err(e) if is_passing_answer(&e) && may_wait() => self.passing.push(i),
+                            a => results[i] = Some(a),
+                        }
+                    }
+                }
+                Ok(_) => {
+                    let e = ApiError::Internal("a peer answered a bulk request with the wrong count".into());
+                    idx.into_iter().for_each(|i| results[i] = Some(Err(e.clone())));
+                }
+                Err(ApiError::NotOwner { map_version, .. }) => {
+                    self.newest = self.newest.max(map_version.max(version + 1));
+                    self.retry.extend(idx);
+                }
+                Err(e) if is_passing_answer(&e) && may_wait() => self.passing.extend(idx),
+                Err(e) => idx.into_iter().for_each(|i| results[i] = Some(Err(e.clone()))),
+            }
+        }
+    }
+}
 
 impl NodeApi {
     /// Runs a bulk operation: the keys of each bucket this node serves by `local` (once per
@@ -51,25 +139,11 @@ impl NodeApi {
         let frozen_until = tokio::time::Instant::now() + FROZEN_WAIT;
         let mut attempts = 0;
         while !pending.is_empty() && attempts < ROUTE_ATTEMPTS {
-            // Keys retried only because their ownership is passing do not use up an attempt.
-            let mut passing = Vec::new();
             // Every key of this attempt is decided on the same state.
             let state = self.state_for(ctx).await?;
-            let mut here: BTreeMap<BucketId, Vec<usize>> = BTreeMap::new();
-            let mut groups: BTreeMap<NodeId, Vec<usize>> = BTreeMap::new();
-            for &i in &pending {
-                let bucket = bucket_of(key_of(&items[i]).as_bytes());
-                match self.core.route(&state, bucket, routing(ctx)) {
-                    Ok(Route::Local) => here.entry(bucket).or_default().push(i),
-                    Ok(Route::Forward { owner }) => groups.entry(owner).or_default().push(i),
-                    Ok(Route::Redirect { owner }) => {
-                        results[i] = Some(Err(self.redirect_to(&state, owner)));
-                    }
-                    Err(e @ DataError::NotOwner { .. }) => return Err(e.into()),
-                    Err(e) if is_passing(&e) && may_wait() => passing.push(i),
-                    Err(e) => results[i] = Some(Err(e.into())),
-                }
-            }
+            let mut round = Round::default();
+            let (here, groups) =
+                self.route_keys(&state, &pending, |i| key_of(&items[i]), ctx, &may_wait, &mut results, &mut round)?;
             let version = state.map.version;
             let mut calls = Vec::new();
             for (owner, idx) in groups {
@@ -91,68 +165,25 @@ impl NodeApi {
                 join_all(here.into_iter().map(|(bucket, idx)| local(bucket, idx))).await.into_iter().flatten()
             };
             let (done_here, answers) = futures::join!(locals, join_all(calls));
-            let mut retry = Vec::new();
-            let mut moving = false;
-            let mut frozen = 0;
-            for (i, result) in done_here {
-                match result {
-                    Err(e) if is_moving(&e) => {
-                        moving = true;
-                        frozen += 1;
-                        retry.push(i);
-                    }
-                    Err(DataError::NotOwner { .. }) => retry.push(i),
-                    Err(e) if is_passing(&e) && may_wait() => passing.push(i),
-                    other => results[i] = Some(other.map_err(ApiError::from)),
-                }
+            round.local(done_here, &may_wait, &mut results);
+            round.remote(answers, version, &may_wait, &mut results);
+            if round.newest > 0 {
+                self.state_at_least(round.newest).await;
             }
-            let mut newest = 0;
-            for (idx, answer) in answers {
-                match answer {
-                    Ok(answers) if answers.len() == idx.len() => {
-                        for (i, a) in idx.into_iter().zip(answers) {
-                            match a {
-                                Err(e) if is_passing_answer(&e) && may_wait() => passing.push(i),
-                                a => results[i] = Some(a),
-                            }
-                        }
-                    }
-                    Ok(_) => {
-                        let e = ApiError::Internal("a peer answered a bulk request with the wrong count".into());
-                        idx.into_iter().for_each(|i| results[i] = Some(Err(e.clone())));
-                    }
-                    Err(ApiError::NotOwner { map_version, .. }) => {
-                        newest = newest.max(map_version.max(version + 1));
-                        retry.extend(idx);
-                    }
-                    Err(e) if is_passing_answer(&e) && may_wait() => passing.extend(idx),
-                    Err(e) => idx.into_iter().for_each(|i| results[i] = Some(Err(e.clone()))),
-                }
-            }
-            if newest > 0 {
-                self.state_at_least(newest).await;
-            }
-            if moving {
+            if round.frozen > 0 {
                 // Frozen by a handover: try again once the flip (or abort) is settled.
                 self.cache.wait_thawed().await;
             }
-            let rerouted = newest > 0 || retry.len() > frozen;
-            let waiting = !passing.is_empty() || (frozen > 0 && tokio::time::Instant::now() < frozen_until);
-            // An owner that no longer owns one of the keys refuses its whole share, and during
-            // a join or leave buckets move one after another: a share spanning several of them
-            // was refused round after round (`map_changing` after three). Routing again on a
-            // newer map is progress, not a lost attempt, for as long as a write waits for a
-            // frozen bucket.
-            let moved_on =
-                newest > 0 && self.control.state().map.version > version && tokio::time::Instant::now() < frozen_until;
-            if !moved_on && (rerouted || !waiting) {
+            let frozen_waits = tokio::time::Instant::now() < frozen_until;
+            let moved_on = round.newest > 0 && self.control.state().map.version > version && frozen_waits;
+            if round.used_an_attempt(moved_on, frozen_waits) {
                 attempts += 1;
             }
-            if !passing.is_empty() {
+            if !round.passing.is_empty() {
                 self.wait_passing(version).await;
             }
-            retry.extend(passing);
-            pending = retry;
+            round.retry.extend(round.passing);
+            pending = round.retry;
         }
         Ok(results
             .into_iter()
@@ -161,6 +192,37 @@ impl NodeApi {
                 r.unwrap_or_else(|| Err(DataError::MapChanging(bucket_of(key_of(item).as_bytes())).into()))
             })
             .collect())
+    }
+
+    /// Routes the keys at `pending` on `state`: the keys this node serves by bucket, the
+    /// others by owner; a redirect or a refusal is their result at once, and a key whose
+    /// bucket's ownership is passing waits for the next round (while `may_wait`). A
+    /// `not_owner` refusal of this node's own routing fails the whole request.
+    #[allow(clippy::too_many_arguments)]
+    fn route_keys<'k, T>(
+        &self,
+        state: &ClusterState,
+        pending: &[usize],
+        key_at: impl Fn(usize) -> &'k str,
+        ctx: RouteContext,
+        may_wait: &impl Fn() -> bool,
+        results: &mut [Option<Result<T, ApiError>>],
+        round: &mut Round,
+    ) -> Result<Routed, ApiError> {
+        let mut here: BTreeMap<BucketId, Vec<usize>> = BTreeMap::new();
+        let mut groups: BTreeMap<NodeId, Vec<usize>> = BTreeMap::new();
+        for &i in pending {
+            let bucket = bucket_of(key_at(i).as_bytes());
+            match self.core.route(state, bucket, routing(ctx)) {
+                Ok(Route::Local) => here.entry(bucket).or_default().push(i),
+                Ok(Route::Forward { owner }) => groups.entry(owner).or_default().push(i),
+                Ok(Route::Redirect { owner }) => results[i] = Some(Err(self.redirect_to(state, owner))),
+                Err(e @ DataError::NotOwner { .. }) => return Err(e.into()),
+                Err(e) if is_passing(&e) && may_wait() => round.passing.push(i),
+                Err(e) => results[i] = Some(Err(e.into())),
+            }
+        }
+        Ok((here, groups))
     }
 
     pub(super) async fn bulk_get_routed(
