@@ -415,6 +415,24 @@ impl ApiError {
     }
 }
 
+/// Between nodes an error travels as what HTTP would carry, its problem document (JSON, whose
+/// absent fields are left out) and its `Retry-After` in whole seconds, and is rebuilt by
+/// [`ApiError::from_problem`], so a forwarded error keeps its status and code.
+impl Serialize for ApiError {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let problem = bytes::Bytes::from(serde_json::to_vec(&self.problem()).map_err(serde::ser::Error::custom)?);
+        (problem, self.retry_after().map(|d| d.as_secs().max(1))).serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for ApiError {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let (problem, retry_after) = <(bytes::Bytes, Option<u64>)>::deserialize(d)?;
+        let problem: Problem = serde_json::from_slice(&problem).map_err(serde::de::Error::custom)?;
+        Ok(ApiError::from_problem(&problem, retry_after.map(Duration::from_secs)))
+    }
+}
+
 /// The problem title of an HTTP status: its reason phrase.
 pub(crate) fn title_of(status: u16) -> String {
     StatusCode::from_u16(status).ok().and_then(|s| s.canonical_reason()).unwrap_or("error").to_string()

@@ -76,7 +76,7 @@ pub enum WriteCondition {
 }
 
 /// Per-item options of a write.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PutOptions {
     /// Absolute expiration from now.
     pub ttl: Option<Duration>,
@@ -153,7 +153,7 @@ impl Priority {
 }
 
 /// A stored value and where it lives.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GetOk {
     /// The raw value.
     pub value: bytes::Bytes,

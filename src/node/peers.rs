@@ -22,12 +22,9 @@ use crate::api::NodeApi;
 use crate::health::Health;
 use crate::replication::Replicator;
 use crate::transfer::export::Exporter;
-use crate::transport::http::{
-    decode_batch, encode_answers, encode_refusal, HEADER_RAFT_TARGET, LINK_REFUSED, LINK_REPLICATE, LINK_REPLICATED,
-    TRANSFER_MEDIA_TYPE,
-};
-use crate::transport::{calls, link, reads, writes};
-use crate::transport::{CallError, FrameStream, PeerAnswer, PeerRequest, ReplicaAnswer, Replicate, StreamRequest};
+use crate::transport::http::{HEADER_RAFT_TARGET, TRANSFER_MEDIA_TYPE};
+use crate::transport::{link, wire};
+use crate::transport::{CallError, FrameStream, PeerAnswer, PeerRequest, StreamRequest};
 
 /// Everything a node answers to other nodes.
 pub struct PeerService {
@@ -97,8 +94,9 @@ impl PeerService {
         let api = &self.api;
         let failed = CallError::Api;
         Ok(match request {
-            PeerRequest::Replicate(r) => PeerAnswer::Replicated(self.replicator.receive(r).await),
-            PeerRequest::ReplicateBatch(requests) => PeerAnswer::ReplicatedBatch(self.receive_batch(requests).await),
+            request @ (PeerRequest::Replicate(_) | PeerRequest::ReplicateBatch(_)) => {
+                return self.receive_replicas(request).await
+            }
             PeerRequest::Shadow { bucket, body } => {
                 self.exporter
                     .apply_shadow(bucket, body)
@@ -161,68 +159,65 @@ impl PeerService {
         self.exporter.open(bucket, to, epoch).await.map_err(refused)
     }
 
-    /// Applies (or refuses) each replica request of a batch as if it came alone: they are of
-    /// distinct buckets, since an owner has one replica write per bucket in flight.
-    pub async fn receive_batch(&self, requests: Vec<Replicate>) -> Vec<ReplicaAnswer> {
-        futures::future::join_all(requests.into_iter().map(|r| self.replicator.receive(r))).await
+    /// Applies (or refuses) replica writes, each of a batch as if it came alone: they are of
+    /// distinct buckets, since an owner has one replica write per bucket in flight. A function
+    /// of its own for the same reason as [`Self::serve_read`].
+    async fn receive_replicas(&self, request: PeerRequest) -> Result<PeerAnswer, CallError> {
+        Ok(match request {
+            PeerRequest::Replicate(r) => PeerAnswer::Replicated(self.replicator.receive(r).await),
+            PeerRequest::ReplicateBatch(requests) => PeerAnswer::ReplicatedBatch(
+                futures::future::join_all(requests.into_iter().map(|r| self.replicator.receive(r))).await,
+            ),
+            _ => return Err(CallError::Api(ApiError::Internal("a replica write of another kind".into()))),
+        })
     }
 
     /// Answers a request that came over a peer link (`transport::link`): its kind and payload
-    /// in, the answer's out.
+    /// in, the answer's out (`transport::wire`). A request that does not read is refused whole.
     pub async fn serve_link_request(&self, kind: u8, payload: Bytes) -> (u8, Vec<u8>) {
-        // Replica writes and forwarded writes are boxed: their futures are large (the whole
-        // write path), and this one is moved into a box for every request the link serves, a
-        // read too; so it stays as small as a read's.
-        let refused = |reason: &str| (LINK_REFUSED, encode_refusal(400, reason));
-        let counted = &self.api.metrics().link_requests;
-        match kind {
-            LINK_REPLICATE => {
-                counted.replica_writes.increment(1);
-                let Some(from) = payload.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_be_bytes) else {
-                    return refused("replica writes without their sender");
-                };
-                match decode_batch(from, payload.slice(8..)) {
-                    Ok(requests) => (LINK_REPLICATED, encode_answers(&Box::pin(self.receive_batch(requests)).await)),
-                    Err(reason) => refused(&reason.to_string()),
-                }
+        let (request, deadline_ms) = match wire::decode_request(kind, &payload) {
+            Ok(decoded) => decoded,
+            Err(e) => {
+                tracing::warn!(error = %e, kind, "refused an unreadable request from a peer");
+                return (
+                    wire::ANSWER,
+                    wire::encode_answer(Err(CallError::Refused { status: 400, reason: e.to_string() })),
+                );
             }
-            reads::LINK_READ => match reads::decode_request(&payload) {
-                Ok((request, deadline_ms)) => self.serve_link_read(request, deadline_ms).await,
-                Err(reason) => refused(&reason.to_string()),
-            },
-            writes::LINK_WRITE => match writes::decode_request(&payload) {
-                Ok((request, deadline_ms)) => Box::pin(self.serve_link_write(request, deadline_ms)).await,
-                Err(reason) => refused(&reason.to_string()),
-            },
-            calls::LINK_CALL => match calls::decode_request(payload) {
-                Ok(request) => {
-                    counted.calls.increment(1);
-                    calls::encode_answer(Box::pin(self.serve(request)).await)
-                }
-                Err(reason) => refused(&reason.to_string()),
-            },
-            other => refused(&format!("unknown link request kind {other}")),
-        }
+        };
+        // Every request but a read is boxed: their futures are large (the whole write path),
+        // and this one is moved into a box for every request the link serves, a read too; so
+        // it stays as small as a read's.
+        let counted = &self.api.metrics().link_requests;
+        let answer = match kind {
+            wire::READ => self.serve_link_read(request, deadline_ms).await,
+            wire::WRITE => Box::pin(self.serve_link_write(request, deadline_ms)).await,
+            wire::REPLICATE => {
+                counted.replica_writes.increment(1);
+                wire::encode_answer(Box::pin(self.receive_replicas(request)).await)
+            }
+            _ => {
+                counted.calls.increment(1);
+                wire::encode_answer(Box::pin(self.serve(request)).await)
+            }
+        };
+        (wire::ANSWER, answer)
     }
 
     /// A forwarded or mirror read that came over a peer link: served as any read from another
     /// node ([`Self::serve_read`]), unless it arrived after its sender's deadline (refused: nothing
     /// is done) or names keys this node's own limits refuse (nodes configured differently: the
     /// read fails as the key route would fail it); a bulk read's values are admitted into the
-    /// node's budget for answer bodies while they are copied into the answer, as the bulk route
-    /// admits them.
-    async fn serve_link_read(&self, request: PeerRequest, deadline_ms: u64) -> (u8, Vec<u8>) {
-        let limits = self.api.limits();
+    /// node's budget for answer bodies while they are encoded, as the bulk route admits them.
+    async fn serve_link_read(&self, request: PeerRequest, deadline_ms: Option<u64>) -> Vec<u8> {
+        let failed = |e| wire::encode_answer(Err(CallError::Api(e)));
         let keys = match &request {
             PeerRequest::Get { key, .. } => std::slice::from_ref(key),
             PeerRequest::BulkGet { keys, .. } => keys.as_slice(),
             _ => &[],
         };
-        if let Err(e) = admissible(keys.iter().map(|k| (k, 0)), &limits) {
-            return reads::failed(&e);
-        }
-        if let Err(late) = reads::admit(deadline_ms, shoal_http_api::unix_ms()) {
-            return late;
+        if let Err(e) = admissible(keys.iter().map(|k| (k, 0)), &self.api.limits()).and_then(|_| in_time(deadline_ms)) {
+            return failed(e);
         }
         self.api.metrics().link_requests.reads.increment(1);
         let bulk = matches!(request, PeerRequest::BulkGet { .. });
@@ -232,12 +227,12 @@ impl PeerService {
                 let values = items.iter().flatten().flatten().map(|ok| ok.value.len()).sum();
                 match self.api.admit_body(values).await {
                     Ok(permit) => Some(permit),
-                    Err(e) => return reads::failed(&e),
+                    Err(e) => return failed(e),
                 }
             }
             _ => None,
         };
-        reads::encode_answer(answer)
+        wire::encode_answer(answer)
     }
 
     /// A forwarded write or delete, alone or bulk, that came over a peer link: checked against
@@ -246,9 +241,10 @@ impl PeerService {
     /// served as any forward from another node ([`Self::serve_write`]), unless it arrived after its
     /// sender's deadline (refused, nothing done). The link cancels it when its sender gives up,
     /// and bounds how many a sender has in flight (`transport::link`).
-    async fn serve_link_write(&self, request: PeerRequest, deadline_ms: u64) -> (u8, Vec<u8>) {
-        if let Err(late) = reads::admit(deadline_ms, shoal_http_api::unix_ms()) {
-            return late;
+    async fn serve_link_write(&self, request: PeerRequest, deadline_ms: Option<u64>) -> Vec<u8> {
+        let failed = |e| wire::encode_answer(Err(CallError::Api(e)));
+        if let Err(e) = in_time(deadline_ms) {
+            return failed(e);
         }
         self.api.metrics().link_requests.writes.increment(1);
         let limits = self.api.limits();
@@ -261,13 +257,13 @@ impl PeerService {
         };
         let values = match items {
             Ok(values) => values,
-            Err(e) => return reads::failed(&e),
+            Err(e) => return failed(e),
         };
         let _admitted = match self.api.admit_body(values).await {
             Ok(permit) => permit,
-            Err(e) => return reads::failed(&e),
+            Err(e) => return failed(e),
         };
-        writes::encode_answer(self.serve_write(request).await)
+        wire::encode_answer(self.serve_write(request).await)
     }
 
     /// A control-plane message.
@@ -288,7 +284,19 @@ impl PeerService {
     }
 }
 
-/// The bytes of the values of a forwarded write's keys and value sizes, or why this node's
+/// Whether a forward that came with its sender's deadline (Unix time) is served: refused once
+/// it has passed (its sender no longer waits: nothing is done).
+fn in_time(deadline_ms: Option<u64>) -> Result<(), ApiError> {
+    match deadline_ms {
+        Some(deadline) if shoal_http_api::unix_ms() > deadline => Err(ApiError::unavailable(
+            shoal_http_api::Unavailable::Expired,
+            "the forwarded request arrived after its deadline; nothing was done",
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// The bytes of the values of a forward's keys and value sizes, or why this node's
 /// limits refuse it: too many keys, a key or a value too large.
 fn admissible<'a>(
     items: impl Iterator<Item = (&'a String, usize)>,

@@ -222,7 +222,6 @@ impl tracing_subscriber::fmt::time::FormatTime for SimTime {
 async fn simulate(seed: u64, scenario: Scenario) -> Report {
     let t0 = Instant::now();
     STARTED.with(|s| s.set(Some(t0)));
-    let at = |t: Instant| t.duration_since(t0);
     let net = SimNetwork::new(seed);
     let writers = Arc::new(Writers {
         t0,
@@ -238,158 +237,23 @@ async fn simulate(seed: u64, scenario: Scenario) -> Report {
     };
     let cluster = Arc::new(SimCluster::new(net.clone(), seed, configure, Some(writers.clone())));
     let _ = writers.cluster.set(Arc::downgrade(&cluster));
-    let mut rng = StdRng::seed_from_u64(seed.rotate_left(17) ^ 0xdead_beef);
-    let mut events = Vec::new();
-    for _ in 0..scenario.nodes {
-        let h = cluster.add_host();
-        let joined = wait_until(&cluster, Duration::from_secs(120), |c| {
-            c.running().iter().any(|(x, _, _)| *x == h) && settled(c).is_none()
-        })
-        .await;
-        if !joined {
-            events.push(format!("{:?} host {h} did not join in time", at(Instant::now())));
-        }
-    }
+    let mut schedule = Schedule {
+        t0,
+        net,
+        cluster: cluster.clone(),
+        rng: StdRng::seed_from_u64(seed.rotate_left(17) ^ 0xdead_beef),
+        faults: scenario.faults,
+        max_hosts: scenario.max_hosts,
+        undo: Vec::new(),
+        split: false,
+        away: None,
+        leaving: BTreeMap::new(),
+        events: Vec::new(),
+    };
+    schedule.join(scenario.nodes).await;
     let clients = Clients::start(&cluster, scenario.clients, scenario.keys, seed, t0);
-    let end = Instant::now() + scenario.duration;
-    let mut undo: Vec<(Instant, Undo)> = Vec::new();
-    let mut split = false;
-    // The host of the member the schedule put into maintenance and stopped, until it restarts.
-    let mut away: Option<HostId> = None;
-    let kinds = if scenario.faults.maintenance { 7 } else { 6 };
-    // When each host was first asked to leave (its node may not have left then).
-    let mut leaving: BTreeMap<HostId, Duration> = BTreeMap::new();
-    while Instant::now() < end {
-        let next = Instant::now() + Duration::from_millis(rng.random_range(500..4000));
-        while let Some(i) = undo.iter().position(|(t, _)| *t <= next) {
-            let (t, what) = undo.remove(i);
-            tokio::time::sleep_until(t).await;
-            let done = match what {
-                Undo::Restart(h) => {
-                    cluster.restart(h);
-                    if away == Some(h) {
-                        away = None;
-                    }
-                    format!("restart host {h}")
-                }
-                Undo::Heal => {
-                    net.heal();
-                    split = false;
-                    "heal".to_string()
-                }
-                Undo::Drops => {
-                    net.set_drop_rate(0.0);
-                    "no more drops".to_string()
-                }
-                Undo::Delays => {
-                    net.set_latency(LATENCY.0, LATENCY.1);
-                    "normal latency".to_string()
-                }
-            };
-            events.push(format!("{:?} {done}", at(Instant::now())));
-        }
-        tokio::time::sleep_until(next).await;
-        if Instant::now() >= end {
-            break;
-        }
-        let phases = cluster.phases();
-        let running: Vec<HostId> = cluster.running().iter().map(|(h, _, _)| *h).collect();
-        let down = phases.iter().filter(|(_, p)| matches!(p, HostPhase::Down)).count();
-        // Hosts down other than the one away in maintenance (which is no failure).
-        let failed = down - usize::from(away.is_some());
-        let live = phases.iter().filter(|(_, p)| !matches!(p, HostPhase::Retired)).count();
-        let later =
-            |rng: &mut StdRng, lo: u64, hi: u64| Instant::now() + Duration::from_millis(rng.random_range(lo..hi));
-        let event = match rng.random_range(0..kinds) {
-            0 if scenario.faults.kill && failed == 0 && running.len() >= 3 => {
-                let h = running[rng.random_range(0..running.len())];
-                cluster.kill(h);
-                undo.push((later(&mut rng, 1000, 10_000), Undo::Restart(h)));
-                format!("kill host {h}")
-            }
-            1 if scenario.faults.partition && !split && running.len() >= 3 => {
-                let mut hosts = running.clone();
-                for i in (1..hosts.len()).rev() {
-                    hosts.swap(i, rng.random_range(0..=i));
-                }
-                let small = rng.random_range(1..=(hosts.len() - 1) / 2);
-                let (left, right) = hosts.split_at(small);
-                net.partition(left, right);
-                split = true;
-                undo.push((later(&mut rng, 1000, 12_000), Undo::Heal));
-                format!("partition {left:?} | {right:?}")
-            }
-            2 if scenario.faults.membership && live < scenario.max_hosts => {
-                let h = cluster.add_host();
-                format!("add host {h}")
-            }
-            3 if scenario.faults.membership && running.len() > 3 && down == 0 => {
-                let (h, node_id, _) = cluster.running()[rng.random_range(0..running.len())].clone();
-                let via = cluster.running()[rng.random_range(0..running.len())].2.clone();
-                tracing::info!(host = h, node_id, "simulation: asking node {node_id} to leave");
-                // As a client would: it gives up after a while.
-                leaving.entry(h).or_insert(at(Instant::now()));
-                let answer = tokio::time::timeout(Duration::from_secs(60), via.api.leave(node_id, false)).await;
-                let outcome = match answer {
-                    Ok(Ok(_)) => "ok".to_string(),
-                    Ok(Err(e)) => e.code().to_string(),
-                    Err(_) => "no answer in 60 s".to_string(),
-                };
-                format!("host {h} (node {node_id}) leaves: {outcome}")
-            }
-            4 if scenario.faults.drops => {
-                let rate = rng.random_range(0.01..0.2);
-                net.set_drop_rate(rate);
-                undo.push((later(&mut rng, 1000, 8000), Undo::Drops));
-                format!("drop {:.0}% of messages", rate * 100.0)
-            }
-            5 if scenario.faults.delays => {
-                let high = Duration::from_millis(rng.random_range(20..200));
-                net.set_latency(LATENCY.0, high);
-                undo.push((later(&mut rng, 1000, 8000), Undo::Delays));
-                format!("latency up to {high:?}")
-            }
-            6 if scenario.faults.maintenance && down == 0 && running.len() >= 3 => {
-                let (h, node_id, _) = cluster.running()[rng.random_range(0..running.len())].clone();
-                let (via_host, _, via) = cluster.running()[rng.random_range(0..running.len())].clone();
-                tracing::info!(host = h, node_id, via_host, "simulation: asking node {node_id} into maintenance");
-                // A period no run outlasts: the member comes back when the schedule restarts it.
-                let answer =
-                    tokio::time::timeout(Duration::from_secs(120), via.api.enter_maintenance(node_id, MAINTENANCE))
-                        .await;
-                let ok = matches!(answer, Ok(Ok(_)));
-                let answered = match answer {
-                    Ok(Ok(_)) => "in maintenance".to_string(),
-                    Ok(Err(e)) => format!("into maintenance: {}", e.code()),
-                    Err(_) => "into maintenance: no answer in 120 s".to_string(),
-                };
-                // Without a clear answer (the node asked stopped before it could forward the
-                // answer, say) the operator looks at the cluster: a member that is away is
-                // stopped as planned, or it would wait for the end of its long period.
-                if ok || away_in_maintenance(&cluster, node_id).await {
-                    cluster.kill(h);
-                    away = Some(h);
-                    undo.push((later(&mut rng, 1000, 15_000), Undo::Restart(h)));
-                    format!("host {h} (node {node_id}) {answered}, stopped")
-                } else {
-                    format!("host {h} (node {node_id}) {answered}")
-                }
-            }
-            _ => continue,
-        };
-        events.push(format!("{:?} {event}", at(Instant::now())));
-    }
-    // The faults stop: every link heals, every killed node starts again.
-    net.heal();
-    net.set_drop_rate(0.0);
-    net.set_latency(LATENCY.0, LATENCY.1);
-    for (_, what) in undo {
-        if let Undo::Restart(h) = what {
-            cluster.restart(h);
-        }
-    }
-    let healed = Instant::now();
-    events.push(format!("{:?} faults stop", at(healed)));
+    schedule.run(Instant::now() + scenario.duration).await;
+    let healed = schedule.stop();
     let done = wait_until(&cluster, scenario.converge_within, |c| converged(c).is_none()).await;
     let converged_after = done.then(|| healed.elapsed());
     let not_converged = if done { None } else { converged(&cluster) };
@@ -399,65 +263,271 @@ async fn simulate(seed: u64, scenario: Scenario) -> Report {
     tracing::info!("simulation: final reads done");
     let emptied = writers.emptied.lock().clone();
     let old_map = writers.old_map.lock().clone();
-    let reads = check_reads(&history, &emptied, &old_map);
-    let finals_verdict = check_final(&history, &emptied, &finals);
-    let failed_without_fault = if scenario.faults.only_membership() {
-        history
-            .iter()
-            // A node asked to leave refuses its clients once it leaves (they go to another
-            // node), and answers nobody once it stopped.
-            .filter(|op| {
-                let left = leaving.get(&op.host).is_some_and(|&t| op.end >= t);
-                match &op.outcome {
-                    Outcome::Failed(e) => {
-                        !(left
-                            && matches!(
-                                e.unavailable_code(),
-                                Some(Unavailable::NodeLeaving | Unavailable::NodeDraining)
-                            ))
-                    }
-                    Outcome::Unknown(_) => !left,
-                    _ => false,
-                }
-            })
-            .map(|op| {
-                format!(
-                    "{:?} at {:?} by client {} via host {} failed with only joins and leaves: {:?}",
-                    op.kind, op.start, op.client, op.host, op.outcome
-                )
-            })
-            .collect()
-    } else {
-        Vec::new()
-    };
-    let mut digest = Fnv::default();
-    for e in &events {
-        digest.add(e);
-    }
-    for op in &history {
-        digest.add(&format!(
-            "{} {} {:?} {:?} {:?} {:?} {}",
-            op.client, op.key, op.kind, op.start, op.end, op.outcome, op.host
-        ));
-    }
-    for (k, f) in &finals {
-        digest.add(&format!("{k} {f:?}"));
-    }
+    let failed_without_fault =
+        if scenario.faults.only_membership() { failed_without_fault(&history, &schedule.leaving) } else { Vec::new() };
     Report {
         seed,
         scenario: scenario.name,
-        events,
-        reads,
-        finals: finals_verdict,
+        reads: check_reads(&history, &emptied, &old_map),
+        finals: check_final(&history, &emptied, &finals),
         double_writers: writers.doubles(),
         converged_after,
         not_converged,
-        digest: digest.0,
+        digest: digest(&schedule.events, &history, &finals),
+        events: schedule.events,
         operations: history.len(),
         emptied: emptied.values().map(Vec::len).sum(),
         replica_reads: writers.replica_reads.load(std::sync::atomic::Ordering::Relaxed),
         failed_without_fault,
     }
+}
+
+/// A run's faults: drawn from its seed, each undone after a while, every one of them written
+/// down as an event.
+struct Schedule {
+    t0: Instant,
+    net: Arc<SimNetwork>,
+    cluster: Arc<SimCluster>,
+    rng: StdRng,
+    faults: Faults,
+    max_hosts: usize,
+    /// What to undo, and when.
+    undo: Vec<(Instant, Undo)>,
+    /// Whether the network is partitioned.
+    split: bool,
+    /// The host of the member the schedule put into maintenance and stopped, until it restarts.
+    away: Option<HostId>,
+    /// When each host was first asked to leave (its node may not have left then).
+    leaving: BTreeMap<HostId, Duration>,
+    events: Vec<String>,
+}
+
+impl Schedule {
+    fn event(&mut self, what: impl std::fmt::Display) {
+        self.events.push(format!("{:?} {what}", Instant::now().duration_since(self.t0)));
+    }
+
+    /// Starts the first `nodes` hosts, each once the one before joined.
+    async fn join(&mut self, nodes: usize) {
+        for _ in 0..nodes {
+            let h = self.cluster.add_host();
+            let joined = wait_until(&self.cluster, Duration::from_secs(120), |c| {
+                c.running().iter().any(|(x, _, _)| *x == h) && settled(c).is_none()
+            })
+            .await;
+            if !joined {
+                self.event(format!("host {h} did not join in time"));
+            }
+        }
+    }
+
+    /// Injects faults every 0.5 to 4 s until `end`, and undoes each when its time comes.
+    async fn run(&mut self, end: Instant) {
+        while Instant::now() < end {
+            let next = Instant::now() + Duration::from_millis(self.rng.random_range(500..4000));
+            while let Some(i) = self.undo.iter().position(|(t, _)| *t <= next) {
+                let (t, what) = self.undo.remove(i);
+                tokio::time::sleep_until(t).await;
+                let done = self.undo(what);
+                self.event(done);
+            }
+            tokio::time::sleep_until(next).await;
+            if Instant::now() >= end {
+                break;
+            }
+            if let Some(event) = self.inject().await {
+                self.event(event);
+            }
+        }
+    }
+
+    fn undo(&mut self, what: Undo) -> String {
+        match what {
+            Undo::Restart(h) => {
+                self.cluster.restart(h);
+                if self.away == Some(h) {
+                    self.away = None;
+                }
+                format!("restart host {h}")
+            }
+            Undo::Heal => {
+                self.net.heal();
+                self.split = false;
+                "heal".into()
+            }
+            Undo::Drops => {
+                self.net.set_drop_rate(0.0);
+                "no more drops".into()
+            }
+            Undo::Delays => {
+                self.net.set_latency(LATENCY.0, LATENCY.1);
+                "normal latency".into()
+            }
+        }
+    }
+
+    /// A time between `lo` and `hi` milliseconds from now.
+    fn later(&mut self, lo: u64, hi: u64) -> Instant {
+        Instant::now() + Duration::from_millis(self.rng.random_range(lo..hi))
+    }
+
+    /// Draws a fault and injects it, if the cluster's state allows it: what it did.
+    async fn inject(&mut self) -> Option<String> {
+        let phases = self.cluster.phases();
+        let running: Vec<HostId> = self.cluster.running().iter().map(|(h, _, _)| *h).collect();
+        let down = phases.iter().filter(|(_, p)| matches!(p, HostPhase::Down)).count();
+        // Hosts down other than the one away in maintenance (which is no failure).
+        let failed = down - usize::from(self.away.is_some());
+        let live = phases.iter().filter(|(_, p)| !matches!(p, HostPhase::Retired)).count();
+        let faults = self.faults;
+        let kinds = if faults.maintenance { 7 } else { 6 };
+        Some(match self.rng.random_range(0..kinds) {
+            0 if faults.kill && failed == 0 && running.len() >= 3 => {
+                let h = running[self.rng.random_range(0..running.len())];
+                self.cluster.kill(h);
+                let at = self.later(1000, 10_000);
+                self.undo.push((at, Undo::Restart(h)));
+                format!("kill host {h}")
+            }
+            1 if faults.partition && !self.split && running.len() >= 3 => self.partition(running),
+            2 if faults.membership && live < self.max_hosts => format!("add host {}", self.cluster.add_host()),
+            3 if faults.membership && running.len() > 3 && down == 0 => self.leave(running.len()).await,
+            4 if faults.drops => {
+                let rate = self.rng.random_range(0.01..0.2);
+                self.net.set_drop_rate(rate);
+                let at = self.later(1000, 8000);
+                self.undo.push((at, Undo::Drops));
+                format!("drop {:.0}% of messages", rate * 100.0)
+            }
+            5 if faults.delays => {
+                let high = Duration::from_millis(self.rng.random_range(20..200));
+                self.net.set_latency(LATENCY.0, high);
+                let at = self.later(1000, 8000);
+                self.undo.push((at, Undo::Delays));
+                format!("latency up to {high:?}")
+            }
+            6 if faults.maintenance && down == 0 && running.len() >= 3 => self.maintenance(running.len()).await,
+            _ => return None,
+        })
+    }
+
+    /// Cuts the running hosts in two, the smaller side at least one host.
+    fn partition(&mut self, mut hosts: Vec<HostId>) -> String {
+        for i in (1..hosts.len()).rev() {
+            hosts.swap(i, self.rng.random_range(0..=i));
+        }
+        let small = self.rng.random_range(1..=(hosts.len() - 1) / 2);
+        let (left, right) = hosts.split_at(small);
+        self.net.partition(left, right);
+        self.split = true;
+        let at = self.later(1000, 12_000);
+        self.undo.push((at, Undo::Heal));
+        format!("partition {left:?} | {right:?}")
+    }
+
+    /// Asks one of the `running` members to leave, through any of them.
+    async fn leave(&mut self, running: usize) -> String {
+        let (h, node_id, _) = self.cluster.running()[self.rng.random_range(0..running)].clone();
+        let via = self.cluster.running()[self.rng.random_range(0..running)].2.clone();
+        tracing::info!(host = h, node_id, "simulation: asking node {node_id} to leave");
+        // As a client would: it gives up after a while.
+        let now = Instant::now().duration_since(self.t0);
+        self.leaving.entry(h).or_insert(now);
+        let answer = tokio::time::timeout(Duration::from_secs(60), via.api.leave(node_id, false)).await;
+        let outcome = match answer {
+            Ok(Ok(_)) => "ok".to_string(),
+            Ok(Err(e)) => e.code().to_string(),
+            Err(_) => "no answer in 60 s".to_string(),
+        };
+        format!("host {h} (node {node_id}) leaves: {outcome}")
+    }
+
+    /// Asks one of the `running` members into maintenance, through any of them, and stops it
+    /// once it is away; the schedule restarts it later.
+    async fn maintenance(&mut self, running: usize) -> String {
+        let (h, node_id, _) = self.cluster.running()[self.rng.random_range(0..running)].clone();
+        let (via_host, _, via) = self.cluster.running()[self.rng.random_range(0..running)].clone();
+        tracing::info!(host = h, node_id, via_host, "simulation: asking node {node_id} into maintenance");
+        // A period no run outlasts: the member comes back when the schedule restarts it.
+        let answer =
+            tokio::time::timeout(Duration::from_secs(120), via.api.enter_maintenance(node_id, MAINTENANCE)).await;
+        let ok = matches!(answer, Ok(Ok(_)));
+        let answered = match answer {
+            Ok(Ok(_)) => "in maintenance".to_string(),
+            Ok(Err(e)) => format!("into maintenance: {}", e.code()),
+            Err(_) => "into maintenance: no answer in 120 s".to_string(),
+        };
+        // Without a clear answer (the node asked stopped before it could forward the answer,
+        // say) the operator looks at the cluster: a member that is away is stopped as planned,
+        // or it would wait for the end of its long period.
+        if ok || away_in_maintenance(&self.cluster, node_id).await {
+            self.cluster.kill(h);
+            self.away = Some(h);
+            let at = self.later(1000, 15_000);
+            self.undo.push((at, Undo::Restart(h)));
+            format!("host {h} (node {node_id}) {answered}, stopped")
+        } else {
+            format!("host {h} (node {node_id}) {answered}")
+        }
+    }
+
+    /// The faults stop: every link heals, every killed node starts again. When.
+    fn stop(&mut self) -> Instant {
+        self.net.heal();
+        self.net.set_drop_rate(0.0);
+        self.net.set_latency(LATENCY.0, LATENCY.1);
+        for (_, what) in std::mem::take(&mut self.undo) {
+            if let Undo::Restart(h) = what {
+                self.cluster.restart(h);
+            }
+        }
+        let healed = Instant::now();
+        self.event("faults stop");
+        healed
+    }
+}
+
+/// The operations that failed in a run of joins and leaves only: none may, but those sent to a
+/// node that leaves, which it refuses because it leaves or does not answer because it stopped.
+fn failed_without_fault(history: &[workload::Op], leaving: &BTreeMap<HostId, Duration>) -> Vec<String> {
+    history
+        .iter()
+        .filter(|op| {
+            let left = leaving.get(&op.host).is_some_and(|&t| op.end >= t);
+            match &op.outcome {
+                Outcome::Failed(e) => {
+                    !(left
+                        && matches!(e.unavailable_code(), Some(Unavailable::NodeLeaving | Unavailable::NodeDraining)))
+                }
+                Outcome::Unknown(_) => !left,
+                _ => false,
+            }
+        })
+        .map(|op| {
+            format!(
+                "{:?} at {:?} by client {} via host {} failed with only joins and leaves: {:?}",
+                op.kind, op.start, op.client, op.host, op.outcome
+            )
+        })
+        .collect()
+}
+
+/// A digest of everything a run observed: its events, every operation, the final reads.
+fn digest(events: &[String], history: &[workload::Op], finals: &BTreeMap<String, Final>) -> u64 {
+    let mut digest = Fnv::default();
+    for e in events {
+        digest.add(e);
+    }
+    for op in history {
+        digest.add(&format!(
+            "{} {} {:?} {:?} {:?} {:?} {}",
+            op.client, op.key, op.kind, op.start, op.end, op.outcome, op.host
+        ));
+    }
+    for (k, f) in finals {
+        digest.add(&format!("{k} {f:?}"));
+    }
+    digest.0
 }
 
 /// Who acknowledged writes of each bucket in each move epoch, and when buckets were served
@@ -762,21 +832,11 @@ mod tests {
             let ask = |request: PeerRequest| {
                 let service = service.clone();
                 async move {
-                    let (kind, mut payload) = (crate::transport::writes::LINK_WRITE, Vec::new());
-                    let deadline = shoal_http_api::unix_ms() + 10_000;
-                    let kind = if crate::transport::writes::encode_request(&request, deadline, &mut payload) {
-                        kind
-                    } else {
-                        assert!(crate::transport::reads::encode_request(&request, deadline, &mut payload));
-                        crate::transport::reads::LINK_READ
-                    };
-                    let (answer, payload) = service.serve_link_request(kind, payload.into()).await;
-                    match kind {
-                        crate::transport::reads::LINK_READ => {
-                            crate::transport::reads::decode_answer(&request, answer, &payload.into())
-                        }
-                        _ => crate::transport::writes::decode_answer(&request, answer, &payload),
-                    }
+                    let (kind, mut payload) = (crate::transport::wire::kind_of(&request), Vec::new());
+                    let deadline = Some(shoal_http_api::unix_ms() + 10_000);
+                    crate::transport::wire::encode_request(&request, deadline, &mut payload).expect("encodes");
+                    let (kind, payload) = service.serve_link_request(kind, payload.into()).await;
+                    Some(crate::transport::wire::decode_answer(&request, kind, &payload))
                 }
             };
             let put = |key: &str, value: &'static str| PeerRequest::Put { item: item(key, value), map_version: 0 };

@@ -28,12 +28,8 @@ use serde::de::DeserializeOwned;
 use shoal_http_api::{ApiError, Problem, Unavailable};
 use shoal_raft::{BoxFuture, ControlRpc, ControlTransport, NodeId, TransportError};
 
-use super::calls;
 use super::link::{self, LinkError, Links, OpenError};
-use super::{
-    reads, writes, Addrs, CallError, FrameStream, PeerAnswer, PeerRequest, ReplicaAnswer, Replicate, StreamRequest,
-    Transport,
-};
+use super::{wire, Addrs, CallError, FrameStream, PeerAnswer, PeerRequest, StreamRequest, Transport};
 
 /// The header that carries the cluster secret on every request to a peer listener.
 pub const SECRET_HEADER: HeaderName = HeaderName::from_static("x-shoal-cluster-secret");
@@ -268,103 +264,28 @@ impl HttpTransport {
 
     async fn send(&self, addr: &str, request: PeerRequest, timeout: Duration) -> Result<PeerAnswer, CallError> {
         match request {
-            PeerRequest::Replicate(r) => {
-                Ok(PeerAnswer::Replicated(one_answer(self.replicate(addr, std::slice::from_ref(&r), timeout).await?)?))
-            }
-            PeerRequest::ReplicateBatch(requests) => {
-                Ok(PeerAnswer::ReplicatedBatch(self.replicate(addr, &requests, timeout).await?))
-            }
-            // Their way is the link to the peer listener, which only `key_op` knows.
-            PeerRequest::Get { .. }
-            | PeerRequest::BulkGet { .. }
-            | PeerRequest::Put { .. }
-            | PeerRequest::Delete { .. }
-            | PeerRequest::BulkPut { .. }
-            | PeerRequest::BulkDelete { .. } => Err(CallError::Broken("a key operation is sent with key_op".into())),
-            request @ (PeerRequest::Shadow { .. }
-            | PeerRequest::GiveBack { .. }
-            | PeerRequest::Ping(_)
-            | PeerRequest::TransferStatus
-            | PeerRequest::EnterMaintenance { .. }
-            | PeerRequest::ReportBuckets(_)
-            | PeerRequest::Buckets(_)
-            | PeerRequest::Rebalance(_)
-            | PeerRequest::Keys { .. }
-            | PeerRequest::Tagged { .. }
-            | PeerRequest::RemoveTagged { .. }
-            | PeerRequest::NodeStats) => self.call_on_link(addr, &request, timeout).await,
             PeerRequest::Cluster => {
                 let view = self.api_json(Method::GET, addr, "/v1/cluster", &[], Bytes::new(), timeout).await?;
                 Ok(PeerAnswer::Cluster(Box::new(view)))
             }
+            request => self.over_link(addr, &request, timeout).await,
         }
     }
 
-    /// Sends replica writes over the link to the peer listener at `addr`.
-    async fn replicate(
-        &self,
-        addr: &str,
-        requests: &[Replicate],
-        timeout: Duration,
-    ) -> Result<Vec<ReplicaAnswer>, CallError> {
-        let size: usize = requests.iter().map(|r| BATCH_PART_HEADER + r.body.len()).sum();
-        let from = requests.first().map_or(0, |r| r.from);
-        let payload = |out: &mut Vec<u8>| {
-            out.reserve(8 + size);
-            out.extend_from_slice(&from.to_be_bytes());
-            encode_batch_into(out, requests);
-        };
-        let answer = self.on_link(addr, LINK_REPLICATE, payload, timeout).await?;
-        match answer.kind {
-            LINK_REPLICATED => decode_answers(&answer.payload)
-                .filter(|answers| answers.len() == requests.len())
-                .ok_or_else(|| CallError::Broken("an unreadable answer to replica writes".into())),
-            _ => Err(link_refusal(&answer.payload)),
+    /// Sends `request` on the link to the peer listener at `addr` (`transport::wire`); a
+    /// forward carries a deadline: one that reaches the owner later is refused, nothing done.
+    async fn over_link(&self, addr: &str, request: &PeerRequest, timeout: Duration) -> Result<PeerAnswer, CallError> {
+        let kind = wire::kind_of(request);
+        let deadline_ms =
+            (kind & link::FORWARD != 0).then(|| shoal_http_api::unix_ms() + FORWARD_TIMEOUT.as_millis() as u64);
+        let mut unsendable = None;
+        let payload = |out: &mut Vec<u8>| unsendable = wire::encode_request(request, deadline_ms, out).err();
+        let answer = self.on_link(addr, kind, payload, timeout).await;
+        if let Some(e) = unsendable {
+            return Err(e);
         }
-    }
-
-    /// Sends a call (`calls`) over the link to the peer listener at `addr`.
-    async fn call_on_link(
-        &self,
-        addr: &str,
-        request: &PeerRequest,
-        timeout: Duration,
-    ) -> Result<PeerAnswer, CallError> {
-        let mut payload = Vec::new();
-        calls::encode_request(request, &mut payload)?;
-        let answer = self.on_link(addr, calls::LINK_CALL, |out| out.extend_from_slice(&payload), timeout).await?;
-        calls::decode_answer(answer.kind, &answer.payload).unwrap_or_else(|| Err(link_refusal(&answer.payload)))
-    }
-
-    /// Sends a forwarded or mirror read, or a forwarded write or delete, over the link to the
-    /// peer listener at `peer_addr`.
-    async fn key_op_on_link(
-        &self,
-        peer_addr: &str,
-        request: &PeerRequest,
-        timeout: Duration,
-    ) -> Result<PeerAnswer, CallError> {
-        let kind = match request {
-            PeerRequest::Get { .. } | PeerRequest::BulkGet { .. } => reads::LINK_READ,
-            _ => writes::LINK_WRITE,
-        };
-        // The deadline a forward carries: a request that reaches the owner later is refused,
-        // and nothing is done.
-        let deadline_ms = shoal_http_api::unix_ms() + FORWARD_TIMEOUT.as_millis() as u64;
-        let payload = |out: &mut Vec<u8>| {
-            if kind == reads::LINK_READ {
-                reads::encode_request(request, deadline_ms, out);
-            } else {
-                writes::encode_request(request, deadline_ms, out);
-            }
-        };
-        let answer = self.on_link(peer_addr, kind, payload, timeout).await?;
-        let decoded = if kind == reads::LINK_READ {
-            reads::decode_answer(request, answer.kind, &answer.payload)
-        } else {
-            writes::decode_answer(request, answer.kind, &answer.payload)
-        };
-        decoded.unwrap_or_else(|| Err(link_refusal(&answer.payload)))
+        let answer = answer?;
+        wire::decode_answer(request, answer.kind, &answer.payload)
     }
 
     /// Sends a request of `kind` on the link to the peer listener at `addr` (opened first when
@@ -531,18 +452,7 @@ impl Transport for HttpTransport {
         request: PeerRequest,
         timeout: Duration,
     ) -> BoxFuture<'_, Result<PeerAnswer, CallError>> {
-        Box::pin(async move {
-            match request {
-                PeerRequest::Get { .. }
-                | PeerRequest::BulkGet { .. }
-                | PeerRequest::Put { .. }
-                | PeerRequest::Delete { .. }
-                | PeerRequest::BulkPut { .. }
-                | PeerRequest::BulkDelete { .. } => self.key_op_on_link(&to.peer, &request, timeout).await,
-                // Boxed: an HTTP exchange's future is large.
-                other => Box::pin(self.send(&to.api, other, timeout)).await,
-            }
-        })
+        Box::pin(async move { self.over_link(&to.peer, &request, timeout).await })
     }
 
     fn open_stream(
@@ -578,140 +488,6 @@ fn json<T: DeserializeOwned>(body: &[u8]) -> Result<T, CallError> {
     serde_json::from_slice(body).map_err(|e| CallError::Broken(format!("unreadable JSON: {e}")))
 }
 
-/// Bytes before each request's body in a batch: bucket (2), snapshot flag (1), map version
-/// (8), sequence number (8), body length (4), big-endian.
-const BATCH_PART_HEADER: usize = 23;
-
-/// A batch of replica requests of one sender, appended to `out`: per request its header
-/// ([`BATCH_PART_HEADER`]), then its framed body.
-fn encode_batch_into(out: &mut Vec<u8>, requests: &[Replicate]) {
-    for r in requests {
-        out.extend_from_slice(&r.bucket.0.to_be_bytes());
-        out.push(u8::from(r.snapshot));
-        out.extend_from_slice(&r.map_version.to_be_bytes());
-        out.extend_from_slice(&r.seq.to_be_bytes());
-        out.extend_from_slice(&(r.body.len() as u32).to_be_bytes());
-        out.extend_from_slice(&r.body);
-    }
-}
-
-/// A link request: replica writes of one sender (its id, then [`encode_batch`]'s bytes).
-pub const LINK_REPLICATE: u8 = 1;
-/// A link answer: what the holder did with each write ([`encode_answers`]).
-pub const LINK_REPLICATED: u8 = 2;
-/// A link answer: the request was refused whole (HTTP status, then the reason).
-pub const LINK_REFUSED: u8 = 3;
-
-/// The answers to replica writes on a link: per answer a tag (0 applied, 1 needs a snapshot,
-/// 2 fenced with the holder's map version, 3 refused), then for all but the first the reason
-/// (length u32, UTF-8).
-pub fn encode_answers(answers: &[ReplicaAnswer]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(answers.len() * 2);
-    let reason = |out: &mut Vec<u8>, text: &str| {
-        out.extend_from_slice(&(text.len() as u32).to_be_bytes());
-        out.extend_from_slice(text.as_bytes());
-    };
-    for answer in answers {
-        match answer {
-            ReplicaAnswer::Applied => out.push(0),
-            ReplicaAnswer::NeedSnapshot(why) => {
-                out.push(1);
-                reason(&mut out, why);
-            }
-            ReplicaAnswer::Fenced { map_version, reason: why } => {
-                out.push(2);
-                out.extend_from_slice(&map_version.to_be_bytes());
-                reason(&mut out, why);
-            }
-            ReplicaAnswer::Refused(why) => {
-                out.push(3);
-                reason(&mut out, why);
-            }
-        }
-    }
-    out
-}
-
-/// Reads [`encode_answers`]'s bytes; `None` if they are malformed.
-pub fn decode_answers(mut bytes: &[u8]) -> Option<Vec<ReplicaAnswer>> {
-    fn take<'a>(bytes: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
-        let (head, rest) = (bytes.get(..n)?, bytes.get(n..)?);
-        *bytes = rest;
-        Some(head)
-    }
-    fn reason(bytes: &mut &[u8]) -> Option<String> {
-        let len = u32::from_be_bytes(take(bytes, 4)?.try_into().ok()?) as usize;
-        Some(String::from_utf8_lossy(take(bytes, len)?).into_owned())
-    }
-    let mut answers = Vec::new();
-    while let Some(tag) = take(&mut bytes, 1) {
-        answers.push(match tag[0] {
-            0 => ReplicaAnswer::Applied,
-            1 => ReplicaAnswer::NeedSnapshot(reason(&mut bytes)?),
-            2 => {
-                let map_version = u64::from_be_bytes(take(&mut bytes, 8)?.try_into().ok()?);
-                ReplicaAnswer::Fenced { map_version, reason: reason(&mut bytes)? }
-            }
-            3 => ReplicaAnswer::Refused(reason(&mut bytes)?),
-            _ => return None,
-        });
-    }
-    Some(answers)
-}
-
-/// A [`LINK_REFUSED`] answer's payload.
-pub fn encode_refusal(status: u16, reason: &str) -> Vec<u8> {
-    let mut out = status.to_be_bytes().to_vec();
-    out.extend_from_slice(reason.as_bytes());
-    out
-}
-
-/// The error a [`LINK_REFUSED`] answer (or any other answer than the one expected) stands for.
-fn link_refusal(payload: &[u8]) -> CallError {
-    match payload {
-        [high, low, reason @ ..] => CallError::Refused {
-            status: u16::from_be_bytes([*high, *low]),
-            reason: String::from_utf8_lossy(reason).into_owned(),
-        },
-        _ => CallError::Broken("an unreadable answer on a peer link".into()),
-    }
-}
-
-/// The one answer to one replica write.
-fn one_answer(answers: Vec<ReplicaAnswer>) -> Result<ReplicaAnswer, CallError> {
-    answers.into_iter().next().ok_or_else(|| CallError::Broken("no answer to a replica write".into()))
-}
-
-/// The requests of a batch body from sender `from`, or why it is malformed (nothing of a
-/// malformed batch is applied).
-pub fn decode_batch(from: NodeId, mut body: Bytes) -> Result<Vec<Replicate>, super::Malformed> {
-    let mut out = Vec::new();
-    while !body.is_empty() {
-        if body.len() < BATCH_PART_HEADER {
-            return Err(super::Malformed::BatchPart { index: out.len(), what: "truncated header" });
-        }
-        let header = body.split_to(BATCH_PART_HEADER);
-        let bucket = u16::from_be_bytes([header[0], header[1]]);
-        if usize::from(bucket) >= shoal_raft::BUCKET_COUNT {
-            return Err(super::Malformed::NoBucket { index: out.len(), bucket });
-        }
-        let word = |at: usize| u64::from_be_bytes(header[at..at + 8].try_into().unwrap_or_default());
-        let len = u32::from_be_bytes(header[19..23].try_into().unwrap_or_default()) as usize;
-        if body.len() < len {
-            return Err(super::Malformed::BatchPart { index: out.len(), what: "truncated body" });
-        }
-        out.push(Replicate {
-            bucket: shoal_raft::BucketId(bucket),
-            from,
-            map_version: word(3),
-            snapshot: header[2] != 0,
-            seq: word(11),
-            body: body.split_to(len),
-        });
-    }
-    Ok(out)
-}
-
 /// Rebuilds the error a peer's API answered with.
 fn error_of(answer: &Answer, api_addr: &str) -> ApiError {
     let is_problem = answer.headers.get(CONTENT_TYPE) == Some(&HeaderValue::from_static(shoal_http_api::PROBLEM_JSON));
@@ -741,7 +517,7 @@ mod tests {
     use shoal_raft::BucketId;
 
     use super::*;
-    use crate::transport::{link, Replicate};
+    use crate::transport::{link, ReplicaAnswer, Replicate};
 
     /// Serves `router` on a fresh loopback port until `stopped` turns true: its address.
     async fn serve_on_loopback(router: axum::Router, stopped: tokio::sync::watch::Receiver<bool>) -> String {
@@ -763,58 +539,6 @@ mod tests {
         }
     }
 
-    fn encode_batch(requests: &[Replicate]) -> Bytes {
-        let mut out = Vec::new();
-        encode_batch_into(&mut out, requests);
-        Bytes::from(out)
-    }
-
-    #[test]
-    fn a_batch_reads_back_as_it_was_sent() {
-        let sent = vec![request(0, b"abc"), request(999, b""), request(12, &[0u8; 300])];
-        let read = decode_batch(7, encode_batch(&sent)).expect("a batch");
-        assert_eq!(read.len(), sent.len());
-        for (r, s) in read.iter().zip(&sent) {
-            assert_eq!(
-                (r.bucket, r.from, r.map_version, r.snapshot, r.seq, &r.body),
-                (s.bucket, s.from, s.map_version, s.snapshot, s.seq, &s.body)
-            );
-        }
-        assert!(decode_batch(7, Bytes::new()).expect("an empty batch").is_empty());
-    }
-
-    #[test]
-    fn a_malformed_batch_is_refused_whole() {
-        let whole = encode_batch(&[request(1, b"abc"), request(2, b"defg")]);
-        for cut in [1, 22, whole.len() - 1] {
-            let error = decode_batch(7, whole.slice(..cut)).expect_err("truncated");
-            assert!(matches!(error, crate::transport::Malformed::BatchPart { .. }), "{error}");
-        }
-        let mut bad = whole.to_vec();
-        bad[0..2].copy_from_slice(&1000u16.to_be_bytes());
-        let error = decode_batch(7, Bytes::from(bad)).expect_err("no such bucket");
-        assert_eq!(error, crate::transport::Malformed::NoBucket { index: 0, bucket: 1000 });
-    }
-
-    #[test]
-    fn replica_answers_read_back_as_written() {
-        let answers = vec![
-            ReplicaAnswer::Applied,
-            ReplicaAnswer::NeedSnapshot("no snapshot of bucket 3".into()),
-            ReplicaAnswer::Fenced { map_version: 77, reason: "not the owner".into() },
-            ReplicaAnswer::Refused(String::new()),
-            ReplicaAnswer::Applied,
-        ];
-        let bytes = encode_answers(&answers);
-        assert_eq!(decode_answers(&bytes), Some(answers));
-        assert_eq!(decode_answers(&[]), Some(Vec::new()));
-        for cut in 1..bytes.len() {
-            let read = decode_answers(&bytes[..cut]);
-            assert!(read.is_none() || read.as_ref().is_some_and(|a| a.len() < 5), "cut at {cut}: {read:?}");
-        }
-        assert_eq!(decode_answers(&[9]), None, "an unknown tag");
-    }
-
     /// What a test peer listener saw: requests on links, upgrades asked for.
     #[derive(Default)]
     struct Seen {
@@ -823,11 +547,11 @@ mod tests {
     }
 
     /// A peer listener on loopback whose links (when `links`; else it refuses the upgrade)
-    /// answer with `answer`, counting in `seen`, checking the cluster secret; its address,
-    /// what it saw, and its stop.
+    /// answer each request as `answer` does, counting in `seen`, checking the cluster secret;
+    /// its address, what it saw, and its stop.
     async fn listener(
         links: bool,
-        answer: impl Fn(u8, Bytes) -> (u8, Vec<u8>) + Send + Sync + 'static,
+        answer: impl Fn(PeerRequest) -> Result<PeerAnswer, CallError> + Send + Sync + 'static,
     ) -> (String, Arc<Seen>, tokio::sync::watch::Sender<bool>) {
         let seen = Arc::new(Seen::default());
         let (stop, stopped) = tokio::sync::watch::channel(false);
@@ -838,7 +562,8 @@ mod tests {
                 let (seen, answer) = (seen.clone(), answer.clone());
                 Box::pin(async move {
                     seen.link.fetch_add(1, Ordering::SeqCst);
-                    answer(kind, payload)
+                    let (request, _) = wire::decode_request(kind, &payload).expect("a request");
+                    (wire::ANSWER, wire::encode_answer(answer(request)))
                 })
             })
         };
@@ -863,10 +588,10 @@ mod tests {
 
     /// A peer listener that applies every replica write.
     async fn peer(links: bool) -> (String, Arc<Seen>, tokio::sync::watch::Sender<bool>) {
-        listener(links, |kind, payload| {
-            assert_eq!(kind, LINK_REPLICATE);
-            let requests = decode_batch(7, payload.slice(8..)).expect("a batch");
-            (LINK_REPLICATED, encode_answers(&vec![ReplicaAnswer::Applied; requests.len()]))
+        listener(links, |request| match request {
+            PeerRequest::Replicate(_) => Ok(PeerAnswer::Replicated(ReplicaAnswer::Applied)),
+            PeerRequest::ReplicateBatch(b) => Ok(PeerAnswer::ReplicatedBatch(vec![ReplicaAnswer::Applied; b.len()])),
+            other => panic!("{other:?}"),
         })
         .await
     }
@@ -970,20 +695,13 @@ mod tests {
     /// `write_of` says; its addresses (nobody listens at its API address: key operations do
     /// not go there), what it saw, and its stop.
     async fn owner() -> (Addrs, Arc<Seen>, tokio::sync::watch::Sender<bool>) {
-        let (peer, seen, stop) = listener(true, |kind, payload| {
-            if kind == writes::LINK_WRITE {
-                let answer = match writes::decode_request(&payload).expect("a write").0 {
-                    PeerRequest::Put { item, map_version: 5 } => write_of(&item.key).map(PeerAnswer::Put),
-                    other => panic!("{other:?}"),
-                };
-                return writes::encode_answer(answer.map_err(CallError::Api));
-            }
-            assert_eq!(kind, reads::LINK_READ);
-            let answer = match reads::decode_request(&payload).expect("a read").0 {
+        let (peer, seen, stop) = listener(true, |request| {
+            match request {
+                PeerRequest::Put { item, map_version: 5 } => write_of(&item.key).map(PeerAnswer::Put),
                 PeerRequest::Get { key, map_version: 5, mirror: None } => read_of(&key).map(PeerAnswer::Got),
                 other => panic!("{other:?}"),
-            };
-            reads::encode_answer(answer.map_err(CallError::Api))
+            }
+            .map_err(CallError::Api)
         })
         .await;
         (Addrs { api: "127.0.0.1:9".into(), peer }, seen, stop)
@@ -1030,23 +748,19 @@ mod tests {
     /// handler answered: a value, a refusal with its status, an API error with its code.
     #[tokio::test]
     async fn calls_go_on_the_link_and_answer_as_their_handler_did() {
-        use crate::transport::{calls, Ping, Pong};
-        let (to, seen, _stop) = listener(true, |kind, payload| {
-            assert_eq!(kind, calls::LINK_CALL);
-            calls::encode_answer(match calls::decode_request(payload).expect("a call") {
-                PeerRequest::Ping(ping) => Ok(PeerAnswer::Pong(Pong {
-                    node_id: 2,
-                    incarnation: ping.incarnation + 1,
-                    status: shoal_raft::MemberStatus::Member,
-                    lease: true,
-                })),
-                PeerRequest::Shadow { bucket, body } => Err(CallError::Refused {
-                    status: 409,
-                    reason: format!("{} bytes for bucket {}", body.len(), bucket.0),
-                }),
-                PeerRequest::EnterMaintenance { .. } => Err(CallError::Api(ApiError::Conflict("busy".into()))),
-                other => panic!("{other:?}"),
-            })
+        use crate::transport::{Ping, Pong};
+        let (to, seen, _stop) = listener(true, |request| match request {
+            PeerRequest::Ping(ping) => Ok(PeerAnswer::Pong(Pong {
+                node_id: 2,
+                incarnation: ping.incarnation + 1,
+                status: shoal_raft::MemberStatus::Member,
+                lease: true,
+            })),
+            PeerRequest::Shadow { bucket, body } => {
+                Err(CallError::Refused { status: 409, reason: format!("{} bytes for bucket {}", body.len(), bucket.0) })
+            }
+            PeerRequest::EnterMaintenance { .. } => Err(CallError::Api(ApiError::Conflict("busy".into()))),
+            other => panic!("{other:?}"),
         })
         .await;
         let transport = transport();

@@ -64,7 +64,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::AbortHandle;
 
 /// The value of the `Upgrade` header that asks for a link.
-pub const PROTOCOL: &str = "shoal-link/4";
+pub const PROTOCOL: &str = "shoal-link/5";
 /// The answer of a serving side that is stopping: the request was not handled.
 pub const GOING_AWAY: u8 = 255;
 /// A message from the opener: its caller gave up on the request of this id (one of a
@@ -737,6 +737,7 @@ where
     let mut reader = MessageReader::new(read);
     let (out, messages) = mpsc::unbounded_channel();
     let mut writer = tokio::spawn(write_messages(write, messages));
+    let serving = Serving { handler, out, served, cancellable: Arc::default(), forwards: Arc::default() };
     // A permit per request being handled: at most `MAX_IN_FLIGHT` (no further request is read
     // meanwhile), and all of them back once every handler ended.
     let permits = Arc::new(tokio::sync::Semaphore::new(MAX_IN_FLIGHT));
@@ -745,10 +746,6 @@ where
     let stop = shutdown.wait_for(|stop| *stop);
     tokio::pin!(stop);
     let mut stopping = false;
-    // Requests of cancellable kinds being handled, by id.
-    let cancellable: Running = Arc::default();
-    // Forwarded requests being handled in tasks.
-    let forwards = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     loop {
         let Ok(permit) = permits.clone().acquire_owned().await else { break };
         // Biased: a shutdown is seen before any request that came after it.
@@ -761,49 +758,8 @@ where
             request = reader.next() => request,
         };
         match request {
-            Ok(Some(cancel)) if cancel.kind == CANCEL => stop_request(&cancellable, cancel.id),
-            Ok(Some(request)) => {
-                let (id, kind) = (request.id, request.kind);
-                if kind & FORWARD != 0 && forwards.load(Ordering::Relaxed) >= FORWARDS_SERVED {
-                    let _ = out.send(encode(id, BUSY, |_| {}));
-                    continue;
-                }
-                let small = request.payload.len() <= INLINE_MOST;
-                let mut handling = handler(kind, request.payload);
-                // Most requests are small and need no wait (a read of a key, a replica write
-                // applied): served at once, here, they cost no task and no wake-up. One that
-                // must wait goes on in a task of its own, which polls it again with its own
-                // waker; a large one (a replica snapshot to apply) goes to a task at once, so
-                // that it does not hold up the requests behind it on the link. A handler that
-                // panics loses its request only, as in a task.
-                if small {
-                    let mut now = std::task::Context::from_waker(std::task::Waker::noop());
-                    let polled = std::panic::AssertUnwindSafe(|| handling.as_mut().poll(&mut now));
-                    match std::panic::catch_unwind(polled) {
-                        Ok(std::task::Poll::Ready((kind, payload))) => {
-                            let _ = out.send(encode(id, kind, |buf| buf.extend_from_slice(&payload)));
-                            continue;
-                        }
-                        Ok(std::task::Poll::Pending) => {}
-                        Err(_) => continue,
-                    }
-                }
-                let (out, served) = (out.clone(), served.clone());
-                let forwarded = (kind & FORWARD != 0).then(|| InFlight::new(&forwards));
-                let running = (kind & CANCELLABLE != 0).then(|| cancellable.clone());
-                // Held while the task is spawned and recorded: it cannot take itself out first.
-                let mut recorded = running.is_some().then(|| cancellable.lock());
-                let task = tokio::spawn(async move {
-                    let record = Recorded(running.map(|running| (running, id)));
-                    let (kind, payload) = handling.await;
-                    drop(record);
-                    let _ = out.send(encode(id, kind, |buf| buf.extend_from_slice(&payload)));
-                    drop((permit, served, forwarded));
-                });
-                if let Some(recorded) = recorded.as_mut() {
-                    recorded.insert(id, task.abort_handle());
-                }
-            }
+            Ok(Some(cancel)) if cancel.kind == CANCEL => stop_request(&serving.cancellable, cancel.id),
+            Ok(Some(request)) => serving.take(request, permit),
             Ok(None) => break,
             Err(e) => {
                 tracing::debug!(error = %e, "a peer link broke");
@@ -812,10 +768,86 @@ where
         }
     }
     // Whether the opener's side of the link ended (it closed it, or the connection broke).
-    let mut ended = !stopping;
-    if stopping {
-        // Until every request taken is answered (or the drain runs out), requests that come
-        // are not handled.
+    let ended = !stopping || serving.drain(&mut reader, &permits).await;
+    if ended {
+        // Nobody waits for the answers of cancellable requests any more: they stop.
+        let stopped: Vec<AbortHandle> = serving.cancellable.lock().drain().map(|(_, task)| task).collect();
+        for task in stopped {
+            task.abort();
+        }
+    }
+    // Requests still being handled (the peer left, or the drain ran out) finish on their own;
+    // the writer ends once their answers are out (each holds a sender), at most the drain later.
+    drop(serving);
+    let _ = tokio::time::timeout(crate::http_server::DRAIN_TIMEOUT, &mut writer).await;
+    writer.abort();
+}
+
+/// The serving side of one link: what its loop shares with the requests being handled.
+struct Serving {
+    handler: Handler,
+    /// The answers to write.
+    out: mpsc::UnboundedSender<Bytes>,
+    served: Served,
+    /// Requests of cancellable kinds being handled, by id.
+    cancellable: Running,
+    /// Forwarded requests being handled in tasks.
+    forwards: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Serving {
+    /// Handles one request, holding `permit` until it is answered; a forwarded one over the
+    /// link's bound is answered [`BUSY`] at once.
+    fn take(&self, request: Message, permit: tokio::sync::OwnedSemaphorePermit) {
+        let (id, kind) = (request.id, request.kind);
+        if kind & FORWARD != 0 && self.forwards.load(Ordering::Relaxed) >= FORWARDS_SERVED {
+            let _ = self.out.send(encode(id, BUSY, |_| {}));
+            return;
+        }
+        let small = request.payload.len() <= INLINE_MOST;
+        let mut handling = (self.handler)(kind, request.payload);
+        // Most requests are small and need no wait (a read of a key, a replica write applied):
+        // served at once, here, they cost no task and no wake-up. One that must wait goes on in
+        // a task of its own, which polls it again with its own waker; a large one (a replica
+        // snapshot to apply) goes to a task at once, so that it does not hold up the requests
+        // behind it on the link. A handler that panics loses its request only, as in a task.
+        if small {
+            let mut now = std::task::Context::from_waker(std::task::Waker::noop());
+            let polled = std::panic::AssertUnwindSafe(|| handling.as_mut().poll(&mut now));
+            match std::panic::catch_unwind(polled) {
+                Ok(std::task::Poll::Ready((kind, payload))) => {
+                    let _ = self.out.send(encode(id, kind, |buf| buf.extend_from_slice(&payload)));
+                    return;
+                }
+                Ok(std::task::Poll::Pending) => {}
+                Err(_) => return,
+            }
+        }
+        let (out, served) = (self.out.clone(), self.served.clone());
+        let forwarded = (kind & FORWARD != 0).then(|| InFlight::new(&self.forwards));
+        let running = (kind & CANCELLABLE != 0).then(|| self.cancellable.clone());
+        // Held while the task is spawned and recorded: it cannot take itself out first.
+        let mut recorded = running.is_some().then(|| self.cancellable.lock());
+        let task = tokio::spawn(async move {
+            let record = Recorded(running.map(|running| (running, id)));
+            let (kind, payload) = handling.await;
+            drop(record);
+            let _ = out.send(encode(id, kind, |buf| buf.extend_from_slice(&payload)));
+            drop((permit, served, forwarded));
+        });
+        if let Some(recorded) = recorded.as_mut() {
+            recorded.insert(id, task.abort_handle());
+        }
+    }
+
+    /// While the node stops: until every request taken is answered (or the drain runs out),
+    /// requests that come are answered [`GOING_AWAY`], not handled. Whether the opener's side
+    /// of the link ended meanwhile.
+    async fn drain<R: AsyncRead + Unpin>(
+        &self,
+        reader: &mut MessageReader<R>,
+        permits: &tokio::sync::Semaphore,
+    ) -> bool {
         let all_answered = permits.acquire_many(MAX_IN_FLIGHT as u32);
         tokio::pin!(all_answered);
         let drained = tokio::time::sleep(crate::http_server::DRAIN_TIMEOUT);
@@ -823,33 +855,18 @@ where
         loop {
             tokio::select! {
                 biased;
-                _ = &mut all_answered => break,
-                () = &mut drained => break,
+                _ = &mut all_answered => return false,
+                () = &mut drained => return false,
                 request = reader.next() => match request {
-                    Ok(Some(cancel)) if cancel.kind == CANCEL => stop_request(&cancellable, cancel.id),
+                    Ok(Some(cancel)) if cancel.kind == CANCEL => stop_request(&self.cancellable, cancel.id),
                     Ok(Some(request)) => {
-                        let _ = out.send(encode(request.id, GOING_AWAY, |_| {}));
+                        let _ = self.out.send(encode(request.id, GOING_AWAY, |_| {}));
                     }
-                    _ => {
-                        ended = true;
-                        break;
-                    }
+                    _ => return true,
                 },
             }
         }
     }
-    if ended {
-        // Nobody waits for the answers of cancellable requests any more: they stop.
-        let stopped: Vec<AbortHandle> = cancellable.lock().drain().map(|(_, task)| task).collect();
-        for task in stopped {
-            task.abort();
-        }
-    }
-    // Requests still being handled (the peer left, or the drain ran out) finish on their own;
-    // the writer ends once their answers are out (each holds a sender), at most the drain later.
-    drop(out);
-    let _ = tokio::time::timeout(crate::http_server::DRAIN_TIMEOUT, &mut writer).await;
-    writer.abort();
 }
 
 /// One request counted while it is handled (a forwarded one, in its link's count).

@@ -27,20 +27,14 @@
 //! - `link.rs`: [`link::Links`], one long-lived connection per peer (an HTTP upgrade), the only
 //!   way every request to a peer listener travels but Raft's, admin messages and bucket streams:
 //!   binary messages, many in flight at once, large ones in fragments.
-//! - `reads.rs`: the wire format of forwarded and mirror reads on links.
-//! - `writes.rs`: the wire format of forwarded writes and deletes on links.
-//! - `calls.rs`: the wire format of every other request on links (shadow writes, give-backs,
-//!   pings, transfer status, maintenance, bucket reports and views, rebalancing, broadcasts,
-//!   node figures).
+//! - `wire.rs`: the format of every request and answer on links (serde, MessagePack).
 
-pub mod calls;
 pub mod frame;
 pub mod http;
 pub mod link;
-pub mod reads;
 #[cfg(test)]
 pub mod testing;
-pub mod writes;
+pub mod wire;
 
 use std::pin::Pin;
 use std::time::Duration;
@@ -90,23 +84,19 @@ pub struct ReportedBucket {
     pub writes_per_sec: f64,
 }
 
-/// A request to another node. The ones without a kind of their own on a peer link travel as
-/// JSON (`calls`); the others cannot be serialized.
+/// A request to another node.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum PeerRequest {
     /// Changes (or a whole snapshot) of a bucket for its replica, to the holder's peer address.
-    #[serde(skip)]
     Replicate(Replicate),
     /// Changes of several buckets of one sender for their replica, in one exchange: each is
     /// applied (or refused) as if it came alone.
-    #[serde(skip)]
     ReplicateBatch(Vec<Replicate>),
     /// Writes of a bucket for the shadow the previous owner keeps during a transfer.
     Shadow {
         /// The bucket.
         bucket: BucketId,
         /// Framed changes (`transport::frame`).
-        #[serde(skip)]
         body: Bytes,
     },
     /// A lost bucket's copy, from the node that served it last (failed while cut off, back
@@ -117,7 +107,6 @@ pub enum PeerRequest {
         /// The bucket.
         bucket: BucketId,
         /// Its items, framed (`transport::frame`).
-        #[serde(skip)]
         body: Bytes,
     },
     /// A failure-detection ping.
@@ -125,7 +114,6 @@ pub enum PeerRequest {
     /// The receiver's transfer progress (the leader's stuck detector asks).
     TransferStatus,
     /// A forwarded read, to the owner (or, with `mirror`, to a mirror).
-    #[serde(skip)]
     Get {
         /// The key.
         key: String,
@@ -136,7 +124,6 @@ pub enum PeerRequest {
         mirror: Option<Duration>,
     },
     /// A forwarded write.
-    #[serde(skip)]
     Put {
         /// The item.
         item: PutItem,
@@ -144,7 +131,6 @@ pub enum PeerRequest {
         map_version: u64,
     },
     /// A forwarded delete.
-    #[serde(skip)]
     Delete {
         /// The key.
         key: String,
@@ -154,7 +140,6 @@ pub enum PeerRequest {
         map_version: u64,
     },
     /// Forwarded reads of keys one owner holds (or, with `mirror`, mirror reads).
-    #[serde(skip)]
     BulkGet {
         /// The keys.
         keys: Vec<String>,
@@ -164,7 +149,6 @@ pub enum PeerRequest {
         mirror: Option<Duration>,
     },
     /// Forwarded writes of items one owner holds.
-    #[serde(skip)]
     BulkPut {
         /// The items.
         items: Vec<PutItem>,
@@ -172,7 +156,6 @@ pub enum PeerRequest {
         map_version: u64,
     },
     /// Forwarded deletes of keys one owner holds.
-    #[serde(skip)]
     BulkDelete {
         /// The keys.
         keys: Vec<String>,
@@ -216,15 +199,12 @@ pub enum PeerRequest {
     Rebalance(RebalanceRequest),
 }
 
-/// The answer to a [`PeerRequest`], in the same order of variants (serialized as the
-/// requests are).
+/// The answer to a [`PeerRequest`], in the same order of variants.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum PeerAnswer {
     /// What the replica holder did.
-    #[serde(skip)]
     Replicated(ReplicaAnswer),
     /// What the replica holder did with each request of a batch, in its order.
-    #[serde(skip)]
     ReplicatedBatch(Vec<ReplicaAnswer>),
     /// The shadow applied the writes.
     ShadowApplied,
@@ -233,41 +213,35 @@ pub enum PeerAnswer {
     /// The pong.
     Pong(Pong),
     /// Transfer progress.
-    TransferStatus(TransferStatus),
+    TransferStatus(#[serde(with = "wire::json")] TransferStatus),
     /// The value read.
-    #[serde(skip)]
     Got(GetOk),
     /// The write done.
-    #[serde(skip)]
     Put(PutOk),
     /// The key was deleted.
-    #[serde(skip)]
     Deleted,
     /// One result per key.
-    #[serde(skip)]
     BulkGot(Vec<Result<Option<GetOk>, ApiError>>),
     /// One result per item.
-    #[serde(skip)]
     BulkPut(Vec<Result<PutOk, ApiError>>),
     /// One result per key (`Ok(false)`: absent).
-    #[serde(skip)]
     BulkDeleted(Vec<Result<bool, ApiError>>),
     /// Keys found.
-    Keys(KeyList),
+    Keys(#[serde(with = "wire::json")] KeyList),
     /// Items removed.
-    Removed(Removed),
+    Removed(#[serde(with = "wire::json")] Removed),
     /// The figures.
-    NodeStats(NodeStats),
+    NodeStats(#[serde(with = "wire::json")] NodeStats),
     /// The cluster view.
-    Cluster(Box<ClusterView>),
+    Cluster(#[serde(with = "wire::json")] Box<ClusterView>),
     /// The receiver is in maintenance.
-    Maintenance(MaintenanceView),
+    Maintenance(#[serde(with = "wire::json")] MaintenanceView),
     /// The leader kept the report.
     Reported,
     /// The leader's view of the buckets.
-    Buckets(Box<BucketsView>),
+    Buckets(#[serde(with = "wire::json")] Box<BucketsView>),
     /// The leader's plan.
-    Rebalance(Box<RebalancePlan>),
+    Rebalance(#[serde(with = "wire::json")] Box<RebalancePlan>),
 }
 
 /// A request that answers with a stream of frames.
@@ -291,7 +265,7 @@ pub enum StreamRequest {
 pub type FrameStream = Pin<Box<dyn Stream<Item = Result<Bytes, CallError>> + Send>>;
 
 /// Changes (or a snapshot) of one bucket for its replica.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Replicate {
     /// The bucket.
     pub bucket: BucketId,
@@ -343,7 +317,6 @@ pub struct Ping {
     /// Absent while one of its buckets is not attached there (the copy may lack writes), and
     /// from older versions. A holder serves mirror reads from its copy only while the
     /// sender's latest report names it, in its current period.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replica: Option<ReplicaReport>,
 }
 
@@ -384,37 +357,22 @@ fn lease_default() -> bool {
 }
 
 /// Why a message from another node could not be read.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Malformed {
-    /// Cut short, too long, or a field out of its range.
-    #[error("a malformed {0}")]
-    Message(&'static str),
-    /// A key or tag that is not text.
-    #[error("a key or tag that is not UTF-8")]
-    NotUtf8,
-    /// One request of a batch of replica writes.
-    #[error("request {index} of the batch: {what}")]
-    BatchPart {
-        /// Its place in the batch.
-        index: usize,
-        /// What is wrong.
-        what: &'static str,
-    },
-    /// A call for a bucket that does not exist.
+    /// Not a message of the wire format: cut short, a length beyond what is left, a field
+    /// out of its range, text that is not UTF-8.
+    #[error("an unreadable message: {0}")]
+    Unreadable(String),
+    /// A request in a link message of another kind than its own.
+    #[error("a request in a link message of kind {0}, not its own")]
+    Kind(u8),
+    /// A request for a bucket that does not exist.
     #[error("no bucket {0}")]
     NoSuchBucket(u16),
-    /// A replica write for a bucket that does not exist.
-    #[error("request {index} of the batch: no bucket {bucket}")]
-    NoBucket {
-        /// Its place in the batch.
-        index: usize,
-        /// The bucket it names.
-        bucket: u16,
-    },
 }
 
 /// Why a call got no answer it could use.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 pub enum CallError {
     /// No connection could be made: the request was certainly not delivered.
     #[error("unreachable: {0}")]
