@@ -65,11 +65,27 @@ fn problem_response(description: &str) -> Value {
 /// grammar of the parameters the server checks by hand (durations, tags, numbers), so that a
 /// value the description allows is one the server takes.
 fn complete(doc: &mut Value) {
-    let ttl = json!({"type": "string", "pattern": duration_pattern()});
     doc["components"]["securitySchemes"] = json!({
         "admin_token": {"type": "http", "scheme": "bearer", "description": "`--admin-token`, when the node has one"},
         "client_token": {"type": "http", "scheme": "bearer", "description": "`--client-token` (or the admin token), when the node has one: the key API needs it"}
     });
+    exact_schemas(doc);
+    let Some(paths) = doc["paths"].as_object_mut() else { return };
+    for (path, item) in paths.iter_mut() {
+        let Some(item) = item.as_object_mut() else { continue };
+        for (method, op) in item.iter_mut() {
+            shared_responses(path, method, op);
+            for p in op.get_mut("parameters").and_then(Value::as_array_mut).into_iter().flatten() {
+                if let Some(schema) = parameter_schema(p, method) {
+                    p["schema"] = schema;
+                }
+            }
+        }
+    }
+}
+
+/// The schemas the server checks by hand, as exactly as it checks them.
+fn exact_schemas(doc: &mut Value) {
     // A bulk item's options are checked item by item: a bad one fails that key alone (in the
     // 200 answer), so the body's schema takes any string for them.
     let schemas = &mut doc["components"]["schemas"];
@@ -97,90 +113,87 @@ fn complete(doc: &mut Value) {
         },
         "required": ["event", "data"]
     });
-    let Some(paths) = doc["paths"].as_object_mut() else { return };
-    for (path, item) in paths.iter_mut() {
-        let Some(item) = item.as_object_mut() else { continue };
-        for (method, op) in item.iter_mut() {
-            let input = op["parameters"].as_array().is_some_and(|p| !p.is_empty()) || op.get("requestBody").is_some();
-            let cluster_write = method != "get" && path.starts_with("/v1/cluster");
-            let key = path == "/v1/kv/{key}";
-            let mut responses = op["responses"].take();
-            let mut add = |status: &str, description: &str| {
-                if responses.get(status).is_none() {
-                    responses[status] = problem_response(description);
-                }
-            };
-            if input {
-                add("400", "bad_request: a parameter or the body is not valid");
-            }
-            if !OPERATIONS_PATHS.contains(&path.as_str()) {
-                add("503", "The node cannot serve now (see the code); retry after Retry-After");
-            }
-            if cluster_write {
-                add("401", "admin_token_required: the node has an admin token and the request did not carry it");
-                add("409", "conflict or membership_change_in_progress");
-                add("413", "value_too_large: the body is over 64 KiB");
-            }
-            if key || path.starts_with("/v1/bulk/") {
-                add("413", "key_too_large, value_too_large (or a bulk body over its limit)");
-            }
-            let key_api = crate::is_key_path(path);
-            if key_api {
-                add("401", "client_token_required: the node has a client token and the request did not carry it");
-            }
-            if key && method != "get" {
-                add("412", "precondition_failed");
-                if responses.get("307").is_none() {
-                    responses["307"] = json!({"description": "redirect=true: the owner's URL in Location"});
-                }
-            }
-            op["responses"] = responses;
-            if cluster_write {
-                // Optional: only a node started with --admin-token asks for it.
-                op["security"] = json!([{}, {"admin_token": []}]);
-            } else if key_api {
-                // Optional: only a node started with --client-token asks for it.
-                op["security"] = json!([{}, {"client_token": []}, {"admin_token": []}]);
-            }
-            for p in op.get_mut("parameters").and_then(Value::as_array_mut).into_iter().flatten() {
-                let schema = match (p["name"].as_str().unwrap_or(""), p["in"].as_str().unwrap_or("")) {
-                    ("ttl" | "sliding", "query") => ttl.clone(),
-                    ("tags", "query") => json!({"type": "string", "pattern": "^[^,]{1,256}(,[^,]{1,256})*$"}),
-                    ("mode", "query") => json!({"type": "string", "enum": ["add", "replace"]}),
-                    ("If-Match", "header") => json!({"type": "string", "pattern": "^(\\*|\"[0-9]{1,19}\")$"}),
-                    ("If-None-Match", "header") if method != "get" => json!({"type": "string", "enum": ["*"]}),
-                    ("priority", "query") => json!({"type": "string", "enum": Priority::ALL.map(Priority::name)}),
-                    ("sort", "query") => {
-                        json!({"type": "string", "enum": ["bytes", "items", "reads", "writes", "bucket"]})
-                    }
-                    ("max_staleness", "query") => {
-                        let p = duration_pattern();
-                        json!({"type": "string", "pattern": format!("^(?:0|{})$", &p[1..p.len() - 1])})
-                    }
-                    ("limit", "query") => json!({"type": "integer", "minimum": 1, "maximum": 100000}),
-                    ("timeout", "query") => {
-                        json!({"type": "string", "pattern": "^(?:(?:[1-9][0-9]?|[12][0-9]{2}|300)s?|(?:[1-9][0-9]{0,4}|[12][0-9]{5}|300000)ms|[1-5]m)$"})
-                    }
-                    ("follow", "query") => json!({"type": "boolean"}),
-                    ("since" | "wait_version", "query") => {
-                        json!({"type": "integer", "minimum": 0, "maximum": u64::MAX})
-                    }
-                    ("cas" | "node", "query") => json!({"type": "integer", "minimum": 0, "maximum": u64::MAX}),
-                    ("id", "path") => {
-                        p["example"] = json!(1);
-                        json!({"type": "integer", "minimum": 0, "maximum": u64::MAX})
-                    }
-                    ("verbose", "query") => json!({"type": "string", "enum": ["", "true", "false", "1", "0"]}),
-                    ("key" | "tag", "path") => {
-                        p["example"] = json!("users/42");
-                        json!({"type": "string", "minLength": 1})
-                    }
-                    _ => continue,
-                };
-                p["schema"] = schema;
-            }
+}
+
+/// The answers and the security an operation shares with others of its kind.
+fn shared_responses(path: &str, method: &str, op: &mut Value) {
+    let input = op["parameters"].as_array().is_some_and(|p| !p.is_empty()) || op.get("requestBody").is_some();
+    let cluster_write = method != "get" && path.starts_with("/v1/cluster");
+    let key = path == "/v1/kv/{key}";
+    let mut responses = op["responses"].take();
+    let mut add = |status: &str, description: &str| {
+        if responses.get(status).is_none() {
+            responses[status] = problem_response(description);
+        }
+    };
+    if input {
+        add("400", "bad_request: a parameter or the body is not valid");
+    }
+    if !OPERATIONS_PATHS.contains(&path) {
+        add("503", "The node cannot serve now (see the code); retry after Retry-After");
+    }
+    if cluster_write {
+        add("401", "admin_token_required: the node has an admin token and the request did not carry it");
+        add("409", "conflict or membership_change_in_progress");
+        add("413", "value_too_large: the body is over 64 KiB");
+    }
+    if key || path.starts_with("/v1/bulk/") {
+        add("413", "key_too_large, value_too_large (or a bulk body over its limit)");
+    }
+    let key_api = crate::is_key_path(path);
+    if key_api {
+        add("401", "client_token_required: the node has a client token and the request did not carry it");
+    }
+    if key && method != "get" {
+        add("412", "precondition_failed");
+        if responses.get("307").is_none() {
+            responses["307"] = json!({"description": "redirect=true: the owner's URL in Location"});
         }
     }
+    op["responses"] = responses;
+    if cluster_write {
+        // Optional: only a node started with --admin-token asks for it.
+        op["security"] = json!([{}, {"admin_token": []}]);
+    } else if key_api {
+        // Optional: only a node started with --client-token asks for it.
+        op["security"] = json!([{}, {"client_token": []}, {"admin_token": []}]);
+    }
+}
+
+/// The exact grammar of a parameter `p` of an operation of `method` that the server checks by
+/// hand (durations, tags, numbers), so that a value the description allows is one the server
+/// takes; `None` for the others.
+fn parameter_schema(p: &mut Value, method: &str) -> Option<Value> {
+    let any_u64 = || json!({"type": "integer", "minimum": 0, "maximum": u64::MAX});
+    Some(match (p["name"].as_str().unwrap_or(""), p["in"].as_str().unwrap_or("")) {
+        ("ttl" | "sliding", "query") => json!({"type": "string", "pattern": duration_pattern()}),
+        ("tags", "query") => json!({"type": "string", "pattern": "^[^,]{1,256}(,[^,]{1,256})*$"}),
+        ("mode", "query") => json!({"type": "string", "enum": ["add", "replace"]}),
+        ("If-Match", "header") => json!({"type": "string", "pattern": "^(\\*|\"[0-9]{1,19}\")$"}),
+        ("If-None-Match", "header") if method != "get" => json!({"type": "string", "enum": ["*"]}),
+        ("priority", "query") => json!({"type": "string", "enum": Priority::ALL.map(Priority::name)}),
+        ("sort", "query") => json!({"type": "string", "enum": ["bytes", "items", "reads", "writes", "bucket"]}),
+        ("max_staleness", "query") => {
+            let p = duration_pattern();
+            json!({"type": "string", "pattern": format!("^(?:0|{})$", &p[1..p.len() - 1])})
+        }
+        ("limit", "query") => json!({"type": "integer", "minimum": 1, "maximum": 100000}),
+        ("timeout", "query") => {
+            json!({"type": "string", "pattern": "^(?:(?:[1-9][0-9]?|[12][0-9]{2}|300)s?|(?:[1-9][0-9]{0,4}|[12][0-9]{5}|300000)ms|[1-5]m)$"})
+        }
+        ("follow", "query") => json!({"type": "boolean"}),
+        ("since" | "wait_version", "query") | ("cas" | "node", "query") => any_u64(),
+        ("id", "path") => {
+            p["example"] = json!(1);
+            any_u64()
+        }
+        ("verbose", "query") => json!({"type": "string", "enum": ["", "true", "false", "1", "0"]}),
+        ("key" | "tag", "path") => {
+            p["example"] = json!("users/42");
+            json!({"type": "string", "minLength": 1})
+        }
+        _ => return None,
+    })
 }
 
 /// The exact grammar of a `ttl` or `sliding` as a regular expression: a whole number without

@@ -587,21 +587,7 @@ impl ControlPlane {
     /// Runs an admin request on this node, which must be the leader (otherwise `NotLeader`).
     pub async fn admin_as_leader(&self, request: AdminRequest) -> Result<AdminResponse, ControlError> {
         match request {
-            AdminRequest::Register { api_addr, peer_addr, name } => {
-                // Checked here, before the proposal, not in the state machine: nodes of an
-                // older version apply `Register` without looking at names.
-                if let Some(m) = self.state().members.iter().find(|m| name.is_some() && m.name == name) {
-                    let reason = format!("name {:?} already used by member {}", name.as_deref().unwrap_or(""), m.id);
-                    return Err(ControlError::Rejected { reason });
-                }
-                match self.write(ClusterCommand::Register { api_addr, peer_addr, name }).await? {
-                    CommandResponse::Registered { node_id } => Ok(AdminResponse::Registered {
-                        node_id,
-                        cluster_id: self.state().cluster_id.clone().unwrap_or_default(),
-                    }),
-                    other => Err(unexpected(other)),
-                }
-            }
+            AdminRequest::Register { api_addr, peer_addr, name } => self.register(api_addr, peer_addr, name).await,
             AdminRequest::Admit { node_id, force } => self.admit(node_id, force).await,
             AdminRequest::Leave { node_id, force } => self.remove(node_id, force).await,
             AdminRequest::Ack { node_id, to_version } => {
@@ -610,91 +596,39 @@ impl ControlPlane {
                 Ok(AdminResponse::Done)
             }
             AdminRequest::Moved { bucket, from, to, epoch } => {
-                match self.write(ClusterCommand::BucketMoved { bucket, from, to, epoch }).await? {
-                    CommandResponse::MapChanged { map_version } => Ok(AdminResponse::Moved { map_version }),
-                    other => Err(unexpected(other)),
-                }
+                self.moved(ClusterCommand::BucketMoved { bucket, from, to, epoch }).await
             }
-            AdminRequest::Abort { bucket, epoch } => {
-                self.write(ClusterCommand::AbortMove { bucket, epoch }).await?;
-                Ok(AdminResponse::Done)
-            }
-            AdminRequest::ClearTransferFlag { reason } => {
-                self.write(ClusterCommand::ClearTransferFlag { reason }).await?;
-                Ok(AdminResponse::Done)
-            }
-            AdminRequest::SetReplication { mode } => {
-                self.write(ClusterCommand::SetReplication { mode }).await?;
-                Ok(AdminResponse::Done)
-            }
-            AdminRequest::SetAutoBalance { enabled } => {
-                self.write(ClusterCommand::SetAutoBalance { enabled }).await?;
-                Ok(AdminResponse::Done)
-            }
+            AdminRequest::Abort { bucket, epoch } => self.done(ClusterCommand::AbortMove { bucket, epoch }).await,
+            AdminRequest::ClearTransferFlag { reason } => self.done(ClusterCommand::ClearTransferFlag { reason }).await,
+            AdminRequest::SetReplication { mode } => self.done(ClusterCommand::SetReplication { mode }).await,
+            AdminRequest::SetAutoBalance { enabled } => self.done(ClusterCommand::SetAutoBalance { enabled }).await,
             AdminRequest::Rebalance { from_version, owners } => {
                 // One membership change at a time: a join, leave or failure does not interleave.
                 let _guard = self.lock_membership().await?;
-                match self.write(ClusterCommand::Rebalance { from_version, owners }).await? {
-                    CommandResponse::MapChanged { map_version } => {
-                        tracing::info!(from_version, map_version, "balancing by data: a transition starts");
-                        Ok(AdminResponse::Moved { map_version })
-                    }
-                    other => Err(unexpected(other)),
+                let moved = self.moved(ClusterCommand::Rebalance { from_version, owners }).await;
+                if let Ok(AdminResponse::Moved { map_version }) = &moved {
+                    tracing::info!(from_version, map_version, "balancing by data: a transition starts");
                 }
+                moved
             }
-            AdminRequest::HandOver { node_id, heir } => {
-                match self.write(ClusterCommand::HandOver { node_id, heir }).await? {
-                    CommandResponse::MapChanged { map_version } => Ok(AdminResponse::Moved { map_version }),
-                    other => Err(unexpected(other)),
-                }
-            }
+            AdminRequest::HandOver { node_id, heir } => self.moved(ClusterCommand::HandOver { node_id, heir }).await,
             AdminRequest::Promoted { node_id, buckets, lost } => {
-                self.write(ClusterCommand::Promoted { node_id, buckets, lost }).await?;
-                Ok(AdminResponse::Done)
+                self.done(ClusterCommand::Promoted { node_id, buckets, lost }).await
             }
-            AdminRequest::ReadIndex => {
-                let confirm = self.inner.raft.get_read_log_id();
-                let (read, _) = tokio::time::timeout(self.inner.config.change_timeout, confirm)
-                    .await
-                    .map_err(|_| ControlError::Timeout { what: "a majority to confirm the leader".into() })?
-                    .map_err(read_index_error)?;
-                Ok(AdminResponse::ReadIndex { index: read.map_or(0, |l| l.index) })
-            }
-            AdminRequest::LostOf { node_id } => {
-                let state = self.state();
-                // A leader cut off with the asker may still think it leads: only a state that
-                // knows the asker failed can say what it left behind.
-                if !state.failed.contains(&node_id) {
-                    return Err(ControlError::Rejected {
-                        reason: format!("node {} does not know that node {node_id} failed", self.node_id()),
-                    });
-                }
-                let buckets: Vec<LostBucket> = state
-                    .lost_of(node_id)
-                    .into_iter()
-                    .filter_map(|(b, owner)| {
-                        let peer_addr = state.member_of(owner)?.peer_addr.clone();
-                        Some(LostBucket { bucket: b.0, owner, peer_addr })
-                    })
-                    .collect();
-                let pending = state.promoted.keys().filter(|b| state.last_server.get(b) == Some(&node_id)).count();
-                Ok(AdminResponse::LostOf { buckets, pending })
-            }
+            AdminRequest::ReadIndex => self.confirm_read_index().await,
+            AdminRequest::LostOf { node_id } => self.lost_of(node_id),
             AdminRequest::Found { owner, from, buckets, heir } => {
-                self.write(ClusterCommand::Found { owner, from, buckets, heir }).await?;
-                Ok(AdminResponse::Done)
+                self.done(ClusterCommand::Found { owner, from, buckets, heir }).await
             }
             AdminRequest::ClearLost { buckets } => match self.write(ClusterCommand::ClearLost { buckets }).await? {
                 CommandResponse::Cleared { buckets } => Ok(AdminResponse::Cleared { buckets }),
                 other => Err(unexpected(other)),
             },
             AdminRequest::ReplicaMoved { owner, holder } => {
-                self.write(ClusterCommand::ReplicaMoved { owner, holder }).await?;
-                Ok(AdminResponse::Done)
+                self.done(ClusterCommand::ReplicaMoved { owner, holder }).await
             }
             AdminRequest::SetDraining { node_id, draining } => {
-                self.write(ClusterCommand::SetDraining { node_id, draining }).await?;
-                Ok(AdminResponse::Done)
+                self.done(ClusterCommand::SetDraining { node_id, draining }).await
             }
             AdminRequest::EnterMaintenance { node_id, since_ms, until_ms } => {
                 // One membership change at a time: a join, leave or failure does not interleave.
@@ -705,17 +639,15 @@ impl ControlPlane {
             }
             AdminRequest::MaintenanceReady { node_id, heir } => {
                 let _guard = self.lock_membership().await?;
-                match self.write(ClusterCommand::MaintenanceReady { node_id, heir }).await? {
-                    CommandResponse::MapChanged { map_version } => {
-                        tracing::warn!(
-                            node_id,
-                            heir = heir.0,
-                            "node in maintenance: its replica holder serves its buckets"
-                        );
-                        Ok(AdminResponse::Moved { map_version })
-                    }
-                    other => Err(unexpected(other)),
+                let moved = self.moved(ClusterCommand::MaintenanceReady { node_id, heir }).await;
+                if moved.is_ok() {
+                    tracing::warn!(
+                        node_id,
+                        heir = heir.0,
+                        "node in maintenance: its replica holder serves its buckets"
+                    );
                 }
+                moved
             }
             AdminRequest::EndMaintenance { node_id, reason } => {
                 let _guard = self.lock_membership().await?;
@@ -724,6 +656,75 @@ impl ControlPlane {
                 Ok(AdminResponse::Done)
             }
         }
+    }
+
+    /// Commits `command`, which answers nothing.
+    async fn done(&self, command: ClusterCommand) -> Result<AdminResponse, ControlError> {
+        self.write(command).await?;
+        Ok(AdminResponse::Done)
+    }
+
+    /// Commits `command`, which changes the map: its new version.
+    async fn moved(&self, command: ClusterCommand) -> Result<AdminResponse, ControlError> {
+        match self.write(command).await? {
+            CommandResponse::MapChanged { map_version } => Ok(AdminResponse::Moved { map_version }),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Registers a joiner: its id and the cluster's.
+    async fn register(
+        &self,
+        api_addr: String,
+        peer_addr: String,
+        name: Option<String>,
+    ) -> Result<AdminResponse, ControlError> {
+        // Checked here, before the proposal, not in the state machine: nodes of an older
+        // version apply `Register` without looking at names.
+        if let Some(m) = self.state().members.iter().find(|m| name.is_some() && m.name == name) {
+            let reason = format!("name {:?} already used by member {}", name.as_deref().unwrap_or(""), m.id);
+            return Err(ControlError::Rejected { reason });
+        }
+        match self.write(ClusterCommand::Register { api_addr, peer_addr, name }).await? {
+            CommandResponse::Registered { node_id } => Ok(AdminResponse::Registered {
+                node_id,
+                cluster_id: self.state().cluster_id.clone().unwrap_or_default(),
+            }),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// The log index a read must wait for, once a majority confirmed this node leads.
+    async fn confirm_read_index(&self) -> Result<AdminResponse, ControlError> {
+        let confirm = self.inner.raft.get_read_log_id();
+        let (read, _) = tokio::time::timeout(self.inner.config.change_timeout, confirm)
+            .await
+            .map_err(|_| ControlError::Timeout { what: "a majority to confirm the leader".into() })?
+            .map_err(read_index_error)?;
+        Ok(AdminResponse::ReadIndex { index: read.map_or(0, |l| l.index) })
+    }
+
+    /// What a failed node left behind: the buckets it served last that are lost, and how many
+    /// promoted ones still wait to be installed.
+    fn lost_of(&self, node_id: NodeId) -> Result<AdminResponse, ControlError> {
+        let state = self.state();
+        // A leader cut off with the asker may still think it leads: only a state that knows
+        // the asker failed can say what it left behind.
+        if !state.failed.contains(&node_id) {
+            return Err(ControlError::Rejected {
+                reason: format!("node {} does not know that node {node_id} failed", self.node_id()),
+            });
+        }
+        let buckets: Vec<LostBucket> = state
+            .lost_of(node_id)
+            .into_iter()
+            .filter_map(|(b, owner)| {
+                let peer_addr = state.member_of(owner)?.peer_addr.clone();
+                Some(LostBucket { bucket: b.0, owner, peer_addr })
+            })
+            .collect();
+        let pending = state.promoted.keys().filter(|b| state.last_server.get(b) == Some(&node_id)).count();
+        Ok(AdminResponse::LostOf { buckets, pending })
     }
 
     /// On the leader: declares `node_id` failed (a majority reported it unreachable), then

@@ -170,6 +170,18 @@ fn draft(kind: EventKind, node: Option<NodeId>, message: String) -> Draft {
     Draft { kind, node, peer: None, buckets: Vec::new(), message }
 }
 
+impl Draft {
+    fn peer(mut self, peer: Option<NodeId>) -> Self {
+        self.peer = peer;
+        self
+    }
+
+    fn buckets(mut self, buckets: Vec<u16>) -> Self {
+        self.buckets = buckets;
+        self
+    }
+}
+
 fn name_of(state: &ClusterState, id: NodeId) -> String {
     match state.member_of(id).and_then(|m| m.name.as_deref()) {
         Some(name) => format!("node {id} ({name})"),
@@ -206,7 +218,7 @@ impl EventRecorder {
         if let ClusterCommand::BucketMoved { bucket, from, to, .. } = command {
             self.pending.add(index, *bucket, *from, *to);
         } else {
-            drafts.extend(command_events(before, command, response, after));
+            drafts.extend(command_event(before, command, response, after));
         }
         drafts.extend(state_events(before, command, after));
         let mut events = Vec::new();
@@ -252,126 +264,104 @@ impl EventRecorder {
     }
 }
 
-/// Events named by the command itself.
-fn command_events(
+/// The event named by the command itself, if it changed anything.
+fn command_event(
     before: &ClusterState,
     command: &ClusterCommand,
     response: &CommandResponse,
     after: &ClusterState,
-) -> Vec<Draft> {
+) -> Option<Draft> {
     use ClusterCommand as C;
     use EventKind as K;
-    match command {
-        C::Bootstrap { cluster_id, node_id, .. } if before.cluster_id.is_none() => vec![draft(
+    Some(match command {
+        C::Bootstrap { cluster_id, node_id, .. } if before.cluster_id.is_none() => draft(
             K::ClusterCreated,
             Some(*node_id),
             format!("cluster {cluster_id} created by {}", name_of(after, *node_id)),
-        )],
+        ),
         C::SetReplication { mode } if before.settings.replication != *mode => {
-            vec![draft(K::ConfigChanged, None, format!("replication set to {mode}"))]
+            draft(K::ConfigChanged, None, format!("replication set to {mode}"))
         }
-        C::SetAutoBalance { enabled } if before.settings.auto_balance != *enabled => vec![draft(
-            K::ConfigChanged,
-            None,
-            format!("automatic balancing turned {}", if *enabled { "on" } else { "off" }),
-        )],
+        C::SetAutoBalance { enabled } if before.settings.auto_balance != *enabled => {
+            draft(K::ConfigChanged, None, format!("automatic balancing turned {}", if *enabled { "on" } else { "off" }))
+        }
         C::Rebalance { from_version, .. } => {
             let moving = after.transition.as_ref().map_or(0, |t| after.map.moved_buckets(&t.to).len());
-            vec![draft(
-                K::RebalanceBegun,
-                None,
-                format!("balancing by data planned on map {from_version}: {moving} buckets to move"),
-            )]
-        }
-        C::NodeFailed { node_id } if !before.failed.contains(node_id) => {
-            let heir = before.heir_of(*node_id);
-            let mut d = draft(
-                K::NodeFailed,
-                Some(*node_id),
-                match heir {
-                    Some(h) => format!("{} failed; node {h} serves its buckets", name_of(before, *node_id)),
-                    None => format!("{} failed", name_of(before, *node_id)),
-                },
-            );
-            d.peer = heir;
-            vec![d]
-        }
-        C::HandOver { node_id, .. } => {
-            let heir = after.heir_of(*node_id).or_else(|| before.heir_of(*node_id));
-            let mut d = draft(
-                K::HandedOver,
-                Some(*node_id),
-                format!("{} handed its buckets over to its replica holder", name_of(before, *node_id)),
-            );
-            d.peer = heir;
-            vec![d]
-        }
-        C::Promoted { node_id, buckets, .. } if !buckets.is_empty() => {
-            let mut d = draft(
-                K::Promoted,
-                Some(*node_id),
-                format!("node {node_id} serves {} buckets from its replica copies", buckets.len()),
-            );
-            d.buckets = buckets.clone();
-            vec![d]
+            let message = format!("balancing by data planned on map {from_version}: {moving} buckets to move");
+            draft(K::RebalanceBegun, None, message)
         }
         C::Found { owner, from, buckets, .. } => {
             let found: Vec<u16> =
                 buckets.iter().copied().filter(|b| before.lost.contains(b) && !after.lost.contains(b)).collect();
             if found.is_empty() {
-                return Vec::new();
+                return None;
             }
-            let mut d = draft(
-                K::BucketsFound,
-                Some(*owner),
-                format!("buckets {} serve again with the copy node {from} gave back", list(&found)),
-            );
-            d.peer = Some(*from);
-            d.buckets = found;
-            vec![d]
+            let message = format!("buckets {} serve again with the copy node {from} gave back", list(&found));
+            draft(K::BucketsFound, Some(*owner), message).peer(Some(*from)).buckets(found)
         }
         C::ClearLost { .. } => {
-            let CommandResponse::Cleared { buckets } = response else { return Vec::new() };
+            let CommandResponse::Cleared { buckets } = response else { return None };
             if buckets.is_empty() {
-                return Vec::new();
+                return None;
             }
-            let mut d =
-                draft(K::LostCleared, None, format!("lost buckets {} cleared: they serve again, empty", list(buckets)));
-            d.buckets = buckets.clone();
-            vec![d]
-        }
-        C::ReplicaMoved { owner, holder } if before.replica_holders.get(owner) != Some(holder) => {
-            let mut d = draft(K::ReplicaMoved, Some(*owner), format!("node {holder} holds node {owner}'s replica"));
-            d.peer = Some(*holder);
-            vec![d]
-        }
-        C::SetDraining { node_id, draining } if before.draining.contains(node_id) != *draining => {
-            if *draining {
-                vec![draft(K::NodeStopping, Some(*node_id), format!("{} is stopping", name_of(before, *node_id)))]
-            } else {
-                vec![draft(K::NodeRunning, Some(*node_id), format!("{} runs again", name_of(before, *node_id)))]
-            }
-        }
-        C::Admit { node_id, force } if !before.is_member(*node_id) => {
-            let warning = before.forced_warning(*force).map_or(String::new(), |w| format!(" ({w})"));
-            vec![draft(K::NodeJoined, Some(*node_id), format!("{} joined{warning}", name_of(after, *node_id)))]
-        }
-        C::Remove { node_id, force } if before.member_of(*node_id).is_some_and(|m| !m.leaving) => {
-            let warning = before.forced_warning(*force).map_or(String::new(), |w| format!(" ({w})"));
-            vec![draft(K::NodeLeaving, Some(*node_id), format!("{} is leaving{warning}", name_of(before, *node_id)))]
+            let message = format!("lost buckets {} cleared: they serve again, empty", list(buckets));
+            draft(K::LostCleared, None, message).buckets(buckets.clone())
         }
         C::AbortMove { bucket, .. } => {
-            let mut d = draft(K::MoveAborted, None, format!("the move of bucket {bucket} was given up; it is retried"));
-            d.buckets = vec![*bucket];
-            vec![d]
+            let message = format!("the move of bucket {bucket} was given up; it is retried");
+            draft(K::MoveAborted, None, message).buckets(vec![*bucket])
         }
-        C::ClearTransferFlag { reason } if before.transfer_flag => vec![draft(
+        C::ClearTransferFlag { reason } if before.transfer_flag => draft(
             K::TransferUnblocked,
             None,
             format!("membership may change again while the transfer goes on: {reason}"),
-        )],
-        _ => Vec::new(),
-    }
+        ),
+        _ => return member_event(before, command, after),
+    })
+}
+
+/// The event of a command about one member, if it changed anything.
+fn member_event(before: &ClusterState, command: &ClusterCommand, after: &ClusterState) -> Option<Draft> {
+    use ClusterCommand as C;
+    use EventKind as K;
+    Some(match command {
+        C::NodeFailed { node_id } if !before.failed.contains(node_id) => {
+            let heir = before.heir_of(*node_id);
+            let message = match heir {
+                Some(h) => format!("{} failed; node {h} serves its buckets", name_of(before, *node_id)),
+                None => format!("{} failed", name_of(before, *node_id)),
+            };
+            draft(K::NodeFailed, Some(*node_id), message).peer(heir)
+        }
+        C::HandOver { node_id, .. } => {
+            let heir = after.heir_of(*node_id).or_else(|| before.heir_of(*node_id));
+            let message = format!("{} handed its buckets over to its replica holder", name_of(before, *node_id));
+            draft(K::HandedOver, Some(*node_id), message).peer(heir)
+        }
+        C::Promoted { node_id, buckets, .. } if !buckets.is_empty() => {
+            let message = format!("node {node_id} serves {} buckets from its replica copies", buckets.len());
+            draft(K::Promoted, Some(*node_id), message).buckets(buckets.clone())
+        }
+        C::ReplicaMoved { owner, holder } if before.replica_holders.get(owner) != Some(holder) => {
+            draft(K::ReplicaMoved, Some(*owner), format!("node {holder} holds node {owner}'s replica"))
+                .peer(Some(*holder))
+        }
+        C::SetDraining { node_id, draining: true } if !before.draining.contains(node_id) => {
+            draft(K::NodeStopping, Some(*node_id), format!("{} is stopping", name_of(before, *node_id)))
+        }
+        C::SetDraining { node_id, draining: false } if before.draining.contains(node_id) => {
+            draft(K::NodeRunning, Some(*node_id), format!("{} runs again", name_of(before, *node_id)))
+        }
+        C::Admit { node_id, force } if !before.is_member(*node_id) => {
+            let warning = before.forced_warning(*force).map_or(String::new(), |w| format!(" ({w})"));
+            draft(K::NodeJoined, Some(*node_id), format!("{} joined{warning}", name_of(after, *node_id)))
+        }
+        C::Remove { node_id, force } if before.member_of(*node_id).is_some_and(|m| !m.leaving) => {
+            let warning = before.forced_warning(*force).map_or(String::new(), |w| format!(" ({w})"));
+            draft(K::NodeLeaving, Some(*node_id), format!("{} is leaving{warning}", name_of(before, *node_id)))
+        }
+        _ => return None,
+    })
 }
 
 /// Events read from the change of state, whatever command caused it.

@@ -111,19 +111,35 @@ impl<'a> WritePermit<'a> {
     /// A shadow that did not take a write is excused only once this node's map no longer
     /// names it (the transfer ended, or the cluster failed that node).
     pub async fn commit(mut self) -> Result<(), DataError> {
+        self.still_holds()?;
+        // A bucket with no copy elsewhere (a single node) has nothing to send.
+        if !self.done.is_empty() && self.plan.has_copies() {
+            let changes: Vec<Change> = self.done.iter().map(|d| d.change.clone()).collect();
+            self.through_shadow(&changes).await?;
+            self.through_replica(&changes).await?;
+        }
         let core = self.core;
-        // The lease again, after the writes: a node paused between the decision and the write
-        // must not acknowledge it.
+        if let Some(probe) = &core.probe {
+            probe.acknowledged(core.me, self.plan.bucket, self.plan.epoch);
+        }
+        // They count: nothing to take back when the permit is dropped.
+        self.done.clear();
+        Ok(())
+    }
+
+    /// Whether the writes may still count, checked after them: the lease (a node paused
+    /// between the decision and the write must not acknowledge it), and the map (a move
+    /// applied here since the plan thaws the bucket, and what was written or found after that
+    /// is in no copy the new owner has, a delete that found nothing too: routed again). Taken
+    /// back if not, but not in the copy kept here as the shadow: a take-back there would give
+    /// the items versions the new owner hands out too, and the shadow would then skip the new
+    /// owner's later writes of those keys (the write routed again reaches the shadow as well).
+    fn still_holds(&mut self) -> Result<(), DataError> {
+        let core = self.core;
         if let Some(refusal) = write_refusal(core.health.node_facts()) {
             self.undo();
             return Err(refusal);
         }
-        // The map again, after the writes: a move applied here since the plan thaws the
-        // bucket, and what was written or found after that is in no copy the new owner has (a
-        // delete that found nothing too). Routed again. Taken back, but not in the copy kept
-        // here as the shadow: a take-back there would give the items versions the new owner
-        // hands out too, and the shadow would then skip the new owner's later writes of those
-        // keys (the write routed again reaches the shadow as well).
         if self.plan.has_copies() {
             let state = core.control.state();
             if let Err(moved) = plan_holds(&state, core.me, &self.plan) {
@@ -135,74 +151,60 @@ impl<'a> WritePermit<'a> {
                 return Err(moved);
             }
         }
-        // A bucket with no copy elsewhere (a single node) has nothing to send.
-        if !self.done.is_empty() && self.plan.has_copies() {
-            let started = std::time::Instant::now();
-            let changes: Vec<Change> = self.done.iter().map(|d| d.change.clone()).collect();
-            let bucket = self.plan.bucket;
-            let shadow = self.plan.shadow.clone();
-            if let Some(shadow) = &shadow {
-                if let Err(cause) = core.peers.shadow(&shadow.peer_addr, bucket, change_body(&changes)).await {
-                    let gone = |s: &shoal_raft::ClusterState| s.shadow_of(bucket) != Some(shadow.node);
-                    if !core.control.wait_for_state(SHADOW_SETTLE, gone).await {
-                        tracing::warn!(node_id = core.me, bucket = bucket.0, shadow = shadow.node, error = %cause, "shadow write-through failed; the write is taken back");
-                        let taken_back = self.undo();
-                        // No answer is not no write: the shadow may have applied them. It
-                        // takes them back as far as it can be reached, in the background
-                        // (changes apply by version, so later writes cannot be undone by it).
-                        drop(take_back_at(
-                            &tokio::runtime::Handle::current(),
-                            core,
-                            &shadow.peer_addr,
-                            bucket,
-                            &taken_back,
-                        ));
-                        return Err(DataError::ShadowFailed { bucket, shadow: shadow.node, cause });
-                    }
-                    tracing::debug!(node_id = core.me, bucket = bucket.0, shadow = shadow.node, error = %cause, "shadow write-through failed after the shadow was dropped");
-                }
-            }
-            if let Some(holder) = core.replicator.holder_for(&self.plan) {
-                let next = core.replicator.next_holder_for(&self.plan);
-                if let Err(e) = core.replicator.replicate(bucket, &holder, next.as_ref(), &changes).await {
-                    let replica_error = e.to_string();
-                    let taken_back = self.undo();
-                    let mut refused_by = None;
-                    if let Some(shadow) = &shadow {
-                        // The shadow has the writes: it takes them back too, as far as it can
-                        // be reached (its copy only counts if this node dies before the
-                        // transfer ends).
-                        let told = take_back_at(
-                            &tokio::runtime::Handle::current(),
-                            core,
-                            &shadow.peer_addr,
-                            bucket,
-                            &taken_back,
-                        );
-                        let told = told.await.unwrap_or_else(|e| Err(CallError::Broken(e.to_string())));
-                        if let Err(e) = told {
-                            tracing::warn!(node_id = core.me, bucket = bucket.0, shadow = shadow.node, error = %e, %replica_error, plan_version = self.plan.map_version, map_version = core.control.state().map.version, elapsed_ms = started.elapsed().as_millis() as u64, "the shadow keeps writes that were taken back");
-                            refused_by = Some(shadow.node);
-                        }
-                    }
-                    // Routed again only when the map moved the bucket from this node to
-                    // another and nothing of the write remains anywhere: a shadow that did not
-                    // take it back keeps it while it is still the shadow, or the owner again
-                    // (an aborted move); one the finished transfer dropped keeps nothing.
-                    let state = core.control.state();
-                    let moved = self.plan.owner_in_map && state.map.owner_of(bucket) != Some(core.me);
-                    let kept = refused_by
-                        .is_some_and(|s| state.shadow_of(bucket) == Some(s) || state.map.owner_of(bucket) == Some(s));
-                    return Err(if moved && !kept { no_longer_owner(e, state.map.version) } else { e });
-                }
-            }
-        }
-        if let Some(probe) = &core.probe {
-            probe.acknowledged(core.me, self.plan.bucket, self.plan.epoch);
-        }
-        // They count: nothing to take back when the permit is dropped.
-        self.done.clear();
         Ok(())
+    }
+
+    /// Writes `changes` through to the shadow, if the bucket moves and has one; taken back if
+    /// it does not take them while it is still the shadow.
+    async fn through_shadow(&mut self, changes: &[Change]) -> Result<(), DataError> {
+        let (core, bucket) = (self.core, self.plan.bucket);
+        let Some(shadow) = self.plan.shadow.clone() else { return Ok(()) };
+        let Err(cause) = core.peers.shadow(&shadow.peer_addr, bucket, change_body(changes)).await else {
+            return Ok(());
+        };
+        let gone = |s: &shoal_raft::ClusterState| s.shadow_of(bucket) != Some(shadow.node);
+        if core.control.wait_for_state(SHADOW_SETTLE, gone).await {
+            tracing::debug!(node_id = core.me, bucket = bucket.0, shadow = shadow.node, error = %cause, "shadow write-through failed after the shadow was dropped");
+            return Ok(());
+        }
+        tracing::warn!(node_id = core.me, bucket = bucket.0, shadow = shadow.node, error = %cause, "shadow write-through failed; the write is taken back");
+        let taken_back = self.undo();
+        // No answer is not no write: the shadow may have applied them. It takes them back as
+        // far as it can be reached, in the background (changes apply by version, so later
+        // writes cannot be undone by it).
+        drop(take_back_at(&tokio::runtime::Handle::current(), core, &shadow.peer_addr, bucket, &taken_back));
+        Err(DataError::ShadowFailed { bucket, shadow: shadow.node, cause })
+    }
+
+    /// Sends `changes` to the replica (sync) or queues them for it (async); taken back, here
+    /// and at the shadow, if the replica did not take them.
+    async fn through_replica(&mut self, changes: &[Change]) -> Result<(), DataError> {
+        let (core, bucket, started) = (self.core, self.plan.bucket, std::time::Instant::now());
+        let Some(holder) = core.replicator.holder_for(&self.plan) else { return Ok(()) };
+        let next = core.replicator.next_holder_for(&self.plan);
+        let Err(e) = core.replicator.replicate(bucket, &holder, next.as_ref(), changes).await else { return Ok(()) };
+        let replica_error = e.to_string();
+        let taken_back = self.undo();
+        let mut refused_by = None;
+        if let Some(shadow) = &self.plan.shadow {
+            // The shadow has the writes: it takes them back too, as far as it can be reached
+            // (its copy only counts if this node dies before the transfer ends).
+            let told = take_back_at(&tokio::runtime::Handle::current(), core, &shadow.peer_addr, bucket, &taken_back);
+            let told = told.await.unwrap_or_else(|e| Err(CallError::Broken(e.to_string())));
+            if let Err(e) = told {
+                tracing::warn!(node_id = core.me, bucket = bucket.0, shadow = shadow.node, error = %e, %replica_error, plan_version = self.plan.map_version, map_version = core.control.state().map.version, elapsed_ms = started.elapsed().as_millis() as u64, "the shadow keeps writes that were taken back");
+                refused_by = Some(shadow.node);
+            }
+        }
+        // Routed again only when the map moved the bucket from this node to another and
+        // nothing of the write remains anywhere: a shadow that did not take it back keeps it
+        // while it is still the shadow, or the owner again (an aborted move); one the finished
+        // transfer dropped keeps nothing.
+        let state = core.control.state();
+        let moved = self.plan.owner_in_map && state.map.owner_of(bucket) != Some(core.me);
+        let kept =
+            refused_by.is_some_and(|s| state.shadow_of(bucket) == Some(s) || state.map.owner_of(bucket) == Some(s));
+        Err(if moved && !kept { no_longer_owner(e, state.map.version) } else { e })
     }
 
     /// Takes every write of this permit back: each key gets the item it held before the

@@ -537,28 +537,7 @@ impl Inner {
             epoch.borrow_and_update();
             let routes = self.routes.load_full();
             let target = route(&routes).ok_or_else(|| ClientError::Protocol("the map names no owner".into()))?;
-            let addr = routes.addr_of(target).unwrap_or_default().to_string();
-            let link = self.link(target);
-            let (node, via_other, attempt) = if link == Link::Up {
-                self.stats.direct.fetch_add(1, Ordering::Relaxed);
-                let timeout = match kind {
-                    Kind::Read => self.config.read_attempt_timeout,
-                    Kind::Write => self.config.request_timeout,
-                };
-                (target, false, self.attempt(&addr, build, deadline, timeout).await)
-            } else if let Some(other) = self.other_node(&routes, target).filter(|_| self.window_left(link)) {
-                // The owner is lost: another node forwards the operation, for at most what is
-                // left of the owner's grace window (the forwarder may wait on it too).
-                self.stats.through_other.fetch_add(1, Ordering::Relaxed);
-                let other_addr = routes.addr_of(other).unwrap_or_default().to_string();
-                let window = match link {
-                    Link::Lost(until) => until.saturating_duration_since(Instant::now()),
-                    _ => self.config.request_timeout,
-                };
-                (other, true, self.attempt(&other_addr, build, deadline, window).await)
-            } else {
-                (target, true, Attempt::NotSent("no other node is reachable".into()))
-            };
+            let (node, via_other, attempt) = self.attempt_for(kind, &routes, target, build, deadline).await;
             match attempt {
                 Attempt::Answer(response) if response.status() == StatusCode::SERVICE_UNAVAILABLE => {
                     // Not applied; the node says when to retry (an election, a move, a
@@ -606,6 +585,41 @@ impl Inner {
                 }
             }
         }
+    }
+
+    /// One attempt of an operation for `target`: at it while the client reaches it, else
+    /// through another node for what is left of its grace window. The node asked, whether it
+    /// was another one, and what came of it.
+    async fn attempt_for(
+        &self,
+        kind: Kind,
+        routes: &Routes,
+        target: NodeId,
+        build: &(dyn Fn(&reqwest::Client, &str) -> reqwest::RequestBuilder + Send + Sync),
+        deadline: Instant,
+    ) -> (NodeId, bool, Attempt) {
+        let link = self.link(target);
+        if link == Link::Up {
+            self.stats.direct.fetch_add(1, Ordering::Relaxed);
+            let timeout = match kind {
+                Kind::Read => self.config.read_attempt_timeout,
+                Kind::Write => self.config.request_timeout,
+            };
+            let addr = routes.addr_of(target).unwrap_or_default().to_string();
+            return (target, false, self.attempt(&addr, build, deadline, timeout).await);
+        }
+        let Some(other) = self.other_node(routes, target).filter(|_| self.window_left(link)) else {
+            return (target, true, Attempt::NotSent("no other node is reachable".into()));
+        };
+        // The owner is lost: another node forwards the operation, for at most what is left of
+        // the owner's grace window (the forwarder may wait on it too).
+        self.stats.through_other.fetch_add(1, Ordering::Relaxed);
+        let other_addr = routes.addr_of(other).unwrap_or_default().to_string();
+        let window = match link {
+            Link::Lost(until) => until.saturating_duration_since(Instant::now()),
+            _ => self.config.request_timeout,
+        };
+        (other, true, self.attempt(&other_addr, build, deadline, window).await)
     }
 
     /// Runs an operation at `node` itself, never through another node (a keyless request's
