@@ -27,7 +27,7 @@
 //! - `link.rs`: [`link::Links`], one long-lived connection per peer (an HTTP upgrade), the only
 //!   way every request to a peer listener travels but Raft's, admin messages and bucket streams:
 //!   binary messages, many in flight at once, large ones in fragments.
-//! - `wire.rs`: the format of every request and answer on links (serde, MessagePack).
+//! - `wire.rs`: the format of every request and answer on links (serde's data model in bincode).
 
 pub mod frame;
 pub mod http;

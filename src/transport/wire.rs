@@ -15,7 +15,7 @@
 //!
 //! Bounds: the link bounds a message's size (`link::MAX_MESSAGE`); inside it, every length is
 //! checked against what is left before anything is taken, a sequence's announced length never
-//! sizes an allocation beyond what serde caps, and nesting is bounded by the decoder. A message
+//! sizes an allocation beyond what serde caps, and no type that travels nests itself. A message
 //! that does not decode, names a bucket that does not exist, or came in a kind not its own is
 //! refused whole (nothing of it is done).
 
