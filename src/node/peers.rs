@@ -24,7 +24,7 @@ use crate::replication::Replicator;
 use crate::transfer::export::Exporter;
 use crate::transport::http::{HEADER_RAFT_TARGET, TRANSFER_MEDIA_TYPE};
 use crate::transport::{link, wire};
-use crate::transport::{CallError, FrameStream, PeerAnswer, PeerRequest, StreamRequest};
+use crate::transport::{CallError, FrameStream, Malformed, PeerAnswer, PeerRequest, StreamRequest};
 
 /// Everything a node answers to other nodes.
 pub struct PeerService {
@@ -172,19 +172,17 @@ impl PeerService {
         })
     }
 
-    /// Answers a request that came over a peer link (`transport::link`): its kind and payload
-    /// in, the answer's out (`transport::wire`). A request that does not read is refused whole.
-    pub async fn serve_link_request(&self, kind: u8, payload: Bytes) -> (u8, Vec<u8>) {
-        let (request, deadline_ms) = match wire::decode_request(kind, &payload) {
-            Ok(decoded) => decoded,
-            Err(e) => {
-                tracing::warn!(error = %e, kind, "refused an unreadable request from a peer");
-                return (
-                    wire::ANSWER,
-                    wire::encode_answer(Err(CallError::Refused { status: 400, reason: e.to_string() })),
-                );
-            }
-        };
+    /// Takes a request that came over a peer link (`transport::link`): its kind and payload
+    /// in; out, the handling that answers it (`transport::wire`), or why it does not read (the
+    /// link then closes).
+    pub fn serve_link_request(self: &Arc<Self>, kind: u8, payload: &[u8]) -> Result<link::Handling, Malformed> {
+        let (request, deadline_ms) = wire::decode_request(kind, payload)?;
+        let service = self.clone();
+        Ok(Box::pin(async move { service.answer_link_request(kind, request, deadline_ms).await }))
+    }
+
+    /// Answers a request that came over a peer link, by its kind.
+    async fn answer_link_request(&self, kind: u8, request: PeerRequest, deadline_ms: Option<u64>) -> (u8, Vec<u8>) {
         // Every request but a read is boxed: their futures are large (the whole write path),
         // and this one is moved into a box for every request the link serves, a read too; so
         // it stays as small as a read's.
@@ -335,10 +333,7 @@ pub fn peer_routes(
         .route(
             "/internal/link",
             get(move |State(s): State<Arc<PeerService>>, request: Request| {
-                let handler: link::Handler = Arc::new(move |kind, payload| {
-                    let s = s.clone();
-                    Box::pin(async move { s.serve_link_request(kind, payload).await })
-                });
+                let handler: link::Handler = Arc::new(move |kind, payload| s.serve_link_request(kind, &payload));
                 link::accept(request, handler, shutdown.clone(), served.clone())
             }),
         )

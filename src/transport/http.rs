@@ -560,11 +560,11 @@ mod tests {
             let seen = seen.clone();
             Arc::new(move |kind, payload| {
                 let (seen, answer) = (seen.clone(), answer.clone());
-                Box::pin(async move {
+                let (request, _) = wire::decode_request(kind, &payload)?;
+                Ok(Box::pin(async move {
                     seen.link.fetch_add(1, Ordering::SeqCst);
-                    let (request, _) = wire::decode_request(kind, &payload).expect("a request");
                     (wire::ANSWER, wire::encode_answer(answer(request)))
-                })
+                }))
             })
         };
         let secret = |request: &Request| request.headers().get(SECRET_HEADER).is_some_and(|v| v == "s3cret");

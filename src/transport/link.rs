@@ -63,6 +63,8 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::AbortHandle;
 
+use super::Malformed;
+
 /// The value of the `Upgrade` header that asks for a link.
 pub const PROTOCOL: &str = "shoal-link/5";
 /// The answer of a serving side that is stopping: the request was not handled.
@@ -678,9 +680,13 @@ impl Drop for Waiting<'_> {
     }
 }
 
-/// What answers the requests that come over a link: a request's kind and payload in, the
-/// answer's kind and payload out.
-pub type Handler = Arc<dyn Fn(u8, Bytes) -> Pin<Box<dyn Future<Output = (u8, Vec<u8>)> + Send>> + Send + Sync>;
+/// What answers the requests that come over a link: a request's kind and payload in; out,
+/// the handling that gives the answer's kind and payload, or why the request does not read
+/// (the link then closes: its peer speaks another format, or garbage).
+pub type Handler = Arc<dyn Fn(u8, Bytes) -> Result<Handling, Malformed> + Send + Sync>;
+
+/// The handling of one request: its answer's kind and payload once done.
+pub type Handling = Pin<Box<dyn Future<Output = (u8, Vec<u8>)> + Send>>;
 
 /// Counts the links a listener serves (and their requests being handled), so that its node's
 /// shutdown can wait for them: an upgraded connection leaves the HTTP server, whose drain no
@@ -726,8 +732,9 @@ impl AllServed {
 
 /// Serves a link opened by a peer: each request is handled in a task of its own (at most
 /// [`MAX_IN_FLIGHT`] at once) and answered when it is done. Ends when the peer closes the
-/// link, or when `shutdown` turns true and the requests taken are answered (those that come
-/// meanwhile get [`GOING_AWAY`]), at most [`crate::http_server::DRAIN_TIMEOUT`] later.
+/// link, or sends a request that does not read (one line is logged, the requests taken are
+/// answered), or when `shutdown` turns true and the requests taken are answered (those that
+/// come meanwhile get [`GOING_AWAY`]), at most [`crate::http_server::DRAIN_TIMEOUT`] later.
 pub async fn serve<S>(io: S, handler: Handler, mut shutdown: watch::Receiver<bool>, served: Served)
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
@@ -759,7 +766,12 @@ where
         };
         match request {
             Ok(Some(cancel)) if cancel.kind == CANCEL => stop_request(&serving.cancellable, cancel.id),
-            Ok(Some(request)) => serving.take(request, permit),
+            Ok(Some(request)) => {
+                if let Err(e) = serving.take(request, permit) {
+                    tracing::warn!(error = %e, "closed a peer link that sent an unreadable request");
+                    break;
+                }
+            }
             Ok(None) => break,
             Err(e) => {
                 tracing::debug!(error = %e, "a peer link broke");
@@ -797,15 +809,15 @@ struct Serving {
 
 impl Serving {
     /// Handles one request, holding `permit` until it is answered; a forwarded one over the
-    /// link's bound is answered [`BUSY`] at once.
-    fn take(&self, request: Message, permit: tokio::sync::OwnedSemaphorePermit) {
+    /// link's bound is answered [`BUSY`] at once. One that does not read is not answered.
+    fn take(&self, request: Message, permit: tokio::sync::OwnedSemaphorePermit) -> Result<(), Malformed> {
         let (id, kind) = (request.id, request.kind);
         if kind & FORWARD != 0 && self.forwards.load(Ordering::Relaxed) >= FORWARDS_SERVED {
             let _ = self.out.send(encode(id, BUSY, |_| {}));
-            return;
+            return Ok(());
         }
         let small = request.payload.len() <= INLINE_MOST;
-        let mut handling = (self.handler)(kind, request.payload);
+        let mut handling = (self.handler)(kind, request.payload)?;
         // Most requests are small and need no wait (a read of a key, a replica write applied):
         // served at once, here, they cost no task and no wake-up. One that must wait goes on in
         // a task of its own, which polls it again with its own waker; a large one (a replica
@@ -817,10 +829,10 @@ impl Serving {
             match std::panic::catch_unwind(polled) {
                 Ok(std::task::Poll::Ready((kind, payload))) => {
                     let _ = self.out.send(encode(id, kind, |buf| buf.extend_from_slice(&payload)));
-                    return;
+                    return Ok(());
                 }
                 Ok(std::task::Poll::Pending) => {}
-                Err(_) => return,
+                Err(_) => return Ok(()),
             }
         }
         let (out, served) = (self.out.clone(), self.served.clone());
@@ -838,6 +850,7 @@ impl Serving {
         if let Some(recorded) = recorded.as_mut() {
             recorded.insert(id, task.abort_handle());
         }
+        Ok(())
     }
 
     /// While the node stops: until every request taken is answered (or the drain runs out),
@@ -984,11 +997,11 @@ mod tests {
     /// plus one.
     fn echo() -> Handler {
         Arc::new(|kind, payload: Bytes| {
-            Box::pin(async move {
+            Ok(Box::pin(async move {
                 let wait = payload.first().copied().unwrap_or(0);
                 tokio::time::sleep(Duration::from_millis(10 * u64::from(wait))).await;
                 (kind + 1, payload.iter().rev().copied().collect())
-            })
+            }))
         })
     }
 
@@ -1130,6 +1143,21 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_request_that_does_not_read_closes_the_link() {
+        let echo = echo();
+        let refusing: Handler = Arc::new(move |kind, payload| match kind {
+            9 => Err(Malformed::Kind(9)),
+            _ => echo(kind, payload),
+        });
+        let (links, _stop, server) = linked(refusing);
+        let link = open(&links);
+        assert!(link.call(1, |out| out.push(0), Duration::from_secs(5)).await.is_ok());
+        assert_eq!(link.call(9, |out| out.push(0), Duration::from_secs(5)).await, Err(LinkError::Broken));
+        tokio::time::timeout(Duration::from_secs(5), server).await.expect("the serving side ends").expect("task");
+        until("the link is forgotten", || !links.is_open("peer")).await;
+    }
+
+    #[tokio::test]
     async fn a_caller_that_gives_up_leaves_no_waiter_behind() {
         let (links, _stop, _server) = linked(echo());
         let link = open(&links);
@@ -1148,12 +1176,12 @@ mod tests {
         let (taken, has_taken) = mpsc::unbounded_channel();
         let handler: Handler = Arc::new(move |kind, payload| {
             let (taken, release, done) = (taken.clone(), release.clone(), done.clone());
-            Box::pin(async move {
+            Ok(Box::pin(async move {
                 let _ = taken.send(kind);
                 release.notified().await;
                 done.fetch_add(1, Ordering::SeqCst);
                 (kind, payload.to_vec())
-            })
+            }))
         });
         (handler, has_taken)
     }
@@ -1281,11 +1309,11 @@ mod tests {
             let release = release.clone();
             Arc::new(move |kind, payload| {
                 let (taken, release) = (taken.clone(), release.clone());
-                Box::pin(async move {
+                Ok(Box::pin(async move {
                     let _ = taken.send(());
                     release.notified().await;
                     (kind, payload.to_vec())
-                })
+                }))
             })
         };
         let (links, stop, server) = linked(handler);
