@@ -87,104 +87,121 @@ fn outcome_of(result: Result<(), &ApiError>) -> usize {
 const LATENCY_BUCKETS: [f64; 16] =
     [0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0];
 
-/// Gauges mirroring the node's state, refreshed at render time.
-pub struct StateGauges {
-    /// Items held.
-    pub items: Gauge,
-    /// Charged bytes held.
-    pub bytes: Gauge,
-    /// The cache size.
-    pub limit_bytes: Gauge,
-    /// Evictions so far (a counter set from the store's own count).
-    pub evictions: Counter,
-    /// Expirations so far.
-    pub expirations: Counter,
-    /// Applied map version.
-    pub map_version: Gauge,
-    /// Buckets this node owns.
-    pub buckets_owned: Gauge,
-    /// Cluster members.
-    pub members: Gauge,
-    /// 1 on the Raft leader.
-    pub is_leader: Gauge,
-    /// The leader's id (0: none known).
-    pub leader_id: Gauge,
-    /// Voters in the Raft membership this node knows.
-    pub raft_voters: Gauge,
-    /// 1 if this node is one of them.
-    pub raft_is_voter: Gauge,
-    /// Leader changes this node saw.
-    pub leader_changes: Counter,
-    /// Raft term.
-    pub raft_term: Gauge,
-    /// Last log index.
-    pub raft_last_log_index: Gauge,
-    /// Last applied index.
-    pub raft_applied_index: Gauge,
-    /// Last committed index.
-    pub raft_commit_index: Gauge,
-    /// Buckets of the fullest member over an even share (1: balanced).
-    pub balance_ratio: Gauge,
-    /// The memory limit given with --memory-limit (0: none).
-    pub memory_limit_bytes: Gauge,
-    /// Bytes of the Raft storage on disk.
-    pub raft_storage_bytes: Gauge,
-    /// 1 while this node pulls buckets.
-    pub transfer_in_progress: Gauge,
-    /// Buckets the target gives this node that it does not serve yet.
-    pub transfer_buckets_pending: Gauge,
-    /// Buckets in this node's current round of pulls.
-    pub transfer_buckets_round: Gauge,
-    /// Buckets of the current round already pulled.
-    pub transfer_buckets_round_done: Gauge,
-    /// Buckets pulled since start.
-    pub transfer_buckets: Counter,
-    /// Transfer bytes received since start.
-    pub transfer_bytes_received: Counter,
-    /// Transfer bytes sent since start.
-    pub transfer_bytes_sent: Counter,
-    /// Seconds since this node last sent or received transfer data.
-    pub transfer_idle: Gauge,
-    /// 1 while the state-transfer flag holds membership changes.
-    pub transfer_flag: Gauge,
-    /// Items in the replica store.
-    pub replica_items: Gauge,
-    /// Bytes charged to the replica store.
-    pub replica_bytes: Gauge,
-    /// 1 in sync replication mode, 0 in async.
-    pub replication_sync: Gauge,
-    /// Changes waiting in the async replication queue.
-    pub replication_queue_depth: Gauge,
-    /// Age of the oldest queued change.
-    pub replication_lag: Gauge,
-    /// Owned buckets whose replica holds a snapshot.
-    pub replication_attached: Gauge,
-    /// Owned buckets that have a replica holder.
-    pub replication_owned: Gauge,
-    /// Changes the replica acknowledged.
-    pub replication_sent: Counter,
-    /// Replication requests that failed.
-    pub replication_failures: Counter,
-    /// Exchanges with replica holders that carried changes.
-    pub replication_exchanges: Counter,
-    /// Bucket snapshots sent to the replica.
-    pub replication_snapshots: Counter,
-    /// Bytes of the bucket snapshots sent to the replica.
-    pub replication_snapshot_bytes: Counter,
-    /// Writes undone because the replica did not apply them.
-    pub replication_undone: Counter,
-    /// Peers this node considers pfail.
-    pub peers_pfail: Gauge,
-    /// Members the cluster failed so far.
-    pub nodes_failed: Gauge,
-    /// Buckets of which no copy is left.
-    pub buckets_lost: Gauge,
-    /// The id of the member in maintenance (0: none).
-    pub maintenance: Gauge,
-    /// Seconds left of the maintenance (0: none, or it ran out).
-    pub maintenance_seconds_left: Gauge,
-    /// `NodeFailed` proposed by this node as leader.
-    pub fails_proposed: Counter,
+/// Declares a struct of series, one field per series with its kind (`Gauge` or `Counter`),
+/// Prometheus name and help text (the field's documentation too), and its `register`, which
+/// describes and registers each.
+macro_rules! series {
+    ($(#[$meta:meta])* pub struct $name:ident { $($field:ident: $kind:ident = $metric:literal, $help:literal;)* }) => {
+        $(#[$meta])*
+        pub struct $name {
+            $(#[doc = $help] pub $field: $kind,)*
+        }
+
+        impl $name {
+            fn register(r: &PrometheusRecorder) -> Self {
+                $name {
+                    $($field: series(r, $metric, $help),)*
+                }
+            }
+        }
+    };
+}
+
+/// Describes and registers the series `name`.
+fn series<T: Registered>(r: &PrometheusRecorder, name: &'static str, help: &'static str) -> T {
+    describe(r, name, help);
+    T::register(r, name)
+}
+
+/// A kind of series registered by its name alone.
+trait Registered {
+    fn register(r: &PrometheusRecorder, name: &'static str) -> Self;
+}
+
+impl Registered for Gauge {
+    fn register(r: &PrometheusRecorder, name: &'static str) -> Self {
+        r.register_gauge(&Key::from_name(name), &METADATA)
+    }
+}
+
+impl Registered for Counter {
+    fn register(r: &PrometheusRecorder, name: &'static str) -> Self {
+        r.register_counter(&Key::from_name(name), &METADATA)
+    }
+}
+
+impl Registered for Histogram {
+    fn register(r: &PrometheusRecorder, name: &'static str) -> Self {
+        r.register_histogram(&Key::from_name(name), &METADATA)
+    }
+}
+
+series! {
+    /// Gauges (and counters set from a count kept elsewhere) mirroring the node's state,
+    /// refreshed at render time.
+    pub struct StateGauges {
+        items: Gauge = "shoal_items", "Items held in the active store.";
+        bytes: Gauge = "shoal_bytes", "Bytes charged to the active store (accounting included).";
+        limit_bytes: Gauge = "shoal_cache_limit_bytes", "The configured cache size.";
+        evictions: Counter = "shoal_evictions_total", "Items evicted to stay within the cache size.";
+        expirations: Counter = "shoal_expirations_total", "Items removed because they expired.";
+        map_version: Gauge = "shoal_map_version", "Version of the applied distribution map.";
+        buckets_owned: Gauge = "shoal_buckets_owned", "Buckets this node owns.";
+        members: Gauge = "shoal_members", "Members of the cluster.";
+        is_leader: Gauge = "shoal_is_leader", "1 if this node is the Raft leader.";
+        leader_id: Gauge = "shoal_raft_leader_id", "Id of the Raft leader, 0 if none is known.";
+        raft_voters: Gauge = "shoal_raft_voters", "Voters in the Raft membership (a majority of them must be up).";
+        raft_is_voter: Gauge = "shoal_raft_is_voter", "1 if this node votes in Raft, 0 if it is a learner.";
+        leader_changes: Counter = "shoal_raft_leader_changes_total",
+            "Times this node saw the Raft leader change (a new leader, or none known), since it started.";
+        raft_term: Gauge = "shoal_raft_term", "Current Raft term.";
+        raft_last_log_index: Gauge = "shoal_raft_last_log_index", "Last Raft log index.";
+        raft_applied_index: Gauge = "shoal_raft_applied_index", "Last applied Raft log index.";
+        raft_commit_index: Gauge = "shoal_raft_commit_index", "Last committed Raft log index this node knows of.";
+        balance_ratio: Gauge = "shoal_balance_ratio",
+            "Bytes of the fullest member over the emptiest's, from the members' bucket statistics (1: balanced or no data); the Raft leader reports it, other members 0.";
+        memory_limit_bytes: Gauge = "shoal_memory_limit_bytes",
+            "The memory limit given with --memory-limit (0: none given).";
+        raft_storage_bytes: Gauge = "shoal_raft_storage_bytes", "Size of the Raft storage on disk.";
+        transfer_in_progress: Gauge = "shoal_transfer_in_progress", "1 while this node pulls buckets.";
+        transfer_buckets_pending: Gauge = "shoal_transfer_buckets_pending",
+            "Buckets the target map gives this node that it does not serve yet.";
+        transfer_buckets_round: Gauge = "shoal_transfer_round_buckets",
+            "Buckets in this node's current round of pulls.";
+        transfer_buckets_round_done: Gauge = "shoal_transfer_round_buckets_done",
+            "Buckets of the current round already pulled.";
+        transfer_buckets: Counter = "shoal_transfer_buckets_total", "Buckets pulled by this node.";
+        transfer_bytes_received: Counter = "shoal_transfer_received_bytes_total", "State-transfer bytes received.";
+        transfer_bytes_sent: Counter = "shoal_transfer_sent_bytes_total", "State-transfer bytes sent.";
+        transfer_idle: Gauge = "shoal_transfer_idle_seconds", "Seconds since this node last moved transfer data.";
+        transfer_flag: Gauge = "shoal_transfer_flag", "1 while the state-transfer flag holds membership changes.";
+        replica_items: Gauge = "shoal_replica_items", "Items held in the replica store.";
+        replica_bytes: Gauge = "shoal_replica_bytes", "Bytes charged to the replica store.";
+        replication_sync: Gauge = "shoal_replication_sync", "1 in sync replication mode, 0 in async.";
+        replication_queue_depth: Gauge = "shoal_replication_queue_depth",
+            "Changes waiting in the async replication queue.";
+        replication_lag: Gauge = "shoal_replication_lag_seconds", "Age of the oldest change in the async queue.";
+        replication_attached: Gauge = "shoal_replication_attached_buckets",
+            "Owned buckets whose replica holds a snapshot.";
+        replication_owned: Gauge = "shoal_replication_owned_buckets", "Owned buckets that have a replica holder.";
+        replication_sent: Counter = "shoal_replication_changes_total", "Changes the replica acknowledged.";
+        replication_failures: Counter = "shoal_replication_failures_total", "Replication requests that failed.";
+        replication_exchanges: Counter = "shoal_replication_exchanges_total",
+            "Exchanges with replica holders that carried changes: writes in flight to one holder at once travel together, so changes per exchange is the batch size.";
+        replication_snapshot_bytes: Counter = "shoal_replication_snapshot_bytes_total",
+            "Bytes of the bucket snapshots sent to the replica (whole buckets: after a restart, a move or a change of holder).";
+        replication_snapshots: Counter = "shoal_replication_snapshots_total", "Bucket snapshots sent to the replica.";
+        replication_undone: Counter = "shoal_replication_undone_total",
+            "Writes answered replication_failed (undone when the replica did not apply them).";
+        peers_pfail: Gauge = "shoal_peers_pfail", "Peers that have not answered a ping within the node timeout.";
+        nodes_failed: Gauge = "shoal_nodes_failed", "Members the cluster failed so far.";
+        buckets_lost: Gauge = "shoal_buckets_lost", "Buckets of which no copy is left (bucket_lost).";
+        maintenance: Gauge = "shoal_maintenance",
+            "The id of the member in maintenance (its replica holder serves its buckets); 0 when none is.";
+        maintenance_seconds_left: Gauge = "shoal_maintenance_seconds_left",
+            "Seconds until the maintenance runs out (the member is failed if it is not back); 0 when none runs.";
+        fails_proposed: Counter = "shoal_node_fail_proposals_total", "NodeFailed commands this node proposed.";
+    }
 }
 
 /// The node's metrics. See the module docs.
@@ -306,123 +323,23 @@ impl NodeMetrics {
                 r.register_histogram(&key, &METADATA)
             })
             .collect();
-        let counter = |name: &'static str, help: &'static str| {
-            describe(r, name, help);
-            r.register_counter(&Key::from_name(name), &METADATA)
-        };
-        let gauge = |name: &'static str, help: &'static str| {
-            describe(r, name, help);
-            r.register_gauge(&Key::from_name(name), &METADATA)
-        };
-        let state = StateGauges {
-            items: gauge("shoal_items", "Items held in the active store."),
-            bytes: gauge("shoal_bytes", "Bytes charged to the active store (accounting included)."),
-            limit_bytes: gauge("shoal_cache_limit_bytes", "The configured cache size."),
-            evictions: counter("shoal_evictions_total", "Items evicted to stay within the cache size."),
-            expirations: counter("shoal_expirations_total", "Items removed because they expired."),
-            map_version: gauge("shoal_map_version", "Version of the applied distribution map."),
-            buckets_owned: gauge("shoal_buckets_owned", "Buckets this node owns."),
-            members: gauge("shoal_members", "Members of the cluster."),
-            is_leader: gauge("shoal_is_leader", "1 if this node is the Raft leader."),
-            leader_id: gauge("shoal_raft_leader_id", "Id of the Raft leader, 0 if none is known."),
-            raft_voters: gauge("shoal_raft_voters", "Voters in the Raft membership (a majority of them must be up)."),
-            raft_is_voter: gauge("shoal_raft_is_voter", "1 if this node votes in Raft, 0 if it is a learner."),
-            leader_changes: counter(
-                "shoal_raft_leader_changes_total",
-                "Times this node saw the Raft leader change (a new leader, or none known), since it started.",
-            ),
-            raft_term: gauge("shoal_raft_term", "Current Raft term."),
-            raft_last_log_index: gauge("shoal_raft_last_log_index", "Last Raft log index."),
-            raft_applied_index: gauge("shoal_raft_applied_index", "Last applied Raft log index."),
-            raft_commit_index: gauge("shoal_raft_commit_index", "Last committed Raft log index this node knows of."),
-            balance_ratio: gauge(
-                "shoal_balance_ratio",
-                "Bytes of the fullest member over the emptiest's, from the members' bucket statistics (1: balanced or no data); the Raft leader reports it, other members 0.",
-            ),
-            memory_limit_bytes: gauge(
-                "shoal_memory_limit_bytes",
-                "The memory limit given with --memory-limit (0: none given).",
-            ),
-            raft_storage_bytes: gauge("shoal_raft_storage_bytes", "Size of the Raft storage on disk."),
-            transfer_in_progress: gauge("shoal_transfer_in_progress", "1 while this node pulls buckets."),
-            transfer_buckets_pending: gauge(
-                "shoal_transfer_buckets_pending",
-                "Buckets the target map gives this node that it does not serve yet.",
-            ),
-            transfer_buckets_round: gauge(
-                "shoal_transfer_round_buckets",
-                "Buckets in this node's current round of pulls.",
-            ),
-            transfer_buckets_round_done: gauge(
-                "shoal_transfer_round_buckets_done",
-                "Buckets of the current round already pulled.",
-            ),
-            transfer_buckets: counter("shoal_transfer_buckets_total", "Buckets pulled by this node."),
-            transfer_bytes_received: counter("shoal_transfer_received_bytes_total", "State-transfer bytes received."),
-            transfer_bytes_sent: counter("shoal_transfer_sent_bytes_total", "State-transfer bytes sent."),
-            transfer_idle: gauge("shoal_transfer_idle_seconds", "Seconds since this node last moved transfer data."),
-            transfer_flag: gauge("shoal_transfer_flag", "1 while the state-transfer flag holds membership changes."),
-            replica_items: gauge("shoal_replica_items", "Items held in the replica store."),
-            replica_bytes: gauge("shoal_replica_bytes", "Bytes charged to the replica store."),
-            replication_sync: gauge("shoal_replication_sync", "1 in sync replication mode, 0 in async."),
-            replication_queue_depth: gauge(
-                "shoal_replication_queue_depth",
-                "Changes waiting in the async replication queue.",
-            ),
-            replication_lag: gauge("shoal_replication_lag_seconds", "Age of the oldest change in the async queue."),
-            replication_attached: gauge(
-                "shoal_replication_attached_buckets",
-                "Owned buckets whose replica holds a snapshot.",
-            ),
-            replication_owned: gauge("shoal_replication_owned_buckets", "Owned buckets that have a replica holder."),
-            replication_sent: counter("shoal_replication_changes_total", "Changes the replica acknowledged."),
-            replication_failures: counter("shoal_replication_failures_total", "Replication requests that failed."),
-            replication_exchanges: counter(
-                "shoal_replication_exchanges_total",
-                "Exchanges with replica holders that carried changes: writes in flight to one holder at once travel together, so changes per exchange is the batch size.",
-            ),
-            replication_snapshot_bytes: counter(
-                "shoal_replication_snapshot_bytes_total",
-                "Bytes of the bucket snapshots sent to the replica (whole buckets: after a restart, a move or a change of holder).",
-            ),
-            replication_snapshots: counter(
-                "shoal_replication_snapshots_total",
-                "Bucket snapshots sent to the replica.",
-            ),
-            replication_undone: counter(
-                "shoal_replication_undone_total",
-                "Writes answered replication_failed (undone when the replica did not apply them).",
-            ),
-            peers_pfail: gauge("shoal_peers_pfail", "Peers that have not answered a ping within the node timeout."),
-            nodes_failed: gauge("shoal_nodes_failed", "Members the cluster failed so far."),
-            buckets_lost: gauge("shoal_buckets_lost", "Buckets of which no copy is left (bucket_lost)."),
-            maintenance: gauge(
-                "shoal_maintenance",
-                "The id of the member in maintenance (its replica holder serves its buckets); 0 when none is.",
-            ),
-            maintenance_seconds_left: gauge(
-                "shoal_maintenance_seconds_left",
-                "Seconds until the maintenance runs out (the member is failed if it is not back); 0 when none runs.",
-            ),
-            fails_proposed: counter("shoal_node_fail_proposals_total", "NodeFailed commands this node proposed."),
-        };
-        describe(r, "shoal_transfer_bucket_duration_seconds", "Time to pull one bucket: stream, install, flip.");
+        let state = StateGauges::register(r);
         describe(r, "shoal_connections", "Connections open now, by listener (client API or peer).");
         describe(r, "shoal_connections_accepted_total", "Connections accepted, by listener.");
         describe(r, "shoal_network_received_bytes_total", "Bytes read from connections, by listener (HTTP included).");
         describe(r, "shoal_network_sent_bytes_total", "Bytes written to connections, by listener (HTTP included).");
         NodeMetrics {
-            transfer_bucket_duration: r
-                .register_histogram(&Key::from_name("shoal_transfer_bucket_duration_seconds"), &METADATA),
-            transfer_stuck: counter("shoal_transfer_stuck_total", "State transfers found stuck by the leader."),
-            mirror_latency: {
-                describe(
-                    r,
-                    "shoal_mirror_latency_seconds",
-                    "Time a mirror took to answer a read balanced over mirrors.",
-                );
-                r.register_histogram(&Key::from_name("shoal_mirror_latency_seconds"), &METADATA)
-            },
+            transfer_bucket_duration: series(
+                r,
+                "shoal_transfer_bucket_duration_seconds",
+                "Time to pull one bucket: stream, install, flip.",
+            ),
+            transfer_stuck: series(r, "shoal_transfer_stuck_total", "State transfers found stuck by the leader."),
+            mirror_latency: series(
+                r,
+                "shoal_mirror_latency_seconds",
+                "Time a mirror took to answer a read balanced over mirrors.",
+            ),
             client_listener: ListenerMetrics::register(r, "client"),
             peer_listener: ListenerMetrics::register(r, "peer"),
             link_requests: {
@@ -442,9 +359,9 @@ impl NodeMetrics {
                     calls: kind("calls"),
                 }
             },
-            hits: counter("shoal_cache_hits_total", "Reads that found their key."),
-            misses: counter("shoal_cache_misses_total", "Reads that did not find their key."),
-            forwarded: counter("shoal_forwarded_operations_total", "Key operations forwarded to their owner."),
+            hits: series(r, "shoal_cache_hits_total", "Reads that found their key."),
+            misses: series(r, "shoal_cache_misses_total", "Reads that did not find their key."),
+            forwarded: series(r, "shoal_forwarded_operations_total", "Key operations forwarded to their owner."),
             operations,
             latency,
             state,
