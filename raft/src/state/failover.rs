@@ -104,8 +104,7 @@ impl ClusterState {
             };
             self.last_server.insert(bucket, server);
             self.map.owners[i] = heir;
-            let epoch = self.epoch_of(BucketId(bucket));
-            self.bucket_epochs.insert(bucket, epoch + 1);
+            self.bucket_epochs.bump(BucketId(bucket));
             self.promoted.insert(bucket, from);
             self.away_promotions.remove(&bucket);
             // A shadow from the running transfer stays: if the heir holds no replica of the
@@ -182,8 +181,7 @@ impl ClusterState {
                 self.handoffs.remove(b);
                 // A new ownership period: a move of the (empty) lost bucket that was under way
                 // can no longer flip it.
-                let epoch = self.epoch_of(BucketId(*b));
-                self.bucket_epochs.insert(*b, epoch + 1);
+                self.bucket_epochs.bump(BucketId(*b));
             }
         }
         CommandResponse::Done

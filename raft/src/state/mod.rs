@@ -14,12 +14,15 @@
 //! - `failover.rs`: failed members, hand-over of a leaver, promotion of replicas, lost buckets.
 //! - `maintenance.rs`: a member away for a while, its buckets served by its replica holder.
 
+mod epochs;
 mod failover;
 mod maintenance;
 mod membership;
 #[cfg(test)]
 mod tests;
 mod transfer;
+
+pub use epochs::BucketEpochs;
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -153,7 +156,7 @@ pub struct ClusterState {
     /// Per bucket, how many moves or aborts it has seen: a move proposed against an older
     /// epoch is stale and rejected. Missing means 0.
     #[serde(default)]
-    pub bucket_epochs: BTreeMap<u16, u64>,
+    pub bucket_epochs: BucketEpochs,
     /// Buckets moved during the running transfer, and the node that handed each over. That
     /// node keeps a shadow copy, which the new owner writes through to before acknowledging,
     /// so a new owner that crashes before the transfer ends recovers its buckets from it.
@@ -497,7 +500,7 @@ impl ClusterState {
 
     /// The move epoch of `bucket`.
     pub fn epoch_of(&self, bucket: BucketId) -> u64 {
-        self.bucket_epochs.get(&bucket.0).copied().unwrap_or(0)
+        self.bucket_epochs.get(bucket)
     }
 }
 

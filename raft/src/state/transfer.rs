@@ -57,7 +57,7 @@ impl ClusterState {
         }
         self.map.owners[b.index()] = to;
         self.map.version += 1;
-        self.bucket_epochs.insert(bucket, epoch + 1);
+        self.bucket_epochs.bump(b);
         self.handoffs.insert(bucket, from);
         self.promoted.remove(&bucket);
         // A lost bucket moves empty and stays lost: its last server may still give it back,
@@ -77,7 +77,7 @@ impl ClusterState {
         if self.epoch_of(b) != epoch {
             return rejected(&format!("stale abort of bucket {bucket} (epoch {epoch}, now {})", self.epoch_of(b)));
         }
-        self.bucket_epochs.insert(bucket, epoch + 1);
+        self.bucket_epochs.bump(b);
         CommandResponse::Done
     }
 
