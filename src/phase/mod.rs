@@ -356,24 +356,12 @@ pub fn write_plan(
     facts: BucketFacts,
     node: NodeFacts,
 ) -> Result<WritePlan, DataError> {
-    if let Some(refusal) = write_refusal(node) {
-        return Err(refusal);
-    }
-    let phase = phase_of(state, me, bucket, facts);
-    match route_of(state, bucket, phase, Routing { forwarded: true, redirect: false }, node, false)? {
-        Route::Local => {}
-        // Unreachable with `forwarded`: route_of refuses instead.
-        Route::Forward { .. } | Route::Redirect { .. } => {
-            return Err(DataError::NotOwner { bucket, map_version: state.map.version })
-        }
-    }
+    writable(state, me, bucket, facts, node)?;
     let copy_of = |node: NodeId| {
         let period = state.replica_period(me, node).unwrap_or(0);
         state.member_of(node).map(|m| Recipient { node, peer_addr: m.peer_addr.clone(), period })
     };
-    let desired = state.replica_of(me).filter(|&h| h != me);
-    let required = state.committed_holder_of(me).or(desired);
-    let next = desired.filter(|&d| Some(d) != required);
+    let (required, next) = replica_holders(state, me);
     let shadow = state.shadow_of(bucket).filter(|&s| s != me).and_then(copy_of);
     Ok(WritePlan {
         bucket,
@@ -384,6 +372,39 @@ pub fn write_plan(
         shadow,
         owner_in_map: state.map.owner_of(bucket) == Some(me),
     })
+}
+
+/// Whether node `me` may write `bucket` now (the first half of [`write_plan`]): it may
+/// acknowledge writes at all and serves the bucket; if not, why.
+pub fn writable(
+    state: &ClusterState,
+    me: NodeId,
+    bucket: BucketId,
+    facts: BucketFacts,
+    node: NodeFacts,
+) -> Result<(), DataError> {
+    if let Some(refusal) = write_refusal(node) {
+        return Err(refusal);
+    }
+    let phase = phase_of(state, me, bucket, facts);
+    match route_of(state, bucket, phase, Routing { forwarded: true, redirect: false }, node, false)? {
+        Route::Local => Ok(()),
+        // Unreachable with `forwarded`: route_of refuses instead.
+        Route::Forward { .. } | Route::Redirect { .. } => {
+            Err(DataError::NotOwner { bucket, map_version: state.map.version })
+        }
+    }
+}
+
+/// The replica holders every write of `me`'s buckets goes to (the same for all of them): the
+/// holder of its complete replica (else the member join order names), and the one join order
+/// names while it is not the complete one yet. Members only.
+pub fn replica_holders(state: &ClusterState, me: NodeId) -> (Option<NodeId>, Option<NodeId>) {
+    let desired = state.replica_of(me).filter(|&h| h != me);
+    let required = state.committed_holder_of(me).or(desired);
+    let next = desired.filter(|&d| Some(d) != required);
+    let member = |h: &NodeId| state.member_of(*h).is_some();
+    (required.filter(member), next.filter(member))
 }
 
 /// Whether writes done under `plan` (decided by node `me` on an earlier state) may still count

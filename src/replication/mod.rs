@@ -775,14 +775,21 @@ impl Replicator {
     /// How many buckets this node owns whose replica holds every write (the holder writes
     /// must reach has a snapshot), of how many it owns.
     pub fn attached_count(&self, state: &ClusterState) -> (usize, usize) {
+        // What `holders_of` says bucket by bucket, with the holder found once: it is the same
+        // for every bucket this node writes (this runs at every ping round).
+        let (Some(holder), _) = crate::phase::replica_holders(state, self.me) else { return (0, 0) };
+        let period = state.replica_period(self.me, holder).unwrap_or(0);
         let mut owned = 0;
         let mut attached = 0;
         for bucket in state.map.buckets_of(self.me) {
-            if let (Some(holder), _) = self.holders_of(state, bucket) {
-                owned += 1;
-                if self.is_attached(bucket, &holder) {
-                    attached += 1;
-                }
+            let facts = self.facts.of(state, bucket);
+            if crate::phase::writable(state, self.me, bucket, facts, Default::default()).is_err() {
+                continue;
+            }
+            owned += 1;
+            let wanted = Attachment { holder, epoch: state.epoch_of(bucket), period };
+            if self.attached[bucket.index()].lock().contains(&wanted) {
+                attached += 1;
             }
         }
         (attached, owned)
@@ -824,6 +831,18 @@ fn refusal(answer: ReplicaAnswer) -> ReplicaError {
         ReplicaAnswer::NeedSnapshot(reason) => ReplicaError::NeedsSnapshot(reason),
         ReplicaAnswer::Fenced { map_version, .. } => ReplicaError::Fenced(map_version),
         ReplicaAnswer::Refused(reason) => ReplicaError::Refused(reason),
+    }
+}
+
+impl Replicator {
+    /// [`Self::attached_count`] bucket by bucket, from each bucket's write plan: what it must
+    /// agree with.
+    #[cfg(test)]
+    pub(crate) fn attached_count_by_plan(&self, state: &ClusterState) -> (usize, usize) {
+        let holders = state.map.buckets_of(self.me).into_iter().filter_map(|b| Some((b, self.holders_of(state, b).0?)));
+        holders.fold((0, 0), |(attached, owned), (b, holder)| {
+            (attached + usize::from(self.is_attached(b, &holder)), owned + 1)
+        })
     }
 }
 

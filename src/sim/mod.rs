@@ -817,6 +817,35 @@ mod tests {
         runtime.shutdown_background();
     }
 
+    /// How many of its buckets a node counts attached at its replica (found with the holder
+    /// looked up once, at every ping round) is what each bucket's write plan says, while a
+    /// third member joins, buckets move and their replicas attach, and once all are attached.
+    #[test]
+    fn attached_counts_agree_with_each_buckets_write_plan() {
+        in_cluster(
+            2,
+            |_| {},
+            |_, cluster| async move {
+                let joiner = cluster.add_host();
+                let mut partly = false;
+                for _ in 0..6000 {
+                    for (_, _, service) in cluster.running() {
+                        let state = service.control.state();
+                        let (attached, owned) = service.replicator.attached_count(&state);
+                        assert_eq!((attached, owned), service.replicator.attached_count_by_plan(&state));
+                        partly |= attached < owned;
+                    }
+                    if cluster.running().iter().any(|(h, _, _)| *h == joiner) && converged(&cluster).is_none() {
+                        assert!(partly, "some owner was seen with buckets not attached yet");
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                panic!("the third member did not join");
+            },
+        );
+    }
+
     /// A forwarded request that comes over a peer link meets the receiver's own limits (nodes
     /// may be configured differently): a write with a key or value longer than they allow, a
     /// read of such a key or of more keys than a bulk request may have, fails with the error
