@@ -34,7 +34,7 @@
 //! - [`client`]: [`client::Client`], the client library: routes each key to its owner, follows
 //!   the map, forwards and queues around unreachable nodes (the CLI and `shoal bench` use it).
 //! - [`cli`]: the command-line client.
-//! - [`bench`]: `shoal bench`, the load generator.
+//! - [`bench`](mod@bench): `shoal bench`, the load generator.
 
 /// The release (`Cargo.toml`'s version).
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -35,6 +35,8 @@ echo "== format"
 cargo fmt --all -- --check
 echo "== lint"
 cargo clippy --workspace --all-targets --locked -- -D warnings
+echo "== docs"
+RUSTDOCFLAGS="${RUSTDOCFLAGS:-} --cfg tokio_unstable -D warnings" cargo doc --workspace --no-deps --document-private-items --locked
 echo "== test"
 status=0
 cargo test --workspace --locked --no-fail-fast || status=$?

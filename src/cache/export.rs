@@ -264,7 +264,7 @@ impl CacheStore {
 
     /// Applies imported changes in order, as [`Self::apply_change`] does one: their items
     /// are built before the bucket is locked, and the lock is taken once per
-    /// [`APPLY_GROUP`] changes rather than once per change.
+    /// `APPLY_GROUP` changes rather than once per change.
     pub fn apply_changes(&self, bucket: BucketId, changes: &[Change]) {
         self.apply_changes_while(bucket, changes, || true);
     }

@@ -206,7 +206,7 @@ impl Item {
     }
 
     /// Records an access: LRU time, and a sliding expiry pushed forward. Answers the new
-    /// expiry when the replica must hear of it ([`Self::slide`]).
+    /// expiry when the replica must hear of it (`slide`).
     pub fn touch(&self, now_ms: u64) -> Option<u64> {
         let now = clock(now_ms);
         let word = self.version_clock.load(Ordering::Relaxed);

@@ -84,7 +84,7 @@ impl Puller {
     /// since the list was made, or while it was pulled).
     ///
     /// What it receives goes into `cache` only while the bucket is still incoming here from
-    /// `from` in this move ([`pull_lands`]), asked under the bucket's lock each time: the pull
+    /// `from` in this move (`pull_lands`), asked under the bucket's lock each time: the pull
     /// may outlive the move (its source was failed meanwhile and the bucket promoted here), and
     /// a source that was cut off answers with its old copy once it can be reached again.
     pub async fn pull(

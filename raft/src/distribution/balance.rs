@@ -2,7 +2,7 @@
 //! moving as few bytes as possible.
 //!
 //! Joins, leaves and failures split the buckets by their bytes when the leader recorded them
-//! ([`rebalance_by_size`]), else equally by count ([`super::rebalance`]); a hot `{tag}` or a
+//! ([`rebalance_by_size`]), else equally by count ([`super::rebalance()`]); a hot `{tag}` or a
 //! few large values can still leave one member far fuller than the others. Given how many
 //! bytes each bucket holds (the members report it), [`balance`] moves buckets from the
 //! fullest members to the emptiest until every member is within [`BALANCE_TOLERANCE`] of the
@@ -80,7 +80,7 @@ pub fn balance_lower_bound(prev: &DistributionMap, next: &DistributionMap, membe
 /// first; then buckets move from the fullest members to the emptiest until every member holds
 /// nearly the same bytes, as [`balance`] does; then empty buckets even out the counts (bucket
 /// count is the tie-breaker: keys yet to be written hash uniformly). Without data, the equal
-/// split by count ([`super::rebalance`]). A join moves about a member's share of the bytes
+/// split by count ([`super::rebalance()`]). A join moves about a member's share of the bytes
 /// to the joiner, a leave or failure the departed member's buckets and no more than the
 /// balance needs.
 pub fn rebalance_by_size(prev: &DistributionMap, members: &[NodeId], sizes: &[u64]) -> DistributionMap {

@@ -1,16 +1,16 @@
 //! The partitioning of the key space: pure code, no I/O.
 //!
 //! Every key lives in one of [`BUCKET_COUNT`] buckets ([`bucket_of`]); the
-//! [`DistributionMap`] says which node owns each bucket; [`rebalance`] makes the next map
-//! when membership changes, [`balance`] when the data is uneven. Nothing here knows about
+//! [`DistributionMap`] says which node owns each bucket; [`rebalance()`] makes the next map
+//! when membership changes, [`balance()`] when the data is uneven. Nothing here knows about
 //! Raft, sockets or the cache: the control plane commits maps made by these functions, and
 //! the data plane looks owners up in them.
 //!
 //! # Layout
 //! - `hash.rs`: [`bucket_of`] and the `{tag}` affinity rule.
 //! - `map.rs`: [`DistributionMap`], owners by bucket, counts by node.
-//! - `rebalance.rs`: [`rebalance`], the equal split that moves as few buckets as possible.
-//! - `balance.rs`: [`balance`] and [`balance_node`], maps balanced by the bytes each bucket
+//! - `rebalance.rs`: [`rebalance()`], the equal split that moves as few buckets as possible.
+//! - `balance.rs`: [`balance()`] and [`balance_node`], maps balanced by the bytes each bucket
 //!   holds (the members report them), moving as few bytes as possible.
 
 mod balance;
