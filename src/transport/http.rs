@@ -278,8 +278,15 @@ impl HttpTransport {
         let kind = wire::kind_of(request);
         let deadline_ms =
             (kind & link::FORWARD != 0).then(|| shoal_http_api::unix_ms() + FORWARD_TIMEOUT.as_millis() as u64);
+        // A request that cannot be encoded is not sent: its error is the answer.
         let mut unsendable = None;
-        let payload = |out: &mut Vec<u8>| unsendable = wire::encode_request(request, deadline_ms, out).err();
+        let payload = |out: &mut Vec<u8>| match wire::encode_request(request, deadline_ms, out) {
+            Ok(()) => true,
+            Err(e) => {
+                unsendable = Some(e);
+                false
+            }
+        };
         let answer = self.on_link(addr, kind, payload, timeout).await;
         if let Some(e) = unsendable {
             return Err(e);
@@ -294,7 +301,7 @@ impl HttpTransport {
         &self,
         addr: &str,
         kind: u8,
-        payload: impl FnOnce(&mut Vec<u8>),
+        payload: impl FnOnce(&mut Vec<u8>) -> bool,
         timeout: Duration,
     ) -> Result<link::Message, CallError> {
         let started = tokio::time::Instant::now();
@@ -303,7 +310,7 @@ impl HttpTransport {
             .map_err(|_| CallError::Timeout)?
             .map_err(|e| CallError::Unreachable(e.to_string()))?;
         let left = timeout.saturating_sub(started.elapsed());
-        link.call(kind, payload, left).await.map_err(|e| match e {
+        link.try_call(kind, payload, left).await.map_err(|e| match e {
             // Not sent, or refused unhandled by a peer that stops: it did nothing.
             LinkError::NotSent => CallError::Unreachable("the peer's link closed (it stops)".into()),
             LinkError::Broken => CallError::Broken("the link to the peer broke".into()),

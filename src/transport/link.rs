@@ -594,13 +594,33 @@ async fn read_answers<R: AsyncRead + Unpin>(
 }
 
 impl LinkRef {
-    /// Sends a request of `kind` (its payload appended by `payload`) and waits at most
-    /// `timeout` for the answer. A request of a [`CANCELLABLE`] kind that gets no answer (it
-    /// timed out, or the caller dropped this future) is cancelled at the peer.
+    /// [`Self::try_call`] with a payload that is always there.
+    #[cfg(test)]
     pub async fn call(
         &self,
         kind: u8,
         payload: impl FnOnce(&mut Vec<u8>),
+        timeout: Duration,
+    ) -> Result<Message, LinkError> {
+        self.try_call(
+            kind,
+            |out| {
+                payload(out);
+                true
+            },
+            timeout,
+        )
+        .await
+    }
+
+    /// Sends a request of `kind` (its payload appended by `payload`, which answers whether
+    /// there is one: if not, nothing is sent and the call is [`LinkError::NotSent`]) and waits
+    /// at most `timeout` for the answer. A request of a [`CANCELLABLE`] kind that gets no
+    /// answer (it timed out, or the caller dropped this future) is cancelled at the peer.
+    pub async fn try_call(
+        &self,
+        kind: u8,
+        payload: impl FnOnce(&mut Vec<u8>) -> bool,
         timeout: Duration,
     ) -> Result<Message, LinkError> {
         let link = &self.link;
@@ -625,7 +645,12 @@ impl LinkRef {
         // behind: the guard takes it out unless the answer came.
         let mut waiting = Waiting { link, id, answered: false, cancel: kind & CANCELLABLE != 0 };
         let sent_at = link.now();
-        let message = encode(id, kind, payload);
+        let mut written = true;
+        let message = encode(id, kind, |out| written = payload(out));
+        if !written {
+            waiting.cancel = false;
+            return Err(LinkError::NotSent);
+        }
         if message.len() - HEADER_LEN > MAX_MESSAGE {
             waiting.cancel = false;
             return Err(LinkError::TooLarge(message.len() - HEADER_LEN));
@@ -732,9 +757,10 @@ impl AllServed {
 
 /// Serves a link opened by a peer: each request is handled in a task of its own (at most
 /// [`MAX_IN_FLIGHT`] at once) and answered when it is done. Ends when the peer closes the
-/// link, or sends a request that does not read (one line is logged, the requests taken are
-/// answered), or when `shutdown` turns true and the requests taken are answered (those that
-/// come meanwhile get [`GOING_AWAY`]), at most [`crate::http_server::DRAIN_TIMEOUT`] later.
+/// link; or at once when it sends a request that does not read (one line is logged, and the
+/// connection closes as if it broke: the peer speaks another format, or garbage); or when
+/// `shutdown` turns true and the requests taken are answered (those that come meanwhile get
+/// [`GOING_AWAY`]), at most [`crate::http_server::DRAIN_TIMEOUT`] later.
 pub async fn serve<S>(io: S, handler: Handler, mut shutdown: watch::Receiver<bool>, served: Served)
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
@@ -752,7 +778,7 @@ where
     // time it is created (a measurable share of a message's cost).
     let stop = shutdown.wait_for(|stop| *stop);
     tokio::pin!(stop);
-    let mut stopping = false;
+    let (mut stopping, mut unreadable) = (false, false);
     loop {
         let Ok(permit) = permits.clone().acquire_owned().await else { break };
         // Biased: a shutdown is seen before any request that came after it.
@@ -769,6 +795,7 @@ where
             Ok(Some(request)) => {
                 if let Err(e) = serving.take(request, permit) {
                     tracing::warn!(error = %e, "closed a peer link that sent an unreadable request");
+                    unreadable = true;
                     break;
                 }
             }
@@ -789,9 +816,13 @@ where
         }
     }
     // Requests still being handled (the peer left, or the drain ran out) finish on their own;
-    // the writer ends once their answers are out (each holds a sender), at most the drain later.
+    // the writer ends once their answers are out (each holds a sender), at most the drain later
+    // (at once after garbage: the connection closes now, so the peer fails what it has in
+    // flight as broken rather than waiting).
     drop(serving);
-    let _ = tokio::time::timeout(crate::http_server::DRAIN_TIMEOUT, &mut writer).await;
+    if !unreadable {
+        let _ = tokio::time::timeout(crate::http_server::DRAIN_TIMEOUT, &mut writer).await;
+    }
     writer.abort();
 }
 
@@ -1155,6 +1186,20 @@ mod tests {
         assert_eq!(link.call(9, |out| out.push(0), Duration::from_secs(5)).await, Err(LinkError::Broken));
         tokio::time::timeout(Duration::from_secs(5), server).await.expect("the serving side ends").expect("task");
         until("the link is forgotten", || !links.is_open("peer")).await;
+    }
+
+    #[tokio::test]
+    async fn a_request_whose_payload_could_not_be_written_is_not_sent() {
+        let (release, done) = (Arc::new(tokio::sync::Notify::new()), Arc::new(AtomicU64::new(0)));
+        let (handler, mut taken) = held(release.clone(), done);
+        let (links, _stop, _server) = linked(handler);
+        let link = open(&links);
+        let unwritten = link.try_call(CANCELLABLE | 1, |_| false, Duration::from_secs(5)).await;
+        assert_eq!(unwritten, Err(LinkError::NotSent));
+        release.notify_one();
+        assert!(link.call(1, |out| out.push(0), Duration::from_secs(5)).await.is_ok());
+        assert_eq!(taken.recv().await, Some(1), "the peer got only the request that was written");
+        assert_eq!(link.link.pending.lock().as_ref().map_or(0, HashMap::len), 0, "no waiter is left");
     }
 
     #[tokio::test]

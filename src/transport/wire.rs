@@ -90,20 +90,25 @@ pub fn decode_request(kind: u8, payload: &[u8]) -> Result<(PeerRequest, Option<u
     Ok((request, deadline_ms))
 }
 
-/// The options of every encoding and decoding: the message's own length bounds every length
-/// inside it (no announced length sizes an allocation beyond what is left), and bytes left
-/// over after the value are an error.
-fn options() -> impl bincode::Options {
+/// The options of every encoding and decoding: fixed-width integers; bytes left over after
+/// a value are an error.
+fn options() -> impl bincode::Options + Copy {
     use bincode::Options;
-    bincode::DefaultOptions::new().with_fixint_encoding().with_limit(super::link::MAX_MESSAGE as u64)
+    bincode::DefaultOptions::new().with_fixint_encoding()
 }
 
+/// Writes without a limit of its own (with one, bincode measures every value once before it
+/// writes it): the link refuses to send a request over its bound (`LinkError::TooLarge`), and
+/// [`encode_answer`] turns an answer over it into a refusal.
 fn write<T: Serialize>(out: &mut Vec<u8>, value: &T) -> bincode::Result<()> {
     bincode::Options::serialize_into(options(), out, value)
 }
 
+/// Reads within the link's bound of one message: no announced length sizes an allocation
+/// beyond what is left.
 fn read<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> bincode::Result<T> {
-    bincode::Options::deserialize(options(), bytes)
+    use bincode::Options;
+    options().with_limit(super::link::MAX_MESSAGE as u64).deserialize(bytes)
 }
 
 /// A field that travels as its JSON (`#[serde(with = "json")]`): the API's view types, which
@@ -138,10 +143,15 @@ pub fn encode_answer(answer: Result<PeerAnswer, CallError>) -> Vec<u8> {
         other => other,
     };
     let mut out = Vec::with_capacity(64);
-    if let Err(e) = write(&mut out, &answer) {
+    let unsendable = match write(&mut out, &answer) {
+        Err(e) => Some(e.to_string()),
+        Ok(()) if out.len() > super::link::MAX_MESSAGE => Some(format!("{} bytes, over a link message", out.len())),
+        Ok(()) => None,
+    };
+    if let Some(why) = unsendable {
         out.clear();
         let refused: Result<PeerAnswer, _> =
-            Err(CallError::Refused { status: 500, reason: format!("an answer that cannot be sent: {e}") });
+            Err(CallError::Refused { status: 500, reason: format!("an answer that cannot be sent: {why}") });
         let _ = write(&mut out, &refused);
     }
     out
