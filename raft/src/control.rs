@@ -123,6 +123,8 @@ struct Inner {
     last_leader: std::sync::atomic::AtomicU64,
     /// Set on a leader that is about to stop: it proposes nothing more.
     closing: std::sync::atomic::AtomicBool,
+    /// When a leader's entries were last taken here (on tokio's clock: the simulation's).
+    leader_heard: parking_lot::Mutex<tokio::time::Instant>,
     /// Whether a member runs as this node's failure detection sees it (none: every member
     /// that is not away in maintenance counts as running).
     liveness: parking_lot::RwLock<Option<Liveness>>,
@@ -201,6 +203,7 @@ impl ControlPlane {
                 leader_changes: Default::default(),
                 last_leader: Default::default(),
                 closing: Default::default(),
+                leader_heard: parking_lot::Mutex::new(tokio::time::Instant::now()),
                 liveness: parking_lot::RwLock::new(None),
                 bucket_sizes: parking_lot::RwLock::new(None),
             }),
@@ -354,6 +357,20 @@ impl ControlPlane {
     /// retry, and keep the lead until it exits. It still votes.
     pub fn stop_standing(&self) {
         self.inner.raft.runtime_config().elect(false);
+    }
+
+    /// A leader's entries (or heartbeat) were taken here.
+    pub(crate) fn heard_leader(&self) {
+        *self.inner.leader_heard.lock() = tokio::time::Instant::now();
+    }
+
+    /// Whether this node has heard no leader for longer than the longest election timeout and
+    /// does not lead itself: a member that stands by its own timer would have stood by now.
+    /// Its metrics may still name the old leader: a member that stopped standing never
+    /// notices by itself that the leader is gone.
+    pub fn leader_lost(&self) -> bool {
+        let silent = self.inner.leader_heard.lock().elapsed();
+        silent > self.inner.config.election_timeout * 4 / 3 && !self.is_leader()
     }
 
     /// Starts a Raft election on this node at once (a stopping leader's successor takes the

@@ -169,7 +169,14 @@ impl Reconciler {
     /// other voters refuse while they still hear the stopping leader (its lease); the leader
     /// itself grants the vote and steps down, or, once it stopped, the lease runs out.
     pub(super) async fn elect(&self) -> Done {
-        tracing::info!(node_id = self.me, leader = ?self.control.leader(), "the leader is stopping: standing for election");
+        if self.facts.is_stopping() {
+            tracing::info!(
+                node_id = self.me,
+                "stopping, and no leader heard: standing for election (nothing commits without one)"
+            );
+        } else {
+            tracing::info!(node_id = self.me, leader = ?self.control.leader(), "the leader is stopping: standing for election");
+        }
         if let Err(e) = self.control.elect().await {
             tracing::warn!(node_id = self.me, error = %e, "could not stand for election");
         }

@@ -364,6 +364,7 @@ impl Reconciler {
             parallelism: self.transfer.parallelism,
             marked_running: memory.marked_running,
             leader_id: self.control.leader(),
+            leader_lost: self.control.leader_lost(),
             handover_tried: memory.handover_tried,
             queue_waiting: self.replicator.queue_waiting(),
             stuck_check_due,

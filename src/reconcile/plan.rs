@@ -92,6 +92,8 @@ pub struct Facts {
     pub marked_running: bool,
     /// The Raft leader it knows.
     pub leader_id: Option<NodeId>,
+    /// It has heard no leader for longer than an election timeout (whatever `leader_id` says).
+    pub leader_lost: bool,
     /// It tried to hand its buckets over in this leave.
     pub handover_tried: bool,
     /// The async replication queue has changes to send.
@@ -143,7 +145,8 @@ pub enum Action {
     /// Tell the cluster this node runs again (it may have been stopping before a restart).
     MarkRunning,
     /// The leader is stopping and this node is its successor: stand for election, so that
-    /// leadership moves while the leader still runs.
+    /// leadership moves while the leader still runs. Also a stopping node that has heard no
+    /// leader for the longest election timeout.
     Elect,
     /// Wait until the map can be trusted (a leader known, the committed log applied).
     CatchUp,
@@ -280,10 +283,14 @@ pub fn plan(previous: &ClusterState, state: &ClusterState, f: &Facts) -> Vec<Act
         out.push(Action::MarkRunning);
     }
     let leader_stopping = f.leader_id.filter(|&l| l != me && state.draining.contains(&l));
-    if let Some(leader) = leader_stopping {
-        if f.voter && !f.draining && !f.running.elect && state.successor_of(leader) == Some(me) {
-            out.push(Action::Elect);
-        }
+    let succeeds = leader_stopping.is_some_and(|l| !f.draining && state.successor_of(l) == Some(me));
+    // A stopping member stands by no timer of its own (so that a running member takes the
+    // lead first), but once no leader has been heard for the longest election timeout it
+    // stands: the member with the newest log may be one that stops, and if it never stood,
+    // nothing would commit again (no stop recorded, no hand-off).
+    let stranded = f.draining && f.leader_lost;
+    if f.voter && !f.running.elect && (succeeds || stranded) {
+        out.push(Action::Elect);
     }
     plan_restores(state, f, &mut out);
     plan_promotions(state, f, &mut out);

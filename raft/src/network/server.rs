@@ -3,7 +3,7 @@
 //! sends back what it returns.
 
 use openraft::error::InstallSnapshotError;
-use openraft::raft::{AppendEntriesRequest, InstallSnapshotRequest, VoteRequest};
+use openraft::raft::{AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, VoteRequest};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
@@ -45,7 +45,11 @@ impl ControlPlane {
         Ok(match rpc {
             ControlRpc::Append => {
                 let req: AppendEntriesRequest<TypeConfig> = decode(body)?;
-                encode(&self.raft().append_entries(req).await)
+                let answer = self.raft().append_entries(req).await;
+                if matches!(answer, Ok(ref a) if !matches!(a, AppendEntriesResponse::HigherVote(_))) {
+                    self.heard_leader();
+                }
+                encode(&answer)
             }
             ControlRpc::Vote => {
                 let req: VoteRequest<NodeId> = decode(body)?;

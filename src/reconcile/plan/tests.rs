@@ -65,6 +65,24 @@ fn the_successor_of_a_stopping_leader_stands_for_election_and_nobody_else() {
 }
 
 #[test]
+fn a_stopping_node_stands_only_once_no_leader_is_heard() {
+    let mut s = three_nodes();
+    let elects = |s: &ClusterState, draining: bool, leader_lost: bool| {
+        let mut f = facts(3);
+        f.voter = true;
+        f.leader_id = Some(1);
+        f.draining = draining;
+        f.leader_lost = leader_lost;
+        plan(s, s, &f).contains(&Action::Elect)
+    };
+    assert!(!elects(&s, true, false), "a leader is heard");
+    assert!(elects(&s, true, true), "nothing commits without a leader");
+    assert!(!elects(&s, false, true), "a node that runs stands by its own timer");
+    s.apply(&shoal_raft::ClusterCommand::SetDraining { node_id: 3, draining: true });
+    assert!(elects(&s, true, true), "its stop is recorded, but another's may not be");
+}
+
+#[test]
 fn a_restarted_node_catches_up_then_restores_from_the_complete_replica_and_serves_empty_what_has_no_copy() {
     let s = three_nodes();
     let b = s.map.buckets_of(2)[0];
