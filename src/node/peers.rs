@@ -175,7 +175,7 @@ impl PeerService {
     /// Takes a request that came over a peer link (`transport::link`): its kind and payload
     /// in; out, the handling that answers it (`transport::wire`), or why it does not read (the
     /// link then closes).
-    pub fn serve_link_request(self: &Arc<Self>, kind: u8, payload: &[u8]) -> Result<link::Handling, Malformed> {
+    pub fn serve_link_request(self: &Arc<Self>, kind: u8, payload: &Bytes) -> Result<link::Handling, Malformed> {
         let (request, deadline_ms) = wire::decode_request(kind, payload)?;
         let service = self.clone();
         Ok(Box::pin(async move { service.answer_link_request(kind, request, deadline_ms).await }))

@@ -865,7 +865,7 @@ mod tests {
                     let deadline = Some(shoal_http_api::unix_ms() + 10_000);
                     crate::transport::wire::encode_request(&request, deadline, &mut payload).expect("encodes");
                     let (kind, payload) =
-                        service.serve_link_request(kind, &payload).expect("a request that reads").await;
+                        service.serve_link_request(kind, &payload.into()).expect("a request that reads").await;
                     Some(crate::transport::wire::decode_answer(&request, kind, &payload))
                 }
             };

@@ -97,6 +97,7 @@ pub enum PeerRequest {
         /// The bucket.
         bucket: BucketId,
         /// Framed changes (`transport::frame`).
+        #[serde(deserialize_with = "wire::shared::deserialize")]
         body: Bytes,
     },
     /// A lost bucket's copy, from the node that served it last (failed while cut off, back
@@ -107,6 +108,7 @@ pub enum PeerRequest {
         /// The bucket.
         bucket: BucketId,
         /// Its items, framed (`transport::frame`).
+        #[serde(deserialize_with = "wire::shared::deserialize")]
         body: Bytes,
     },
     /// A failure-detection ping.
@@ -278,6 +280,7 @@ pub struct Replicate {
     /// Increases with every request of the sender: one held up in the network is refused.
     pub seq: u64,
     /// Framed changes or items, then END (`transport::frame`).
+    #[serde(deserialize_with = "wire::shared::deserialize")]
     pub body: Bytes,
 }
 

@@ -19,6 +19,7 @@
 //! that does not decode, names a bucket that does not exist, or came in a kind not its own is
 //! refused whole (nothing of it is done).
 
+use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use shoal_http_api::ApiError;
 use shoal_raft::BUCKET_COUNT;
@@ -74,9 +75,13 @@ pub fn encode_request(request: &PeerRequest, deadline_ms: Option<u64>, out: &mut
     })
 }
 
-/// Reads a request and its deadline out of a link message of `kind`, or says why not.
-pub fn decode_request(kind: u8, payload: &[u8]) -> Result<(PeerRequest, Option<u64>), Malformed> {
-    let Incoming { deadline_ms, request } = read(payload).map_err(|e| Malformed::Unreadable(e.to_string()))?;
+/// Reads a request and its deadline out of a link message of `kind`, or says why not. Bucket
+/// data in it ([`shared`]) is taken as slices of `payload`, not copied.
+pub fn decode_request(kind: u8, payload: &Bytes) -> Result<(PeerRequest, Option<u64>), Malformed> {
+    MESSAGE.with_borrow_mut(|m| *m = Some(payload.clone()));
+    let read = read::<Incoming>(payload);
+    MESSAGE.with_borrow_mut(|m| *m = None);
+    let Incoming { deadline_ms, request } = read.map_err(|e| Malformed::Unreadable(e.to_string()))?;
     if kind != kind_of(&request) {
         return Err(Malformed::Kind(kind));
     }
@@ -109,6 +114,60 @@ fn write<T: Serialize>(out: &mut Vec<u8>, value: &T) -> bincode::Result<()> {
 fn read<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> bincode::Result<T> {
     use bincode::Options;
     options().with_limit(super::link::MAX_MESSAGE as u64).deserialize(bytes)
+}
+
+thread_local! {
+    /// The link message [`decode_request`] is reading on this thread, if any.
+    static MESSAGE: std::cell::RefCell<Option<Bytes>> = const { std::cell::RefCell::new(None) };
+}
+
+/// A field of bucket data (`#[serde(deserialize_with = "wire::shared::deserialize")]`): read
+/// by [`decode_request`], it is a slice of the link message it came in, so a replica
+/// snapshot is not copied on the link's reading loop (which holds up the messages behind it);
+/// read out of anything else, it is copied.
+pub mod shared {
+    use bytes::Bytes;
+    use serde::de::{Deserializer, Error, SeqAccess, Visitor};
+
+    /// Reads the bytes, as a slice of the message being read when they lie within it.
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Bytes, D::Error> {
+        d.deserialize_bytes(Shared)
+    }
+
+    struct Shared;
+
+    impl<'de> Visitor<'de> for Shared {
+        type Value = Bytes;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("bytes")
+        }
+
+        fn visit_borrowed_bytes<E: Error>(self, v: &'de [u8]) -> Result<Bytes, E> {
+            let within = super::MESSAGE.with_borrow(|m| {
+                let m = m.as_ref()?;
+                let start = (v.as_ptr() as usize).checked_sub(m.as_ptr() as usize)?;
+                (start.checked_add(v.len())? <= m.len()).then(|| m.slice(start..start + v.len()))
+            });
+            Ok(within.unwrap_or_else(|| Bytes::copy_from_slice(v)))
+        }
+
+        fn visit_bytes<E: Error>(self, v: &[u8]) -> Result<Bytes, E> {
+            Ok(Bytes::copy_from_slice(v))
+        }
+
+        fn visit_byte_buf<E: Error>(self, v: Vec<u8>) -> Result<Bytes, E> {
+            Ok(Bytes::from(v))
+        }
+
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Bytes, A::Error> {
+            let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(4096));
+            while let Some(b) = seq.next_element()? {
+                out.push(b);
+            }
+            Ok(Bytes::from(out))
+        }
+    }
 }
 
 /// A field that travels as its JSON (`#[serde(with = "json")]`): the API's view types, which
@@ -237,6 +296,10 @@ mod tests {
         ]
     }
 
+    fn decode_bytes(kind: u8, bytes: &[u8]) -> Result<(PeerRequest, Option<u64>), Malformed> {
+        decode_request(kind, &Bytes::copy_from_slice(bytes))
+    }
+
     fn encoded(request: &PeerRequest, deadline_ms: Option<u64>) -> Vec<u8> {
         let mut out = Vec::new();
         encode_request(request, deadline_ms, &mut out).expect("encodes");
@@ -247,10 +310,10 @@ mod tests {
     fn every_request_reads_back_as_sent_in_the_kind_of_its_own() {
         for request in requests() {
             let kind = kind_of(&request);
-            let (read, deadline) = decode_request(kind, &encoded(&request, Some(12))).expect("reads back");
+            let (read, deadline) = decode_bytes(kind, &encoded(&request, Some(12))).expect("reads back");
             assert_eq!((format!("{read:?}"), deadline), (format!("{request:?}"), Some(12)));
             for other in [REPLICATE, READ, WRITE, CALL].into_iter().filter(|k| *k != kind) {
-                assert_eq!(decode_request(other, &encoded(&request, None)).err(), Some(Malformed::Kind(other)));
+                assert_eq!(decode_bytes(other, &encoded(&request, None)).err(), Some(Malformed::Kind(other)));
             }
         }
         let forwards: Vec<u8> = requests().iter().map(kind_of).filter(|k| k & FORWARD != 0).collect();
@@ -319,7 +382,7 @@ mod tests {
             PeerRequest::ReplicateBatch(vec![replicate(1, b""), replicate(1000, b"")]),
             PeerRequest::Shadow { bucket: BucketId(1000), body: Bytes::new() },
         ] {
-            let read = decode_request(kind_of(&request), &encoded(&request, None));
+            let read = decode_bytes(kind_of(&request), &encoded(&request, None));
             assert_eq!(read.err(), Some(Malformed::NoSuchBucket(1000)));
         }
         let bulk = PeerRequest::BulkDelete { keys: vec!["a".into(), "b".into()], map_version: 1 };
@@ -329,11 +392,42 @@ mod tests {
     }
 
     #[test]
+    fn bucket_data_is_read_as_a_slice_of_its_message_and_copied_out_of_anything_else() {
+        let within = |body: &Bytes, message: &Bytes| {
+            let start = message.as_ptr() as usize;
+            (start..start + message.len()).contains(&(body.as_ptr() as usize))
+        };
+        let batch = PeerRequest::ReplicateBatch(vec![replicate(1, b"first"), replicate(2, b"second")]);
+        for request in [batch, PeerRequest::Shadow { bucket: BucketId(5), body: Bytes::from_static(b"framed") }] {
+            let message = Bytes::from(encoded(&request, None));
+            let (read, _) = decode_request(kind_of(&request), &message).expect("reads");
+            assert_eq!(format!("{read:?}"), format!("{request:?}"));
+            let bodies = match &read {
+                PeerRequest::ReplicateBatch(batch) => batch.iter().map(|r| r.body.clone()).collect(),
+                PeerRequest::Shadow { body, .. } => vec![body.clone()],
+                _ => vec![],
+            };
+            assert!(!bodies.is_empty() && bodies.iter().all(|b| within(b, &message)), "{read:?}");
+        }
+        let request = PeerRequest::GiveBack { from: 3, bucket: BucketId(6), body: Bytes::from_static(b"items") };
+        let json = serde_json::to_vec(&request).expect("json");
+        let read: PeerRequest = serde_json::from_slice(&json).expect("reads as json");
+        assert_eq!(format!("{read:?}"), format!("{request:?}"));
+        let read: (Option<u64>, PeerRequest) = read_plain(&encoded(&request, None));
+        assert_eq!(format!("{:?}", read.1), format!("{request:?}"), "read outside decode_request: copied");
+    }
+
+    fn read_plain(bytes: &[u8]) -> (Option<u64>, PeerRequest) {
+        let Incoming { deadline_ms, request } = read(bytes).expect("reads");
+        (deadline_ms, request)
+    }
+
+    #[test]
     fn every_cut_of_a_message_is_refused() {
         for request in requests() {
             let whole = encoded(&request, Some(1));
             for cut in 0..whole.len() {
-                assert!(decode_request(kind_of(&request), &whole[..cut]).is_err(), "{request:?} cut at {cut}");
+                assert!(decode_bytes(kind_of(&request), &whole[..cut]).is_err(), "{request:?} cut at {cut}");
             }
         }
     }
@@ -342,7 +436,7 @@ mod tests {
         /// Garbage is refused, never a panic, whatever its lengths and counts say.
         #[test]
         fn any_bytes_are_a_message_or_refused(kind in any::<u8>(), bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
-            let _ = decode_request(kind, &bytes);
+            let _ = decode_bytes(kind, &bytes);
             let _ = decode_answer(&PeerRequest::NodeStats, ANSWER, &bytes);
         }
 
@@ -353,7 +447,7 @@ mod tests {
             let mut bytes = encoded(request, Some(5));
             let at = at.index(bytes.len());
             bytes[at] = byte;
-            let _ = decode_request(kind_of(request), &bytes);
+            let _ = decode_bytes(kind_of(request), &bytes);
         }
     }
 }
