@@ -127,7 +127,7 @@ thread_local! {
 /// read out of anything else, it is copied.
 pub mod shared {
     use bytes::Bytes;
-    use serde::de::{Deserializer, Error, SeqAccess, Visitor};
+    use serde::de::{Deserializer, Error, Visitor};
 
     /// Reads the bytes, as a slice of the message being read when they lie within it.
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Bytes, D::Error> {
@@ -158,14 +158,6 @@ pub mod shared {
 
         fn visit_byte_buf<E: Error>(self, v: Vec<u8>) -> Result<Bytes, E> {
             Ok(Bytes::from(v))
-        }
-
-        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Bytes, A::Error> {
-            let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(4096));
-            while let Some(b) = seq.next_element()? {
-                out.push(b);
-            }
-            Ok(Bytes::from(out))
         }
     }
 }
@@ -410,9 +402,6 @@ mod tests {
             assert!(!bodies.is_empty() && bodies.iter().all(|b| within(b, &message)), "{read:?}");
         }
         let request = PeerRequest::GiveBack { from: 3, bucket: BucketId(6), body: Bytes::from_static(b"items") };
-        let json = serde_json::to_vec(&request).expect("json");
-        let read: PeerRequest = serde_json::from_slice(&json).expect("reads as json");
-        assert_eq!(format!("{read:?}"), format!("{request:?}"));
         let read: (Option<u64>, PeerRequest) = read_plain(&encoded(&request, None));
         assert_eq!(format!("{:?}", read.1), format!("{request:?}"), "read outside decode_request: copied");
     }
