@@ -56,7 +56,8 @@
 //! the holder refuses one older than the last it applied from the same sender.
 //!
 //! # Layout
-//! - `mod.rs`: the [`Replicator`]: sending, attaching, the queue, promotion, counts.
+//! - `mod.rs`: the [`Replicator`]: sending, attaching, promotion, counts.
+//! - `queue.rs`: the async queue, bounded, taken off in batches.
 //! - `batch.rs`: the lanes that batch writes per holder.
 //! - `lanes.rs`: [`lanes::Lanes`], requests to one peer that wait at the same time sent in one
 //!   exchange.
@@ -66,9 +67,10 @@
 mod batch;
 mod copy_back;
 mod lanes;
+mod queue;
 mod receive;
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -86,26 +88,10 @@ use crate::peer::Peers;
 use crate::phase::{keeps_replica, LocalFacts, Recipient, ReplicaFacts, WritePlan};
 use crate::transport::frame::{change_body, snapshot_body};
 use crate::transport::{CallError, ReplicaAnswer, ReplicaReport, Replicate};
+use queue::Queue;
 
 /// How long a holder's newer map may take to reach this node before a refused write fails.
 const CATCH_UP: Duration = Duration::from_secs(2);
-/// How many queued changes one batch sends.
-const BATCH: usize = 512;
-/// The async queue's bound in changes; past it the queue is dropped and the buckets
-/// re-attached.
-const QUEUE_LIMIT: usize = 200_000;
-/// The async queue's bound in bytes (keys and values), likewise: a queue of large values must
-/// not take the process past its memory limit.
-const QUEUE_BYTES: u64 = 32 << 20;
-
-/// The bytes a queued change holds.
-fn change_bytes(change: &Change) -> u64 {
-    match change {
-        Change::Put(item) => (item.key.len() + item.value.len()) as u64,
-        Change::Delete { key, .. } | Change::Expire { key, .. } => key.len() as u64 + 16,
-    }
-}
-
 /// A member holding a bucket's replica, as the writer sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Holder {
@@ -133,14 +119,6 @@ impl Holder {
             period: recipient.period,
         }
     }
-}
-
-/// A change waiting in the async queue.
-struct Queued {
-    bucket: BucketId,
-    holder: Holder,
-    change: Change,
-    at: Instant,
 }
 
 /// Counters shown in `GET /v1/cluster` and the metrics.
@@ -204,20 +182,14 @@ pub struct Replicator {
     /// Holder side: per owner, when it last said how far behind its replica copies may be,
     /// and what it said (see `Ping::replica_lag_ms`).
     owner_lag: Mutex<BTreeMap<NodeId, (Instant, Option<ReplicaReport>)>>,
-    /// Sender side: when the oldest change of the batch being sent was queued.
-    sending_since: Mutex<Option<Instant>>,
     /// Holder side, per bucket: the sender and sequence number of the last request applied;
     /// a request with an older number from the same sender (held up in the network after
     /// its sender gave up) is refused, so it cannot overwrite newer data.
     applied: Vec<Mutex<(NodeId, u64)>>,
     /// Sender side: numbers every request, increasing across restarts (starts at the clock).
     seq: AtomicU64,
-    queue: Mutex<VecDeque<Queued>>,
-    /// The bytes the queued changes hold (changed under the queue's lock).
-    queue_bytes: AtomicU64,
-    /// Changes taken off the queue and not acknowledged yet.
-    sending: AtomicU64,
-    queued: Notify,
+    /// Sender side: the async queue.
+    queue: Queue,
     /// The holder a `ReplicaMoved` of this node was proposed for, while it may still commit
     /// (0: none): a write that misses that holder fails instead of only detaching there.
     moving_to: AtomicU64,
@@ -250,13 +222,9 @@ impl Replicator {
             sources: (0..BUCKET_COUNT).map(|_| AtomicU64::new(0)).collect(),
             source_epochs: (0..BUCKET_COUNT).map(|_| AtomicU64::new(0)).collect(),
             owner_lag: Mutex::new(BTreeMap::new()),
-            sending_since: Mutex::new(None),
             applied: (0..BUCKET_COUNT).map(|_| Mutex::new((0, 0))).collect(),
             seq: AtomicU64::new(first_seq.max(1)),
-            queue: Mutex::new(VecDeque::new()),
-            queue_bytes: AtomicU64::new(0),
-            sending: AtomicU64::new(0),
-            queued: Notify::new(),
+            queue: Queue::default(),
             moving_to: AtomicU64::new(0),
             stats: ReplicationStats::default(),
         })
@@ -472,34 +440,20 @@ impl Replicator {
         if !self.is_attached(bucket, holder) {
             return;
         }
-        let mut queue = self.queue.lock();
-        let bytes: u64 = changes.iter().map(change_bytes).sum();
-        let queued = self.queue_bytes.load(Ordering::Acquire);
-        if queue.len() + changes.len() > QUEUE_LIMIT || queued + bytes > QUEUE_BYTES {
+        if !self.queue.push(bucket, holder, changes) {
             tracing::warn!(holder = holder.id, "replication queue full; replicas are rebuilt from snapshots");
-            queue.clear();
-            self.queue_bytes.store(0, Ordering::Release);
-            drop(queue);
             self.detach_all();
-            return;
         }
-        self.queue_bytes.fetch_add(bytes, Ordering::AcqRel);
-        let at = Instant::now();
-        for c in changes {
-            queue.push_back(Queued { bucket, holder: holder.clone(), change: c.clone(), at });
-        }
-        drop(queue);
-        self.queued.notify_one();
     }
 
     /// Woken when changes are queued.
     pub fn queued(&self) -> &Notify {
-        &self.queued
+        self.queue.notified()
     }
 
     /// Whether the queue has changes to send.
     pub fn queue_waiting(&self) -> bool {
-        !self.queue.lock().is_empty()
+        self.queue.waiting()
     }
 
     /// Sends one batch of the async queue: per bucket its changes in the order they were
@@ -507,17 +461,7 @@ impl Replicator {
     /// once, through the holders' lanes. A bucket the holder did not apply is detached at that
     /// holder (it is re-sent whole).
     pub async fn send_queued(&self) {
-        let batch: Vec<Queued> = {
-            let mut queue = self.queue.lock();
-            let n = queue.len().min(BATCH);
-            self.sending.store(n as u64, Ordering::Release);
-            *self.sending_since.lock() = queue.front().map(|q| q.at);
-            let batch: Vec<Queued> = queue.drain(..n).collect();
-            let bytes: u64 = batch.iter().map(|q| change_bytes(&q.change)).sum();
-            let _ =
-                self.queue_bytes.fetch_update(Ordering::AcqRel, Ordering::Acquire, |b| Some(b.saturating_sub(bytes)));
-            batch
-        };
+        let batch = self.queue.take();
         // Per holder, per bucket, the changes in queue order; every bucket's changes go to the
         // holder's lane at once, which batches them (`batch.rs`).
         let mut by_holder: Vec<(Holder, BTreeMap<BucketId, Vec<Change>>)> = Vec::new();
@@ -541,8 +485,7 @@ impl Replicator {
             })
         });
         futures::future::join_all(sends).await;
-        self.sending.store(0, Ordering::Release);
-        *self.sending_since.lock() = None;
+        self.queue.sent();
     }
 
     /// The replica of `bucket` if it is a snapshot of `owner`'s (a restarted owner restores
@@ -640,9 +583,7 @@ impl Replicator {
     /// Depth of the async queue (changes in flight to the holder included) and the age of its
     /// oldest queued change.
     pub fn queue_lag(&self) -> (usize, Duration) {
-        let queue = self.queue.lock();
-        let depth = queue.len() + self.sending.load(Ordering::Acquire) as usize;
-        (depth, queue.front().map(|q| q.at.elapsed()).unwrap_or_default())
+        self.queue.lag()
     }
 
     /// What this node tells in its pings of its replica (see `Ping::replica`): the holder
@@ -655,10 +596,7 @@ impl Replicator {
         if attached < owned {
             return None;
         }
-        let queued = self.queue.lock().front().map(|q| q.at);
-        let sending = *self.sending_since.lock();
-        let oldest = [queued, sending].into_iter().flatten().min();
-        let lag_ms = oldest.map_or(0, |at| at.elapsed().as_millis() as u64);
+        let lag_ms = self.queue.oldest().map_or(0, |at| at.elapsed().as_millis() as u64);
         let sync = state.settings.replication == ReplicationMode::Sync;
         Some(ReplicaReport { holder, period, lag_ms, sync })
     }
