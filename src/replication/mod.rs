@@ -58,6 +58,7 @@
 //! # Layout
 //! - `mod.rs`: the [`Replicator`]: sending, attaching, promotion, counts.
 //! - `queue.rs`: the async queue, bounded, taken off in batches.
+//! - `copies.rs`: the holder's side: whose copy each replica bucket is.
 //! - `batch.rs`: the lanes that batch writes per holder.
 //! - `lanes.rs`: [`lanes::Lanes`], requests to one peer that wait at the same time sent in one
 //!   exchange.
@@ -65,6 +66,7 @@
 //! - `copy_back.rs`: the copy a restarted owner gets its buckets back from.
 
 mod batch;
+mod copies;
 mod copy_back;
 mod lanes;
 mod queue;
@@ -79,7 +81,6 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 use shoal_raft::{BucketId, ClusterState, ControlPlane, NodeId, ReplicationMode, BUCKET_COUNT};
 use tokio::sync::{MutexGuard, Notify};
-use tokio::time::Instant;
 
 use crate::cache::{CacheStore, Change};
 use crate::error::NotFresh;
@@ -88,6 +89,7 @@ use crate::peer::Peers;
 use crate::phase::{keeps_replica, LocalFacts, Recipient, ReplicaFacts, WritePlan};
 use crate::transport::frame::{change_body, snapshot_body};
 use crate::transport::{CallError, ReplicaAnswer, ReplicaReport, Replicate};
+use copies::Copies;
 use queue::Queue;
 
 /// How long a holder's newer map may take to reach this node before a refused write fails.
@@ -175,17 +177,8 @@ pub struct Replicator {
     /// Owner side: per bucket, the holders that acknowledged a snapshot, and in which
     /// ownership period (0: none).
     attached: Vec<Mutex<Attachments>>,
-    /// Holder side: the owner whose snapshot each replica bucket holds (0: none).
-    sources: Vec<AtomicU64>,
-    /// Holder side: the bucket's move epoch (in this node's map) when that snapshot arrived.
-    source_epochs: Vec<AtomicU64>,
-    /// Holder side: per owner, when it last said how far behind its replica copies may be,
-    /// and what it said (see `Ping::replica_lag_ms`).
-    owner_lag: Mutex<BTreeMap<NodeId, (Instant, Option<ReplicaReport>)>>,
-    /// Holder side, per bucket: the sender and sequence number of the last request applied;
-    /// a request with an older number from the same sender (held up in the network after
-    /// its sender gave up) is refused, so it cannot overwrite newer data.
-    applied: Vec<Mutex<(NodeId, u64)>>,
+    /// Holder side: whose copy each replica bucket is.
+    copies: Copies,
     /// Sender side: numbers every request, increasing across restarts (starts at the clock).
     seq: AtomicU64,
     /// Sender side: the async queue.
@@ -219,10 +212,7 @@ impl Replicator {
             batcher: batch::batcher(peers.clone()),
             peers,
             attached: (0..BUCKET_COUNT).map(|_| Mutex::new(Attachments::default())).collect(),
-            sources: (0..BUCKET_COUNT).map(|_| AtomicU64::new(0)).collect(),
-            source_epochs: (0..BUCKET_COUNT).map(|_| AtomicU64::new(0)).collect(),
-            owner_lag: Mutex::new(BTreeMap::new()),
-            applied: (0..BUCKET_COUNT).map(|_| Mutex::new((0, 0))).collect(),
+            copies: Copies::default(),
             seq: AtomicU64::new(first_seq.max(1)),
             queue: Queue::default(),
             moving_to: AtomicU64::new(0),
@@ -491,18 +481,12 @@ impl Replicator {
     /// The replica of `bucket` if it is a snapshot of `owner`'s (a restarted owner restores
     /// from it).
     fn replica_snapshot(&self, bucket: BucketId, owner: NodeId) -> Option<Bytes> {
-        let source = self.sources.get(bucket.index())?;
-        (source.load(Ordering::Acquire) == owner).then(|| snapshot_body(&self.replica, bucket))
+        (self.copies.source(bucket) == owner).then(|| snapshot_body(&self.replica, bucket))
     }
 
     /// The replica buckets this node holds, and the owner each copy came from.
     pub fn replica_sources(&self) -> BTreeMap<BucketId, NodeId> {
-        BucketId::all()
-            .filter_map(|b| {
-                let source = self.sources[b.index()].load(Ordering::Acquire);
-                (source != 0).then_some((b, source))
-            })
-            .collect()
+        self.copies.sources()
     }
 
     /// Drops the replica copy of `bucket` if it is still `source`'s and the newest state keeps
@@ -510,12 +494,11 @@ impl Replicator {
     /// snapshot that landed in between, accepted on a newer state, must stay); answers whether
     /// it dropped it. Under the apply lock, like the fence of [`Self::receive`].
     pub fn drop_replica(&self, bucket: BucketId, source: NodeId) -> bool {
-        let _applying = self.applied[bucket.index()].lock();
-        let current = &self.sources[bucket.index()];
-        if current.load(Ordering::Acquire) != source || keeps_replica(&self.control.state(), self.me, bucket, source) {
+        let _applying = self.copies.lock(bucket);
+        if self.copies.source(bucket) != source || keeps_replica(&self.control.state(), self.me, bucket, source) {
             return false;
         }
-        current.store(0, Ordering::Release);
+        self.copies.forget(bucket);
         self.replica.take_bucket(bucket);
         true
     }
@@ -524,12 +507,11 @@ impl Replicator {
     /// from `from` (the member whose bucket it was); answers whether it did. Under the
     /// holder's bucket lock: no replication request lands in between.
     pub fn install_promoted(&self, bucket: BucketId, from: NodeId) -> bool {
-        let _applying = self.applied[bucket.index()].lock();
-        let source = &self.sources[bucket.index()];
-        if source.load(Ordering::Acquire) != from {
+        let _applying = self.copies.lock(bucket);
+        if self.copies.source(bucket) != from {
             return false;
         }
-        source.store(0, Ordering::Release);
+        self.copies.forget(bucket);
         let items = self.replica.take_bucket(bucket);
         self.active.install_bucket(bucket, items);
         self.facts.install(&self.control.state(), bucket);
@@ -603,7 +585,7 @@ impl Replicator {
 
     /// Records what owner `from` said of its replica (None: nothing that lets a copy serve).
     pub fn note_lag(&self, from: NodeId, report: Option<ReplicaReport>) {
-        self.owner_lag.lock().insert(from, (Instant::now(), report));
+        self.copies.note_lag(from, report);
     }
 
     /// What this node knows of its replica copy of `bucket` from `owner` (see
@@ -614,16 +596,12 @@ impl Replicator {
     /// said plus the time since (rounded up, at least a millisecond: changes may have been
     /// queued since, so `max_staleness=0` keeps async reads with the owner).
     pub fn replica_facts(&self, state: &ClusterState, bucket: BucketId, owner: NodeId) -> ReplicaFacts {
-        let said = self.owner_lag.lock().get(&owner).copied();
+        let said = self.copies.said(owner);
         let lag_ms = said.and_then(|(at, report)| {
             let since_ms = (at.elapsed().as_micros() as u64).div_ceil(1000);
             reported_lag(report?, self.me, state.replica_period(owner, self.me), state.settings.replication, since_ms)
         });
-        ReplicaFacts {
-            source: self.sources[bucket.index()].load(Ordering::Acquire),
-            epoch: self.source_epochs[bucket.index()].load(Ordering::Acquire),
-            lag_ms,
-        }
+        ReplicaFacts { source: self.copies.source(bucket), epoch: self.copies.epoch(bucket), lag_ms }
     }
 
     /// Reads `key` from the replica copy of `bucket` if `fresh` says the copy may serve it
@@ -638,7 +616,7 @@ impl Replicator {
         key: &[u8],
         fresh: impl FnOnce(ReplicaFacts) -> Result<T, NotFresh>,
     ) -> Result<(Option<crate::cache::ItemView>, T), NotFresh> {
-        let _applying = self.applied[bucket.index()].lock();
+        let _applying = self.copies.lock(bucket);
         let said = fresh(self.replica_facts(state, bucket, owner))?;
         Ok((self.replica.get(bucket, key), said))
     }

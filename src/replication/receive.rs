@@ -1,6 +1,5 @@
 //! The holder's side of replication: [`Replicator::receive`], fenced by the map.
 
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use super::Replicator;
@@ -29,7 +28,7 @@ impl Replicator {
         // the request applied under the replica bucket's apply lock, which promotion and drops take too, on
         // the newest applied state: a request checked before a failover cannot land after it.
         let from = r.from;
-        let mut applied = self.applied[bucket.index()].lock();
+        let mut applied = self.copies.lock(bucket);
         let state = self.control.state();
         if !holds_replica(&state, self.me, bucket, from) {
             return ReplicaAnswer::Fenced {
@@ -42,24 +41,22 @@ impl Replicator {
                 ),
             };
         }
-        let source = &self.sources[bucket.index()];
         if applied.0 == from && r.seq <= applied.1 {
             // A request held up in the network after a newer one: the sender re-sends the bucket.
             return ReplicaAnswer::NeedSnapshot("a newer request of this sender was applied already".into());
         }
-        if !r.snapshot && source.load(Ordering::Acquire) != from {
+        if !r.snapshot && self.copies.source(bucket) != from {
             return ReplicaAnswer::NeedSnapshot("no snapshot of this bucket yet".into());
         }
         *applied = (from, r.seq);
         if r.snapshot {
-            source.store(0, Ordering::Release);
+            self.copies.forget(bucket);
             self.replica.take_bucket(bucket);
         }
         self.replica.apply_changes(bucket, &changes);
         if r.snapshot {
             self.replica.raise_version_counter(bucket, counter);
-            self.source_epochs[bucket.index()].store(state.epoch_of(bucket), Ordering::Release);
-            source.store(from, Ordering::Release);
+            self.copies.keep(bucket, from, state.epoch_of(bucket));
         }
         ReplicaAnswer::Applied
     }
