@@ -78,9 +78,16 @@ pub fn encode_request(request: &PeerRequest, deadline_ms: Option<u64>, out: &mut
 /// Reads a request and its deadline out of a link message of `kind`, or says why not. Bucket
 /// data in it ([`shared`]) is taken as slices of `payload`, not copied.
 pub fn decode_request(kind: u8, payload: &Bytes) -> Result<(PeerRequest, Option<u64>), Malformed> {
-    MESSAGE.with_borrow_mut(|m| *m = Some(payload.clone()));
+    // Only replica writes and calls (shadows, give-backs) carry bucket data: a forwarded key
+    // operation does not pay for the message's handle.
+    let carries_data = kind == REPLICATE || kind == CALL;
+    if carries_data {
+        MESSAGE.with_borrow_mut(|m| *m = Some(payload.clone()));
+    }
     let read = read::<Incoming>(payload);
-    MESSAGE.with_borrow_mut(|m| *m = None);
+    if carries_data {
+        MESSAGE.with_borrow_mut(|m| *m = None);
+    }
     let Incoming { deadline_ms, request } = read.map_err(|e| Malformed::Unreadable(e.to_string()))?;
     if kind != kind_of(&request) {
         return Err(Malformed::Kind(kind));
