@@ -487,8 +487,8 @@ pub(crate) async fn delete_key<N: KeyApi>(
 
 /// Reads a body of at most `limit` bytes once the node admitted it (its `Content-Length`, or
 /// `limit` when it has none or a larger one): the permit is held until the request is
-/// answered. A longer body is read up to `limit`, then refused with 413 (answering before
-/// reading would break the pipe of a client still sending).
+/// answered. A longer body is refused with 413 once what the client sends of it was dropped
+/// (see [`discard`]).
 pub(crate) async fn admitted_body<N: KeyApi>(
     node: &N,
     headers: &HeaderMap,
@@ -497,18 +497,29 @@ pub(crate) async fn admitted_body<N: KeyApi>(
     copies: usize,
 ) -> Result<(Bytes, crate::api::BodyPermit), ApiError> {
     let length = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
-    // A body announced over the limit is refused before a byte of it is read (a client that
-    // asked `Expect: 100-continue` sends none of it).
-    if length.is_some_and(|length| length > limit) {
-        return Err(ApiError::ValueTooLarge { limit });
+    // A body announced over the limit, or refused for room, is refused without keeping a byte
+    // of it. A client that asked `Expect: 100-continue` sends none of it; any other one is
+    // sending it already, and gets the answer only once it was read (and dropped): answered
+    // first, it would see its connection reset while it writes.
+    let admitted = match length {
+        Some(length) if length > limit => Err(ApiError::ValueTooLarge { limit }),
+        _ => node.admit_body(length.unwrap_or(limit).min(limit) * copies).await,
+    };
+    match admitted {
+        Ok(permit) => Ok((read_body(body, limit).await?, permit)),
+        Err(refused) => {
+            let waits = headers.get(header::EXPECT).is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+            if !waits {
+                discard(body, length.unwrap_or(DISCARDED_AT_MOST)).await;
+            }
+            Err(refused)
+        }
     }
-    let permit = node.admit_body(length.unwrap_or(limit).min(limit) * copies).await?;
-    Ok((read_body(body, limit).await?, permit))
 }
 
-/// Reads a body of at most `limit` bytes; a longer one is refused whole with 413. A body that
-/// arrives in one piece (the usual small value) is kept as it came, without a copy or the
-/// bookkeeping of a general collector.
+/// Reads a body of at most `limit` bytes; a longer one is refused whole with 413, once the rest
+/// of it was dropped. A body that arrives in one piece (the usual small value) is kept as it
+/// came, without a copy or the bookkeeping of a general collector.
 pub(crate) async fn read_body(mut body: Body, limit: usize) -> Result<Bytes, ApiError> {
     use http_body_util::BodyExt;
     let mut first = Bytes::new();
@@ -530,6 +541,7 @@ pub(crate) async fn read_body(mut body: Body, limit: usize) -> Result<Bytes, Api
         let Ok(data) = frame.into_data() else { continue };
         len += data.len();
         if len > limit {
+            discard(body, DISCARDED_AT_MOST).await;
             return Err(ApiError::ValueTooLarge { limit });
         }
         match &mut gathered {
@@ -547,6 +559,31 @@ pub(crate) async fn read_body(mut body: Body, limit: usize) -> Result<Bytes, Api
         }
     }
     Ok(gathered.map_or(first, bytes::BytesMut::freeze))
+}
+
+/// The most of a refused body read and dropped, and for how long: a client that sends more, or
+/// more slowly, sees its connection close instead of the answer.
+const DISCARDED_AT_MOST: usize = 64 << 20;
+const DISCARD_TIME: Duration = Duration::from_secs(10);
+
+/// Reads up to `length` more bytes of a refused body (at most [`DISCARDED_AT_MOST`], within
+/// [`DISCARD_TIME`]) and drops them, so that its client, still sending, gets to read the answer
+/// and may keep its connection.
+async fn discard(mut body: Body, length: usize) {
+    use http_body_util::BodyExt;
+    if length > DISCARDED_AT_MOST {
+        return;
+    }
+    let _ = tokio::time::timeout(DISCARD_TIME, async {
+        let mut read = 0usize;
+        while let Some(Ok(frame)) = body.frame().await {
+            read += frame.data_ref().map_or(0, Bytes::len);
+            if read > DISCARDED_AT_MOST {
+                return;
+            }
+        }
+    })
+    .await;
 }
 
 async fn read_json<N: KeyApi, T: DeserializeOwned>(

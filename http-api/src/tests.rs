@@ -788,6 +788,30 @@ async fn a_bulk_body_announced_over_the_limit_is_refused_before_it_is_read() {
     assert_eq!((status, p["code"].as_str()), (StatusCode::PAYLOAD_TOO_LARGE, Some("value_too_large")));
 }
 
+/// A body announced over the limit by a client that did not ask `Expect: 100-continue` is read
+/// to its end (and dropped) before the 413: that client is sending it already, and answered
+/// first it would see its connection reset while it writes.
+#[tokio::test]
+async fn a_body_announced_over_the_limit_is_read_and_dropped_before_the_refusal() {
+    let read = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = read.clone();
+    let chunks = (0..20).map(move |_| {
+        counted.fetch_add(1 << 20, std::sync::atomic::Ordering::SeqCst);
+        Ok::<_, std::io::Error>(Bytes::from(vec![b'x'; 1 << 20]))
+    });
+    let limit = Limits::default().max_value_bytes;
+    let request = Request::builder()
+        .method(Method::PUT)
+        .uri("/v1/kv/big")
+        .header(header::CONTENT_LENGTH, 20 * (1 << 20))
+        .body(Body::from_stream(futures_util::stream::iter(chunks)))
+        .expect("request");
+    assert!(20 * (1 << 20) > limit, "the body is over the limit");
+    let (status, p) = problem(router(FakeNode::new()).oneshot(request).await.expect("infallible")).await;
+    assert_eq!((status, p["code"].as_str()), (StatusCode::PAYLOAD_TOO_LARGE, Some("value_too_large")));
+    assert_eq!(read.load(std::sync::atomic::Ordering::SeqCst), 20 * (1 << 20));
+}
+
 /// A peer's state reads on the wire as it did when it was a string, and as it prints.
 #[test]
 fn peer_states_keep_their_wire_names() {

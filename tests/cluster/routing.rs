@@ -168,10 +168,28 @@ async fn oversized_and_conditional_writes_fail_whole_through_any_node() {
     let c = TestCluster::start(2).await;
     c.wait_for_counts(&[500, 500]).await;
     let big = "x".repeat(1024 * 1024 + 1);
-    let r = c.http.put(c.url(0, "/v1/kv/big")).body(big).send().await.expect("put");
+    let r = c.http.put(c.url(0, "/v1/kv/big")).body(big.clone()).send().await.expect("put");
     assert_eq!(r.status(), 413);
     assert_eq!(r.headers()["content-type"], "application/problem+json");
     assert_eq!(c.get(1, "big").await, None);
+    // A client that sends the whole body before it reads reads the 413 (not a reset), and its
+    // connection serves its next request, whether the body was announced too long or found too
+    // long in chunks (a bulk body goes the same way).
+    let mut raw = tokio::net::TcpStream::connect(c.api(1)).await.expect("connect");
+    let chunked: String = big
+        .as_bytes()
+        .chunks(64 * 1024)
+        .map(|c| format!("{:x}\r\n{}\r\n", c.len(), std::str::from_utf8(c).expect("text")))
+        .collect();
+    for (head, body) in [
+        (format!("PUT /v1/kv/big HTTP/1.1\r\nhost: shoal\r\ncontent-length: {}\r\n\r\n", big.len()), big.clone()),
+        ("PUT /v1/kv/big HTTP/1.1\r\nhost: shoal\r\ntransfer-encoding: chunked\r\n\r\n".into(), chunked + "0\r\n\r\n"),
+    ] {
+        let (status, problem) = exchange(&mut raw, &head, body.as_bytes()).await;
+        assert_eq!(status, 413, "{head}{problem}");
+        let (status, _) = exchange(&mut raw, "GET /v1/kv/big HTTP/1.1\r\nhost: shoal\r\n\r\n", b"").await;
+        assert_eq!(status, 404, "after {head}");
+    }
 
     for slot in 0..2 {
         let key = format!("cas{slot}");
@@ -476,4 +494,39 @@ async fn with_a_client_token_the_key_api_needs_it_and_forwards_carry_it() {
         assert!(!refused.status.success() && why.contains("client_token_required"), "{routing}: {why}");
     }
     c.shutdown().await;
+}
+
+/// Writes one request (`head` and `body`) on `stream`, then reads its answer: the status and the
+/// body (by its `Content-Length`).
+async fn exchange(stream: &mut tokio::net::TcpStream, head: &str, body: &[u8]) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let deadline = std::time::Duration::from_secs(30);
+    let io = async {
+        stream.write_all(head.as_bytes()).await?;
+        stream.write_all(body).await?;
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        loop {
+            if let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+                let head = String::from_utf8_lossy(&got[..end]).to_lowercase();
+                let length: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .map_or(0, |v| v.trim().parse().expect("length"));
+                if got.len() >= end + 4 + length {
+                    let status = head[9..12].parse().expect("status");
+                    return Ok::<_, std::io::Error>((
+                        status,
+                        String::from_utf8_lossy(&got[end + 4..end + 4 + length]).into_owned(),
+                    ));
+                }
+            }
+            let n = stream.read(&mut buf).await?;
+            if n == 0 {
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
+            got.extend_from_slice(&buf[..n]);
+        }
+    };
+    tokio::time::timeout(deadline, io).await.expect("answered in time").expect("the connection holds")
 }
