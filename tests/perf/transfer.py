@@ -4,11 +4,12 @@
 Reports, per run and as medians over --runs: transfer time (join to settled), bytes moved,
 MB/s, the replica snapshots the nodes sent meanwhile, the time until every node is ready (its
 replica in place) and the replica snapshots sent until then, the four nodes' CPU time (user + system,
-from /proc) and that per KB moved, and the client p99 latency of GETs during the transfer
+from /proc) and that per KB moved and in core-seconds per GiB, and the client p99 latency of GETs during the transfer
 against before it (from 1-second `shoal bench` windows: those before the join, and those whose
 middle falls inside the transfer). Everything listens on 127.0.0.1 and every process is stopped by its PID.
 
     cargo build --release && python3 tests/perf/transfer.py --shoal target/release/shoal
+    python3 tests/perf/transfer.py --shoal target/release/shoal --quiet   # no client: the transfer's own CPU
 """
 
 import argparse
@@ -64,12 +65,11 @@ class Cluster:
         return addr
 
     def settled(self):
-        """Every started node is a member, owns its equal share, and nothing is moving."""
+        """Every started node is a member that owns buckets, and nothing is moving. (The
+        shares are equal in bytes, not in buckets: the cluster balances by data.)"""
         v = get_json(self.addrs[0], "/v1/cluster")
-        counts = sorted(m["buckets"] for m in v["members"])
-        n = len(self.addrs)
-        share = [1000 // n + (1 if i >= n - 1000 % n else 0) for i in range(n)]
-        return v["transition"] is None and v["transfer"] is None and counts == share
+        owners = [m for m in v["members"] if m["buckets"] > 0]
+        return v["transition"] is None and v["transfer"] is None and len(owners) == len(self.addrs)
 
     def wait_settled(self, limit=1800):
         wait_until(self.settled, "the cluster did not settle", limit)
@@ -169,7 +169,8 @@ def one_run(args, tmp):
         before_totals = totals()
         replicas_before = replica_snapshot_bytes(c.addrs)
         t = threading.Thread(target=load)
-        t.start()
+        if not args.quiet:
+            t.start()
         cpu_before = cpu_seconds(p.pid for p in c.procs)
         join_at = time.time()
         fourth = c.start_node(join=first)
@@ -182,9 +183,11 @@ def one_run(args, tmp):
         # member before the joiner gets its copies once the joiner has pulled its share.
         c.wait_ready()
         ready_at = time.time()
+        node_cpu_ready = cpu_seconds(p.pid for p in c.procs) - cpu_before
         replica_bytes_ready = replica_snapshot_bytes(c.addrs) - replicas_before
         stop.set()
-        t.join()
+        if not args.quiet:
+            t.join()
         after = totals()
         moved = sum(b - before_totals.get(n, (0, 0))[0] for n, (b, _) in after.items())
         received = sum(r - before_totals.get(n, (0, 0))[1] for n, (_, r) in after.items())
@@ -202,6 +205,10 @@ def one_run(args, tmp):
             "replica_snapshot_bytes_ready": replica_bytes_ready,
             "node_cpu_seconds": node_cpu,
             "node_cpu_us_per_kb": node_cpu * 1e6 / (received / 1e3),
+            # Core-seconds per GiB, both ends together: of the share alone (join to settled), and
+            # of every byte the join sent (the share and the replica snapshots, join to ready).
+            "core_seconds_per_gib_share": node_cpu / (received / 2**30),
+            "core_seconds_per_gib_sent": node_cpu_ready / ((received + replica_bytes_ready) / 2**30),
             "p99_before_ms": statistics.median(w[0] for w in before),
             "p99_during_ms": statistics.median(w[0] for w in inside) if inside else None,
             "gets_per_sec_before": statistics.median(w[1] for w in before),
@@ -220,6 +227,8 @@ def main():
     ap.add_argument("--serve-arg", action="append", default=[],
                     help="an argument for every node's `shoal serve` (repeat; e.g. --serve-arg=--transfer-rate=50MB)")
     ap.add_argument("--windows", type=int, default=5, help="1-second latency windows before the join")
+    ap.add_argument("--quiet", action="store_true",
+                    help="no client load during the join: the nodes' CPU is the transfer's own")
     args = ap.parse_args()
     runs = []
     for i in range(args.runs):
@@ -243,6 +252,8 @@ def main():
     print(f"  every node ready   {med('ready_seconds'):8.1f} s    (from the join; replicas in place)")
     print(f"  replica snapshots  {med('replica_snapshot_bytes_ready') / 1e6:8.1f} MB   (sent until then)")
     print(f"  node CPU           {med('node_cpu_seconds'):8.2f} s    ({med('node_cpu_us_per_kb'):.1f} µs per KB moved, four nodes)")
+    print(f"  core-seconds/GiB   {med('core_seconds_per_gib_share'):8.2f}      (of the share; "
+          f"{med('core_seconds_per_gib_sent'):.2f} of every byte sent until ready, replicas included)")
     print(f"  client p99 before  {med('p99_before_ms'):8.2f} ms   ({med('gets_per_sec_before'):,.0f} GET/s, 10 connections)")
     print(f"  client p99 during  {med('p99_during_ms'):8.2f} ms   ({med('gets_per_sec_during'):,.0f} GET/s)")
     print(f"  client errors during the transfer: {sum(r['errors_during'] for r in runs)}")
