@@ -112,6 +112,17 @@ def bench(shoal, node, **kw):
     return json.loads(out.stdout)
 
 
+def phases(shoal, node, sizes):
+    """One 10 s bench per (value size, keys), 32 connections; the last report, with the node's
+    CPU per request in each phase as its note (what allocator settings cost)."""
+    reports = [bench(shoal, node, value_size=v, keys=k, connections=32, duration="10s", server_pid=node.proc.pid)
+               for v, k in sizes]
+    last = dict(reports[-1])
+    last["note"] = "server µs/request by phase: " + ", ".join(
+        f"{r.get('server_us_per_request') or 0:.1f}" for r in reports)
+    return last
+
+
 def slow_bodies(node, count=200, size=16 * MIB, seconds=10):
     """`count` connections each announce a `size` body and trickle it; the server must not
     buffer them all."""
@@ -248,8 +259,7 @@ PATTERNS = {
     "overwrites": ("1000 B values over 10k keys, 20 s",
                    lambda shoal, n: bench(shoal, n, value_size=1000, keys=10_000, connections=50, duration="20s")),
     "shift": ("eviction churn as sizes shift: 100 B, then 64 KiB, then 100 B, 10 s each",
-              lambda shoal, n: [bench(shoal, n, value_size=v, keys=k, connections=32, duration="10s")
-                                for v, k in [(100, 3_000_000), (65536, 20_000), (100, 3_000_000)]][-1]),
+              lambda shoal, n: phases(shoal, n, [(100, 3_000_000), (65536, 20_000), (100, 3_000_000)])),
     "bulk": ("bulk puts of 60 x 100 KiB (8 MB bodies, under the limit), 8 connections, 20 s",
              lambda shoal, n: bench(shoal, n, value_size=102400, keys=20_000, batch=60, connections=8, duration="20s")),
     "connections": ("1000 connections, 10 KiB values, 20 s",
