@@ -158,6 +158,19 @@ impl NodeHandle {
         let _ = rx.wait_for(|stop| *stop).await;
     }
 
+    /// Stops as on a signal (SIGTERM, Ctrl-C), the whole stop taking at most `drain_timeout`:
+    /// [`Self::stop_for_restart`] with `restart_window`, then [`Self::shutdown`], for which the
+    /// last quarter of the time (at most 5 s) is kept (closing connections and Raft).
+    pub async fn stop_on_signal(self, restart_window: Duration, drain_timeout: Duration) {
+        let stop_at = tokio::time::Instant::now() + drain_timeout;
+        let closing = (drain_timeout / 4).min(Duration::from_secs(5));
+        self.stop_for_restart(restart_window, stop_at - closing).await;
+        tracing::info!(node_id = self.node_id, "shutting down");
+        if tokio::time::timeout_at(stop_at, self.shutdown()).await.is_err() {
+            tracing::warn!("--drain-timeout reached while closing: exiting with connections still open");
+        }
+    }
+
     /// Stops for a restart (SIGTERM), by `deadline`: first it records that it stops
     /// (`SetDraining`: should it stay down, the cluster knows its copy died with its process,
     /// and no other member goes into maintenance meanwhile); then a member that does not leave

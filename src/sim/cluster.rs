@@ -62,6 +62,8 @@ pub struct SimHost {
 
 enum Command {
     Kill,
+    /// SIGTERM: the node stops as on a signal, then stays down until restarted.
+    Stop,
     Restart,
 }
 
@@ -164,7 +166,16 @@ impl SimCluster {
         let _ = host.commands.send(Command::Kill);
     }
 
-    /// Starts a killed host again on its data dir and disk.
+    /// Stops host `h` as SIGTERM does (it records its stop, goes into maintenance for its
+    /// restart window when it can, drains, closes), on a network that still reaches it; it
+    /// counts as down from now on, and stays down until restarted.
+    pub fn stop(&self, h: HostId) {
+        let mut hosts = self.shared.hosts.lock();
+        hosts[h].phase = HostPhase::Down;
+        let _ = hosts[h].commands.send(Command::Stop);
+    }
+
+    /// Starts a killed or stopped host again on its data dir and disk.
     pub fn restart(&self, h: HostId) {
         let mut hosts = self.shared.hosts.lock();
         hosts[h].phase = HostPhase::Starting;
@@ -268,6 +279,7 @@ async fn supervise(shared: Arc<Shared>, h: HostId, mut commands: mpsc::Unbounded
             *keep.lock() = Some(service);
             Vec::new()
         };
+        let (window, drain) = (config.restart_window, config.drain_timeout);
         match node::start_in(config, env, identity, serve).await {
             Ok(node) => {
                 let Some(service) = served.lock().take() else { return };
@@ -275,15 +287,25 @@ async fn supervise(shared: Arc<Shared>, h: HostId, mut commands: mpsc::Unbounded
                 tokio::select! {
                     biased;
                     command = commands.recv() => {
-                        // Killed (the network has cut it off already): the old instance stops.
-                        node.shutdown().await;
-                        if command.is_none() {
-                            return;
+                        match command {
+                            Some(Command::Stop) => {
+                                node.stop_on_signal(window, drain).await;
+                                shared.net.kill(h);
+                                // The process exited: nothing of it writes to its disk again.
+                                let mut hosts = shared.hosts.lock();
+                                hosts[h].disk = hosts[h].disk.copy();
+                            }
+                            // Killed (the network has cut it off already): the old instance stops.
+                            Some(Command::Kill | Command::Restart) => node.shutdown().await,
+                            None => {
+                                node.shutdown().await;
+                                return;
+                            }
                         }
                         loop {
                             match commands.recv().await {
                                 Some(Command::Restart) => break,
-                                Some(Command::Kill) => {}
+                                Some(Command::Kill | Command::Stop) => {}
                                 None => return,
                             }
                         }

@@ -1,6 +1,7 @@
 //! The deterministic simulation: a whole cluster — real nodes, Raft included — in one thread,
-//! on a simulated network and clock, driven by a seeded schedule of joins, leaves, kills and
-//! restarts, partitions, delays and lost messages while clients read and write.
+//! on a simulated network and clock, driven by a seeded schedule of joins, leaves, kills,
+//! stops (as on SIGTERM) and restarts, partitions, delays and lost messages while clients read
+//! and write.
 //!
 //! A run is a function of its seed: one tokio thread whose clock only moves when every task
 //! waits (tokio's paused time), every random choice from generators seeded by it (the
@@ -87,19 +88,29 @@ pub struct Faults {
     /// A member goes into maintenance and stops; it restarts on its disk later (the
     /// schedule's other faults go on meanwhile, a kill of another member included).
     pub maintenance: bool,
+    /// SIGTERM of a member (it records its stop, goes into maintenance for its restart window
+    /// when it can, drains, closes), and its restart on its disk later.
+    pub stop: bool,
 }
 
 impl Faults {
-    /// Every kind of fault but maintenance. Scenarios with maintenance draw their schedules
-    /// from one more kind of event, so the seeds of the others keep the schedules they had.
-    pub const ALL: Faults =
-        Faults { kill: true, partition: true, membership: true, drops: true, delays: true, maintenance: false };
+    /// Every kind of fault but maintenance and SIGTERM. Scenarios with those draw their
+    /// schedules from more kinds of event, so the seeds of the others keep the schedules they had.
+    pub const ALL: Faults = Faults {
+        kill: true,
+        partition: true,
+        membership: true,
+        drops: true,
+        delays: true,
+        maintenance: false,
+        stop: false,
+    };
 
     /// Whether nothing but joins and leaves happens: then every operation must succeed
     /// (moving buckets fails no request), but those sent to a node that leaves, which it
     /// refuses because it leaves or does not answer because it stopped.
     pub fn only_membership(&self) -> bool {
-        !(self.kill || self.partition || self.drops || self.delays || self.maintenance)
+        !(self.kill || self.partition || self.drops || self.delays || self.maintenance || self.stop)
     }
 }
 
@@ -380,7 +391,13 @@ impl Schedule {
         let failed = down - usize::from(self.away.is_some());
         let live = phases.iter().filter(|(_, p)| !matches!(p, HostPhase::Retired)).count();
         let faults = self.faults;
-        let kinds = if faults.maintenance { 7 } else { 6 };
+        let kinds = if faults.stop {
+            8
+        } else if faults.maintenance {
+            7
+        } else {
+            6
+        };
         Some(match self.rng.random_range(0..kinds) {
             0 if faults.kill && failed == 0 && running.len() >= 3 => {
                 let h = running[self.rng.random_range(0..running.len())];
@@ -407,6 +424,13 @@ impl Schedule {
                 format!("latency up to {high:?}")
             }
             6 if faults.maintenance && down == 0 && running.len() >= 3 => self.maintenance(running.len()).await,
+            7 if faults.stop && failed == 0 && running.len() >= 3 => {
+                let h = running[self.rng.random_range(0..running.len())];
+                self.cluster.stop(h);
+                let at = self.later(1000, 15_000);
+                self.undo.push((at, Undo::Restart(h)));
+                format!("SIGTERM host {h}")
+            }
             _ => return None,
         })
     }

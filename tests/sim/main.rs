@@ -6,6 +6,8 @@
 //! - `mirror_reads_find_no_violation`: seeds 1 to 9 with every read balanced over mirrors.
 //! - `maintenance_finds_no_violation`: seeds 1 to 6 of the maintenance scenario (five members,
 //!   one goes into maintenance and stops, the other faults go on).
+//! - `sigterm_finds_no_violation`: seeds 1 to 6 of the SIGTERM scenario (five members, any of
+//!   them stopped as on SIGTERM and restarted later, the other faults go on).
 //! - `a_seed_replays_exactly`: the same seed twice gives the same digest.
 //! - `sixty_four_nodes`: one run with 64 members.
 //! - `many_seeds`: `SHOAL_SIM_SEEDS=N` runs N more seeds (from `SHOAL_SIM_FIRST_SEED`, default
@@ -13,7 +15,7 @@
 //! - `replay`: `SHOAL_SIM_SEED=S` runs seed S alone (with `RUST_LOG` for the nodes' logs).
 //!
 //! `SHOAL_SIM_READ=mirrors` makes `many_seeds` and `replay` balance every read over mirrors;
-//! `SHOAL_SIM_SCENARIO=maintenance` makes them run the maintenance scenario.
+//! `SHOAL_SIM_SCENARIO=maintenance` (or `membership`, `stop`) makes them run that scenario.
 
 use std::time::Duration;
 
@@ -55,6 +57,16 @@ fn maintenance_scenario() -> Scenario {
     }
 }
 
+/// Five members, any of which the schedule may stop as SIGTERM does (and restart later), while
+/// the other faults go on.
+fn stop_scenario() -> Scenario {
+    Scenario {
+        name: "five nodes, SIGTERM and every fault",
+        faults: Faults { stop: true, ..Faults::ALL },
+        ..maintenance_scenario()
+    }
+}
+
 /// Nothing but joins and leaves, with more keys and clients than the others: every operation
 /// must succeed while buckets move, but those sent to a node that leaves.
 fn membership_scenario() -> Scenario {
@@ -70,6 +82,7 @@ fn membership_scenario() -> Scenario {
             drops: false,
             delays: false,
             maintenance: false,
+            stop: false,
         },
         ..scenarios()[0].clone()
     }
@@ -82,6 +95,7 @@ fn scenario_of(seed: u64) -> Scenario {
     let scenario = match std::env::var("SHOAL_SIM_SCENARIO").as_deref() {
         Ok("maintenance") => maintenance_scenario(),
         Ok("membership") => membership_scenario(),
+        Ok("stop") => stop_scenario(),
         _ => all[(seed as usize) % all.len()].clone(),
     };
     let read_from = match std::env::var("SHOAL_SIM_READ").as_deref() {
@@ -206,6 +220,15 @@ fn maintenance_finds_no_violation() {
 /// refused, never stopped it, and it stayed away for its whole period). Nothing in their
 /// schedules kills every copy of a bucket: no bucket may be served again empty.
 const MAINTENANCE_REGRESSIONS: &[u64] = &[128, 332];
+
+/// Members stopped as SIGTERM does while the other faults go on: no acknowledged write is lost,
+/// whether the stop's maintenance was kept or the cluster failed the member.
+#[test]
+fn sigterm_finds_no_violation() {
+    init_logs();
+    let (ran, failed) = run_all_in((1..=6).collect(), &|_| stop_scenario());
+    assert_clean(ran, &failed);
+}
 
 /// With only joins and leaves, every operation succeeds but those sent to a leaving node.
 #[test]
