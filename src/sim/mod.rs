@@ -399,13 +399,7 @@ impl Schedule {
             6
         };
         Some(match self.rng.random_range(0..kinds) {
-            0 if faults.kill && failed == 0 && running.len() >= 3 => {
-                let h = running[self.rng.random_range(0..running.len())];
-                self.cluster.kill(h);
-                let at = self.later(1000, 10_000);
-                self.undo.push((at, Undo::Restart(h)));
-                format!("kill host {h}")
-            }
+            0 if faults.kill && failed == 0 && running.len() >= 3 => self.take_down(&running, false, 10_000),
             1 if faults.partition && !self.split && running.len() >= 3 => self.partition(running),
             2 if faults.membership && live < self.max_hosts => format!("add host {}", self.cluster.add_host()),
             3 if faults.membership && running.len() > 3 && down == 0 => self.leave(running.len()).await,
@@ -424,15 +418,23 @@ impl Schedule {
                 format!("latency up to {high:?}")
             }
             6 if faults.maintenance && down == 0 && running.len() >= 3 => self.maintenance(running.len()).await,
-            7 if faults.stop && failed == 0 && running.len() >= 3 => {
-                let h = running[self.rng.random_range(0..running.len())];
-                self.cluster.stop(h);
-                let at = self.later(1000, 15_000);
-                self.undo.push((at, Undo::Restart(h)));
-                format!("SIGTERM host {h}")
-            }
+            7 if faults.stop && failed == 0 && running.len() >= 3 => self.take_down(&running, true, 15_000),
             _ => return None,
         })
+    }
+
+    /// Takes one of the `running` hosts down, by kill -9 or by SIGTERM, to be restarted within
+    /// `within_ms` milliseconds (at least one second later).
+    fn take_down(&mut self, running: &[HostId], sigterm: bool, within_ms: u64) -> String {
+        let h = running[self.rng.random_range(0..running.len())];
+        if sigterm {
+            self.cluster.stop(h);
+        } else {
+            self.cluster.kill(h);
+        }
+        let at = self.later(1000, within_ms);
+        self.undo.push((at, Undo::Restart(h)));
+        format!("{} host {h}", if sigterm { "SIGTERM" } else { "kill" })
     }
 
     /// Cuts the running hosts in two, the smaller side at least one host.

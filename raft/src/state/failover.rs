@@ -146,9 +146,13 @@ impl ClusterState {
     /// with a process that stopped: its last server stopped and was failed (its copy died in
     /// the stop, see `failed_stopped`), or it was handed over by a maintenance (the member
     /// keeps nothing while away) and its heir restarted before it installed it. Such a bucket
-    /// serves again, empty; any other is lost.
+    /// serves again, empty; any other is lost. A bucket lost before, whose newest copy is with
+    /// another last server (which gives it back once it returns), lost no copy in the stop: it
+    /// stays lost.
     pub fn copies_died_with_their_process(&self, b: u16) -> bool {
-        self.away_promotions.contains(&b) || self.promoted.get(&b).is_some_and(|f| self.failed_stopped.contains(f))
+        let from = self.promoted.get(&b);
+        let lost_elsewhere = self.lost.contains(&b) && self.last_server.get(&b).is_some_and(|s| Some(s) != from);
+        !lost_elsewhere && (self.away_promotions.contains(&b) || from.is_some_and(|f| self.failed_stopped.contains(f)))
     }
 
     pub(super) fn found(

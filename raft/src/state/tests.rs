@@ -536,6 +536,29 @@ fn a_member_failed_while_stopping_leaves_buckets_without_a_copy_empty_not_lost()
     assert!(of_victim.iter().all(|b| s.lost.contains(b)), "lost until cleared");
 }
 
+/// A bucket lost before (its newest copy is with its last server, which will give it back)
+/// stays lost when the member it went to stops and is failed: no copy of it died in that stop.
+#[test]
+fn a_bucket_lost_before_a_member_stops_stays_lost_with_its_last_server() {
+    let mut s = three_nodes();
+    join(&mut s, 4);
+    let victim = s.member_ids()[0];
+    let of_victim: Vec<u16> = s.map.buckets_of(victim).iter().map(|b| b.0).collect();
+    s.apply(&ClusterCommand::NodeFailed { node_id: victim });
+    let heir = s.map.owner_of(BucketId(of_victim[0])).expect("an owner");
+    s.apply(&ClusterCommand::Promoted { node_id: heir, buckets: vec![], lost: of_victim.clone() });
+    assert!(of_victim.iter().all(|b| s.lost.contains(b) && s.last_server.get(b) == Some(&victim)));
+    // The member that got them stops and is failed; the next one has no copy of them either.
+    s.apply(&ClusterCommand::SetDraining { node_id: heir, draining: true });
+    s.apply(&ClusterCommand::NodeFailed { node_id: heir });
+    assert!(s.failed_stopped.contains(&heir));
+    let next = s.map.owner_of(BucketId(of_victim[0])).expect("an owner");
+    assert_ne!(next, heir);
+    assert!(of_victim.iter().all(|&b| !s.copies_died_with_their_process(b)), "their copy is with node {victim}");
+    s.apply(&ClusterCommand::Promoted { node_id: next, buckets: vec![], lost: of_victim.clone() });
+    assert!(of_victim.iter().all(|b| s.lost.contains(b) && s.last_server.get(b) == Some(&victim)), "still lost");
+}
+
 #[test]
 fn a_replica_holder_changes_only_when_the_owner_says_the_new_one_is_complete() {
     let mut s = three_nodes();
