@@ -31,6 +31,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
 use shoal_http_api::types::{PeerHealth, PeerState};
 use shoal_raft::{ControlPlane, MemberStatus, NodeId};
 use tokio::sync::watch;
@@ -39,8 +40,53 @@ use tokio::time::Instant;
 use crate::mirror::{Mirrors, Outcome};
 use crate::peer::Peers;
 use crate::phase::{write_refusal, LocalFacts, NodeFacts};
-use crate::replication::Replicator;
-use crate::transport::{Ping, Pong};
+use crate::replication::{ReplicaReport, Replicator};
+use crate::transport::wire::{self, Handlers};
+use crate::transport::Endpoint;
+
+/// A failure-detection ping.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Ping {
+    /// The sender.
+    pub from: NodeId,
+    /// The members the sender has not heard from within the node timeout.
+    pub pfail: Vec<NodeId>,
+    /// The sender's incarnation (random at every start): a new one tells the receiver that
+    /// the sender restarted.
+    pub incarnation: u64,
+    /// What the sender says of its replica, for mirror reads: which member holds it (the one
+    /// every write must reach), in which holding period, and how far behind that copy may be.
+    /// Absent while one of its buckets is not attached there (the copy may lack writes). A
+    /// holder serves mirror reads from its copy only while the sender's latest report names
+    /// it, in its current period.
+    pub replica: Option<ReplicaReport>,
+}
+
+/// The answer to a ping.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Pong {
+    /// The answering node.
+    pub node_id: NodeId,
+    /// Random at every start of the answering process: a change means it restarted, and its
+    /// replica store is empty.
+    pub incarnation: u64,
+    /// The sender's membership in the answering node's view.
+    pub status: MemberStatus,
+    /// Whether the answer renews the sender's lease: false while the answering node may still
+    /// be counted as reporting the sender pfail (the sender may be failed on that report, so
+    /// it must not serve on a lease meanwhile).
+    pub lease: bool,
+}
+
+impl Endpoint for Ping {
+    type Answer = Pong;
+    const ID: u8 = wire::id::PING;
+}
+
+/// Registers the answer to pings.
+pub fn register(handlers: &mut Handlers, health: &Arc<Health>) {
+    handlers.add_with(health, |health, ping: Ping| async move { Ok(health.pong(ping)) });
+}
 
 /// Failure-detection settings.
 #[derive(Debug, Clone, Copy)]
@@ -295,7 +341,7 @@ impl Health {
                     // read: a node paused with answers in its socket buffer must not renew its
                     // lease with them.
                     let sent = Instant::now();
-                    let pong = health.peers.ping(&peer_addr, ping, health.ping_timeout).await;
+                    let pong = health.peers.ask(&peer_addr, ping, health.ping_timeout).await;
                     health.in_flight.lock().remove(&id);
                     let outcome = pong.as_ref().map_or_else(crate::mirror::outcome_of, |_| Outcome::Answered);
                     health.mirrors.record_ping(id, outcome, sent.elapsed());

@@ -10,14 +10,56 @@ use shoal_http_api::types::{
     ReplicationView, TransferSummary, TransferView, TransitionView,
 };
 use shoal_http_api::{ApiError, Unavailable};
+use shoal_raft::state::MaintenanceRefusal;
 use shoal_raft::{AdminRequest, AdminResponse, ClusterState, ControlError, NodeId, ReplicationMode, StateView};
 
 use super::NodeApi;
 use crate::balance::plan::Refusal;
-use crate::balance::BalanceError;
+use crate::balance::{AskBuckets, BalanceError, BucketReport, Rebalance};
 use crate::maintenance::{EnterError, HandOff};
-use crate::transport::CallError;
-use shoal_raft::state::MaintenanceRefusal;
+use crate::transport::wire::{self, Handlers, Json};
+use crate::transport::{CallError, Endpoint, PEER_CALL_TIMEOUT};
+
+/// Asks a member for its own figures.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct AskNodeStats;
+
+impl Endpoint for AskNodeStats {
+    type Answer = Json<NodeStats>;
+    const ID: u8 = wire::id::NODE_STATS;
+}
+
+/// The receiver goes into maintenance for this long (to its peer address: only it can check
+/// that its replica is complete).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct EnterMaintenance {
+    /// How long it may stay away.
+    pub period: Duration,
+}
+
+impl Endpoint for EnterMaintenance {
+    type Answer = Json<MaintenanceView>;
+    const ID: u8 = wire::id::ENTER_MAINTENANCE;
+}
+
+/// Registers the answers to other members' admin calls: figures, maintenance, and the
+/// leader's side of bucket reports, views and balancing.
+pub fn register(handlers: &mut Handlers, api: &std::sync::Arc<NodeApi>) {
+    let failed = CallError::Api;
+    handlers.add_with(api, |a, _: AskNodeStats| async move { Ok(Json(a.own_stats())) });
+    handlers.add_with(api, move |a, EnterMaintenance { period }| async move {
+        let wait = crate::maintenance::PREPARE_WAIT + crate::maintenance::SYNC_WAIT;
+        a.maintenance_here(period, wait).await.map(Json).map_err(failed)
+    });
+    handlers.add_with(api, |a, report: BucketReport| async move {
+        a.balancer.receive(report);
+        Ok(())
+    });
+    handlers.add_with(api, move |a, AskBuckets(query)| async move { a.buckets_here(query).map(Json).map_err(failed) });
+    handlers.add_with(api, move |a, Rebalance(request)| async move {
+        a.rebalance_here(request).await.map(Json).map_err(failed)
+    });
+}
 
 impl NodeApi {
     /// Every member's transfer status (this node's own from memory).
@@ -28,8 +70,9 @@ impl NodeApi {
                 Ok(self.progress.status(self.node_id))
             } else {
                 self.peers
-                    .transfer_status(&m.peer_addr)
+                    .ask(&m.peer_addr, crate::transfer::progress::AskProgress, PEER_CALL_TIMEOUT)
                     .await
+                    .map(|s| s.0)
                     .map_err(|e| NodeFailure { node: m.id, detail: e.to_string() })
             }
         });
@@ -61,7 +104,7 @@ impl NodeApi {
             if m.id == self.node_id {
                 Some(self.own_stats())
             } else {
-                self.peers.node_stats(&m.peer_addr).await.ok()
+                self.peers.ask(&m.peer_addr, AskNodeStats, PEER_CALL_TIMEOUT).await.ok().map(|s| s.0)
             }
         }))
         .await;
@@ -122,7 +165,19 @@ impl NodeApi {
             return Err(ApiError::UnknownResource(format!("node {node_id} is not a member")));
         };
         if node_id != self.node_id {
-            return self.peers.enter_maintenance(&member.peer_addr, period, crate::maintenance::ENTER_TIMEOUT).await;
+            let asked =
+                self.peers.ask(&member.peer_addr, EnterMaintenance { period }, crate::maintenance::ENTER_TIMEOUT).await;
+            return match asked {
+                Ok(view) => Ok(view.0),
+                Err(CallError::Api(e)) => Err(e),
+                Err(e) => Err(ApiError::unavailable(
+                    Unavailable::Unavailable,
+                    format!(
+                        "the member at {} did not answer ({e}): a member goes into maintenance itself, so it must run",
+                        member.peer_addr
+                    ),
+                )),
+            };
         }
         self.maintenance_here(period, crate::maintenance::PREPARE_WAIT + crate::maintenance::SYNC_WAIT).await
     }
@@ -403,11 +458,6 @@ impl NodeApi {
             replication: Some(settings.replication.to_string()),
             auto_balance: Some(settings.auto_balance),
         })
-    }
-
-    /// Keeps a member's bucket statistics (the leader's side of the report).
-    pub fn receive_bucket_report(&self, report: crate::transport::BucketReport) {
-        self.balancer.receive(report);
     }
 
     /// The leader's view of the buckets, asked by another member.

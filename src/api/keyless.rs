@@ -10,6 +10,62 @@ use shoal_raft::{BucketId, NodeId};
 
 use super::NodeApi;
 use crate::metrics::Op;
+use crate::transport::wire::{self, Handlers, Json};
+use crate::transport::{CallError, Endpoint};
+
+/// A broadcast: the receiver's own keys with a prefix.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct Keys {
+    /// The prefix.
+    pub prefix: String,
+    /// Which of them.
+    pub page: Page,
+}
+
+/// A broadcast: the receiver's own keys with a tag.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct Tagged {
+    /// The tag.
+    pub tag: String,
+    /// Which of them.
+    pub page: Page,
+}
+
+/// A broadcast: remove the receiver's own items with a tag.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct RemoveTagged {
+    /// The tag.
+    pub tag: String,
+}
+
+impl Endpoint for Keys {
+    type Answer = Json<KeyList>;
+    const ID: u8 = wire::id::KEYS;
+}
+
+impl Endpoint for Tagged {
+    type Answer = Json<KeyList>;
+    const ID: u8 = wire::id::TAGGED;
+}
+
+impl Endpoint for RemoveTagged {
+    type Answer = Json<Removed>;
+    const ID: u8 = wire::id::REMOVE_TAGGED;
+}
+
+/// Registers the answers to broadcasts: this node's own share.
+pub fn register(handlers: &mut Handlers, api: &std::sync::Arc<NodeApi>) {
+    use shoal_http_api::KeyApi;
+    handlers.add_with(api, |a, Keys { prefix, page }| async move {
+        a.keys(prefix, page, Scope::Local).await.map(Json).map_err(CallError::Api)
+    });
+    handlers.add_with(api, |a, Tagged { tag, page }| async move {
+        a.tagged(tag, page, Scope::Local).await.map(Json).map_err(CallError::Api)
+    });
+    handlers.add_with(api, |a, RemoveTagged { tag }| async move {
+        a.remove_tagged(tag, Scope::Local).await.map(Json).map_err(CallError::Api)
+    });
+}
 
 /// Tagged items deleted per round trip to the replicas.
 const REMOVE_BATCH: usize = 512;
@@ -101,8 +157,9 @@ impl NodeApi {
                 scope,
                 |buckets| self.cache.keys_with_prefix(prefix.as_bytes(), buckets, &ask),
                 |peer| {
-                    let (peers, prefix, ask) = (&self.peers, &prefix, &ask);
-                    async move { peers.keys(&peer, prefix, ask).await }
+                    let request = Keys { prefix: prefix.clone(), page: ask.clone() };
+                    let peers = &self.peers;
+                    async move { peers.broadcast(&peer, request).await.map(|l| l.0) }
                 },
             )
             .await;
@@ -118,8 +175,9 @@ impl NodeApi {
                 scope,
                 |buckets| self.cache.keys_with_tag(&tag, buckets, &ask),
                 |peer| {
-                    let (peers, tag, ask) = (&self.peers, &tag, &ask);
-                    async move { peers.tagged(&peer, tag, ask).await }
+                    let request = Tagged { tag: tag.clone(), page: ask.clone() };
+                    let peers = &self.peers;
+                    async move { peers.broadcast(&peer, request).await.map(|l| l.0) }
                 },
             )
             .await;
@@ -141,8 +199,8 @@ impl NodeApi {
             .broadcast(
                 || here,
                 |peer| {
-                    let (peers, tag) = (&self.peers, &tag);
-                    async move { peers.remove_tagged(&peer, tag).await }
+                    let (peers, request) = (&self.peers, RemoveTagged { tag: tag.clone() });
+                    async move { peers.broadcast(&peer, request).await.map(|r| r.0) }
                 },
             )
             .await;

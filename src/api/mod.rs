@@ -22,11 +22,21 @@
 //! - `mod.rs`: routing (`target`, `route`), the single-key operations, the impls of the key API, cluster admin and probes.
 //! - `bulk.rs`: bulk operations, grouped by owner.
 //! - `keyless.rs`: broadcasts (prefix listing, tags).
-//! - `admin.rs`: cluster views, leave, readiness, state gauges.
+//! - `admin.rs`: cluster views, leave, readiness, state gauges; the admin calls between members.
+//! - `forward.rs`: key operations forwarded to their owner or a mirror, both ends.
 
-mod admin;
+pub mod admin;
 mod bulk;
-mod keyless;
+pub mod forward;
+pub mod keyless;
+
+/// Registers what the node API answers other nodes: forwarded key operations, its share of
+/// broadcasts, and admin calls.
+pub fn register(handlers: &mut crate::transport::wire::Handlers, api: &Arc<NodeApi>) {
+    forward::register(handlers, api);
+    keyless::register(handlers, api);
+    admin::register(handlers, api);
+}
 
 use std::future::Future;
 use std::sync::Arc;

@@ -25,6 +25,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
 use shoal_http_api::types::{BucketsQuery, BucketsView, RebalancePlan, RebalanceRequest};
 use shoal_raft::{AdminRequest, AdminResponse, BucketId, ControlError, ControlPlane, NodeId};
 use tokio::time::Instant;
@@ -34,9 +35,66 @@ use crate::cache::CacheStore;
 use crate::peer::Peers;
 use crate::phase::Phase;
 use crate::transfer::progress::Progress;
-use crate::transport::CallError;
-use crate::transport::{BucketReport, ReportedBucket};
+use crate::transport::wire::{self, Json};
+use crate::transport::{CallError, Endpoint, PEER_CALL_TIMEOUT};
 use plan::{Received, Refusal};
+
+/// How long the leader may take to plan (and start) a balancing asked by another member.
+const REBALANCE_TIMEOUT: Duration = Duration::from_secs(35);
+
+/// One node's report of the buckets it serves, to the leader's peer address.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BucketReport {
+    /// The reporting node.
+    pub node: NodeId,
+    /// Its map version when it measured.
+    pub map_version: u64,
+    /// The buckets it serves.
+    pub buckets: Vec<ReportedBucket>,
+    /// The receive rate of its last transfer that moved enough to tell, bytes per second.
+    pub transfer_rate: Option<f64>,
+    /// Buckets it owns but does not hold yet (being restored after a restart, or promoted
+    /// and not installed): its figures are incomplete until they are back.
+    pub pending: u32,
+}
+
+/// One bucket in a [`BucketReport`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReportedBucket {
+    /// The bucket.
+    pub bucket: u16,
+    /// Items.
+    pub items: u64,
+    /// Charged bytes.
+    pub bytes: u64,
+    /// Reads per second since the node's previous report.
+    pub reads_per_sec: f64,
+    /// Writes per second.
+    pub writes_per_sec: f64,
+}
+
+impl Endpoint for BucketReport {
+    type Answer = ();
+    const ID: u8 = wire::id::REPORT_BUCKETS;
+}
+
+/// The leader's view of the buckets (a member asks the leader for `GET /v1/cluster/buckets`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AskBuckets(pub BucketsQuery);
+
+impl Endpoint for AskBuckets {
+    type Answer = Json<BucketsView>;
+    const ID: u8 = wire::id::BUCKETS;
+}
+
+/// A balancing planned (and started) by the leader (`POST /v1/cluster/rebalance`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Rebalance(pub RebalanceRequest);
+
+impl Endpoint for Rebalance {
+    type Answer = Json<RebalancePlan>;
+    const ID: u8 = wire::id::REBALANCE;
+}
 
 /// The settings of balancing.
 #[derive(Debug, Clone, Copy)]
@@ -125,7 +183,7 @@ impl Balancer {
                 }
                 Some(leader) => {
                     if let Some(addr) = self.control.state().member_of(leader).map(|m| m.peer_addr.clone()) {
-                        if let Err(e) = self.peers.report_buckets(&addr, &report).await {
+                        if let Err(e) = self.peers.ask(&addr, report, PEER_CALL_TIMEOUT).await {
                             tracing::debug!(leader, error = %e, "bucket statistics did not reach the leader");
                         }
                     }
@@ -213,7 +271,12 @@ impl Balancer {
     pub async fn buckets(&self, query: BucketsQuery) -> Result<BucketsView, BalanceError> {
         match self.leader_addr()? {
             None => self.buckets_here(query),
-            Some(addr) => self.peers.buckets(&addr, query).await.map_err(BalanceError::Call),
+            Some(addr) => self
+                .peers
+                .ask(&addr, AskBuckets(query), PEER_CALL_TIMEOUT)
+                .await
+                .map(|v| v.0)
+                .map_err(BalanceError::Call),
         }
     }
 
@@ -230,7 +293,12 @@ impl Balancer {
     pub async fn rebalance(&self, request: RebalanceRequest) -> Result<RebalancePlan, BalanceError> {
         match self.leader_addr()? {
             None => self.rebalance_here(request).await,
-            Some(addr) => self.peers.rebalance(&addr, request).await.map_err(BalanceError::Call),
+            Some(addr) => self
+                .peers
+                .ask(&addr, Rebalance(request), REBALANCE_TIMEOUT)
+                .await
+                .map(|p| p.0)
+                .map_err(BalanceError::Call),
         }
     }
 

@@ -20,8 +20,9 @@ use super::BucketCore;
 use crate::cache::{CacheError, Change, ExportedItem, Write};
 use crate::error::{DataError, ReplicaError};
 use crate::phase::{plan_holds, write_refusal, WritePlan};
+use crate::transfer::shadow::ShadowWrites;
 use crate::transport::frame::change_body;
-use crate::transport::CallError;
+use crate::transport::{CallError, PEER_CALL_TIMEOUT};
 
 /// One write done under a permit, and how to take it back.
 struct Done {
@@ -159,7 +160,11 @@ impl<'a> WritePermit<'a> {
     async fn through_shadow(&mut self, changes: &[Change]) -> Result<(), DataError> {
         let (core, bucket) = (self.core, self.plan.bucket);
         let Some(shadow) = self.plan.shadow.clone() else { return Ok(()) };
-        let Err(cause) = core.peers.shadow(&shadow.peer_addr, bucket, change_body(changes)).await else {
+        let Err(cause) = core
+            .peers
+            .ask(&shadow.peer_addr, ShadowWrites { bucket, body: change_body(changes) }, PEER_CALL_TIMEOUT)
+            .await
+        else {
             return Ok(());
         };
         let gone = |s: &shoal_raft::ClusterState| s.shadow_of(bucket) != Some(shadow.node);
@@ -287,7 +292,7 @@ fn take_back_at(
     taken_back: &[Change],
 ) -> tokio::task::JoinHandle<Result<(), CallError>> {
     let (peers, addr, body) = (core.peers.clone(), addr.to_string(), change_body(taken_back));
-    runtime.spawn(async move { peers.shadow(&addr, bucket, body).await })
+    runtime.spawn(async move { peers.ask(&addr, ShadowWrites { bucket, body }, PEER_CALL_TIMEOUT).await })
 }
 
 /// A write the replica refused because this node's map, caught up, no longer gives it the

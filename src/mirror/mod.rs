@@ -228,7 +228,10 @@ impl Mirrors {
                 let (mirrors, peers) = (self.clone(), peers.clone());
                 tokio::spawn(async move {
                     let sent = Instant::now();
-                    let outcome = match peers.transfer_status(&addr).await {
+                    let outcome = match peers
+                        .ask(&addr, crate::transfer::progress::AskProgress, crate::transport::PEER_CALL_TIMEOUT)
+                        .await
+                    {
                         Ok(_) => Outcome::Answered,
                         Err(e) => outcome_of(&e),
                     };

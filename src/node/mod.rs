@@ -771,13 +771,13 @@ impl Parts {
             facts: self.core.facts().clone(),
             replicator: self.replicator.clone(),
         };
-        Arc::new(PeerService {
-            control: self.control.clone(),
-            api: self.api.clone(),
-            replicator: self.replicator.clone(),
+        Arc::new(PeerService::new(
+            self.control.clone(),
+            self.api.clone(),
+            self.replicator.clone(),
             exporter,
-            health: self.health.clone(),
-        })
+            self.health.clone(),
+        ))
     }
 
     /// Starts the node's background tasks, the reconciler last, once it is a member.

@@ -9,9 +9,13 @@ use tokio::time::Instant;
 
 use super::{Done, Fetched, Reconciler, RETRY};
 use crate::maintenance::{HandOff, NotInSync, WritePause};
+use crate::transfer::found::GiveBack;
 use crate::transfer::import::PullError;
 use crate::transport::frame::snapshot_body;
 use crate::transport::CallError;
+
+/// How long an owner may take to install a lost bucket's copy given back.
+const GIVE_BACK_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How long acknowledging a pending map waits before the loop tries again.
 const ACK_RETRY: Duration = Duration::from_millis(500);
@@ -95,7 +99,8 @@ impl Reconciler {
                 .map(|l| async move {
                     let bucket = BucketId(l.bucket);
                     let body = snapshot_body(&self.store, bucket);
-                    let result = self.peers.give_back(&l.peer_addr, self.me, bucket, body).await;
+                    let result =
+                        self.peers.ask(&l.peer_addr, GiveBack { from: self.me, bucket, body }, GIVE_BACK_TIMEOUT).await;
                     if let Err(e) = &result {
                         tracing::warn!(bucket = l.bucket, owner = l.owner, error = %e, "giving a lost bucket back");
                     }

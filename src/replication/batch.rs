@@ -14,8 +14,9 @@
 //! writer takes its write back, as it did alone.
 
 use super::lanes::{Exchange, LaneLimits, Lanes};
+use super::{ReplicaAnswer, Replicate, ReplicateBatch};
 use crate::peer::Peers;
-use crate::transport::{CallError, ReplicaAnswer, Replicate};
+use crate::transport::{CallError, PEER_CALL_TIMEOUT};
 
 /// Writes one exchange carries at most.
 const MAX_BATCH: usize = 64;
@@ -47,10 +48,10 @@ impl Exchange for ReplicaWrites {
     async fn send(&self, addr: &str, mut items: Vec<Replicate>) -> Vec<Self::Answer> {
         let n = items.len();
         let answers = match items.pop() {
-            Some(only) if items.is_empty() => self.0.replicate(addr, only).await.map(|a| vec![a]),
+            Some(only) if items.is_empty() => self.0.ask(addr, only, PEER_CALL_TIMEOUT).await.map(|a| vec![a]),
             Some(last) => {
                 items.push(last);
-                self.0.replicate_batch(addr, items).await
+                self.0.ask(addr, ReplicateBatch(items), PEER_CALL_TIMEOUT).await
             }
             None => Ok(Vec::new()),
         };
@@ -72,11 +73,12 @@ mod tests {
     use std::time::Duration;
 
     use bytes::Bytes;
-    use shoal_raft::{BoxFuture, BucketId};
+    use shoal_raft::BucketId;
 
     use super::*;
-    use crate::transport::testing::{peers_of, Answers};
-    use crate::transport::{PeerAnswer, PeerRequest};
+    use crate::peer::Peers;
+    use crate::transport::testing::peers_of;
+    use crate::transport::wire::Handlers;
 
     /// A holder that applies writes of even buckets and fences odd ones, answers after a
     /// millisecond (so writes pile up meanwhile), and counts its exchanges; or one that died.
@@ -97,29 +99,32 @@ mod tests {
         }
     }
 
-    impl Answers for Holder {
-        fn answer(&self, request: PeerRequest) -> BoxFuture<'_, Result<PeerAnswer, CallError>> {
-            Box::pin(async move {
-                self.exchanges.fetch_add(1, Ordering::SeqCst);
-                tokio::time::sleep(Duration::from_millis(1)).await;
-                if self.dead.load(Ordering::SeqCst) {
-                    return Err(CallError::Unreachable("connection refused".into()));
-                }
-                Ok(match request {
-                    PeerRequest::Replicate(r) => {
-                        self.largest.fetch_max(1, Ordering::SeqCst);
-                        self.arrived.lock().push(r.bucket.0);
-                        PeerAnswer::Replicated(answer(&r))
-                    }
-                    PeerRequest::ReplicateBatch(rs) => {
-                        self.largest.fetch_max(rs.len(), Ordering::SeqCst);
-                        self.arrived.lock().extend(rs.iter().map(|r| r.bucket.0));
-                        PeerAnswer::ReplicatedBatch(rs.iter().map(answer).collect())
-                    }
-                    other => panic!("unexpected {other:?}"),
-                })
-            })
+    impl Holder {
+        /// Takes the writes of one exchange: their answers.
+        async fn take(&self, writes: &[Replicate]) -> Vec<ReplicaAnswer> {
+            self.exchanges.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            self.largest.fetch_max(writes.len(), Ordering::SeqCst);
+            self.arrived.lock().extend(writes.iter().map(|r| r.bucket.0));
+            writes.iter().map(answer).collect()
         }
+    }
+
+    /// Calls that reach `holder`.
+    fn peers_of_holder(holder: &Arc<Holder>) -> Peers {
+        let mut handlers = Handlers::default();
+        let h = holder.clone();
+        handlers.add(move |w: Replicate| {
+            let h = h.clone();
+            async move { Ok(h.take(std::slice::from_ref(&w)).await.remove(0)) }
+        });
+        let h = holder.clone();
+        handlers.add(move |ReplicateBatch(ws)| {
+            let h = h.clone();
+            async move { Ok(h.take(&ws).await) }
+        });
+        let h = holder.clone();
+        peers_of(handlers, move || h.dead.load(Ordering::SeqCst))
     }
 
     fn write(bucket: u16) -> Replicate {
@@ -140,7 +145,7 @@ mod tests {
     #[tokio::test]
     async fn writes_in_flight_together_share_exchanges_and_each_gets_its_own_answer() {
         let holder = Arc::new(Holder::default());
-        let batcher = batcher(peers_of(&holder));
+        let batcher = batcher(peers_of_holder(&holder));
         let answers = send_all(&batcher, 200).await;
         for (b, got) in answers.iter().enumerate() {
             let want = answer(&write(b as u16));
@@ -160,7 +165,7 @@ mod tests {
     #[tokio::test]
     async fn large_writes_travel_in_batches_of_at_most_a_mebibyte() {
         let holder = Arc::new(Holder::default());
-        let batcher = batcher(peers_of(&holder));
+        let batcher = batcher(peers_of_holder(&holder));
         let big = |b: u16| Replicate { body: Bytes::from(vec![0u8; 300 << 10]), ..write(b) };
         let answers = futures::future::join_all((0..40).map(|b| batcher.send("holder", big(b * 2)))).await;
         assert!(answers.iter().all(|a| a == &Ok(ReplicaAnswer::Applied)));
@@ -173,7 +178,7 @@ mod tests {
     async fn a_write_whose_writer_went_away_before_it_was_sent_is_not_sent() {
         use futures::FutureExt;
         let holder = Arc::new(Holder::default());
-        let batcher = batcher(peers_of(&holder));
+        let batcher = batcher(peers_of_holder(&holder));
         // Polled once: the write waits in the lane, its sender not started yet; then its
         // writer goes away (as a write taken back when its client left).
         assert!(batcher.send("holder", write(6)).now_or_never().is_none());
@@ -191,7 +196,7 @@ mod tests {
     #[tokio::test]
     async fn a_holder_that_dies_fails_every_write_of_its_batches() {
         let holder = Arc::new(Holder::default());
-        let batcher = batcher(peers_of(&holder));
+        let batcher = batcher(peers_of_holder(&holder));
         holder.dead.store(true, Ordering::SeqCst);
         let answers = send_all(&batcher, 100).await;
         assert!(answers.iter().all(|a| matches!(a, Err(CallError::Unreachable(_)))), "{answers:?}");

@@ -8,7 +8,21 @@ use parking_lot::{Mutex, MutexGuard};
 use shoal_raft::{BucketId, NodeId, BUCKET_COUNT};
 use tokio::time::Instant;
 
-use crate::transport::ReplicaReport;
+use serde::{Deserialize, Serialize};
+
+/// What an owner says of its replica in its pings (`health::Ping::replica`), for mirror reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicaReport {
+    /// The member holding the sender's replica.
+    pub holder: NodeId,
+    /// Its holding period (`ClusterState::replica_period`).
+    pub period: u64,
+    /// The age of the sender's oldest change not yet acknowledged there, in milliseconds.
+    pub lag_ms: u64,
+    /// Whether the sender replicates synchronously (its own applied setting: a holder that
+    /// applied a switch to sync before its owner must not take the owner's writes for sync).
+    pub sync: bool,
+}
 
 /// The sender and sequence number of the last request applied to a replica bucket: one with
 /// an older number from the same sender (held up in the network after its sender gave up) is

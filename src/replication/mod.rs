@@ -72,6 +72,9 @@ mod lanes;
 mod queue;
 mod receive;
 
+pub use copies::ReplicaReport;
+pub use receive::{register, ReplicaAnswer, Replicate, ReplicateBatch};
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -88,7 +91,7 @@ use crate::error::{DataError, ReplicaError};
 use crate::peer::Peers;
 use crate::phase::{keeps_replica, LocalFacts, Recipient, ReplicaFacts, WritePlan};
 use crate::transport::frame::{change_body, snapshot_body};
-use crate::transport::{CallError, ReplicaAnswer, ReplicaReport, Replicate};
+use crate::transport::{CallError, PEER_CALL_TIMEOUT};
 use copies::Copies;
 use queue::Queue;
 
@@ -405,7 +408,7 @@ impl Replicator {
     ) -> Result<ReplicaAnswer, CallError> {
         let request = self.request(bucket, holder, body, snapshot);
         if snapshot {
-            self.peers.replicate(&holder.peer_addr, request).await
+            self.peers.ask(&holder.peer_addr, request, PEER_CALL_TIMEOUT).await
         } else {
             self.batcher.send(&holder.peer_addr, request).await
         }

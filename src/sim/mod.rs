@@ -811,7 +811,8 @@ pub async fn read(cluster: &SimCluster, h: HostId, key: &str) -> Result<Option<S
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transport::{CallError, PeerAnswer, PeerRequest};
+    use crate::api::forward::{BulkGet, Get, Put};
+    use crate::transport::{wire, CallError, Endpoint, Outgoing};
     use shoal_http_api::types::{ClusterConfig, PutOptions};
     use shoal_http_api::PutItem;
 
@@ -872,6 +873,54 @@ mod tests {
         );
     }
 
+    /// Hands `request` to `service` as a peer link would (with a deadline ten seconds away).
+    async fn ask<E: Endpoint>(service: &crate::node::PeerService, request: E) -> Result<E::Answer, CallError> {
+        let body = |out: &mut Vec<u8>| wire::encode_body(&request, out);
+        let mut message = Vec::new();
+        let now = shoal_http_api::unix_ms();
+        wire::write_request(&mut message, &Outgoing { id: E::ID, kind: E::KIND, body: &body }, Some(now + 10_000))?;
+        let handling = service.serve_message(E::KIND, &message.into(), now).expect("a request that reads");
+        wire::decode_answer(&request, &handling.await.1)
+    }
+
+    /// An answer's error code, or "ok".
+    fn code<T>(answer: Result<T, CallError>) -> String {
+        match answer {
+            Ok(_) => "ok".into(),
+            Err(CallError::Api(e)) => e.code().to_string(),
+            Err(e) => format!("{e:?}"),
+        }
+    }
+
+    /// Garbage handed to a running node's handlers, as a link would hand it (every kind, every
+    /// endpoint's number, bytes of any length, valid messages with a byte changed), is refused
+    /// or read, never a panic; what reads is not run.
+    #[test]
+    fn garbage_to_a_nodes_handlers_is_refused_or_read_never_a_panic() {
+        in_cluster(
+            1,
+            |_| {},
+            |_, cluster| async move {
+                let (_, _, service) = cluster.running()[0].clone();
+                let mut rng = StdRng::seed_from_u64(47);
+                let kinds = [wire::REPLICATE, wire::READ, wire::WRITE, wire::CALL, wire::ANSWER];
+                let (mut refused, mut read) = (0, 0);
+                for n in 0..20_000 {
+                    let kind = if n % 7 == 0 { rng.random() } else { kinds[rng.random_range(0..kinds.len())] };
+                    let mut bytes: Vec<u8> = (0..rng.random_range(0..160)).map(|_| rng.random()).collect();
+                    if let Some(id) = bytes.first_mut() {
+                        *id = rng.random_range(0..24);
+                    }
+                    match service.serve_message(kind, &bytes.into(), 0) {
+                        Ok(_) => read += 1,
+                        Err(_) => refused += 1,
+                    }
+                }
+                assert!(refused > 10_000, "{refused} refused, {read} read");
+            },
+        );
+    }
+
     /// A forwarded request that comes over a peer link meets the receiver's own limits (nodes
     /// may be configured differently): a write with a key or value longer than they allow, a
     /// read of such a key or of more keys than a bulk request may have, fails with the error
@@ -884,37 +933,20 @@ mod tests {
         }
         in_cluster(1, small, |_, cluster| async move {
             let (_, _, service) = cluster.running()[0].clone();
-            let ask = |request: PeerRequest| {
-                let service = service.clone();
-                async move {
-                    let (kind, mut payload) = (crate::transport::wire::kind_of(&request), Vec::new());
-                    let deadline = Some(shoal_http_api::unix_ms() + 10_000);
-                    crate::transport::wire::encode_request(&request, deadline, &mut payload).expect("encodes");
-                    let (kind, payload) =
-                        service.serve_link_request(kind, &payload.into()).expect("a request that reads").await;
-                    Some(crate::transport::wire::decode_answer(&request, kind, &payload))
-                }
-            };
-            let put = |key: &str, value: &'static str| PeerRequest::Put { item: item(key, value), map_version: 0 };
-            let code = |answer: Option<Result<PeerAnswer, CallError>>| match answer {
-                Some(Err(CallError::Api(e))) => e.code().to_string(),
-                other => format!("{other:?}"),
-            };
-            assert!(matches!(ask(put("short", "v")).await, Some(Ok(PeerAnswer::Put(_)))));
-            assert_eq!(code(ask(put("a key longer than sixteen bytes", "v")).await), "key_too_large");
+            let put = |key: &str, value: &'static str| Put { item: item(key, value), map_version: 0 };
+            assert_eq!(code(ask(&service, put("short", "v")).await), "ok");
+            assert_eq!(code(ask(&service, put("a key longer than sixteen bytes", "v")).await), "key_too_large");
             let long = "a value longer than sixty-four bytes, which this node does not take at all";
-            assert_eq!(code(ask(put("short", long)).await), "value_too_large");
-            let get = |key: &str| PeerRequest::Get { key: key.into(), map_version: 0, mirror: None };
-            assert!(matches!(ask(get("short")).await, Some(Ok(PeerAnswer::Got(_)))));
-            assert_eq!(code(ask(get("a key longer than sixteen bytes")).await), "key_too_large");
-            let bulk = |n: usize| PeerRequest::BulkGet {
-                keys: (0..n).map(|i| format!("k{i}")).collect(),
-                map_version: 0,
-                mirror: None,
-            };
+            assert_eq!(code(ask(&service, put("short", long)).await), "value_too_large");
+            let get = |key: &str| Get { key: key.into(), map_version: 0, mirror: None };
+            assert_eq!(code(ask(&service, get("short")).await), "ok");
+            assert_eq!(code(ask(&service, get("a key longer than sixteen bytes")).await), "key_too_large");
+            let bulk =
+                |n: usize| BulkGet { keys: (0..n).map(|i| format!("k{i}")).collect(), map_version: 0, mirror: None };
             let most = service.api.limits().max_bulk_keys;
-            assert!(matches!(ask(bulk(2)).await, Some(Ok(PeerAnswer::BulkGot(_)))));
-            assert_eq!(code(ask(bulk(most + 1)).await), "bad_request", "more keys than a bulk read may have");
+            assert_eq!(code(ask(&service, bulk(2)).await), "ok");
+            let over = ask(&service, bulk(most + 1)).await;
+            assert_eq!(code(over), "bad_request", "more keys than a bulk read may have");
         });
     }
 

@@ -14,27 +14,28 @@
 //! | the link is cut, or the message dropped, on the way | nothing: its own timeout |
 //! | B dies while handling | `Broken` (connection reset) |
 //!
-//! Answers travel as they would over HTTP: errors of the public API are rebuilt from their
-//! problem document, so the simulation sees what a forwarder really sees.
+//! Requests and answers travel encoded as on a peer link (`transport::wire`), through the
+//! receiver's handlers, its deadline check by its own clock included: the simulation sees
+//! what a forwarder really sees.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use futures::StreamExt;
 use parking_lot::Mutex;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use shoal_http_api::types::KeyError;
-use shoal_http_api::{ApiError, Unavailable};
+use shoal_http_api::types::ClusterView;
 use shoal_raft::{BoxFuture, ControlRpc, ControlTransport, NodeId, ServeError, TransportError};
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
 use crate::node::PeerService;
 use crate::transport::http::FORWARD_TIMEOUT;
-use crate::transport::{CallError, FrameStream, PeerAnswer, PeerRequest, StreamRequest, Transport};
+use crate::transport::{link, wire, Addrs, CallError, FrameStream, Outgoing, StreamRequest, Transport};
 
 /// A simulated host: an index into the simulation's hosts.
 pub type HostId = usize;
@@ -72,6 +73,7 @@ struct NetState {
 /// The simulated network (see the module docs).
 pub struct SimNetwork {
     state: Mutex<NetState>,
+    started: Instant,
 }
 
 fn pair(a: HostId, b: HostId) -> (HostId, HostId) {
@@ -88,6 +90,13 @@ struct Route {
 }
 
 impl SimNetwork {
+    /// The simulated hosts' clock in Unix milliseconds: the runtime's (paused, advanced by the
+    /// simulation) since the network was made, from a fixed date.
+    fn now_ms(&self) -> u64 {
+        const UNIX_AT_START: u64 = 1_800_000_000_000;
+        UNIX_AT_START + self.started.elapsed().as_millis() as u64
+    }
+
     /// A network whose random choices follow `seed`.
     pub fn new(seed: u64) -> Arc<Self> {
         Arc::new(SimNetwork {
@@ -101,6 +110,7 @@ impl SimNetwork {
                 drop_rate: 0.0,
                 tasks: BTreeMap::new(),
             }),
+            started: Instant::now(),
         })
     }
 
@@ -319,56 +329,50 @@ pub struct SimTransport {
     generation: u64,
 }
 
-/// What an answer looks like after it crossed the wire: errors of the public API come back
-/// from their problem documents, as the HTTP transport rebuilds them.
-fn over_the_wire(answer: Result<PeerAnswer, CallError>) -> Result<PeerAnswer, CallError> {
-    let whole = |e: ApiError| {
-        let retry_after = (e.status() == axum::http::StatusCode::SERVICE_UNAVAILABLE).then_some(Duration::from_secs(1));
-        ApiError::from_problem(&e.problem(), retry_after)
-    };
-    let item = |e: ApiError| KeyError::of(&e).error();
-    match answer {
-        Err(CallError::Api(e)) => Err(CallError::Api(whole(e))),
-        Ok(PeerAnswer::BulkGot(r)) => Ok(PeerAnswer::BulkGot(r.into_iter().map(|r| r.map_err(item)).collect())),
-        Ok(PeerAnswer::BulkPut(r)) => Ok(PeerAnswer::BulkPut(r.into_iter().map(|r| r.map_err(item)).collect())),
-        Ok(PeerAnswer::BulkDeleted(r)) => Ok(PeerAnswer::BulkDeleted(r.into_iter().map(|r| r.map_err(item)).collect())),
-        other => other,
-    }
-}
-
-/// Whether a request is a forwarded key operation (it expires, as its deadline on the link says).
-fn forwarded(request: &PeerRequest) -> bool {
-    matches!(
-        request,
-        PeerRequest::Get { .. }
-            | PeerRequest::Put { .. }
-            | PeerRequest::Delete { .. }
-            | PeerRequest::BulkGet { .. }
-            | PeerRequest::BulkPut { .. }
-            | PeerRequest::BulkDelete { .. }
-    )
-}
-
 impl Transport for SimTransport {
-    fn call(
-        &self,
-        addr: &str,
-        request: PeerRequest,
+    fn call<'a>(
+        &'a self,
+        addr: &'a str,
+        request: Outgoing<'a>,
         timeout: Duration,
-    ) -> BoxFuture<'_, Result<PeerAnswer, CallError>> {
-        let addr = addr.to_string();
-        let deadline = forwarded(&request).then(|| Instant::now() + FORWARD_TIMEOUT);
+    ) -> BoxFuture<'a, Result<Bytes, CallError>> {
         Box::pin(async move {
+            // As on a link: the sender's deadline by its clock, a message no larger than a link's.
+            let deadline =
+                wire::has_deadline(request.kind).then(|| self.net.now_ms() + FORWARD_TIMEOUT.as_millis() as u64);
+            let mut message = Vec::new();
+            wire::write_request(&mut message, &request, deadline)?;
+            if message.len() > link::MAX_MESSAGE {
+                return Err(CallError::Refused { status: 413, reason: format!("{} bytes", message.len()) });
+            }
+            let (kind, message, net) = (request.kind, Bytes::from(message), self.net.clone());
             let handler = move |service: Arc<PeerService>| async move {
-                // A forwarded request that arrives after its sender gave up is refused, unapplied.
-                if deadline.is_some_and(|d| Instant::now() > d) {
-                    let expired = "the forwarded request arrived after its deadline; nothing was done";
-                    return Err(CallError::Api(ApiError::unavailable(Unavailable::Expired, expired)));
+                match service.serve_message(kind, &message, net.now_ms()) {
+                    Ok(handling) => Ok(Bytes::from(handling.await.1)),
+                    // The link would close: the sender sees it broken.
+                    Err(malformed) => Err(CallError::Broken(malformed.to_string())),
                 }
-                service.serve(request).await
             };
-            let answer = self.net.exchange(self.host, self.generation, &addr, timeout, handler).await;
-            over_the_wire(answer.and_then(|a| a))
+            self.net.exchange(self.host, self.generation, addr, timeout, handler).await?
+        })
+    }
+
+    fn key_op<'a>(
+        &'a self,
+        to: &'a Addrs,
+        request: Outgoing<'a>,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<Bytes, CallError>> {
+        self.call(&to.api, request, timeout)
+    }
+
+    fn cluster(&self, api_addr: &str, timeout: Duration) -> BoxFuture<'_, Result<ClusterView, CallError>> {
+        let api_addr = api_addr.to_string();
+        Box::pin(async move {
+            let handler = |service: Arc<PeerService>| async move {
+                shoal_http_api::AdminApi::cluster(&*service.api).await.map_err(CallError::Api)
+            };
+            self.net.exchange(self.host, self.generation, &api_addr, timeout, handler).await?
         })
     }
 

@@ -36,8 +36,34 @@ use std::time::Duration;
 use bytes::Bytes;
 use shoal_raft::{AdminRequest, BucketId, ClusterState, NodeId};
 
+use serde::{Deserialize, Serialize};
+
 use super::export::Exporter;
 use crate::transport::frame::decode_body;
+use crate::transport::{wire, Endpoint, Malformed};
+
+/// A lost bucket's copy, from the node that served it last (failed while cut off, back now),
+/// to the bucket's owner.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct GiveBack {
+    /// The returned node.
+    pub from: NodeId,
+    /// The bucket.
+    pub bucket: BucketId,
+    /// Its items, framed (`transport::frame`).
+    #[serde(deserialize_with = "wire::shared::deserialize")]
+    pub body: Bytes,
+}
+
+impl Endpoint for GiveBack {
+    type Answer = ();
+    const ID: u8 = wire::id::GIVE_BACK;
+    const CARRIES_DATA: bool = true;
+
+    fn check(&self) -> Result<(), Malformed> {
+        wire::check_bucket(self.bucket)
+    }
+}
 
 /// How long the owner waits to apply the change that marks a bucket found.
 const APPLY_WAIT: Duration = Duration::from_secs(5);

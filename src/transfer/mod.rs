@@ -28,6 +28,9 @@ pub mod stuck;
 
 use std::time::Duration;
 
+use crate::transport::wire::{Handlers, Json};
+use crate::transport::CallError;
+
 /// How transfers run (from the command line).
 #[derive(Debug, Clone, Copy)]
 pub struct TransferConfig {
@@ -54,4 +57,18 @@ impl Default for TransferConfig {
             stuck_after: Duration::from_secs(180),
         }
     }
+}
+
+/// Registers what the exporter answers: shadow writes, copies given back, and its progress.
+pub fn register(handlers: &mut Handlers, exporter: &export::Exporter) {
+    let refused = |(status, reason)| CallError::Refused { status, reason };
+    handlers.add_with(exporter, move |e, w: shadow::ShadowWrites| async move {
+        e.apply_shadow(w.bucket, w.body).await.map_err(refused)
+    });
+    handlers.add_with(exporter, move |e, g: found::GiveBack| async move {
+        e.take_back(g.from, g.bucket, g.body).await.map_err(refused)
+    });
+    handlers.add_with(exporter, |e, _: progress::AskProgress| async move {
+        Ok(Json(e.progress.status(e.control.node_id())))
+    });
 }

@@ -9,6 +9,15 @@ use shoal_http_api::types::TransferStatus;
 /// A round that received less than this says little about the transfer rate.
 const MEASURABLE_BYTES: u64 = 1 << 20;
 
+/// Asks a node for its transfer progress (the leader's stuck detector, and mirrors, ask).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct AskProgress;
+
+impl crate::transport::Endpoint for AskProgress {
+    type Answer = crate::transport::wire::Json<TransferStatus>;
+    const ID: u8 = crate::transport::wire::id::TRANSFER_STATUS;
+}
+
 /// Progress counters, shared by the puller, the exporter and the status endpoint.
 #[derive(Debug)]
 pub struct Progress {

@@ -12,18 +12,38 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-
+use serde::{Deserialize, Serialize};
 use shoal_raft::BucketId;
 
 use super::export::Exporter;
-
 use crate::transport::frame::decode_body;
+use crate::transport::{wire, Endpoint, Malformed};
+
+/// Writes of a bucket for the shadow the previous owner keeps during a transfer.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ShadowWrites {
+    /// The bucket.
+    pub bucket: BucketId,
+    /// Framed changes (`transport::frame`).
+    #[serde(deserialize_with = "wire::shared::deserialize")]
+    pub body: Bytes,
+}
+
+impl Endpoint for ShadowWrites {
+    type Answer = ();
+    const ID: u8 = wire::id::SHADOW;
+    const CARRIES_DATA: bool = true;
+
+    fn check(&self) -> Result<(), Malformed> {
+        wire::check_bucket(self.bucket)
+    }
+}
 
 /// How long a shadow waits for the move that makes it one, before refusing a write-through.
 const SHADOW_WAIT: Duration = Duration::from_secs(2);
 
 impl Exporter {
-    /// `Shadow` (a call on the peer link): applies the owner's writes to this node's shadow
+    /// [`ShadowWrites`]: applies the owner's writes to this node's shadow
     /// copy. Refused (409) when this node holds no shadow of the bucket, 400 for a bad body.
     pub async fn apply_shadow(&self, bucket: BucketId, body: Bytes) -> Result<(), (u16, String)> {
         let me = self.control.node_id();

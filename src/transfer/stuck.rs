@@ -18,6 +18,7 @@ use shoal_raft::{AdminRequest, ControlPlane, NodeId};
 use super::TransferConfig;
 use crate::metrics::NodeMetrics;
 use crate::peer::Peers;
+use crate::transport::PEER_CALL_TIMEOUT;
 
 /// The leader's memory between checks: when each pending map was first seen, and when each
 /// member last answered or moved data.
@@ -63,7 +64,11 @@ impl StuckDetector {
             }
         }
         for member in state.members.iter().filter(|m| !state.incoming_of(m.id).is_empty()) {
-            let idle = match peers.transfer_status(&member.peer_addr).await {
+            let idle = match peers
+                .ask(&member.peer_addr, super::progress::AskProgress, PEER_CALL_TIMEOUT)
+                .await
+                .map(|s| s.0)
+            {
                 Ok(status) => {
                     let idle = Duration::from_secs_f64(status.idle_seconds.max(0.0));
                     self.last_heard.insert(member.id, Instant::now() - idle);

@@ -25,11 +25,12 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use serde::de::DeserializeOwned;
+use shoal_http_api::types::ClusterView;
 use shoal_http_api::{ApiError, Problem, Unavailable};
 use shoal_raft::{BoxFuture, ControlRpc, ControlTransport, NodeId, TransportError};
 
 use super::link::{self, LinkError, Links, OpenError};
-use super::{wire, Addrs, CallError, FrameStream, PeerAnswer, PeerRequest, StreamRequest, Transport};
+use super::{wire, Addrs, CallError, FrameStream, Outgoing, StreamRequest, Transport};
 
 /// The header that carries the cluster secret on every request to a peer listener.
 pub const SECRET_HEADER: HeaderName = HeaderName::from_static("x-shoal-cluster-secret");
@@ -262,25 +263,15 @@ impl HttpTransport {
         json(&answer.body)
     }
 
-    async fn send(&self, addr: &str, request: PeerRequest, timeout: Duration) -> Result<PeerAnswer, CallError> {
-        match request {
-            PeerRequest::Cluster => {
-                let view = self.api_json(Method::GET, addr, "/v1/cluster", &[], Bytes::new(), timeout).await?;
-                Ok(PeerAnswer::Cluster(Box::new(view)))
-            }
-            request => self.over_link(addr, &request, timeout).await,
-        }
-    }
-
     /// Sends `request` on the link to the peer listener at `addr` (`transport::wire`); a
     /// forward carries a deadline: one that reaches the owner later is refused, nothing done.
-    async fn over_link(&self, addr: &str, request: &PeerRequest, timeout: Duration) -> Result<PeerAnswer, CallError> {
-        let kind = wire::kind_of(request);
+    async fn over_link(&self, addr: &str, request: Outgoing<'_>, timeout: Duration) -> Result<Bytes, CallError> {
         let deadline_ms =
-            (kind & link::FORWARD != 0).then(|| shoal_http_api::unix_ms() + FORWARD_TIMEOUT.as_millis() as u64);
+            wire::has_deadline(request.kind).then(|| shoal_http_api::unix_ms() + FORWARD_TIMEOUT.as_millis() as u64);
         // A request that cannot be encoded is not sent: its error is the answer.
         let mut unsendable = None;
-        let payload = |out: &mut Vec<u8>| match wire::encode_request(request, deadline_ms, out) {
+        let kind = request.kind;
+        let payload = |out: &mut Vec<u8>| match wire::write_request(out, &request, deadline_ms) {
             Ok(()) => true,
             Err(e) => {
                 unsendable = Some(e);
@@ -292,7 +283,10 @@ impl HttpTransport {
             return Err(e);
         }
         let answer = answer?;
-        wire::decode_answer(request, answer.kind, &answer.payload)
+        if answer.kind != wire::ANSWER {
+            return Err(CallError::Broken("an answer of an unknown kind from a peer".into()));
+        }
+        Ok(answer.payload)
     }
 
     /// Sends a request of `kind` on the link to the peer listener at `addr` (opened first when
@@ -443,23 +437,27 @@ impl ControlTransport for HttpTransport {
 }
 
 impl Transport for HttpTransport {
-    fn call(
-        &self,
-        addr: &str,
-        request: PeerRequest,
+    fn call<'a>(
+        &'a self,
+        addr: &'a str,
+        request: Outgoing<'a>,
         timeout: Duration,
-    ) -> BoxFuture<'_, Result<PeerAnswer, CallError>> {
-        let addr = addr.to_string();
-        Box::pin(async move { self.send(&addr, request, timeout).await })
+    ) -> BoxFuture<'a, Result<Bytes, CallError>> {
+        Box::pin(self.over_link(addr, request, timeout))
     }
 
-    fn key_op(
-        &self,
-        to: Addrs,
-        request: PeerRequest,
+    fn key_op<'a>(
+        &'a self,
+        to: &'a Addrs,
+        request: Outgoing<'a>,
         timeout: Duration,
-    ) -> BoxFuture<'_, Result<PeerAnswer, CallError>> {
-        Box::pin(async move { self.over_link(&to.peer, &request, timeout).await })
+    ) -> BoxFuture<'a, Result<Bytes, CallError>> {
+        Box::pin(self.over_link(&to.peer, request, timeout))
+    }
+
+    fn cluster(&self, api_addr: &str, timeout: Duration) -> BoxFuture<'_, Result<ClusterView, CallError>> {
+        let api_addr = api_addr.to_string();
+        Box::pin(async move { self.api_json(Method::GET, &api_addr, "/v1/cluster", &[], Bytes::new(), timeout).await })
     }
 
     fn open_stream(
@@ -524,7 +522,30 @@ mod tests {
     use shoal_raft::BucketId;
 
     use super::*;
-    use crate::transport::{link, ReplicaAnswer, Replicate};
+    use crate::api::forward::{Get, Put};
+    use crate::replication::{ReplicaAnswer, Replicate, ReplicateBatch};
+    use crate::transport::wire::Handlers;
+    use crate::transport::{link, Endpoint};
+
+    /// Asks the peer listener at `addr` with `request`, as `Peers::ask` does.
+    async fn ask<E: Endpoint>(transport: &HttpTransport, addr: &str, request: E) -> Result<E::Answer, CallError> {
+        let body = |out: &mut Vec<u8>| wire::encode_body(&request, out);
+        let outgoing = Outgoing { id: E::ID, kind: E::KIND, body: &body };
+        let answer = transport.call(addr, outgoing, Duration::from_secs(20)).await?;
+        wire::decode_answer(&request, &answer)
+    }
+
+    /// Sends a key operation to the member at `to`, as `Peers::ask_member` does.
+    async fn ask_member<E: Endpoint>(
+        transport: &HttpTransport,
+        to: &Addrs,
+        request: E,
+    ) -> Result<E::Answer, CallError> {
+        let body = |out: &mut Vec<u8>| wire::encode_body(&request, out);
+        let outgoing = Outgoing { id: E::ID, kind: E::KIND, body: &body };
+        let answer = transport.key_op(to, outgoing, Duration::from_secs(5)).await?;
+        wire::decode_answer(&request, &answer)
+    }
 
     /// Serves `router` on a fresh loopback port until `stopped` turns true: its address.
     async fn serve_on_loopback(router: axum::Router, stopped: tokio::sync::watch::Receiver<bool>) -> String {
@@ -554,24 +575,16 @@ mod tests {
     }
 
     /// A peer listener on loopback whose links (when `links`; else it refuses the upgrade)
-    /// answer each request as `answer` does, counting in `seen`, checking the cluster secret;
+    /// answer each request with `handlers`, counting in `seen`, checking the cluster secret;
     /// its address, what it saw, and its stop.
-    async fn listener(
-        links: bool,
-        answer: impl Fn(PeerRequest) -> Result<PeerAnswer, CallError> + Send + Sync + 'static,
-    ) -> (String, Arc<Seen>, tokio::sync::watch::Sender<bool>) {
+    async fn listener(links: bool, handlers: Handlers) -> (String, Arc<Seen>, tokio::sync::watch::Sender<bool>) {
         let seen = Arc::new(Seen::default());
         let (stop, stopped) = tokio::sync::watch::channel(false);
-        let answer = Arc::new(answer);
         let handler: link::Handler = {
             let seen = seen.clone();
             Arc::new(move |kind, payload| {
-                let (seen, answer) = (seen.clone(), answer.clone());
-                let (request, _) = wire::decode_request(kind, &payload)?;
-                Ok(Box::pin(async move {
-                    seen.link.fetch_add(1, Ordering::SeqCst);
-                    (wire::ANSWER, wire::encode_answer(answer(request)))
-                }))
+                seen.link.fetch_add(1, Ordering::SeqCst);
+                handlers.serve(kind, &payload, shoal_http_api::unix_ms())
             })
         };
         let secret = |request: &Request| request.headers().get(SECRET_HEADER).is_some_and(|v| v == "s3cret");
@@ -595,12 +608,10 @@ mod tests {
 
     /// A peer listener that applies every replica write.
     async fn peer(links: bool) -> (String, Arc<Seen>, tokio::sync::watch::Sender<bool>) {
-        listener(links, |request| match request {
-            PeerRequest::Replicate(_) => Ok(PeerAnswer::Replicated(ReplicaAnswer::Applied)),
-            PeerRequest::ReplicateBatch(b) => Ok(PeerAnswer::ReplicatedBatch(vec![ReplicaAnswer::Applied; b.len()])),
-            other => panic!("{other:?}"),
-        })
-        .await
+        let mut handlers = Handlers::default();
+        handlers.add(|_: Replicate| async { Ok(ReplicaAnswer::Applied) });
+        handlers.add(|b: ReplicateBatch| async move { Ok(vec![ReplicaAnswer::Applied; b.0.len()]) });
+        listener(links, handlers).await
     }
 
     fn transport() -> HttpTransport {
@@ -609,17 +620,12 @@ mod tests {
 
     async fn write_bodies(transport: &HttpTransport, addr: &str, bodies: Vec<Bytes>) -> Result<(), CallError> {
         let n = bodies.len();
-        let requests: Vec<Replicate> =
+        let mut requests: Vec<Replicate> =
             bodies.into_iter().enumerate().map(|(b, body)| Replicate { body, ..request(b as u16, b"") }).collect();
-        let answer = if n == 1 {
-            transport.call(addr, PeerRequest::Replicate(requests[0].clone()), Duration::from_secs(5)).await
+        if n == 1 {
+            assert_eq!(ask(transport, addr, requests.remove(0)).await?, ReplicaAnswer::Applied);
         } else {
-            transport.call(addr, PeerRequest::ReplicateBatch(requests), Duration::from_secs(5)).await
-        };
-        match answer? {
-            PeerAnswer::Replicated(a) => assert_eq!(a, ReplicaAnswer::Applied),
-            PeerAnswer::ReplicatedBatch(a) => assert_eq!(a, vec![ReplicaAnswer::Applied; n]),
-            other => panic!("{other:?}"),
+            assert_eq!(ask(transport, addr, ReplicateBatch(requests)).await?, vec![ReplicaAnswer::Applied; n]);
         }
         Ok(())
     }
@@ -702,34 +708,34 @@ mod tests {
     /// `write_of` says; its addresses (nobody listens at its API address: key operations do
     /// not go there), what it saw, and its stop.
     async fn owner() -> (Addrs, Arc<Seen>, tokio::sync::watch::Sender<bool>) {
-        let (peer, seen, stop) = listener(true, |request| {
-            match request {
-                PeerRequest::Put { item, map_version: 5 } => write_of(&item.key).map(PeerAnswer::Put),
-                PeerRequest::Get { key, map_version: 5, mirror: None } => read_of(&key).map(PeerAnswer::Got),
-                other => panic!("{other:?}"),
-            }
-            .map_err(CallError::Api)
-        })
-        .await;
+        let mut handlers = Handlers::default();
+        handlers.add(|Put { item, map_version }| async move {
+            assert_eq!(map_version, 5);
+            write_of(&item.key).map_err(CallError::Api)
+        });
+        handlers.add(|Get { key, map_version, mirror }| async move {
+            assert_eq!((map_version, mirror), (5, None));
+            read_of(&key).map_err(CallError::Api)
+        });
+        let (peer, seen, stop) = listener(true, handlers).await;
         (Addrs { api: "127.0.0.1:9".into(), peer }, seen, stop)
     }
 
-    async fn read(transport: &HttpTransport, to: &Addrs, key: &str) -> Result<PeerAnswer, CallError> {
-        let request = PeerRequest::Get { key: key.into(), map_version: 5, mirror: None };
-        transport.key_op(to.clone(), request, Duration::from_secs(5)).await
+    async fn read(transport: &HttpTransport, to: &Addrs, key: &str) -> String {
+        let answer = ask_member(transport, to, Get { key: key.into(), map_version: 5, mirror: None }).await;
+        shown(answer.map(|ok| format!("{} bytes at version {}", ok.value.len(), ok.version)))
     }
 
-    async fn put(transport: &HttpTransport, to: &Addrs, key: &str) -> Result<PeerAnswer, CallError> {
+    async fn put(transport: &HttpTransport, to: &Addrs, key: &str) -> String {
         let item =
             shoal_http_api::PutItem { key: key.into(), value: Bytes::from_static(b"v"), options: Default::default() };
-        transport.key_op(to.clone(), PeerRequest::Put { item, map_version: 5 }, Duration::from_secs(5)).await
+        shown(ask_member(transport, to, Put { item, map_version: 5 }).await.map(|ok| format!("{ok:?}")))
     }
 
     /// A read's or write's answer in one comparable form.
-    fn shown(answer: &Result<PeerAnswer, CallError>) -> String {
+    fn shown(answer: Result<String, CallError>) -> String {
         match answer {
-            Ok(PeerAnswer::Got(ok)) => format!("{} bytes at version {}", ok.value.len(), ok.version),
-            Ok(PeerAnswer::Put(ok)) => format!("{ok:?}"),
+            Ok(shown) => shown,
             Err(CallError::Api(e)) => format!("{:?} {:?}", e.problem(), e.retry_after()),
             other => panic!("{other:?}"),
         }
@@ -739,14 +745,13 @@ mod tests {
     async fn forwarded_reads_and_writes_go_on_the_link_and_answer_as_the_owner_does() {
         let (to, seen, _stop) = owner().await;
         let transport = transport();
-        let found = shown(&read(&transport, &to, "found").await);
-        assert_eq!(found, "9 bytes at version 9");
-        assert!(matches!(read(&transport, &to, "absent").await, Err(CallError::Api(ApiError::NotFound))));
-        let moving = shown(&read(&transport, &to, "moving").await);
+        assert_eq!(read(&transport, &to, "found").await, "9 bytes at version 9");
+        assert!(read(&transport, &to, "absent").await.contains("not_found"));
+        let moving = read(&transport, &to, "moving").await;
         assert!(moving.contains("bucket_moving") && moving.contains("3s"), "{moving}");
-        assert_eq!(shown(&read(&transport, &to, "large").await), format!("{} bytes at version 9", 3 << 20));
-        assert!(shown(&put(&transport, &to, "k").await).contains("version: 4"));
-        let stale = shown(&put(&transport, &to, "stale").await);
+        assert_eq!(read(&transport, &to, "large").await, format!("{} bytes at version 9", 3 << 20));
+        assert!(put(&transport, &to, "k").await.contains("version: 4"));
+        let stale = put(&transport, &to, "stale").await;
         assert!(stale.contains("precondition_failed") && stale.contains("current_version: Some(3)"), "{stale}");
         assert_eq!((seen.link.load(Ordering::SeqCst), seen.upgrades.load(Ordering::SeqCst)), (6, 1));
     }
@@ -755,34 +760,38 @@ mod tests {
     /// handler answered: a value, a refusal with its status, an API error with its code.
     #[tokio::test]
     async fn calls_go_on_the_link_and_answer_as_their_handler_did() {
-        use crate::transport::{Ping, Pong};
-        let (to, seen, _stop) = listener(true, |request| match request {
-            PeerRequest::Ping(ping) => Ok(PeerAnswer::Pong(Pong {
+        use crate::health::{Ping, Pong};
+        use crate::transfer::shadow::ShadowWrites;
+        let mut handlers = Handlers::default();
+        handlers.add(|ping: Ping| async move {
+            Ok(Pong {
                 node_id: 2,
                 incarnation: ping.incarnation + 1,
                 status: shoal_raft::MemberStatus::Member,
                 lease: true,
-            })),
-            PeerRequest::Shadow { bucket, body } => {
-                Err(CallError::Refused { status: 409, reason: format!("{} bytes for bucket {}", body.len(), bucket.0) })
-            }
-            PeerRequest::EnterMaintenance { .. } => Err(CallError::Api(ApiError::Conflict("busy".into()))),
-            other => panic!("{other:?}"),
-        })
-        .await;
+            })
+        });
+        handlers.add(|w: ShadowWrites| async move {
+            Err::<(), _>(CallError::Refused {
+                status: 409,
+                reason: format!("{} bytes for bucket {}", w.body.len(), w.bucket.0),
+            })
+        });
+        handlers.add(|_: crate::api::admin::EnterMaintenance| async {
+            Err(CallError::Api(ApiError::Conflict("busy".into())))
+        });
+        let (to, seen, _stop) = listener(true, handlers).await;
         let transport = transport();
-        let timeout = Duration::from_secs(5);
-        let ping = PeerRequest::Ping(Ping { from: 1, pfail: vec![], incarnation: 41, replica: None });
-        let pong = transport.call(&to, ping, timeout).await;
-        assert!(matches!(pong, Ok(PeerAnswer::Pong(Pong { node_id: 2, incarnation: 42, .. }))), "{pong:?}");
-        let shadow = PeerRequest::Shadow { bucket: BucketId(5), body: Bytes::from(vec![7u8; 100_000]) };
-        let refused = transport.call(&to, shadow, timeout).await;
+        let pong = ask(&transport, &to, Ping { from: 1, pfail: vec![], incarnation: 41, replica: None }).await;
+        assert!(matches!(pong, Ok(Pong { node_id: 2, incarnation: 42, .. })), "{pong:?}");
+        let shadow = ShadowWrites { bucket: BucketId(5), body: Bytes::from(vec![7u8; 100_000]) };
+        let refused = ask(&transport, &to, shadow).await;
         assert!(
             matches!(&refused, Err(CallError::Refused { status: 409, reason }) if reason == "100000 bytes for bucket 5"),
             "{refused:?}"
         );
-        let maintenance = PeerRequest::EnterMaintenance { period: Duration::from_secs(60) };
-        let conflict = transport.call(&to, maintenance, timeout).await;
+        let maintenance = crate::api::admin::EnterMaintenance { period: Duration::from_secs(60) };
+        let conflict = ask(&transport, &to, maintenance).await;
         assert!(matches!(&conflict, Err(CallError::Api(e)) if e.code() == "conflict"), "{conflict:?}");
         assert_eq!((seen.link.load(Ordering::SeqCst), seen.upgrades.load(Ordering::SeqCst)), (3, 1));
     }
@@ -817,14 +826,14 @@ mod tests {
         // Connects at 0, 2 and 4 s: the first two are refused.
         let addr = listening_after(target.clone(), Duration::from_millis(3000)).await;
         let started = tokio::time::Instant::now();
-        let answer = transport.call(&addr, PeerRequest::Replicate(request(1, b"x")), Duration::from_secs(20)).await;
-        assert!(matches!(answer, Ok(PeerAnswer::Replicated(ReplicaAnswer::Applied))), "{answer:?}");
+        let answer = ask(&transport, &addr, request(1, b"x")).await;
+        assert_eq!(answer, Ok(ReplicaAnswer::Applied));
         assert!(started.elapsed() >= Duration::from_secs(4), "two attempts were refused: {:?}", started.elapsed());
         assert_eq!(seen.link.load(Ordering::SeqCst), 1);
         // Listening only after the third attempt: unreachable, after the two pauses.
         let late = listening_after(target, Duration::from_secs(6)).await;
         let started = tokio::time::Instant::now();
-        let answer = transport.call(&late, PeerRequest::Replicate(request(1, b"x")), Duration::from_secs(20)).await;
+        let answer = ask(&transport, &late, request(1, b"x")).await;
         assert!(matches!(answer, Err(CallError::Unreachable(_))), "{answer:?}");
         assert!(started.elapsed() >= Duration::from_secs(4), "{:?}", started.elapsed());
     }

@@ -66,7 +66,7 @@ use tokio::task::AbortHandle;
 use super::Malformed;
 
 /// The value of the `Upgrade` header that asks for a link.
-pub const PROTOCOL: &str = "shoal-link/5";
+pub const PROTOCOL: &str = "shoal-link/6";
 /// The answer of a serving side that is stopping: the request was not handled.
 pub const GOING_AWAY: u8 = 255;
 /// A message from the opener: its caller gave up on the request of this id (one of a
