@@ -28,7 +28,18 @@ type LocalResults<T> = Vec<(usize, Result<T, DataError>)>;
 type Answers<T> = Vec<(Vec<usize>, Result<Vec<Result<T, ApiError>>, ApiError>)>;
 
 /// The keys of one round this node serves, by bucket, and the others, by owner.
-type Routed = (BTreeMap<BucketId, Vec<usize>>, BTreeMap<NodeId, Vec<usize>>);
+/// The keys of one routing round, by where they go (their indexes in the request).
+#[derive(Default)]
+struct Routed {
+    /// Keys this node serves, by bucket.
+    here: BTreeMap<BucketId, Vec<usize>>,
+    /// Keys other nodes own, by owner.
+    owners: BTreeMap<NodeId, Vec<usize>>,
+    /// Keys answered at once: a redirect, or this node's refusal.
+    answered: Vec<(usize, ApiError)>,
+    /// Keys whose bucket's ownership is passing: routed again next round.
+    passing: Vec<usize>,
+}
 
 /// What one routing round of a bulk operation leaves to do.
 #[derive(Default)]
@@ -141,12 +152,12 @@ impl NodeApi {
         while !pending.is_empty() && attempts < ROUTE_ATTEMPTS {
             // Every key of this attempt is decided on the same state.
             let state = self.state_for(ctx).await?;
-            let mut round = Round::default();
-            let (here, groups) =
-                self.route_keys(&state, &pending, |i| key_of(&items[i]), ctx, &may_wait, &mut results, &mut round)?;
+            let routed = self.route_keys(&state, &pending, |i| key_of(&items[i]), ctx, may_wait())?;
+            routed.answered.into_iter().for_each(|(i, e)| results[i] = Some(Err(e)));
+            let mut round = Round { passing: routed.passing, ..Round::default() };
             let version = state.map.version;
             let mut calls = Vec::new();
-            for (owner, idx) in groups {
+            for (owner, idx) in routed.owners {
                 let to = match addrs_of(&state, owner) {
                     Ok(a) => a,
                     Err(e) => {
@@ -162,7 +173,7 @@ impl NodeApi {
             // Buckets here at once: each waits for its own replica, not for the others'.
             let locals = async {
                 let local = &local;
-                join_all(here.into_iter().map(|(bucket, idx)| local(bucket, idx))).await.into_iter().flatten()
+                join_all(routed.here.into_iter().map(|(bucket, idx)| local(bucket, idx))).await.into_iter().flatten()
             };
             let (done_here, answers) = futures::join!(locals, join_all(calls));
             round.local(done_here, &may_wait, &mut results);
@@ -195,34 +206,30 @@ impl NodeApi {
     }
 
     /// Routes the keys at `pending` on `state`: the keys this node serves by bucket, the
-    /// others by owner; a redirect or a refusal is their result at once, and a key whose
-    /// bucket's ownership is passing waits for the next round (while `may_wait`). A
-    /// `not_owner` refusal of this node's own routing fails the whole request.
-    #[allow(clippy::too_many_arguments)]
-    fn route_keys<'k, T>(
+    /// others by owner; a redirect or a refusal is their answer at once, and a key whose
+    /// bucket's ownership is passing waits for the next round (if `may_wait`). A `not_owner`
+    /// refusal of this node's own routing fails the whole request.
+    fn route_keys<'k>(
         &self,
         state: &ClusterState,
         pending: &[usize],
         key_at: impl Fn(usize) -> &'k str,
         ctx: RouteContext,
-        may_wait: &impl Fn() -> bool,
-        results: &mut [Option<Result<T, ApiError>>],
-        round: &mut Round,
+        may_wait: bool,
     ) -> Result<Routed, ApiError> {
-        let mut here: BTreeMap<BucketId, Vec<usize>> = BTreeMap::new();
-        let mut groups: BTreeMap<NodeId, Vec<usize>> = BTreeMap::new();
+        let mut routed = Routed::default();
         for &i in pending {
             let bucket = bucket_of(key_at(i).as_bytes());
             match self.core.route(state, bucket, routing(ctx)) {
-                Ok(Route::Local) => here.entry(bucket).or_default().push(i),
-                Ok(Route::Forward { owner }) => groups.entry(owner).or_default().push(i),
-                Ok(Route::Redirect { owner }) => results[i] = Some(Err(self.redirect_to(state, owner))),
+                Ok(Route::Local) => routed.here.entry(bucket).or_default().push(i),
+                Ok(Route::Forward { owner }) => routed.owners.entry(owner).or_default().push(i),
+                Ok(Route::Redirect { owner }) => routed.answered.push((i, self.redirect_to(state, owner))),
                 Err(e @ DataError::NotOwner { .. }) => return Err(e.into()),
-                Err(e) if is_passing(&e) && may_wait() => round.passing.push(i),
-                Err(e) => results[i] = Some(Err(e.into())),
+                Err(e) if is_passing(&e) && may_wait => routed.passing.push(i),
+                Err(e) => routed.answered.push((i, e.into())),
             }
         }
-        Ok((here, groups))
+        Ok(routed)
     }
 
     pub(super) async fn bulk_get_routed(

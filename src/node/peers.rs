@@ -62,6 +62,7 @@ impl PeerService {
     /// read (the link then closes). `now_ms` is this node's clock (Unix ms), which a forward's
     /// deadline is held against.
     pub fn serve_message(&self, kind: u8, payload: &Bytes, now_ms: u64) -> Result<link::Handling, Malformed> {
+        let handling = self.handlers.serve(kind, payload, now_ms)?;
         let counted = &self.api.metrics().link_requests;
         match kind {
             wire::READ => counted.reads.increment(1),
@@ -69,7 +70,7 @@ impl PeerService {
             wire::REPLICATE => counted.replica_writes.increment(1),
             _ => counted.calls.increment(1),
         }
-        self.handlers.serve(kind, payload, now_ms)
+        Ok(handling)
     }
 
     /// Opens a stream.

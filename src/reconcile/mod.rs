@@ -43,7 +43,7 @@ use crate::transfer::import::{backoff, Puller};
 use crate::transfer::progress::Progress;
 use crate::transfer::stuck::StuckDetector;
 use crate::transfer::TransferConfig;
-use plan::{plan, Action, Facts, Running};
+use plan::{plan, Action, Facts, Job, Running};
 
 /// How long a node that left keeps serving before it stops: long enough for every member to
 /// apply its retirement (and stop sending it replica and shadow writes) under load.
@@ -415,7 +415,7 @@ impl Reconciler {
                     );
                 }
             }
-            job => self.start(job, memory, jobs),
+            Action::Job(job) => self.start(job, memory, jobs),
         }
         false
     }
@@ -423,78 +423,77 @@ impl Reconciler {
     /// Starts the job of an action that waits on something, marked as running until its
     /// result comes back ([`Self::learn`]); the second future's result is what a job that
     /// panicked gives.
-    fn start(self: &Arc<Self>, action: Action, memory: &mut Memory, jobs: &mut Jobs) {
+    fn start(self: &Arc<Self>, job: Job, memory: &mut Memory, jobs: &mut Jobs) {
         let r = &mut memory.running;
         let me = self.clone();
-        match action {
-            Action::GiveBack => {
+        match job {
+            Job::GiveBack => {
                 r.give_back = true;
                 jobs.spawn(async move { me.give_back().await }, Done::GaveBack);
             }
-            Action::Ack { to_version } => {
+            Job::Ack { to_version } => {
                 r.ack = Some(to_version);
                 jobs.spawn(async move { me.ack(to_version).await }, Done::Acked);
             }
-            Action::Elect => {
+            Job::Elect => {
                 r.elect = true;
                 jobs.spawn(async move { me.elect().await }, Done::Elected);
             }
-            Action::MarkRunning => {
+            Job::MarkRunning => {
                 r.mark_running = true;
                 jobs.spawn(async move { me.mark_running().await }, Done::Gone(Kind::MarkRunning));
             }
-            Action::CatchUp => {
+            Job::CatchUp => {
                 r.catch_up = true;
                 jobs.spawn(async move { me.caught_up().await }, Done::Gone(Kind::CatchUp));
             }
-            Action::Restore { bucket, from } => {
+            Job::Restore { bucket, from } => {
                 r.restores.insert(bucket);
                 let failed = Done::Restored { bucket, from, outcome: Fetched::Failed };
                 jobs.spawn(async move { me.restore(bucket, from).await }, failed);
             }
-            Action::RestoreShadow { bucket, from } => {
+            Job::RestoreShadow { bucket, from } => {
                 r.promotions.insert(bucket);
                 let failed = Done::Promoted { bucket, from, outcome: Fetched::Failed };
                 jobs.spawn(async move { me.restore_shadow(bucket, from).await }, failed);
             }
-            Action::ReportPromoted { installed, lost } => {
+            Job::ReportPromoted { installed, lost } => {
                 r.report = true;
                 jobs.spawn(async move { me.report_promoted(installed, lost).await }, Done::Reported);
             }
-            Action::Pull { bucket, from, epoch } => {
+            Job::Pull { bucket, from, epoch } => {
                 r.pulls.insert(bucket);
                 let failed = Done::Pulled { bucket, ok: false, flipped: false };
                 jobs.spawn(async move { me.pull(bucket, from, epoch).await }, failed);
             }
-            Action::Attach { holder, buckets } => {
+            Job::Attach { holder, buckets } => {
                 r.attach = true;
                 jobs.spawn(async move { me.attach(holder, buckets).await }, Done::Attached);
             }
-            Action::MoveReplica { holder } => {
+            Job::MoveReplica { holder } => {
                 r.move_replica = true;
                 jobs.spawn(async move { me.move_replica(holder).await }, Done::MovedReplica);
             }
-            Action::HandOver { heir } => {
+            Job::HandOver { heir } => {
                 r.handover = true;
                 memory.handover_tried = true;
                 jobs.spawn(async move { me.hand_over(heir).await }, Done::HandedOver);
             }
-            Action::CheckStuck => {
+            Job::CheckStuck => {
                 if let Some(detector) = memory.stuck.take() {
                     r.stuck = true;
                     memory.stuck_checked = Some(Instant::now());
                     jobs.spawn(async move { me.check_stuck(detector).await }, Done::Gone(Kind::StuckCheck));
                 }
             }
-            Action::EndMaintenance { node, reason } => {
+            Job::EndMaintenance { node, reason } => {
                 r.end_maintenance = true;
                 jobs.spawn(async move { me.end_maintenance(node, reason).await }, Done::EndedMaintenance);
             }
-            Action::SendQueued => {
+            Job::SendQueued => {
                 r.send = true;
                 jobs.spawn(async move { me.send_queued().await }, Done::Sent);
             }
-            done_at_once => tracing::error!(action = ?done_at_once, "an action without a job was started as one"),
         }
     }
 

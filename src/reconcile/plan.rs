@@ -121,12 +121,9 @@ impl Facts {
     }
 }
 
-/// Something to do.
+/// Something to do: at once, in the loop, or as a [`Job`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
-    /// The cluster failed this node: give the lost buckets it served last back to their
-    /// owners (it holds their newest copy), before it discards anything.
-    GiveBack,
     /// The cluster failed this node and it gave back what it could: stop, discard the data
     /// dir, join again as a new member.
     Rejoin,
@@ -136,26 +133,6 @@ pub enum Action {
     SetLimit {
         /// Bytes.
         bytes: u64,
-    },
-    /// Acknowledge the pending map.
-    Ack {
-        /// Its version.
-        to_version: u64,
-    },
-    /// Tell the cluster this node runs again (it may have been stopping before a restart).
-    MarkRunning,
-    /// The leader is stopping and this node is its successor: stand for election, so that
-    /// leadership moves while the leader still runs. Also a stopping node that has heard no
-    /// leader for the longest election timeout.
-    Elect,
-    /// Wait until the map can be trusted (a leader known, the committed log applied).
-    CatchUp,
-    /// Get a bucket back after a restart from a node holding a copy.
-    Restore {
-        /// The bucket.
-        bucket: BucketId,
-        /// Its replica holder or its shadow.
-        from: NodeId,
     },
     /// A bucket marked for restoring that this node does not own (or that a promotion
     /// covers): nothing to restore.
@@ -180,6 +157,49 @@ pub enum Action {
     AdoptShadow {
         /// The bucket.
         bucket: BucketId,
+    },
+    /// Drop the active store's copy of a bucket this node keeps no data of.
+    DropActive {
+        /// The bucket.
+        bucket: BucketId,
+    },
+    /// Drop a replica copy this node no longer holds for its owner.
+    DropReplica {
+        /// The bucket.
+        bucket: BucketId,
+        /// The owner the copy came from (a newer owner's copy is not dropped).
+        source: NodeId,
+    },
+    /// Start a job, which runs until its result comes back.
+    Job(Job),
+}
+
+/// An action that waits on something: it runs as a job of the loop, marked as running (in
+/// [`Running`]) until its result comes back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Job {
+    /// The cluster failed this node: give the lost buckets it served last back to their
+    /// owners (it holds their newest copy), before it discards anything.
+    GiveBack,
+    /// Acknowledge the pending map.
+    Ack {
+        /// Its version.
+        to_version: u64,
+    },
+    /// Tell the cluster this node runs again (it may have been stopping before a restart).
+    MarkRunning,
+    /// The leader is stopping and this node is its successor: stand for election, so that
+    /// leadership moves while the leader still runs. Also a stopping node that has heard no
+    /// leader for the longest election timeout.
+    Elect,
+    /// Wait until the map can be trusted (a leader known, the committed log applied).
+    CatchUp,
+    /// Get a bucket back after a restart from a node holding a copy.
+    Restore {
+        /// The bucket.
+        bucket: BucketId,
+        /// Its replica holder or its shadow.
+        from: NodeId,
     },
     /// Fetch a promoted bucket this node holds no replica of from its shadow.
     RestoreShadow {
@@ -222,18 +242,6 @@ pub enum Action {
         /// The heir.
         heir: NodeId,
     },
-    /// Drop the active store's copy of a bucket this node keeps no data of.
-    DropActive {
-        /// The bucket.
-        bucket: BucketId,
-    },
-    /// Drop a replica copy this node no longer holds for its owner.
-    DropReplica {
-        /// The bucket.
-        bucket: BucketId,
-        /// The owner the copy came from (a newer owner's copy is not dropped).
-        source: NodeId,
-    },
     /// As leader: check a running transfer for progress.
     CheckStuck,
     /// End a maintenance before the member came back: as leader, its time ran out; as the
@@ -258,7 +266,7 @@ pub fn plan(previous: &ClusterState, state: &ClusterState, f: &Facts) -> Vec<Act
         return match (f.gave_back, f.running.give_back) {
             (true, _) => vec![Action::Rejoin],
             (false, true) => Vec::new(),
-            (false, false) => vec![Action::GiveBack],
+            (false, false) => vec![Action::Job(Job::GiveBack)],
         };
     }
     if state.retired.contains(&me) {
@@ -276,11 +284,11 @@ pub fn plan(previous: &ClusterState, state: &ClusterState, f: &Facts) -> Vec<Act
     }
     if let Some(t) = state.transition.as_ref().filter(|t| !t.acked.contains(&me)) {
         if f.running.ack != Some(t.to.version) {
-            out.push(Action::Ack { to_version: t.to.version });
+            out.push(Action::Job(Job::Ack { to_version: t.to.version }));
         }
     }
     if !f.marked_running && !f.running.mark_running && state.members.len() > 1 && !f.draining {
-        out.push(Action::MarkRunning);
+        out.push(Action::Job(Job::MarkRunning));
     }
     let leader_stopping = f.leader_id.filter(|&l| l != me && state.draining.contains(&l));
     let succeeds = leader_stopping.is_some_and(|l| !f.draining && state.successor_of(l) == Some(me));
@@ -290,21 +298,21 @@ pub fn plan(previous: &ClusterState, state: &ClusterState, f: &Facts) -> Vec<Act
     // nothing would commit again (no stop recorded, no hand-off).
     let stranded = f.draining && f.leader_lost;
     if f.voter && !f.running.elect && (succeeds || stranded) {
-        out.push(Action::Elect);
+        out.push(Action::Job(Job::Elect));
     }
     plan_restores(state, f, &mut out);
     plan_promotions(state, f, &mut out);
     if !f.pulls_paused {
         let free = f.parallelism.max(1).saturating_sub(f.running.pulls.len());
         let incoming = state.incoming_of(me).into_iter().filter(|(b, _, _)| !f.running.pulls.contains(b));
-        out.extend(incoming.take(free).map(|(bucket, from, epoch)| Action::Pull { bucket, from, epoch }));
+        out.extend(incoming.take(free).map(|(bucket, from, epoch)| Action::Job(Job::Pull { bucket, from, epoch })));
     }
     plan_replicas(state, f, &mut out);
     plan_handover(state, f, &mut out);
     plan_drops(previous, state, f, &mut out);
     // While a member is away in maintenance nothing is stuck: it pulls once it returns.
     if f.leader && state.transfer_flag && state.away().is_none() && f.stuck_check_due && !f.running.stuck {
-        out.push(Action::CheckStuck);
+        out.push(Action::Job(Job::CheckStuck));
     }
     if let Some(m) = state.maintenance.as_ref().filter(|m| m.phase != MaintenancePhase::Returned) {
         let reason = if f.leader && f.now_ms >= m.until_ms {
@@ -315,11 +323,11 @@ pub fn plan(previous: &ClusterState, state: &ClusterState, f: &Facts) -> Vec<Act
             None
         };
         if let Some(reason) = reason.filter(|_| !f.running.end_maintenance) {
-            out.push(Action::EndMaintenance { node: m.node, reason });
+            out.push(Action::Job(Job::EndMaintenance { node: m.node, reason }));
         }
     }
     if f.queue_waiting && !f.running.send {
-        out.push(Action::SendQueued);
+        out.push(Action::Job(Job::SendQueued));
     }
     out
 }
@@ -335,7 +343,7 @@ fn plan_restores(state: &ClusterState, f: &Facts, out: &mut Vec<Action>) {
     }
     if !f.caught_up {
         if !f.running.catch_up {
-            out.push(Action::CatchUp);
+            out.push(Action::Job(Job::CatchUp));
         }
         return;
     }
@@ -368,7 +376,7 @@ fn plan_restores(state: &ClusterState, f: &Facts, out: &mut Vec<Action>) {
         match source {
             Some(from) if free > 0 => {
                 free -= 1;
-                out.push(Action::Restore { bucket, from });
+                out.push(Action::Job(Job::Restore { bucket, from }));
             }
             Some(_) => {}
             None => empty.push(bucket),
@@ -409,14 +417,14 @@ fn plan_promotions(state: &ClusterState, f: &Facts, out: &mut Vec<Action>) {
                 Some(s) if s == f.me => out.push(Action::AdoptShadow { bucket }),
                 Some(_) if f.running.promotions.contains(&bucket) => {}
                 Some(s) if !f.no_copy.get(&bucket).is_some_and(|t| t.contains(&s)) => {
-                    out.push(Action::RestoreShadow { bucket, from: s });
+                    out.push(Action::Job(Job::RestoreShadow { bucket, from: s }));
                 }
                 _ => lost.push(bucket),
             }
         }
     }
     if !installed.is_empty() || !lost.is_empty() {
-        out.push(Action::ReportPromoted { installed, lost });
+        out.push(Action::Job(Job::ReportPromoted { installed, lost }));
     }
 }
 
@@ -439,7 +447,7 @@ fn plan_replicas(state: &ClusterState, f: &Facts, out: &mut Vec<Action>) {
             let missing: Vec<BucketId> =
                 serving.iter().copied().filter(|&b| !f.attached.contains(&(b, holder))).take(ATTACH_BATCH).collect();
             if !missing.is_empty() {
-                out.push(Action::Attach { holder, buckets: missing });
+                out.push(Action::Job(Job::Attach { holder, buckets: missing }));
                 break;
             }
         }
@@ -450,7 +458,7 @@ fn plan_replicas(state: &ClusterState, f: &Facts, out: &mut Vec<Action>) {
     let pending = owned.iter().filter(|&&b| !state.is_lost(b)).count() != serving.len();
     let complete = !pending && serving.iter().all(|&b| f.attached.contains(&(b, desired)));
     if committed != Some(desired) && complete && !leaving && !f.running.move_replica {
-        out.push(Action::MoveReplica { holder: desired });
+        out.push(Action::Job(Job::MoveReplica { holder: desired }));
     }
 }
 
@@ -486,7 +494,7 @@ fn plan_handover(state: &ClusterState, f: &Facts, out: &mut Vec<Action>) {
     }
     let heir = state.heir_of(me).filter(|&h| h != me && state.is_member(h) && !f.suspected.contains(&h));
     if let Some(heir) = heir {
-        out.push(Action::HandOver { heir });
+        out.push(Action::Job(Job::HandOver { heir }));
     }
 }
 

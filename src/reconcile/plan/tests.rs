@@ -27,7 +27,7 @@ fn a_failed_or_retired_node_does_nothing_but_leave() {
     let mut f = facts(2);
     f.failed = true;
     f.active = BucketId::all().collect();
-    assert_eq!(plan(&s, &s, &f), vec![Action::GiveBack], "first the lost buckets it served last");
+    assert_eq!(plan(&s, &s, &f), vec![Action::Job(Job::GiveBack)], "first the lost buckets it served last");
     f.running.give_back = true;
     assert_eq!(plan(&s, &s, &f), vec![], "it keeps everything meanwhile");
     f.running.give_back = false;
@@ -53,7 +53,7 @@ fn the_successor_of_a_stopping_leader_stands_for_election_and_nobody_else() {
         f.voter = true;
         f.leader_id = Some(1);
         f.draining = draining;
-        plan(s, s, &f).contains(&Action::Elect)
+        plan(s, s, &f).contains(&Action::Job(Job::Elect))
     };
     assert!(!elects(&s, 2, false), "the leader runs: nobody stands");
     s.apply(&shoal_raft::ClusterCommand::SetDraining { node_id: 1, draining: true });
@@ -73,7 +73,7 @@ fn a_stopping_node_stands_only_once_no_leader_is_heard() {
         f.leader_id = Some(1);
         f.draining = draining;
         f.leader_lost = leader_lost;
-        plan(s, s, &f).contains(&Action::Elect)
+        plan(s, s, &f).contains(&Action::Job(Job::Elect))
     };
     assert!(!elects(&s, true, false), "a leader is heard");
     assert!(elects(&s, true, true), "nothing commits without a leader");
@@ -90,12 +90,12 @@ fn a_restarted_node_catches_up_then_restores_from_the_complete_replica_and_serve
     let mut f = facts(2);
     f.restoring = [b, foreign].into();
     f.caught_up = false;
-    assert_eq!(plan(&s, &s, &f).into_iter().filter(|a| matches!(a, Action::CatchUp)).count(), 1);
-    assert!(!plan(&s, &s, &f).iter().any(|a| matches!(a, Action::Restore { .. } | Action::Unmark { .. })));
+    assert_eq!(plan(&s, &s, &f).into_iter().filter(|a| matches!(a, Action::Job(Job::CatchUp))).count(), 1);
+    assert!(!plan(&s, &s, &f).iter().any(|a| matches!(a, Action::Job(Job::Restore { .. }) | Action::Unmark { .. })));
     f.caught_up = true;
     let actions = plan(&s, &s, &f);
     let heir = s.heir_of(2).expect("an heir");
-    assert!(actions.contains(&Action::Restore { bucket: b, from: heir }), "{actions:?}");
+    assert!(actions.contains(&Action::Job(Job::Restore { bucket: b, from: heir })), "{actions:?}");
     assert!(actions.contains(&Action::Unmark { bucket: foreign }));
     f.no_copy = [(b, [heir].into())].into();
     let actions = plan(&s, &s, &f);
@@ -118,7 +118,7 @@ fn a_restarted_node_keeps_an_owned_lost_bucket_marked_until_it_is_found() {
     assert!(
         !actions
             .iter()
-            .any(|a| matches!(a, Action::Unmark { .. } | Action::Restore { .. } | Action::ServeEmpty { .. })),
+            .any(|a| matches!(a, Action::Unmark { .. } | Action::Job(Job::Restore { .. }) | Action::ServeEmpty { .. })),
         "lost: nothing to restore yet, and it stays marked: {actions:?}"
     );
     assert_eq!(crate::phase::phase_of(&s, 2, b, f.of(b)), Phase::Lost);
@@ -127,7 +127,7 @@ fn a_restarted_node_keeps_an_owned_lost_bucket_marked_until_it_is_found() {
     assert!(!s.is_lost(b), "found");
     assert_eq!(crate::phase::phase_of(&s, 2, b, f.of(b)), Phase::Restoring, "not served empty");
     let heir = s.heir_of(2).expect("an heir");
-    assert!(plan(&before, &s, &f).contains(&Action::Restore { bucket: b, from: heir }));
+    assert!(plan(&before, &s, &f).contains(&Action::Job(Job::Restore { bucket: b, from: heir })));
 }
 /// A member back from maintenance pulls its buckets back while it still catches up after its
 /// restart: a bucket whose pull is flipping to it is not restored from the heir (which, now its
@@ -143,7 +143,7 @@ fn a_restarted_node_does_not_restore_a_bucket_it_is_pulling() {
     f.no_copy = [(b, [heir].into())].into();
     let actions = plan(&s, &s, &f);
     assert!(
-        !actions.iter().any(|a| matches!(a, Action::Restore { .. } | Action::ServeEmpty { .. })),
+        !actions.iter().any(|a| matches!(a, Action::Job(Job::Restore { .. }) | Action::ServeEmpty { .. })),
         "the pull brings it: {actions:?}"
     );
     f.running.pulls.clear();
@@ -168,7 +168,7 @@ fn a_promoted_bucket_that_is_lost_is_reported_lost_even_with_a_copy_here() {
     let actions = plan(&s, &s, &f);
     assert!(!actions.contains(&Action::Install { bucket: b, from: 2 }), "{actions:?}");
     let lost = actions.iter().find_map(|x| match x {
-        Action::ReportPromoted { lost, .. } => Some(lost.clone()),
+        Action::Job(Job::ReportPromoted { lost, .. }) => Some(lost.clone()),
         _ => None,
     });
     assert!(lost.is_some_and(|l| l.contains(&b)), "{actions:?}");
@@ -186,7 +186,7 @@ fn a_promoted_bucket_comes_from_the_replica_else_the_shadow_else_it_is_lost() {
     let actions = plan(&s, &s, &f);
     assert!(actions.contains(&Action::Install { bucket: a, from: 2 }), "{actions:?}");
     let reported = actions.iter().find_map(|x| match x {
-        Action::ReportPromoted { installed, lost } => Some((installed.clone(), lost.clone())),
+        Action::Job(Job::ReportPromoted { installed, lost }) => Some((installed.clone(), lost.clone())),
         _ => None,
     });
     let (installed, lost) = reported.expect("what is decided is reported at once");
@@ -196,7 +196,7 @@ fn a_promoted_bucket_comes_from_the_replica_else_the_shadow_else_it_is_lost() {
     f.installed = of_2.iter().copied().filter(|&x| x != b && x != c).collect();
     let actions = plan(&s, &s, &f);
     let report = actions.iter().find_map(|x| match x {
-        Action::ReportPromoted { installed, lost } => Some((installed.len(), lost.clone())),
+        Action::Job(Job::ReportPromoted { installed, lost }) => Some((installed.len(), lost.clone())),
         _ => None,
     });
     assert_eq!(report, Some((of_2.len() - 2, vec![b, c])));
@@ -226,7 +226,7 @@ fn a_promoted_bucket_is_taken_from_this_node_s_shadow_only_if_it_still_holds_it(
     assert!(!actions.contains(&Action::AdoptShadow { bucket: b }), "{actions:?}");
     f.installed = s.promotions_of(heir).into_iter().map(|(x, _)| x).filter(|&x| x != b).collect();
     let lost = plan(&s, &s, &f).into_iter().find_map(|x| match x {
-        Action::ReportPromoted { lost, .. } => Some(lost),
+        Action::Job(Job::ReportPromoted { lost, .. }) => Some(lost),
         _ => None,
     });
     assert_eq!(lost, Some(vec![b]));
@@ -237,7 +237,7 @@ fn pulls_follow_the_target_up_to_the_parallelism_and_wait_after_a_failure() {
     let s = history(&[Step::Join, Step::EndTransition]);
     let mut f = facts(2);
     f.parallelism = 3;
-    let pulls = |f: &Facts| plan(&s, &s, f).into_iter().filter(|a| matches!(a, Action::Pull { .. })).count();
+    let pulls = |f: &Facts| plan(&s, &s, f).into_iter().filter(|a| matches!(a, Action::Job(Job::Pull { .. }))).count();
     assert_eq!(pulls(&f), 3);
     f.running.pulls = s.incoming_of(2).into_iter().take(2).map(|(b, _, _)| b).collect();
     assert_eq!(pulls(&f), 1);
@@ -258,11 +258,11 @@ fn the_replica_moves_to_the_new_holder_only_once_it_has_every_bucket() {
     let mut f = facts(3);
     f.attached = owned.iter().map(|&b| (b, 1)).collect();
     let actions = plan(&s, &s, &f);
-    assert!(actions.iter().any(|a| matches!(a, Action::Attach { holder: 4, .. })), "{actions:?}");
-    assert!(!actions.iter().any(|a| matches!(a, Action::MoveReplica { .. })));
+    assert!(actions.iter().any(|a| matches!(a, Action::Job(Job::Attach { holder: 4, .. }))), "{actions:?}");
+    assert!(!actions.iter().any(|a| matches!(a, Action::Job(Job::MoveReplica { .. }))));
     f.attached.extend(owned.iter().map(|&b| (b, 4)));
     let actions = plan(&s, &s, &f);
-    assert!(actions.contains(&Action::MoveReplica { holder: 4 }), "{actions:?}");
+    assert!(actions.contains(&Action::Job(Job::MoveReplica { holder: 4 })), "{actions:?}");
     // Node 1 keeps its copies of node 3's buckets until node 4 is the complete holder.
     let mut holder = facts(1);
     holder.replicas = owned.iter().map(|&b| (b, 3)).collect();
@@ -281,7 +281,7 @@ fn a_joiner_gets_its_share_before_replica_copies_it_only_prepares_to_hold() {
         plan(s, s, f)
             .into_iter()
             .filter_map(|a| match a {
-                Action::Attach { holder, .. } => Some(holder),
+                Action::Job(Job::Attach { holder, .. }) => Some(holder),
                 _ => None,
             })
             .collect()
@@ -299,7 +299,7 @@ fn a_joiner_gets_its_share_before_replica_copies_it_only_prepares_to_hold() {
     assert_eq!(attaches(&s, &f), vec![1], "the complete holder is kept complete meanwhile");
     f.attached = s.map.buckets_of(3).into_iter().map(|b| (b, 1)).collect();
     assert_eq!(attaches(&s, &f), Vec::<NodeId>::new(), "nothing goes to node 4 while it pulls");
-    assert!(!plan(&s, &s, &f).iter().any(|a| matches!(a, Action::MoveReplica { .. })));
+    assert!(!plan(&s, &s, &f).iter().any(|a| matches!(a, Action::Job(Job::MoveReplica { .. }))));
     // The complete holder stops (or leaves): the copies go to node 4 at once.
     let mut stopping = s.clone();
     stopping.draining.insert(1);
@@ -314,7 +314,7 @@ fn a_joiner_gets_its_share_before_replica_copies_it_only_prepares_to_hold() {
     let sent: Vec<BucketId> = plan(&s, &s, &f)
         .into_iter()
         .flat_map(|a| match a {
-            Action::Attach { holder: 4, buckets } => buckets,
+            Action::Job(Job::Attach { holder: 4, buckets }) => buckets,
             _ => Vec::new(),
         })
         .collect();
@@ -369,12 +369,12 @@ proptest! {
                             prop_assert!(!state.promoted.contains_key(&bucket.0));
                             None
                         }
-                        Action::Pull { bucket, from, .. } => {
+                        Action::Job(Job::Pull { bucket, from, .. }) => {
                             prop_assert_eq!(state.target.as_ref().and_then(|t| t.owner_of(*bucket)), Some(me));
                             prop_assert_eq!(state.map.owner_of(*bucket), Some(*from));
                             Some(*bucket)
                         }
-                        Action::Restore { bucket, from } => {
+                        Action::Job(Job::Restore { bucket, from }) => {
                             prop_assert_eq!(state.map.owner_of(*bucket), Some(me));
                             prop_assert!(*from != me && state.is_member(*from));
                             Some(*bucket)
@@ -384,12 +384,12 @@ proptest! {
                             prop_assert_eq!(f.replicas.get(bucket), Some(from));
                             Some(*bucket)
                         }
-                        Action::HandOver { heir } => {
+                        Action::Job(Job::HandOver { heir }) => {
                             prop_assert!(state.member_of(me).is_some_and(|m| m.leaving));
                             prop_assert_eq!(state.heir_of(me), Some(*heir));
                             None
                         }
-                        Action::MoveReplica { holder } => {
+                        Action::Job(Job::MoveReplica { holder }) => {
                             prop_assert_eq!(state.replica_of(me), Some(*holder));
                             None
                         }
@@ -401,7 +401,7 @@ proptest! {
                 }
                 if f.failed || state.failed.contains(&me) {
                     prop_assert!(actions.len() <= 1, "{actions:?}");
-                    prop_assert!(actions.iter().all(|a| matches!(a, Action::Rejoin | Action::GiveBack)));
+                    prop_assert!(actions.iter().all(|a| matches!(a, Action::Rejoin | Action::Job(Job::GiveBack))));
                 }
             }
         }
@@ -413,7 +413,7 @@ fn a_maintenance_is_ended_by_the_leader_when_its_time_ran_out_and_by_the_member_
     let mut s = three_nodes();
     s.apply(&shoal_raft::ClusterCommand::EnterMaintenance { node_id: 2, since_ms: 1_000, until_ms: 61_000 });
     let ends = |s: &ClusterState, f: &Facts| {
-        plan(s, s, f).into_iter().filter(|a| matches!(a, Action::EndMaintenance { node: 2, .. })).count()
+        plan(s, s, f).into_iter().filter(|a| matches!(a, Action::Job(Job::EndMaintenance { node: 2, .. }))).count()
     };
     // The member runs the procedure: nobody ends it before its time.
     let member = Facts { entering_maintenance: true, now_ms: 2_000, ..facts(2) };
