@@ -41,7 +41,23 @@ use tokio::time::Instant;
 pub use karma::{Karma, Outcome, Strategy};
 
 use crate::peer::Peers;
-use crate::transport::CallError;
+use crate::transport::wire::{self, Handlers};
+use crate::transport::{CallError, Endpoint};
+
+/// A mirror's ping: it asks nothing, and its answer (or its failure, and how long it took) is
+/// what the reader learns of the member.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct Probe;
+
+impl Endpoint for Probe {
+    type Answer = ();
+    const ID: u8 = wire::id::PROBE;
+}
+
+/// Registers the answer to mirrors' pings.
+pub fn register(handlers: &mut Handlers) {
+    handlers.add(|_: Probe| async { Ok(()) });
+}
 
 /// How reads are balanced over mirrors (the node's flags).
 #[derive(Debug, Clone, Copy)]
@@ -228,10 +244,7 @@ impl Mirrors {
                 let (mirrors, peers) = (self.clone(), peers.clone());
                 tokio::spawn(async move {
                     let sent = Instant::now();
-                    let outcome = match peers
-                        .ask(&addr, crate::transfer::progress::AskProgress, crate::transport::PEER_CALL_TIMEOUT)
-                        .await
-                    {
+                    let outcome = match peers.ask(&addr, Probe, crate::transport::PEER_CALL_TIMEOUT).await {
                         Ok(_) => Outcome::Answered,
                         Err(e) => outcome_of(&e),
                     };

@@ -53,6 +53,7 @@ impl PeerService {
         crate::replication::register(&mut handlers, &replicator);
         crate::transfer::register(&mut handlers, &exporter);
         crate::health::register(&mut handlers, &health);
+        crate::mirror::register(&mut handlers);
         crate::api::register(&mut handlers, &api);
         PeerService { control, api, replicator, exporter, health, handlers }
     }

@@ -85,6 +85,8 @@ pub mod id {
     pub const BUCKETS: u8 = 19;
     /// `balance::Rebalance`.
     pub const REBALANCE: u8 = 20;
+    /// `mirror::Probe`.
+    pub const PROBE: u8 = 21;
 }
 
 /// The header's size: the endpoint's number and the deadline.
@@ -421,6 +423,7 @@ mod tests {
             sample(report),
             sample(AskBuckets(BucketsQuery { sort: BucketSort::Bytes, limit: 20, node: Some(3) })),
             sample(Rebalance(RebalanceRequest { node: None, dry_run: true })),
+            sample(crate::mirror::Probe),
         ]
     }
 
@@ -454,6 +457,7 @@ mod tests {
         echo::<BucketReport>(&mut h);
         echo::<AskBuckets>(&mut h);
         echo::<Rebalance>(&mut h);
+        echo::<crate::mirror::Probe>(&mut h);
         h
     }
 
@@ -626,7 +630,7 @@ mod tests {
         }
 
         #[test]
-        fn a_changed_message_is_read_or_refused(which in 0usize..20, at in any::<prop::sample::Index>(), byte in any::<u8>()) {
+        fn a_changed_message_is_read_or_refused(which in 0usize..21, at in any::<prop::sample::Index>(), byte in any::<u8>()) {
             let s = &samples()[which];
             let mut bytes = s.message.clone();
             let at = at.index(bytes.len());
