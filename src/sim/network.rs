@@ -35,7 +35,7 @@ use tokio::time::Instant;
 
 use crate::node::PeerService;
 use crate::transport::http::FORWARD_TIMEOUT;
-use crate::transport::{link, wire, Addrs, CallError, FrameStream, Outgoing, StreamRequest, Transport};
+use crate::transport::{link, wire, CallError, FrameStream, Outgoing, StreamRequest, Transport};
 
 /// A simulated host: an index into the simulation's hosts.
 pub type HostId = usize;
@@ -355,15 +355,6 @@ impl Transport for SimTransport {
             };
             self.net.exchange(self.host, self.generation, addr, timeout, handler).await?
         })
-    }
-
-    fn key_op<'a>(
-        &'a self,
-        to: &'a Addrs,
-        request: Outgoing<'a>,
-        timeout: Duration,
-    ) -> BoxFuture<'a, Result<Bytes, CallError>> {
-        self.call(&to.api, request, timeout)
     }
 
     fn cluster(&self, api_addr: &str, timeout: Duration) -> BoxFuture<'_, Result<ClusterView, CallError>> {
