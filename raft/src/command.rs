@@ -7,7 +7,6 @@
 use serde::{Deserialize, Serialize};
 
 use crate::distribution::NodeId;
-use crate::state::ReplicationMode;
 
 /// What a log entry carries: a command, and when its proposer made it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -288,4 +287,36 @@ pub enum CommandResponse {
         /// What is running.
         reason: String,
     },
+}
+
+/// How an active node's writes reach the replica of their bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum ReplicationMode {
+    /// The replica has applied a write before the client gets its answer.
+    #[default]
+    Sync,
+    /// Writes are queued and sent in batches; the client does not wait.
+    Async,
+}
+
+impl std::fmt::Display for ReplicationMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ReplicationMode::Sync => "sync",
+            ReplicationMode::Async => "async",
+        })
+    }
+}
+
+impl std::str::FromStr for ReplicationMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "sync" => Ok(ReplicationMode::Sync),
+            "async" => Ok(ReplicationMode::Async),
+            other => Err(format!("{other:?} is not a replication mode (sync or async)")),
+        }
+    }
 }

@@ -28,6 +28,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::command::ReplicationMode;
 use crate::command::{ClusterCommand, CommandResponse};
 use crate::distribution::{BucketId, DistributionMap, NodeId, BUCKET_COUNT};
 
@@ -64,38 +65,6 @@ pub struct Registration {
     /// Its name, if it gave one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
-}
-
-/// How an active node's writes reach the replica of their bucket.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum ReplicationMode {
-    /// The replica has applied a write before the client gets its answer.
-    #[default]
-    Sync,
-    /// Writes are queued and sent in batches; the client does not wait.
-    Async,
-}
-
-impl std::fmt::Display for ReplicationMode {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            ReplicationMode::Sync => "sync",
-            ReplicationMode::Async => "async",
-        })
-    }
-}
-
-impl std::str::FromStr for ReplicationMode {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "sync" => Ok(ReplicationMode::Sync),
-            "async" => Ok(ReplicationMode::Async),
-            other => Err(format!("{other:?} is not a replication mode (sync or async)")),
-        }
-    }
 }
 
 /// Cluster-wide settings: fixed at bootstrap, some changed later through Raft.
