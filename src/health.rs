@@ -386,7 +386,7 @@ impl Health {
         if restarted {
             tracing::info!(node_id = id, "peer restarted; re-sending the replica it holds");
             self.reports.lock().forget(id);
-            self.replicator.detach_holder(id);
+            self.facts.attached().detach_holder(id);
         }
         restarted
     }

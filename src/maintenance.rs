@@ -140,7 +140,7 @@ impl HandOff<'_> {
         let deadline = tokio::time::Instant::now() + wait;
         loop {
             let state = self.control.state();
-            let (attached, owned) = self.replicator.attached_count(&state);
+            let (attached, owned) = self.facts.attached_count(&state, self.me);
             let (queued, _) = self.replicator.queue_lag();
             if attached == owned && queued == 0 && state.heir_of(self.me) == Some(heir) {
                 if let Some(period) = state.replica_period(self.me, heir) {

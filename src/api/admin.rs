@@ -308,8 +308,8 @@ impl NodeApi {
             .into_iter()
             .filter(|&b| self.core.facts().is_restoring(b) && !state.is_lost(b))
             .count();
-        let (attached, owned) = self.replicator.attached_count(&state);
-        let in_place = self.replicator.in_place(&state);
+        let (attached, owned) = self.core.facts().attached_count(&state, self.node_id);
+        let in_place = self.core.facts().replica_in_place(&state, self.node_id);
         let alone = state.members.len() <= 1;
         vec![
             check("member", state.is_member(self.node_id), "this node is not a member of a cluster (yet)".into()),
@@ -397,7 +397,7 @@ impl NodeApi {
         let (depth, lag) = self.replicator.queue_lag();
         g.replication_queue_depth.set(depth as f64);
         g.replication_lag.set(lag.as_secs_f64());
-        let (attached, owned) = self.replicator.attached_count(&state);
+        let (attached, owned) = self.core.facts().attached_count(&state, self.node_id);
         g.replication_attached.set(attached as f64);
         g.replication_owned.set(owned as f64);
         let r = &self.replicator.stats;
@@ -419,7 +419,7 @@ impl NodeApi {
     /// What `GET /v1/cluster` shows of replication from this node.
     fn replication_view(&self, state: &ClusterState) -> ReplicationView {
         let (queue_depth, lag) = self.replicator.queue_lag();
-        let (attached_buckets, owned_buckets) = self.replicator.attached_count(state);
+        let (attached_buckets, owned_buckets) = self.core.facts().attached_count(state, self.node_id);
         let replica = self.replicator.replica().stats();
         ReplicationView {
             mode: state.settings.replication.to_string(),

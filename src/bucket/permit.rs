@@ -245,7 +245,7 @@ impl<'a> WritePermit<'a> {
             };
             taken_back.extend(change);
         }
-        core.replicator.detach(bucket);
+        core.facts.attached().detach(bucket);
         taken_back
     }
 }

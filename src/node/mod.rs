@@ -307,7 +307,7 @@ impl NodeHandle {
         let handoff_deadline = tokio::time::Instant::now() + LEAD_HANDOFF_WAIT;
         loop {
             let state = self.control.state();
-            let (attached, owned) = self.replicator.attached_count(&state);
+            let (attached, owned) = self.facts.attached_count(&state, self.node_id);
             let (queued, _) = self.replicator.queue_lag();
             let alone = state.members.len() <= 1;
             // Leadership moves once a successor stands for election (see the reconciler); with

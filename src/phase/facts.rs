@@ -1,6 +1,6 @@
 //! [`LocalFacts`]: what this node knows of its buckets and of itself that the replicated state
-//! does not say — its gate (draining, stopping, handing over, entering maintenance) among
-//! them — and the per-bucket locks of the write path.
+//! does not say — its gate (draining, stopping, handing over, entering maintenance) and the
+//! copies of its buckets (`copies.rs`) among them — and the per-bucket locks of the write path.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -9,6 +9,7 @@ use parking_lot::{Mutex, RwLock};
 use shoal_raft::{BucketId, ClusterState, NodeId, BUCKET_COUNT};
 use tokio::sync::{MutexGuard, RwLockReadGuard, RwLockWriteGuard};
 
+use super::copies::{Attached, HeldCopies};
 use super::{phase_of, BucketFacts, Phase};
 
 /// What this node knows of its buckets that the replicated state does not say, and the lock
@@ -36,6 +37,10 @@ pub struct LocalFacts {
     handing_over: AtomicBool,
     /// This node runs the procedure that puts it into maintenance.
     entering_maintenance: AtomicBool,
+    /// Owner side: which holders have a snapshot of each bucket.
+    attached: Attached,
+    /// Holder side: whose copy each replica bucket is.
+    copies: HeldCopies,
 }
 
 impl Default for LocalFacts {
@@ -50,11 +55,23 @@ impl Default for LocalFacts {
             stopping: AtomicBool::new(false),
             handing_over: AtomicBool::new(false),
             entering_maintenance: AtomicBool::new(false),
+            attached: Attached::default(),
+            copies: HeldCopies::default(),
         }
     }
 }
 
 impl LocalFacts {
+    /// Which holders have a snapshot of each bucket this node owns.
+    pub fn attached(&self) -> &Attached {
+        &self.attached
+    }
+
+    /// Whose copy each replica bucket held here is.
+    pub fn copies(&self) -> &HeldCopies {
+        &self.copies
+    }
+
     /// Marks the node as stopping: `/readyz` fails and writes are refused from now on.
     pub fn start_draining(&self) {
         self.draining.store(true, Ordering::Relaxed);

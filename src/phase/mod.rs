@@ -5,8 +5,10 @@
 //! that acts on a bucket (the bucket core, replication, transfer, failure detection) decides
 //! here, and this module imports none of them.
 
+mod copies;
 mod facts;
 
+pub use copies::Attachment;
 pub use facts::LocalFacts;
 
 use shoal_raft::{BucketId, ClusterState, NodeId};

@@ -266,7 +266,7 @@ impl Reconciler {
             Ok(bytes) => {
                 tracing::info!(bucket = bucket.0, from, bytes, "promoted bucket restored from its shadow");
                 self.facts.install(&self.control.state(), bucket);
-                self.replicator.detach(bucket);
+                self.facts.attached().detach(bucket);
                 Fetched::Installed
             }
             Err(PullError::Refused { status: 404, .. }) => Fetched::NoCopy,
@@ -353,7 +353,7 @@ impl Reconciler {
             locks.push(self.facts.lock(b).await);
         }
         let state = self.control.state();
-        let attached = self.replicator.attachments(&state);
+        let attached = self.facts.attached().current(&state, self.me);
         let complete = state.map.buckets_of(self.me) == owned
             && owned.iter().all(|&b| state.is_lost(b) || attached.contains(&(b, holder)));
         let mut moved = false;

@@ -347,7 +347,7 @@ impl Reconciler {
             failed: node.failed,
             draining: self.facts.is_stopping(),
             active: BucketId::all().filter(|&b| self.store.bucket_stats(b).0 > 0).collect(),
-            replicas: self.replicator.replica_sources(),
+            replicas: self.facts.copies().sources(),
             restoring,
             shadows: self.facts.shadows(),
             installed: state
@@ -356,7 +356,7 @@ impl Reconciler {
                 .map(|&b| BucketId(b))
                 .filter(|&b| self.facts.is_installed(state, b))
                 .collect(),
-            attached: self.replicator.attachments(state),
+            attached: self.facts.attached().current(state, self.me),
             no_copy: memory.no_copy.clone(),
             suspected: self.health.pfail_members().into_iter().collect(),
             running: memory.running.clone(),
@@ -402,7 +402,7 @@ impl Reconciler {
             Action::AdoptShadow { bucket } => {
                 tracing::info!(bucket = bucket.0, "promoted bucket served from this node's own shadow");
                 self.facts.install(state, bucket);
-                self.replicator.detach(bucket);
+                self.facts.attached().detach(bucket);
             }
             Action::DropActive { bucket } => self.drop_active(bucket),
             Action::DropReplica { bucket, source } => {

@@ -33,9 +33,10 @@
 //! # Attachment
 //! A replica bucket is fed by changes only once it holds a snapshot of the active bucket. The
 //! owner records per bucket the holders that acknowledged a snapshot, in the bucket's move
-//! epoch and the holder's holding period (`attached`; a holder that stopped holding this
-//! node's replica dropped its copies, and is in a new period if it holds it again); the holder
-//! records per bucket the owner whose snapshot it holds (`sources`). The owner sends a snapshot (under the bucket lock, so no write slips
+//! epoch and the holder's holding period (`LocalFacts::attached`; a holder that stopped
+//! holding this node's replica dropped its copies, and is in a new period if it holds it
+//! again); the holder records per bucket the owner whose snapshot it holds
+//! (`LocalFacts::copies`). The owner sends a snapshot (under the bucket lock, so no write slips
 //! between the snapshot and the next change) when the holder has none, when it answers `412`,
 //! and from the reconciler for every bucket it serves.
 //!
@@ -56,9 +57,11 @@
 //! the holder refuses one older than the last it applied from the same sender.
 //!
 //! # Layout
-//! - `mod.rs`: the [`Replicator`]: sending, attaching, promotion, counts.
+//! - `mod.rs`: the [`Replicator`]: sending, attaching, promotion, counts. What it knows per
+//!   bucket (the attachments, whose copy each replica bucket is) is the bucket core's
+//!   (`crate::phase::LocalFacts`), where the reconciler and the write path read it too.
 //! - `queue.rs`: the async queue, bounded, taken off in batches.
-//! - `copies.rs`: the holder's side: whose copy each replica bucket is.
+//! - `reports.rs`: what owners say of their replicas, for mirror reads.
 //! - `batch.rs`: the lanes that batch writes per holder.
 //! - `lanes.rs`: [`lanes::Lanes`], requests to one peer that wait at the same time sent in one
 //!   exchange.
@@ -66,34 +69,33 @@
 //! - `copy_back.rs`: the copy a restarted owner gets its buckets back from.
 
 mod batch;
-mod copies;
 mod copy_back;
 mod lanes;
 mod queue;
 mod receive;
+mod reports;
 
-pub use copies::ReplicaReport;
+pub use reports::ReplicaReport;
 pub use receive::{register, ReplicaAnswer, Replicate, ReplicateBatch};
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use parking_lot::Mutex;
-use shoal_raft::{BucketId, ClusterState, ControlPlane, NodeId, ReplicationMode, BUCKET_COUNT};
+use shoal_raft::{BucketId, ClusterState, ControlPlane, NodeId, ReplicationMode};
 use tokio::sync::{MutexGuard, Notify};
 
 use crate::cache::{CacheStore, Change};
 use crate::error::NotFresh;
 use crate::error::{DataError, ReplicaError};
 use crate::peer::Peers;
-use crate::phase::{keeps_replica, LocalFacts, Recipient, ReplicaFacts, WritePlan};
+use crate::phase::{keeps_replica, Attachment, LocalFacts, Recipient, ReplicaFacts, WritePlan};
 use crate::transport::frame::{change_body, snapshot_body};
 use crate::transport::{CallError, PEER_CALL_TIMEOUT};
-use copies::Copies;
 use queue::Queue;
+use reports::OwnerReports;
 
 /// How long a holder's newer map may take to reach this node before a refused write fails.
 const CATCH_UP: Duration = Duration::from_secs(2);
@@ -141,28 +143,10 @@ pub struct ReplicationStats {
     pub undone: AtomicU64,
 }
 
-/// A holder that acknowledged a snapshot of a bucket, in which move epoch of the bucket and
-/// in which of its holding periods.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct Attachment {
-    holder: NodeId,
-    epoch: u64,
-    period: u64,
+/// The attachment a snapshot acknowledged by `holder` records.
+fn attachment(holder: &Holder) -> Attachment {
+    Attachment { holder: holder.id, epoch: holder.epoch, period: holder.period }
 }
-
-impl Attachment {
-    fn of(holder: &Holder) -> Self {
-        Attachment { holder: holder.id, epoch: holder.epoch, period: holder.period }
-    }
-
-    /// Whether it still holds: the bucket's move epoch and the holder's period are the same.
-    fn current(&self, epoch: u64, period: u64) -> bool {
-        self.holder != 0 && self.epoch == epoch && self.period == period
-    }
-}
-
-/// Up to two holders that acknowledged a snapshot of a bucket.
-type Attachments = [Attachment; 2];
 
 /// How many bucket snapshots an attach job has in flight at once.
 const ATTACH_IN_FLIGHT: usize = 8;
@@ -177,11 +161,8 @@ pub struct Replicator {
     peers: Peers,
     /// Owner side: writes in flight to one holder at once travel together.
     batcher: batch::Batcher,
-    /// Owner side: per bucket, the holders that acknowledged a snapshot, and in which
-    /// ownership period (0: none).
-    attached: Vec<Mutex<Attachments>>,
-    /// Holder side: whose copy each replica bucket is.
-    copies: Copies,
+    /// Holder side: what each owner last said of its replica.
+    reports: OwnerReports,
     /// Sender side: numbers every request, increasing across restarts (starts at the clock).
     seq: AtomicU64,
     /// Sender side: the async queue.
@@ -214,8 +195,7 @@ impl Replicator {
             facts,
             batcher: batch::batcher(peers.clone()),
             peers,
-            attached: (0..BUCKET_COUNT).map(|_| Mutex::new(Attachments::default())).collect(),
-            copies: Copies::default(),
+            reports: OwnerReports::default(),
             seq: AtomicU64::new(first_seq.max(1)),
             queue: Queue::default(),
             moving_to: AtomicU64::new(0),
@@ -272,7 +252,7 @@ impl Replicator {
                     let next = next?;
                     let e = self.send_changes(bucket, next, changes).await.err()?;
                     tracing::debug!(bucket = bucket.0, holder = next.id, error = %e, "the next holder missed a write; it gets the bucket whole again");
-                    self.detach_at(bucket, next.id);
+                    self.facts.attached().detach_at(bucket, next.id);
                     // It may become the complete holder any moment: the write must not count.
                     (self.moving_to.load(Ordering::Acquire) == next.id).then_some((next.id, e))
                 };
@@ -435,7 +415,7 @@ impl Replicator {
         }
         if !self.queue.push(bucket, holder, changes) {
             tracing::warn!(holder = holder.id, "replication queue full; replicas are rebuilt from snapshots");
-            self.detach_all();
+            self.facts.attached().detach_all();
         }
     }
 
@@ -473,7 +453,7 @@ impl Replicator {
                 if let Err(e) = self.send_changes(bucket, holder, changes).await {
                     self.stats.failures.fetch_add(1, Ordering::Relaxed);
                     tracing::debug!(bucket = bucket.0, holder = holder.id, error = %e, "async replication failed");
-                    self.detach_at(bucket, holder.id);
+                    self.facts.attached().detach_at(bucket, holder.id);
                 }
             })
         });
@@ -484,12 +464,7 @@ impl Replicator {
     /// The replica of `bucket` if it is a snapshot of `owner`'s (a restarted owner restores
     /// from it).
     fn replica_snapshot(&self, bucket: BucketId, owner: NodeId) -> Option<Bytes> {
-        (self.copies.source(bucket) == owner).then(|| snapshot_body(&self.replica, bucket))
-    }
-
-    /// The replica buckets this node holds, and the owner each copy came from.
-    pub fn replica_sources(&self) -> BTreeMap<BucketId, NodeId> {
-        self.copies.sources()
+        (self.facts.copies().source(bucket) == owner).then(|| snapshot_body(&self.replica, bucket))
     }
 
     /// Drops the replica copy of `bucket` if it is still `source`'s and the newest state keeps
@@ -497,11 +472,11 @@ impl Replicator {
     /// snapshot that landed in between, accepted on a newer state, must stay); answers whether
     /// it dropped it. Under the apply lock, like the fence of [`Self::receive`].
     pub fn drop_replica(&self, bucket: BucketId, source: NodeId) -> bool {
-        let _applying = self.copies.lock(bucket);
-        if self.copies.source(bucket) != source || keeps_replica(&self.control.state(), self.me, bucket, source) {
+        let _applying = self.facts.copies().lock(bucket);
+        if self.facts.copies().source(bucket) != source || keeps_replica(&self.control.state(), self.me, bucket, source) {
             return false;
         }
-        self.copies.forget(bucket);
+        self.facts.copies().forget(bucket);
         self.replica.take_bucket(bucket);
         true
     }
@@ -510,21 +485,21 @@ impl Replicator {
     /// from `from` (the member whose bucket it was); answers whether it did. Under the
     /// holder's bucket lock: no replication request lands in between.
     pub fn install_promoted(&self, bucket: BucketId, from: NodeId) -> bool {
-        let _applying = self.copies.lock(bucket);
-        if self.copies.source(bucket) != from {
+        let _applying = self.facts.copies().lock(bucket);
+        if self.facts.copies().source(bucket) != from {
             return false;
         }
-        self.copies.forget(bucket);
+        self.facts.copies().forget(bucket);
         let items = self.replica.take_bucket(bucket);
         self.active.install_bucket(bucket, items);
         self.facts.install(&self.control.state(), bucket);
         // Its replica (on this node's holder) gets the installed data, whole.
-        self.detach(bucket);
+        self.facts.attached().detach(bucket);
         true
     }
 
     fn is_attached(&self, bucket: BucketId, holder: &Holder) -> bool {
-        self.attached[bucket.index()].lock().iter().any(|a| *a == Attachment::of(holder) && holder.id != 0)
+        self.facts.attached().has(bucket, attachment(holder))
     }
 
     /// Records that `holder` has a snapshot of `bucket`, in the slot of a holder the bucket's
@@ -534,35 +509,11 @@ impl Replicator {
         let (required, next) = self.holders_of(&state, bucket);
         let current = |h: NodeId| [&required, &next].into_iter().flatten().any(|x| x.id == h);
         let period_of = |h: NodeId| state.replica_period(self.me, h).unwrap_or(0);
-        let mut slots = self.attached[bucket.index()].lock();
+        let mut slots = self.facts.attached().slots(bucket);
         let slot = slots.iter().position(|a| a.holder == holder.id).unwrap_or_else(|| {
             slots.iter().position(|a| !a.current(holder.epoch, period_of(a.holder)) || !current(a.holder)).unwrap_or(1)
         });
-        slots[slot] = Attachment::of(holder);
-    }
-
-    fn detach_at(&self, bucket: BucketId, holder: NodeId) {
-        for slot in self.attached[bucket.index()].lock().iter_mut().filter(|a| a.holder == holder) {
-            *slot = Attachment::default();
-        }
-    }
-
-    /// Forgets that `bucket`'s replicas hold a snapshot: the next change sends it whole.
-    pub fn detach(&self, bucket: BucketId) {
-        *self.attached[bucket.index()].lock() = Attachments::default();
-    }
-
-    /// Forgets every snapshot `holder` acknowledged (it restarted with an empty store).
-    pub fn detach_holder(&self, holder: NodeId) {
-        for b in BucketId::all() {
-            self.detach_at(b, holder);
-        }
-    }
-
-    fn detach_all(&self) {
-        for b in BucketId::all() {
-            self.detach(b);
-        }
+        slots[slot] = attachment(holder);
     }
 
     /// Depth of the async queue (changes in flight to the holder included) and the age of its
@@ -577,7 +528,7 @@ impl Replicator {
     pub fn lag_report(&self, state: &ClusterState) -> Option<ReplicaReport> {
         let holder = state.heir_of(self.me).filter(|&h| h != self.me)?;
         let period = state.replica_period(self.me, holder)?;
-        let (attached, owned) = self.attached_count(state);
+        let (attached, owned) = self.facts.attached_count(state, self.me);
         if attached < owned {
             return None;
         }
@@ -588,7 +539,7 @@ impl Replicator {
 
     /// Records what owner `from` said of its replica (None: nothing that lets a copy serve).
     pub fn note_lag(&self, from: NodeId, report: Option<ReplicaReport>) {
-        self.copies.note_lag(from, report);
+        self.reports.note(from, report);
     }
 
     /// What this node knows of its replica copy of `bucket` from `owner` (see
@@ -599,12 +550,12 @@ impl Replicator {
     /// said plus the time since (rounded up, at least a millisecond: changes may have been
     /// queued since, so `max_staleness=0` keeps async reads with the owner).
     pub fn replica_facts(&self, state: &ClusterState, bucket: BucketId, owner: NodeId) -> ReplicaFacts {
-        let said = self.copies.said(owner);
+        let said = self.reports.said(owner);
         let lag_ms = said.and_then(|(at, report)| {
             let since_ms = (at.elapsed().as_micros() as u64).div_ceil(1000);
             reported_lag(report?, self.me, state.replica_period(owner, self.me), state.settings.replication, since_ms)
         });
-        ReplicaFacts { source: self.copies.source(bucket), epoch: self.copies.epoch(bucket), lag_ms }
+        ReplicaFacts { source: self.facts.copies().source(bucket), epoch: self.facts.copies().epoch(bucket), lag_ms }
     }
 
     /// Reads `key` from the replica copy of `bucket` if `fresh` says the copy may serve it
@@ -619,7 +570,7 @@ impl Replicator {
         key: &[u8],
         fresh: impl FnOnce(ReplicaFacts) -> Result<T, NotFresh>,
     ) -> Result<(Option<crate::cache::ItemView>, T), NotFresh> {
-        let _applying = self.copies.lock(bucket);
+        let _applying = self.facts.copies().lock(bucket);
         let said = fresh(self.replica_facts(state, bucket, owner))?;
         Ok((self.replica.get(bucket, key), said))
     }
@@ -675,52 +626,6 @@ impl Replicator {
             }
         }
     }
-
-    /// Every (bucket, holder) whose snapshot the holder acknowledged in the bucket's current
-    /// ownership period, among the buckets this node owns on `state`.
-    pub fn attachments(&self, state: &ClusterState) -> BTreeSet<(BucketId, NodeId)> {
-        let mut found = BTreeSet::new();
-        for bucket in state.map.buckets_of(self.me) {
-            let epoch = state.epoch_of(bucket);
-            for a in self.attached[bucket.index()].lock().iter() {
-                if a.current(epoch, state.replica_period(self.me, a.holder).unwrap_or(0)) {
-                    found.insert((bucket, a.holder));
-                }
-            }
-        }
-        found
-    }
-
-    /// How many buckets this node owns whose replica holds every write (the holder writes
-    /// must reach has a snapshot), of how many it owns.
-    pub fn attached_count(&self, state: &ClusterState) -> (usize, usize) {
-        // What `holders_of` says bucket by bucket, with the holder found once: it is the same
-        // for every bucket this node writes (this runs at every ping round).
-        let (Some(holder), _) = crate::phase::replica_holders(state, self.me) else { return (0, 0) };
-        let period = state.replica_period(self.me, holder).unwrap_or(0);
-        let mut owned = 0;
-        let mut attached = 0;
-        for bucket in state.map.buckets_of(self.me) {
-            let facts = self.facts.of(state, bucket);
-            if crate::phase::writable(state, self.me, bucket, facts, Default::default()).is_err() {
-                continue;
-            }
-            owned += 1;
-            let wanted = Attachment { holder, epoch: state.epoch_of(bucket), period };
-            if self.attached[bucket.index()].lock().contains(&wanted) {
-                attached += 1;
-            }
-        }
-        (attached, owned)
-    }
-
-    /// Whether this node's replica is complete where join order wants it: no other holder
-    /// waits to take over, and every owned bucket is attached there.
-    pub fn in_place(&self, state: &ClusterState) -> bool {
-        let (attached, owned) = self.attached_count(state);
-        let moving = state.replica_of(self.me).is_some_and(|d| state.committed_holder_of(self.me) != Some(d));
-        attached == owned && !(moving && owned > 0)
-    }
 }
 
 /// How far behind its owner this node's (`me`'s) replica copy may be, from the owner's latest
@@ -754,14 +659,15 @@ fn refusal(answer: ReplicaAnswer) -> ReplicaError {
 }
 
 impl Replicator {
-    /// [`Self::attached_count`] bucket by bucket, from each bucket's write plan: what it must
-    /// agree with.
+    /// `LocalFacts::attached_count` on `state`, and the same count bucket by bucket from each
+    /// bucket's write plan: what it must agree with.
     #[cfg(test)]
-    pub(crate) fn attached_count_by_plan(&self, state: &ClusterState) -> (usize, usize) {
+    pub(crate) fn attached_counts(&self, state: &ClusterState) -> [(usize, usize); 2] {
         let holders = state.map.buckets_of(self.me).into_iter().filter_map(|b| Some((b, self.holders_of(state, b).0?)));
-        holders.fold((0, 0), |(attached, owned), (b, holder)| {
+        let by_plan = holders.fold((0, 0), |(attached, owned), (b, holder)| {
             (attached + usize::from(self.is_attached(b, &holder)), owned + 1)
-        })
+        });
+        [self.facts.attached_count(state, self.me), by_plan]
     }
 }
 

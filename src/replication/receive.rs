@@ -114,7 +114,8 @@ impl Replicator {
         // the request applied under the replica bucket's apply lock, which promotion and drops take too, on
         // the newest applied state: a request checked before a failover cannot land after it.
         let from = r.from;
-        let mut applied = self.copies.lock(bucket);
+        let copies = self.facts.copies();
+        let mut applied = copies.lock(bucket);
         let state = self.control.state();
         if !holds_replica(&state, self.me, bucket, from) {
             return ReplicaAnswer::Fenced {
@@ -131,18 +132,18 @@ impl Replicator {
             // A request held up in the network after a newer one: the sender re-sends the bucket.
             return ReplicaAnswer::NeedSnapshot("a newer request of this sender was applied already".into());
         }
-        if !r.snapshot && self.copies.source(bucket) != from {
+        if !r.snapshot && copies.source(bucket) != from {
             return ReplicaAnswer::NeedSnapshot("no snapshot of this bucket yet".into());
         }
         *applied = (from, r.seq);
         if r.snapshot {
-            self.copies.forget(bucket);
+            copies.forget(bucket);
             self.replica.take_bucket(bucket);
         }
         self.replica.apply_changes(bucket, &changes);
         if r.snapshot {
             self.replica.raise_version_counter(bucket, counter);
-            self.copies.keep(bucket, from, state.epoch_of(bucket));
+            copies.keep(bucket, from, state.epoch_of(bucket));
         }
         ReplicaAnswer::Applied
     }
