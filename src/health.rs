@@ -448,7 +448,7 @@ impl Health {
                 lease = contact.pinged_at(now, self.report_life());
             }
             self.reports.lock().record(ping.from, now, ping.pfail);
-            self.replicator.note_lag(ping.from, ping.replica);
+            self.replicator.holder.note_lag(ping.from, ping.replica);
         }
         Pong { node_id: self.me, incarnation: self.incarnation, status, lease }
     }

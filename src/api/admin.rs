@@ -390,7 +390,7 @@ impl NodeApi {
         g.raft_commit_index.set(self.control.commit_index() as f64);
         g.balance_ratio.set(self.balancer.balance_ratio());
         g.raft_storage_bytes.set(self.control.storage_bytes() as f64);
-        let replica = self.replicator.replica().stats();
+        let replica = self.replicator.holder.replica().stats();
         g.replica_items.set(replica.items as f64);
         g.replica_bytes.set(replica.bytes as f64);
         g.replication_sync.set(if state.settings.replication == ReplicationMode::Sync { 1.0 } else { 0.0 });
@@ -420,7 +420,7 @@ impl NodeApi {
     fn replication_view(&self, state: &ClusterState) -> ReplicationView {
         let (queue_depth, lag) = self.replicator.queue_lag();
         let (attached_buckets, owned_buckets) = self.core.facts().attached_count(state, self.node_id);
-        let replica = self.replicator.replica().stats();
+        let replica = self.replicator.holder.replica().stats();
         ReplicationView {
             mode: state.settings.replication.to_string(),
             replica_on: state.replica_of(self.node_id),

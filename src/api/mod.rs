@@ -381,6 +381,7 @@ impl NodeApi {
         let allowed = staleness.as_millis() as u64;
         let (found, lag) = self
             .replicator
+            .holder
             .mirror_get(&state, bucket, owner, key.as_bytes(), |facts| {
                 mirror_read(&state, bucket, phase, facts, allowed)
             })

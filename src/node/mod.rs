@@ -800,7 +800,7 @@ impl Parts {
         });
         vec![
             tokio::spawn(sweep_expired(cache)),
-            tokio::spawn(sweep_expired(replicator.replica().clone())),
+            tokio::spawn(sweep_expired(replicator.holder.replica().clone())),
             tokio::spawn(metrics_upkeep(metrics)),
             tokio::spawn(replicate_evictions(core)),
             tokio::spawn(health.run()),

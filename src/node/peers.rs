@@ -50,7 +50,7 @@ impl PeerService {
         health: Arc<Health>,
     ) -> Self {
         let mut handlers = Handlers::default();
-        crate::replication::register(&mut handlers, &replicator);
+        crate::replication::register(&mut handlers, &replicator.holder);
         crate::transfer::register(&mut handlers, &exporter);
         crate::health::register(&mut handlers, &health);
         crate::mirror::register(&mut handlers);
@@ -80,7 +80,7 @@ impl PeerService {
         let refused = |(status, reason)| CallError::Refused { status, reason };
         if restore {
             // A restarted owner gets the copy this node holds back: a plain snapshot.
-            let frames = self.replicator.copy_back(bucket, to, epoch).await.map_err(refused)?;
+            let frames = self.replicator.holder.copy_back(bucket, to, epoch).await.map_err(refused)?;
             self.exporter.progress.sent(frames.iter().map(|f| f.len() as u64).sum());
             return Ok(Box::pin(futures::stream::iter(frames.into_iter().map(Ok))));
         }

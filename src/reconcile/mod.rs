@@ -395,7 +395,7 @@ impl Reconciler {
             Action::Unmark { bucket } => self.facts.restored(bucket),
             Action::ServeEmpty { buckets } => self.serve_empty(buckets, memory),
             Action::Install { bucket, from } => {
-                if self.replicator.install_promoted(bucket, from) {
+                if self.replicator.holder.install_promoted(bucket, from) {
                     tracing::debug!(bucket = bucket.0, from, "promoted bucket installed from the replica");
                 }
             }
@@ -406,7 +406,7 @@ impl Reconciler {
             }
             Action::DropActive { bucket } => self.drop_active(bucket),
             Action::DropReplica { bucket, source } => {
-                if !self.replicator.drop_replica(bucket, source) {
+                if !self.replicator.holder.drop_replica(bucket, source) {
                     tracing::debug!(
                         node_id = self.me,
                         bucket = bucket.0,

@@ -7,7 +7,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use shoal_raft::{BucketId, ClusterState, NodeId};
 
-use super::Replicator;
+use super::ReplicaHolder;
 use crate::transport::frame::snapshot_body;
 
 /// How long a holder waits for the state that gave the bucket to the asker (it may have
@@ -17,7 +17,7 @@ const SETTLE: Duration = Duration::from_secs(2);
 /// Why a copy is not sent: an HTTP status and the reason.
 pub type Refusal = (u16, String);
 
-impl Replicator {
+impl ReplicaHolder {
     /// The frames of the copy of `bucket` this node holds for its owner `to`: the replica
     /// copy when it came from `to`, else the shadow when this node handed the bucket to `to`
     /// in the running transfer; `404` when it holds neither.

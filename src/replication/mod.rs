@@ -57,26 +57,28 @@
 //! the holder refuses one older than the last it applied from the same sender.
 //!
 //! # Layout
-//! - `mod.rs`: the [`Replicator`]: sending, attaching, promotion, counts. What it knows per
-//!   bucket (the attachments, whose copy each replica bucket is) is the bucket core's
-//!   (`crate::phase::LocalFacts`), where the reconciler and the write path read it too.
+//! - `mod.rs`: the [`Replicator`], this node's side as an owner: sending, attaching. What
+//!   both sides know per bucket (the attachments, whose copy each replica bucket is) is the
+//!   bucket core's (`crate::phase::LocalFacts`), where the reconciler and the write path read
+//!   it too.
 //! - `queue.rs`: the async queue, bounded, taken off in batches.
 //! - `reports.rs`: what owners say of their replicas, for mirror reads.
 //! - `batch.rs`: the lanes that batch writes per holder.
 //! - `lanes.rs`: [`lanes::Lanes`], requests to one peer that wait at the same time sent in one
 //!   exchange.
-//! - `receive.rs`: the holder's endpoint.
+//! - `holder.rs`: the [`ReplicaHolder`], this node's side as a holder: the replica store,
+//!   the requests applied to it, promotion, drops, mirror reads; its endpoints.
 //! - `copy_back.rs`: the copy a restarted owner gets its buckets back from.
 
 mod batch;
 mod copy_back;
+mod holder;
 mod lanes;
 mod queue;
-mod receive;
 mod reports;
 
+pub use holder::{register, ReplicaAnswer, ReplicaHolder, Replicate, ReplicateBatch};
 pub use reports::ReplicaReport;
-pub use receive::{register, ReplicaAnswer, Replicate, ReplicateBatch};
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -88,14 +90,12 @@ use shoal_raft::{BucketId, ClusterState, ControlPlane, NodeId, ReplicationMode};
 use tokio::sync::{MutexGuard, Notify};
 
 use crate::cache::{CacheStore, Change};
-use crate::error::NotFresh;
 use crate::error::{DataError, ReplicaError};
 use crate::peer::Peers;
-use crate::phase::{keeps_replica, Attachment, LocalFacts, Recipient, ReplicaFacts, WritePlan};
+use crate::phase::{Attachment, LocalFacts, Recipient, WritePlan};
 use crate::transport::frame::{change_body, snapshot_body};
 use crate::transport::{CallError, PEER_CALL_TIMEOUT};
 use queue::Queue;
-use reports::OwnerReports;
 
 /// How long a holder's newer map may take to reach this node before a refused write fails.
 const CATCH_UP: Duration = Duration::from_secs(2);
@@ -151,18 +151,16 @@ fn attachment(holder: &Holder) -> Attachment {
 /// How many bucket snapshots an attach job has in flight at once.
 const ATTACH_IN_FLIGHT: usize = 8;
 
-/// This node's side of replication: as an active (sending) and as a holder (receiving).
+/// This node's side of replication as an owner: it sends its writes to the holders of its
+/// replica (the holder's side is [`ReplicaHolder`]).
 pub struct Replicator {
     me: NodeId,
     control: ControlPlane,
     active: Arc<CacheStore>,
-    replica: Arc<CacheStore>,
     facts: Arc<LocalFacts>,
     peers: Peers,
     /// Owner side: writes in flight to one holder at once travel together.
     batcher: batch::Batcher,
-    /// Holder side: what each owner last said of its replica.
-    reports: OwnerReports,
     /// Sender side: numbers every request, increasing across restarts (starts at the clock).
     seq: AtomicU64,
     /// Sender side: the async queue.
@@ -172,12 +170,14 @@ pub struct Replicator {
     moving_to: AtomicU64,
     /// Counters.
     pub stats: ReplicationStats,
+    /// This node's side as a holder of other members' replicas.
+    pub holder: Arc<ReplicaHolder>,
 }
 
 impl Replicator {
-    /// A replicator over `active`, with a replica store of `limit_bytes`, sending through
-    /// `peers`; its request numbers start at `first_seq` (they must increase across restarts:
-    /// the clock in microseconds).
+    /// A replicator of `active`'s writes, sending through `peers`, with a holder whose
+    /// replica store takes `limit_bytes`; its request numbers start at `first_seq` (they must
+    /// increase across restarts: the clock in microseconds).
     pub fn new(
         control: ControlPlane,
         active: Arc<CacheStore>,
@@ -186,26 +186,19 @@ impl Replicator {
         peers: Peers,
         first_seq: u64,
     ) -> Arc<Self> {
-        let replica = Arc::new(active.sibling(limit_bytes));
         Arc::new(Replicator {
             me: control.node_id(),
+            holder: ReplicaHolder::new(control.clone(), active.clone(), limit_bytes, facts.clone()),
             control,
             active,
-            replica,
             facts,
             batcher: batch::batcher(peers.clone()),
             peers,
-            reports: OwnerReports::default(),
             seq: AtomicU64::new(first_seq.max(1)),
             queue: Queue::default(),
             moving_to: AtomicU64::new(0),
             stats: ReplicationStats::default(),
         })
-    }
-
-    /// The replica store.
-    pub fn replica(&self) -> &Arc<CacheStore> {
-        &self.replica
     }
 
     /// Locks `bucket`: a snapshot sent under the lock falls between two writes.
@@ -461,43 +454,6 @@ impl Replicator {
         self.queue.sent();
     }
 
-    /// The replica of `bucket` if it is a snapshot of `owner`'s (a restarted owner restores
-    /// from it).
-    fn replica_snapshot(&self, bucket: BucketId, owner: NodeId) -> Option<Bytes> {
-        (self.facts.copies().source(bucket) == owner).then(|| snapshot_body(&self.replica, bucket))
-    }
-
-    /// Drops the replica copy of `bucket` if it is still `source`'s and the newest state keeps
-    /// it no longer (the reconciler planned the drop on a state read before its facts: a
-    /// snapshot that landed in between, accepted on a newer state, must stay); answers whether
-    /// it dropped it. Under the apply lock, like the fence of [`Self::receive`].
-    pub fn drop_replica(&self, bucket: BucketId, source: NodeId) -> bool {
-        let _applying = self.facts.copies().lock(bucket);
-        if self.facts.copies().source(bucket) != source || keeps_replica(&self.control.state(), self.me, bucket, source) {
-            return false;
-        }
-        self.facts.copies().forget(bucket);
-        self.replica.take_bucket(bucket);
-        true
-    }
-
-    /// Turns the replica copy of the promoted `bucket` into active data, if the copy came
-    /// from `from` (the member whose bucket it was); answers whether it did. Under the
-    /// holder's bucket lock: no replication request lands in between.
-    pub fn install_promoted(&self, bucket: BucketId, from: NodeId) -> bool {
-        let _applying = self.facts.copies().lock(bucket);
-        if self.facts.copies().source(bucket) != from {
-            return false;
-        }
-        self.facts.copies().forget(bucket);
-        let items = self.replica.take_bucket(bucket);
-        self.active.install_bucket(bucket, items);
-        self.facts.install(&self.control.state(), bucket);
-        // Its replica (on this node's holder) gets the installed data, whole.
-        self.facts.attached().detach(bucket);
-        true
-    }
-
     fn is_attached(&self, bucket: BucketId, holder: &Holder) -> bool {
         self.facts.attached().has(bucket, attachment(holder))
     }
@@ -535,44 +491,6 @@ impl Replicator {
         let lag_ms = self.queue.oldest().map_or(0, |at| at.elapsed().as_millis() as u64);
         let sync = state.settings.replication == ReplicationMode::Sync;
         Some(ReplicaReport { holder, period, lag_ms, sync })
-    }
-
-    /// Records what owner `from` said of its replica (None: nothing that lets a copy serve).
-    pub fn note_lag(&self, from: NodeId, report: Option<ReplicaReport>) {
-        self.reports.note(from, report);
-    }
-
-    /// What this node knows of its replica copy of `bucket` from `owner` (see
-    /// [`crate::phase::ReplicaFacts`]). How far behind: unknown unless the owner's latest
-    /// report names this node, in its current holding period, as the holder whose copy has
-    /// every bucket; then, with sync replication, nothing unless the owner still drains a
-    /// queue (writes from before a switch from async); with async replication, what the owner
-    /// said plus the time since (rounded up, at least a millisecond: changes may have been
-    /// queued since, so `max_staleness=0` keeps async reads with the owner).
-    pub fn replica_facts(&self, state: &ClusterState, bucket: BucketId, owner: NodeId) -> ReplicaFacts {
-        let said = self.reports.said(owner);
-        let lag_ms = said.and_then(|(at, report)| {
-            let since_ms = (at.elapsed().as_micros() as u64).div_ceil(1000);
-            reported_lag(report?, self.me, state.replica_period(owner, self.me), state.settings.replication, since_ms)
-        });
-        ReplicaFacts { source: self.facts.copies().source(bucket), epoch: self.facts.copies().epoch(bucket), lag_ms }
-    }
-
-    /// Reads `key` from the replica copy of `bucket` if `fresh` says the copy may serve it
-    /// (given what this node knows of the copy from `owner`), answering what it said. Under the
-    /// bucket's apply lock: a snapshot being applied (the bucket emptied, then refilled) is
-    /// never seen half-way.
-    pub fn mirror_get<T>(
-        &self,
-        state: &ClusterState,
-        bucket: BucketId,
-        owner: NodeId,
-        key: &[u8],
-        fresh: impl FnOnce(ReplicaFacts) -> Result<T, NotFresh>,
-    ) -> Result<(Option<crate::cache::ItemView>, T), NotFresh> {
-        let _applying = self.facts.copies().lock(bucket);
-        let said = fresh(self.replica_facts(state, bucket, owner))?;
-        Ok((self.replica.get(bucket, key), said))
     }
 
     /// The holders a write of `bucket` goes to on `state`, if this node owns it: the one it
