@@ -1,7 +1,7 @@
 //! Replicas and replication.
 //!
 //! Every member's writes reach the replica of its buckets on another member. The replica
-//! lives in a store of its own ([`Replicator::replica`]), limited to `--cache-size` like the
+//! lives in a store of its own ([`ReplicaHolder::replica`]), limited to `--cache-size` like the
 //! active store.
 //!
 //! ```text
