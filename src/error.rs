@@ -33,6 +33,14 @@ pub enum ReplicaError {
     },
 }
 
+impl ReplicaError {
+    /// Whether the holder may have applied the request all the same: it got it, or may have,
+    /// and gave no answer (any answer, a refusal included, says it did not).
+    pub fn may_have_applied(&self) -> bool {
+        matches!(self, ReplicaError::Call(CallError::Timeout | CallError::Broken(_)))
+    }
+}
+
 /// Why a key operation was not served here (nothing was changed unless said).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DataError {
@@ -109,6 +117,15 @@ pub enum DataError {
         /// What happened.
         cause: ReplicaError,
     },
+    /// The replica did not answer a write, which was taken back here, and could not be told
+    /// to take it back too: it may hold the write, and serve it if it takes the bucket over.
+    #[error("the replica (node {holder}) did not confirm the write ({cause}) and could not be told to take it back: it may have stored it; read the key back or write it again")]
+    ReplicationUnconfirmed {
+        /// The replica holder that may hold the write.
+        holder: NodeId,
+        /// What happened.
+        cause: ReplicaError,
+    },
     /// The previous owner, which keeps a copy of the bucket until the running transfer ends,
     /// did not take the write; the write was taken back.
     #[error("node {shadow}, which keeps a copy of bucket {bucket} until the running transfer ends, did not take the write: {cause}; nothing was stored")]
@@ -181,6 +198,7 @@ impl From<DataError> for ApiError {
             DataError::ReplicationFailed { .. } | DataError::ShadowFailed { .. } => {
                 unavailable(Unavailable::ReplicationFailed, &e)
             }
+            DataError::ReplicationUnconfirmed { .. } => unavailable(Unavailable::OutcomeUnknown, &e),
             DataError::ReplicaNotFresh { .. } => unavailable(Unavailable::ReplicaNotFresh, &e),
             DataError::Store(CacheError::ConditionFailed { current }) => {
                 ApiError::PreconditionFailed { current_version: current }
@@ -212,6 +230,13 @@ mod tests {
                 "replication_failed",
             ),
             (
+                DataError::ReplicationUnconfirmed {
+                    holder: 2,
+                    cause: ReplicaError::Call(crate::transport::CallError::Timeout),
+                },
+                "outcome_unknown",
+            ),
+            (
                 DataError::ShadowFailed { bucket: b, shadow: 2, cause: crate::transport::CallError::Timeout },
                 "replication_failed",
             ),
@@ -222,6 +247,15 @@ mod tests {
             let api = ApiError::from(e);
             assert_eq!((api.code(), api.status().as_u16()), (code, 503));
         }
+        let no_answer = [CallError::Timeout, CallError::Broken("reset".into())].map(ReplicaError::Call);
+        assert!(no_answer.iter().all(ReplicaError::may_have_applied), "no answer is not no write");
+        let answered = [
+            ReplicaError::Call(CallError::Unreachable("refused".into())),
+            ReplicaError::Fenced(3),
+            ReplicaError::NeedsSnapshot("none".into()),
+            ReplicaError::Refused("bad".into()),
+        ];
+        assert!(!answered.iter().any(ReplicaError::may_have_applied), "never sent, or refused: not applied");
         let api = ApiError::from(DataError::Store(CacheError::ConditionFailed { current: Some(4) }));
         assert_eq!(api, ApiError::PreconditionFailed { current_version: Some(4) });
     }

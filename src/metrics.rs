@@ -192,7 +192,7 @@ series! {
             "Bytes of the bucket snapshots sent to the replica (whole buckets: after a restart, a move or a change of holder).";
         replication_snapshots: Counter = "shoal_replication_snapshots_total", "Bucket snapshots sent to the replica.";
         replication_undone: Counter = "shoal_replication_undone_total",
-            "Writes answered replication_failed (undone when the replica did not apply them).";
+            "Writes taken back because the replica did not apply them (answered replication_failed, or outcome_unknown when it may hold them).";
         peers_pfail: Gauge = "shoal_peers_pfail", "Peers that have not answered a ping within the node timeout.";
         nodes_failed: Gauge = "shoal_nodes_failed", "Members the cluster failed so far.";
         buckets_lost: Gauge = "shoal_buckets_lost", "Buckets of which no copy is left (bucket_lost).";

@@ -100,8 +100,13 @@ pub enum Unavailable {
     NodeDraining,
     /// This node cannot hear a majority of the members.
     NoQuorum,
-    /// Sync replication: the replica did not apply the write; it was taken back.
+    /// Sync replication: the replica did not apply the write; it was taken back, and stored
+    /// nowhere.
     ReplicationFailed,
+    /// Sync replication: the replica did not answer and could not be told to take the write
+    /// back, so it may have stored it (it serves it if it takes the bucket over): read the key
+    /// back, or write it again.
+    OutcomeUnknown,
     /// A forwarded request arrived after its deadline; nothing was done.
     Expired,
     /// Request bodies in flight already take all the memory the node allows them.
@@ -118,7 +123,7 @@ pub enum Unavailable {
 
 impl Unavailable {
     /// Every code, for documentation and tests.
-    pub const ALL: [Unavailable; 20] = [
+    pub const ALL: [Unavailable; 21] = [
         Unavailable::NoLeader,
         Unavailable::NotReady,
         Unavailable::Starting,
@@ -134,6 +139,7 @@ impl Unavailable {
         Unavailable::NodeDraining,
         Unavailable::NoQuorum,
         Unavailable::ReplicationFailed,
+        Unavailable::OutcomeUnknown,
         Unavailable::Expired,
         Unavailable::Overloaded,
         Unavailable::ReplicaNotFresh,
@@ -164,6 +170,7 @@ impl Unavailable {
             Unavailable::NodeDraining => "node_draining",
             Unavailable::NoQuorum => "no_quorum",
             Unavailable::ReplicationFailed => "replication_failed",
+            Unavailable::OutcomeUnknown => "outcome_unknown",
             Unavailable::Expired => "expired",
             Unavailable::Overloaded => "overloaded",
             Unavailable::ReplicaNotFresh => "replica_not_fresh",

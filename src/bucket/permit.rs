@@ -190,6 +190,22 @@ impl<'a> WritePermit<'a> {
         let Err(e) = core.replicator.replicate(bucket, &holder, next.as_ref(), changes).await else { return Ok(()) };
         let replica_error = e.to_string();
         let taken_back = self.undo();
+        // No answer is not no write: the holders get the bucket as it is now; if one cannot be
+        // reached (or is known silent: no wait for it), the answer says the writes may be stored
+        // (a failover would serve them). A refusal says the holder did not apply them.
+        let e = match e {
+            DataError::ReplicationFailed { holder: failed, cause } if cause.may_have_applied() => {
+                let at_replica = match core.health.is_pfail(failed) {
+                    true => Err(failed),
+                    false => core.replicator.take_back(bucket, &holder, next.as_ref()).await,
+                };
+                match at_replica {
+                    Ok(()) => DataError::ReplicationFailed { holder: failed, cause },
+                    Err(holder) => DataError::ReplicationUnconfirmed { holder, cause },
+                }
+            }
+            other => other,
+        };
         let mut refused_by = None;
         if let Some(shadow) = &self.plan.shadow {
             // The shadow has the writes: it takes them back too, as far as it can be reached

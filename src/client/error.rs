@@ -39,7 +39,8 @@ pub enum ClientError {
         /// The server's words.
         detail: String,
     },
-    /// The cluster could not serve it within the request timeout; it was not applied.
+    /// The cluster could not serve it within the request timeout; it was not applied, unless
+    /// `code` is `outcome_unknown` (the replica may have stored a write the owner took back).
     #[error("unavailable: {detail} ({code})")]
     Unavailable {
         /// The server's code (`no_leader`, `bucket_moving`, `replication_failed`...).

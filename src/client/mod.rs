@@ -540,7 +540,8 @@ impl Inner {
             let (node, via_other, attempt) = self.attempt_for(kind, &routes, target, build, deadline).await;
             match attempt {
                 Attempt::Answer(response) if response.status() == StatusCode::SERVICE_UNAVAILABLE => {
-                    // Not applied; the node says when to retry (an election, a move, a
+                    // Not applied (`outcome_unknown`: maybe, and writing again is what the
+                    // node asks); the node says when to retry (an election, a move, a
                     // failover, or a forward to an owner it cannot reach either).
                     let retry = error::retry_after(&response);
                     last_unavailable = Some(error::problem(response).await);

@@ -266,6 +266,22 @@ impl Replicator {
         }
     }
 
+    /// After a sync write that got no answer from a holder was taken back here, brings the
+    /// holders that may have applied it (`holder`, and `next`, which gets the writes of
+    /// buckets it has whole) to the bucket as it is now, with a snapshot (the caller holds the
+    /// bucket lock). A request of the write still on its way is refused once the snapshot is
+    /// there (it is older). Answers the first holder that may still keep the write: its
+    /// snapshot did not land.
+    pub async fn take_back(&self, bucket: BucketId, holder: &Holder, next: Option<&Holder>) -> Result<(), NodeId> {
+        for h in std::iter::once(holder).chain(next.filter(|n| n.id != holder.id)) {
+            if let Err(e) = self.send_snapshot(bucket, h).await {
+                tracing::debug!(bucket = bucket.0, holder = h.id, error = %e, "a write taken back may stay at the replica");
+                return Err(h.id);
+            }
+        }
+        Ok(())
+    }
+
     /// Exchanges with holders that carried changes (not snapshots) so far; a batch of many
     /// writes counts once.
     pub fn exchanges(&self) -> u64 {

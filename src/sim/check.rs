@@ -3,6 +3,7 @@
 //! Every key belongs to one client, which works on it one operation at a time, so what a read
 //! may see is well defined: the state left by the last acknowledged write before it, or the
 //! effect of any write that got no definite answer (it may have landed, or may still land). A
+//! write answered `replication_failed` was stored nowhere: no read may see it. A
 //! read that sees anything else went back in time; a read that finds nothing where the last
 //! acknowledged write stored a value was served by a bucket that lost its data. A bucket a node
 //! served again empty because every copy of it died (it says so: [`Emptied`]) starts over from
@@ -50,6 +51,7 @@ fn allowed(before: &[&Op], emptied: &[Duration], until: Duration) -> BTreeSet<St
         }
         match &op.outcome {
             Outcome::Ok { .. } | Outcome::NotFound => acked = state,
+            Outcome::Failed(e) if stored_nothing(e) => {}
             Outcome::Failed(_) | Outcome::Unknown(_) => {
                 maybe.insert(state);
             }
@@ -60,6 +62,12 @@ fn allowed(before: &[&Op], emptied: &[Duration], until: Duration) -> BTreeSet<St
     }
     maybe.insert(acked);
     maybe
+}
+
+/// Whether an error answer says the write was stored nowhere (so no read may ever see it), as
+/// the README promises of `replication_failed`.
+fn stored_nothing(e: &shoal_http_api::ApiError) -> bool {
+    e.unavailable_code() == Some(shoal_http_api::Unavailable::ReplicationFailed)
 }
 
 /// The operations of each key, in the order their client ran them.

@@ -190,8 +190,11 @@ fn mirror_reads_find_no_violation() {
 /// copy, which went into the bucket the puller served and brought back an overwritten value),
 /// 1048 (a split healed with two of three voters on the side that lost the failure vote: both
 /// were failed before the voters moved away from the first, and the voters in force never had
-/// a majority again).
-const REGRESSIONS: &[u64] = &[106, 124, 197, 1048, 1275, 1541, 1594, 3048, 6082, 26854, 53440];
+/// a majority again), 50100, 50170 and 50278 (a sync write whose replica gave no answer was
+/// taken back and answered `replication_failed`, "nothing was stored"; the replica had applied
+/// it, its owner was failed before its next write of the bucket, and the promoted replica served
+/// the write).
+const REGRESSIONS: &[u64] = &[106, 124, 197, 1048, 1275, 1541, 1594, 3048, 6082, 26854, 50100, 50170, 50278, 53440];
 
 /// Seeds that once found a bug with every read balanced over mirrors: 8554 (a new owner
 /// acknowledged writes its shadow missed; the owner and its replica holder were then cut off
