@@ -304,6 +304,12 @@ mod tests {
             (
                 "fine",
                 OpKind::Put("b".into()),
+                Outcome::Failed(ApiError::unavailable(Unavailable::OutcomeUnknown, "a test")),
+            ),
+            ("refused", OpKind::Put("a".into()), ok()),
+            (
+                "refused",
+                OpKind::Put("b".into()),
                 Outcome::Failed(ApiError::unavailable(Unavailable::ReplicationFailed, "a test")),
             ),
             ("gone", OpKind::Put("a".into()), ok()),
@@ -314,6 +320,7 @@ mod tests {
         let finals: BTreeMap<String, Final> = [
             ("lost".to_string(), Final::Read(Some("a".into()))),
             ("fine".to_string(), Final::Read(Some("b".into()))),
+            ("refused".to_string(), Final::Read(Some("b".into()))),
             ("gone".to_string(), Final::Read(None)),
             ("phantom".to_string(), Final::Read(Some("x".into()))),
             ("reported".to_string(), Final::Lost),
@@ -321,10 +328,11 @@ mod tests {
         .into_iter()
         .collect();
         let verdict = check_final(&history, &Emptied::new(), &finals);
-        assert_eq!(verdict.acknowledged, 5);
+        assert_eq!(verdict.acknowledged, 6);
         assert_eq!(verdict.lost_buckets, 1);
-        assert_eq!(verdict.violations.len(), 2, "{:?}", verdict.violations);
+        assert_eq!(verdict.violations.len(), 3, "{:?}", verdict.violations);
         assert!(verdict.violations.iter().any(|v| v.starts_with("lost ")));
+        assert!(verdict.violations.iter().any(|v| v.starts_with("refused ")), "replication_failed stored nothing");
         assert!(verdict.violations.iter().any(|v| v.starts_with("phantom ")));
     }
 }
