@@ -548,8 +548,14 @@ impl ControlPlane {
             if let Some(leader) = rx.borrow_and_update().current_leader {
                 return Ok(leader);
             }
-            if tokio::time::timeout_at(deadline, rx.changed()).await.is_err() {
-                return Err(ControlError::NoLeader { detail: format!("no leader elected within {timeout:?}") });
+            match tokio::time::timeout_at(deadline, rx.changed()).await {
+                Ok(Ok(())) => {}
+                // Raft stopped: its metrics will not change again (waiting on a closed channel
+                // would answer at once, and the loop would spin).
+                Ok(Err(_)) => return Err(ControlError::NoLeader { detail: "Raft has stopped".into() }),
+                Err(_) => {
+                    return Err(ControlError::NoLeader { detail: format!("no leader elected within {timeout:?}") })
+                }
             }
         }
     }
@@ -1002,9 +1008,15 @@ impl ControlPlane {
                 tokio::time::sleep(self.inner.config.heartbeat * 2).await;
                 return;
             }
-            if tokio::time::timeout_at(deadline, rx.changed()).await.is_err() {
-                tracing::debug!(node_id = me, "stopping before every member had the last entry");
-                return;
+            match tokio::time::timeout_at(deadline, rx.changed()).await {
+                Ok(Ok(())) => {}
+                // Raft stopped: nothing more is replicated (and a closed channel answers at
+                // once: the loop spun, and the node never stopped; simulation seed 60262).
+                Ok(Err(_)) => return,
+                Err(_) => {
+                    tracing::debug!(node_id = me, "stopping before every member had the last entry");
+                    return;
+                }
             }
         }
     }
