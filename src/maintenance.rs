@@ -8,12 +8,18 @@
 //! hand-over); a write that reached this node before the pause is in the replica or refused by
 //! the holder's fence after the flip, never acknowledged and lost.
 //!
+//! Who does what: whoever asks (the API, a stop) checks, proposes `EnterMaintenance` and waits
+//! for the answer in the node's [`Entry`]; the reconciler decides from the replicated state
+//! when the node may go on (nobody's complete replica on it) or must refuse (another member
+//! stops, the replica it holds did not move on in time, no heir), and hands the buckets over
+//! as its `GoAway` job ([`HandOff::go_away`]), as it does a leaver's.
+//!
 //! ```text
 //!  member M (asked directly, or through any node)     P (M held its replica)   heir H      Raft
 //!  checks: a member of three or more, nothing running, every peer answers
 //!  admin EnterMaintenance(M, since, until) ──────────────────────────────────────────────▶ preparing
 //!                                                     attach at H, ReplicaMoved(P, H) ───▶
-//!  wait: nobody's complete replica on M (≤ 60 s)
+//!  reconciler waits: nobody's complete replica on M (≤ 60 s), then runs GoAway:
 //!  refuse writes (503 node_leaving: forwarders wait for the new owner)
 //!  wait: every owned bucket attached at H, async queue empty (≤ 10 s)
 //!  admin MaintenanceReady(M, (H, period)) ───────────────────────────────────────────────▶ away: owners M→H
@@ -36,6 +42,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use shoal_raft::state::{MaintenancePhase, MaintenanceRefusal};
 use shoal_raft::{AdminRequest, ClusterState, ControlError, ControlPlane, NodeId};
+use tokio::sync::watch;
+use tokio::time::Instant;
 
 use crate::phase::LocalFacts;
 use crate::replication::Replicator;
@@ -83,17 +91,6 @@ impl<'a> WritePause<'a> {
 impl Drop for WritePause<'_> {
     fn drop(&mut self) {
         self.0.set_handing_over(false);
-    }
-}
-
-/// Marks this node as running the procedure that puts it into maintenance while it lives: a
-/// maintenance that prepares with nobody driving it (the request was cancelled, an answer
-/// lost) is ended by the reconciler.
-struct Entering<'a>(&'a LocalFacts);
-
-impl Drop for Entering<'_> {
-    fn drop(&mut self) {
-        self.0.set_entering_maintenance(false);
     }
 }
 
@@ -154,92 +151,27 @@ impl HandOff<'_> {
         }
     }
 
-    /// Puts this node into maintenance for `period` (see the module docs), by `deadline`
-    /// (and [`END_WAIT`] more to end it again when it cannot); answers once the heir serves
-    /// its buckets in this node's applied state.
-    pub async fn enter_maintenance(
-        &self,
-        period: Duration,
-        deadline: tokio::time::Instant,
-        suspected: &[NodeId],
-    ) -> Result<(), EnterError> {
-        let state = self.control.state();
-        if let Some(refusal) = state.maintenance_refusal(self.me) {
-            return Err(EnterError::Refused(refusal));
-        }
-        if let Some(&peer) = suspected.first() {
-            return Err(EnterError::Refused(MaintenanceRefusal::PeerDown(peer)));
-        }
-        self.facts.set_entering_maintenance(true);
-        let _entering = Entering(self.facts);
-        let since_ms = now_ms();
-        let until_ms = since_ms + period.as_millis() as u64;
-        let request = AdminRequest::EnterMaintenance { node_id: self.me, since_ms, until_ms };
-        // An error may come after the entry committed (a timeout, a change of leader): the
-        // maintenance is then ended below like any that could not begin.
-        let outcome = match self.bounded(deadline, request).await {
-            Ok(()) => self.go_away(deadline).await,
-            Err(e) => Err(EnterError::Control(e)),
-        };
-        if outcome.is_err() {
-            let reason = "it could not go away: see the refusal".to_string();
-            let end = AdminRequest::EndMaintenance { node_id: self.me, reason };
-            let by = tokio::time::Instant::now() + END_WAIT;
-            if let Err(e) = self.bounded(by, end).await {
-                tracing::warn!(node_id = self.me, error = %e, "could not end the maintenance that failed to begin");
-            }
-        }
-        outcome
-    }
-
-    /// Proposes `request`, giving up at `deadline` (the entry may still commit then).
-    async fn bounded(&self, deadline: tokio::time::Instant, request: AdminRequest) -> Result<(), ControlError> {
-        match tokio::time::timeout_at(deadline, self.control.admin(request)).await {
-            Ok(answer) => answer.map(|_| ()),
-            Err(_) => Err(ControlError::Timeout { what: "the Raft log to commit in time".into() }),
-        }
-    }
-
-    /// Preparing: waits until nobody's complete replica is on this node, then hands its buckets
-    /// to its heir with writes paused.
-    async fn go_away(&self, deadline: tokio::time::Instant) -> Result<(), EnterError> {
+    /// Hands this node's buckets to `heir` once it prepares for maintenance and nobody's
+    /// complete replica is on it (the reconciler's `GoAway`): with writes paused, waits until
+    /// the heir holds every write, proposes `MaintenanceReady`, and answers once the heir
+    /// serves the buckets. Every step ends by `deadline`.
+    pub async fn go_away(&self, heir: NodeId, deadline: Instant) -> Result<(), EnterError> {
         let me = self.me;
-        let preparing = |s: &ClusterState| {
-            s.maintenance.as_ref().is_some_and(|m| m.node == me && m.phase == MaintenancePhase::Preparing)
-        };
-        let left = |cap: Duration| deadline.saturating_duration_since(tokio::time::Instant::now()).min(cap);
-        // The leader committed it; this node may apply it a moment later.
-        self.control.wait_for_state(left(Duration::from_secs(5)), preparing).await;
+        let left = |cap: Duration| deadline.saturating_duration_since(Instant::now()).min(cap);
         // Once another member starts to stop, the maintenance goes no further.
-        let preparing = |s: &ClusterState| preparing(s) && s.stopping_peer(me).is_none();
-        let moved = self.control.wait_for_state(left(PREPARE_WAIT), |s| !preparing(s) || s.held_by(me).is_none()).await;
-        let state = self.control.state();
-        if let Some(peer) = state.stopping_peer(me) {
-            return Err(EnterError::Refused(MaintenanceRefusal::PeerStopping(peer)));
-        }
-        if !preparing(&state) {
-            return Err(EnterError::Refused(MaintenanceRefusal::Busy(
-                "the maintenance ended while it prepared".into(),
-            )));
-        }
-        if let Some(owner) = state.held_by(me).filter(|_| !moved) {
-            return Err(EnterError::Refused(MaintenanceRefusal::StillHolding { holder: me, owner }));
-        }
-        let Some(heir) = state.heir_of(me) else {
-            return Err(EnterError::Refused(MaintenanceRefusal::TooFewMembers(state.members.len())));
-        };
+        let preparing = |s: &ClusterState| preparing(s, me) && s.stopping_peer(me).is_none();
         let pause = WritePause::new(self.facts);
         let checked = match self.in_sync(heir, left(SYNC_WAIT), preparing).await {
             Ok(checked) => checked,
-            Err(_) if self.control.state().stopping_peer(me).is_some() => {
-                let peer = self.control.state().stopping_peer(me).unwrap_or_default();
-                return Err(EnterError::Refused(MaintenanceRefusal::PeerStopping(peer)));
-            }
             Err(NotInSync { attached, owned, .. }) => {
-                return Err(EnterError::Refused(MaintenanceRefusal::ReplicaNotAttached { node: me, attached, owned }));
+                let refusal = match self.control.state().stopping_peer(me) {
+                    Some(peer) => MaintenanceRefusal::PeerStopping(peer),
+                    None => MaintenanceRefusal::ReplicaNotAttached { node: me, attached, owned },
+                };
+                return Err(EnterError::Refused(refusal));
             }
         };
-        self.bounded(deadline, AdminRequest::MaintenanceReady { node_id: me, heir: checked })
+        bounded(self.control, deadline, AdminRequest::MaintenanceReady { node_id: me, heir: checked })
             .await
             .map_err(EnterError::Control)?;
         self.control.wait_for_state(left(Duration::from_secs(10)), |s| s.map.buckets_of(me).is_empty()).await;
@@ -250,6 +182,139 @@ impl HandOff<'_> {
             "in maintenance: the replica holder serves this node's buckets until it comes back"
         );
         Ok(())
+    }
+}
+
+/// Whether `me` prepares for maintenance in `state`.
+fn preparing(state: &ClusterState, me: NodeId) -> bool {
+    state.maintenance.as_ref().is_some_and(|m| m.node == me && m.phase == MaintenancePhase::Preparing)
+}
+
+/// Proposes `request`, giving up at `deadline` (the entry may still commit then).
+async fn bounded(control: &ControlPlane, deadline: Instant, request: AdminRequest) -> Result<(), ControlError> {
+    match tokio::time::timeout_at(deadline, control.admin(request)).await {
+        Ok(answer) => answer.map(|_| ()),
+        Err(_) => Err(ControlError::Timeout { what: "the Raft log to commit in time".into() }),
+    }
+}
+
+/// This node's own entry into maintenance: asked for by whoever puts it into maintenance (the
+/// API, a stop), carried out by the reconciler (which refuses it, or hands the buckets over
+/// as its `GoAway` job), and answered back here. One at a time.
+#[derive(Debug, Default)]
+pub struct Entry(watch::Sender<Option<Asked>>);
+
+/// An entry being driven.
+#[derive(Debug, Clone)]
+pub struct Asked {
+    /// Every step ends by then.
+    pub deadline: Instant,
+    /// Set once the maintenance is committed as preparing: the reconciler goes on from there,
+    /// and refuses it if nobody's complete replica left this node by then.
+    pub prepare_by: Option<Instant>,
+    /// What came of it; the first decision counts.
+    pub outcome: Option<Result<(), EnterError>>,
+}
+
+/// Ends the entry when the one who drives it goes (answered, or cancelled): a maintenance
+/// still preparing then is ended by the reconciler.
+struct Driving<'a>(&'a Entry);
+
+impl Drop for Driving<'_> {
+    fn drop(&mut self) {
+        self.0 .0.send_replace(None);
+    }
+}
+
+impl Entry {
+    /// The entry being driven, if any.
+    pub fn asked(&self) -> Option<Asked> {
+        self.0.borrow().clone()
+    }
+
+    /// Changes of the entry (the reconciler plans again on each).
+    pub fn subscribe(&self) -> watch::Receiver<Option<Asked>> {
+        self.0.subscribe()
+    }
+
+    /// Decides the entry being driven, unless it is decided already.
+    pub fn decide(&self, outcome: Result<(), EnterError>) {
+        self.0.send_if_modified(|asked| match asked {
+            Some(asked) if asked.outcome.is_none() => {
+                asked.outcome = Some(outcome);
+                true
+            }
+            _ => false,
+        });
+    }
+
+    /// Puts node `me` into maintenance for `period` (see the module docs), by `deadline` (and
+    /// [`END_WAIT`] more to end it again when it cannot); answers once the heir serves its
+    /// buckets in this node's applied state. `suspected` are the peers it does not hear from.
+    pub async fn enter(
+        &self,
+        me: NodeId,
+        control: &ControlPlane,
+        period: Duration,
+        deadline: Instant,
+        suspected: &[NodeId],
+    ) -> Result<(), EnterError> {
+        let state = control.state();
+        if let Some(refusal) = state.maintenance_refusal(me) {
+            return Err(EnterError::Refused(refusal));
+        }
+        if let Some(&peer) = suspected.first() {
+            return Err(EnterError::Refused(MaintenanceRefusal::PeerDown(peer)));
+        }
+        let fresh = Asked { deadline, prepare_by: None, outcome: None };
+        let free = self.0.send_if_modified(|asked| asked.is_none() && asked.replace(fresh).is_none());
+        if !free {
+            return Err(EnterError::Refused(MaintenanceRefusal::Busy(
+                "this node is entering maintenance already".into(),
+            )));
+        }
+        let _driving = Driving(self);
+        let since_ms = now_ms();
+        let until_ms = since_ms + period.as_millis() as u64;
+        let request = AdminRequest::EnterMaintenance { node_id: me, since_ms, until_ms };
+        // An error may come after the entry committed (a timeout, a change of leader): the
+        // maintenance is then ended below like any that could not begin.
+        let outcome = match bounded(control, deadline, request).await {
+            Ok(()) => self.outcome(me, control, deadline).await,
+            Err(e) => Err(EnterError::Control(e)),
+        };
+        if outcome.is_err() {
+            let reason = "it could not go away: see the refusal".to_string();
+            let end = AdminRequest::EndMaintenance { node_id: me, reason };
+            if let Err(e) = bounded(control, Instant::now() + END_WAIT, end).await {
+                tracing::warn!(node_id = me, error = %e, "could not end the maintenance that failed to begin");
+            }
+        }
+        outcome
+    }
+
+    /// Once the maintenance is committed: lets the reconciler go on, and waits (until
+    /// `deadline`) for what came of it.
+    async fn outcome(&self, me: NodeId, control: &ControlPlane, deadline: Instant) -> Result<(), EnterError> {
+        let left = |cap: Duration| deadline.saturating_duration_since(Instant::now()).min(cap);
+        // The leader committed it; this node may apply it a moment later.
+        control.wait_for_state(left(Duration::from_secs(5)), |s| preparing(s, me)).await;
+        let prepare_by = Instant::now() + left(PREPARE_WAIT);
+        self.0.send_modify(|asked| {
+            if let Some(asked) = asked {
+                asked.prepare_by = Some(prepare_by);
+            }
+        });
+        let mut changes = self.0.subscribe();
+        let decided = changes.wait_for(|a| a.as_ref().is_some_and(|a| a.outcome.is_some()));
+        if tokio::time::timeout_at(deadline, decided).await.is_err() {
+            let what = "this node to hand its buckets over in time".into();
+            self.decide(Err(EnterError::Control(ControlError::Timeout { what })));
+        }
+        let asked = self.asked();
+        asked.and_then(|a| a.outcome).unwrap_or(Err(EnterError::Refused(MaintenanceRefusal::Busy(
+            "the entry ended before it was decided".into(),
+        ))))
     }
 }
 

@@ -16,7 +16,7 @@ use shoal_raft::{AdminRequest, AdminResponse, ClusterState, ControlError, NodeId
 use super::NodeApi;
 use crate::balance::plan::Refusal;
 use crate::balance::{AskBuckets, BalanceError, BucketReport, Rebalance};
-use crate::maintenance::{EnterError, HandOff};
+use crate::maintenance::EnterError;
 use crate::transport::wire::{self, Handlers, Json};
 use crate::transport::{CallError, Endpoint, PEER_CALL_TIMEOUT};
 
@@ -183,17 +183,12 @@ impl NodeApi {
     }
 
     /// Puts this node into maintenance for `period`, within `wait` (see
-    /// [`HandOff::enter_maintenance`]).
+    /// [`crate::maintenance::Entry::enter`]).
     pub async fn maintenance_here(&self, period: Duration, wait: Duration) -> Result<MaintenanceView, ApiError> {
-        let handoff = HandOff {
-            me: self.node_id,
-            control: &self.control,
-            replicator: &self.replicator,
-            facts: self.core.facts(),
-        };
         let suspected = self.health.pfail_members();
         let deadline = tokio::time::Instant::now() + wait;
-        handoff.enter_maintenance(period, deadline, &suspected).await.map_err(|e| match e {
+        let entered = self.entry.enter(self.node_id, &self.control, period, deadline, &suspected).await;
+        entered.map_err(|e| match e {
             EnterError::Refused(MaintenanceRefusal::NotMember(id)) => {
                 ApiError::UnknownResource(format!("node {id} is not a member that stays"))
             }

@@ -107,6 +107,8 @@ pub struct NodeParts {
     pub balancer: Arc<crate::balance::Balancer>,
     /// Whether the API is served over TLS: a redirect then names an `https://` URL.
     pub https: bool,
+    /// This node's own entry into maintenance.
+    pub entry: Arc<crate::maintenance::Entry>,
 }
 
 /// The node's implementation of the public API.
@@ -125,6 +127,7 @@ pub struct NodeApi {
     mirrors: Arc<Mirrors>,
     balancer: Arc<crate::balance::Balancer>,
     https: bool,
+    entry: Arc<crate::maintenance::Entry>,
 }
 
 /// How a request reached this node, as the bucket core sees it.
@@ -197,6 +200,7 @@ impl NodeApi {
             mirrors: parts.mirrors,
             balancer: parts.balancer,
             https: parts.https,
+            entry: parts.entry,
         }
     }
 

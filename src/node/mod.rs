@@ -695,6 +695,7 @@ struct Parts {
     balancer: Arc<crate::balance::Balancer>,
     api: Arc<NodeApi>,
     peers: Peers,
+    entry: Arc<crate::maintenance::Entry>,
 }
 
 impl Parts {
@@ -745,6 +746,7 @@ impl Parts {
         );
         let weak = Arc::downgrade(&balancer);
         control.set_bucket_sizes(Arc::new(move || weak.upgrade().and_then(|b| b.bucket_sizes())));
+        let entry = Arc::new(crate::maintenance::Entry::default());
         let node_parts = NodeParts {
             metrics: metrics.clone(),
             progress: progress.clone(),
@@ -756,9 +758,10 @@ impl Parts {
             mirrors: mirrors.clone(),
             balancer: balancer.clone(),
             https: config.tls_cert.is_some(),
+            entry: entry.clone(),
         };
         let api = Arc::new(NodeApi::new(control.clone(), cache.clone(), limits_of(config), node_parts));
-        Parts { control, cache, metrics, progress, replicator, mirrors, health, core, balancer, api, peers }
+        Parts { control, cache, metrics, progress, replicator, mirrors, health, core, balancer, api, peers, entry }
     }
 
     /// What answers other nodes.
@@ -782,7 +785,9 @@ impl Parts {
 
     /// Starts the node's background tasks, the reconciler last, once it is a member.
     fn run(self, config: &ServeConfig, identity: Identity, handle: &NodeHandle) -> Vec<JoinHandle<()>> {
-        let Parts { control, cache, metrics, progress, replicator, mirrors, health, core, balancer, peers, .. } = self;
+        let Parts {
+            control, cache, metrics, progress, replicator, mirrors, health, core, balancer, peers, entry, ..
+        } = self;
         let reconciler = Reconciler::new(crate::reconcile::Parts {
             core: core.clone(),
             store: cache.clone(),
@@ -797,6 +802,7 @@ impl Parts {
             identity: (identity, config.data_dir.clone()),
             shutdown: handle.shutdown.clone(),
             rejoin: handle.rejoin.clone(),
+            entry,
         });
         vec![
             tokio::spawn(sweep_expired(cache)),

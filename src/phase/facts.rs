@@ -1,5 +1,5 @@
 //! [`LocalFacts`]: what this node knows of its buckets and of itself that the replicated state
-//! does not say — its gate (draining, stopping, handing over, entering maintenance) and the
+//! does not say — its gate (draining, stopping, handing over) and the
 //! copies of its buckets (`copies.rs`) among them — and the per-bucket locks of the write path.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -35,8 +35,6 @@ pub struct LocalFacts {
     stopping: AtomicBool,
     /// Set while a leaving node waits for its replicas before handing over.
     handing_over: AtomicBool,
-    /// This node runs the procedure that puts it into maintenance.
-    entering_maintenance: AtomicBool,
     /// Owner side: which holders have a snapshot of each bucket.
     attached: Attached,
     /// Holder side: whose copy each replica bucket is.
@@ -54,7 +52,6 @@ impl Default for LocalFacts {
             draining: AtomicBool::new(false),
             stopping: AtomicBool::new(false),
             handing_over: AtomicBool::new(false),
-            entering_maintenance: AtomicBool::new(false),
             attached: Attached::default(),
             copies: HeldCopies::default(),
         }
@@ -88,16 +85,6 @@ impl LocalFacts {
     /// Whether the node stops: it got SIGTERM, or drains.
     pub fn is_stopping(&self) -> bool {
         self.stopping.load(Ordering::Relaxed) || self.is_draining()
-    }
-
-    /// This node starts (true) or ends (false) the procedure that puts it into maintenance.
-    pub fn set_entering_maintenance(&self, on: bool) {
-        self.entering_maintenance.store(on, Ordering::Relaxed);
-    }
-
-    /// Whether this node runs the procedure that puts it into maintenance.
-    pub fn is_entering_maintenance(&self) -> bool {
-        self.entering_maintenance.load(Ordering::Relaxed)
     }
 
     /// Pauses (or resumes) this node's writes while it hands its buckets over.

@@ -393,6 +393,17 @@ impl Reconciler {
         Done::MovedReplica
     }
 
+    /// Goes into maintenance: hands the buckets to `heir` (see [`HandOff::go_away`]) and
+    /// answers whoever asked.
+    pub(super) async fn go_away(&self, heir: NodeId) -> Done {
+        if let Some(asked) = self.entry.asked() {
+            let handoff =
+                HandOff { me: self.me, control: &self.control, replicator: &self.replicator, facts: &self.facts };
+            self.entry.decide(handoff.go_away(heir, asked.deadline).await);
+        }
+        Done::WentAway
+    }
+
     /// A leaving member hands its buckets to `heir`, the holder of its complete replica, which
     /// serves them at once (no copy) while state transfer moves them on.
     ///

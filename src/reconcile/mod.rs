@@ -35,6 +35,7 @@ use crate::bucket::{BucketCore, Probe};
 use crate::cache::CacheStore;
 use crate::health::Health;
 use crate::identity::Identity;
+use crate::maintenance::{EnterError, Entry};
 use crate::metrics::NodeMetrics;
 use crate::peer::Peers;
 use crate::phase::{phase_of, LocalFacts};
@@ -43,7 +44,7 @@ use crate::transfer::import::{backoff, Puller};
 use crate::transfer::progress::Progress;
 use crate::transfer::stuck::StuckDetector;
 use crate::transfer::TransferConfig;
-use plan::{plan, Action, Facts, Job, Running};
+use plan::{plan, Action, Entering, Facts, Job, Running};
 
 /// How long a node that left keeps serving before it stops: long enough for every member to
 /// apply its retirement (and stop sending it replica and shadow writes) under load.
@@ -77,6 +78,7 @@ pub struct Reconciler {
     shutdown: watch::Sender<bool>,
     rejoin: Arc<Mutex<Option<Vec<String>>>>,
     probe: Option<Arc<dyn Probe>>,
+    entry: Arc<Entry>,
 }
 
 /// The parts a reconciler is built from.
@@ -107,6 +109,8 @@ pub struct Parts {
     pub shutdown: watch::Sender<bool>,
     /// Where to rejoin, when the cluster failed this node.
     pub rejoin: Arc<Mutex<Option<Vec<String>>>>,
+    /// This node's own entry into maintenance.
+    pub entry: Arc<Entry>,
 }
 
 /// A job's result, fed back as facts.
@@ -141,6 +145,19 @@ enum Done {
     Sent,
     GaveBack,
     EndedMaintenance,
+    WentAway,
+}
+
+/// The planner's view of this node's own entry into maintenance.
+fn entering(asked: Option<crate::maintenance::Asked>) -> Entering {
+    match asked {
+        None => Entering::No,
+        Some(a) if a.outcome.is_some() => Entering::Decided,
+        Some(a) => match a.prepare_by {
+            None => Entering::Proposing,
+            Some(by) => Entering::Asked { overdue: Instant::now() >= by },
+        },
+    }
 }
 
 /// Pulls paused after a failed one.
@@ -241,6 +258,7 @@ impl Reconciler {
             identity: (identity, data_dir),
             shutdown,
             rejoin,
+            entry,
         } = parts;
         Arc::new(Reconciler {
             me: control.node_id(),
@@ -260,12 +278,14 @@ impl Reconciler {
             data_dir,
             shutdown,
             rejoin,
+            entry,
         })
     }
 
     /// Runs the loop until the node stops.
     pub async fn run(self: Arc<Self>) {
         let mut applied = self.control.view().subscribe();
+        let mut entry = self.entry.subscribe();
         let mut jobs = Jobs::default();
         let mut memory =
             Memory { stuck: Some(Box::default()), limit: self.store.stats().limit_bytes, ..Memory::default() };
@@ -307,6 +327,7 @@ impl Reconciler {
                         return;
                     }
                 }
+                _ = entry.changed() => {}
                 () = self.replicator.queued().notified(), if !memory.running.send => {}
                 // Once: after that the node only gives its lost buckets back and rejoins.
                 () = self.health.removed(), if !memory.running.give_back && !memory.gave_back => {}
@@ -372,7 +393,7 @@ impl Reconciler {
             gave_back: memory.gave_back,
             // Read only while a maintenance runs: the simulation never reads the wall clock.
             now_ms: if state.maintenance.is_some() { crate::maintenance::now_ms() } else { 0 },
-            entering_maintenance: self.facts.is_entering_maintenance(),
+            entering: entering(self.entry.asked()),
         }
     }
 
@@ -415,6 +436,7 @@ impl Reconciler {
                     );
                 }
             }
+            Action::RefuseMaintenance { refusal } => self.entry.decide(Err(EnterError::Refused(refusal))),
             Action::Job(job) => self.start(job, memory, jobs),
         }
         false
@@ -489,6 +511,10 @@ impl Reconciler {
             Job::EndMaintenance { node, reason } => {
                 r.end_maintenance = true;
                 jobs.spawn(async move { me.end_maintenance(node, reason).await }, Done::EndedMaintenance);
+            }
+            Job::GoAway { heir } => {
+                r.go_away = true;
+                jobs.spawn(async move { me.go_away(heir).await }, Done::WentAway);
             }
             Job::SendQueued => {
                 r.send = true;
@@ -670,6 +696,7 @@ impl Reconciler {
                 memory.gave_back = true;
             }
             Done::EndedMaintenance => r.end_maintenance = false,
+            Done::WentAway => r.go_away = false,
         }
     }
 

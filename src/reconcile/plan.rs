@@ -6,7 +6,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use shoal_raft::state::MaintenancePhase;
+use shoal_raft::state::{MaintenancePhase, MaintenanceRefusal};
 use shoal_raft::{BucketId, ClusterState, NodeId};
 
 use crate::phase::{keeps_replica, phase_of, BucketFacts, Phase};
@@ -47,6 +47,26 @@ pub struct Running {
     pub give_back: bool,
     /// Ending a maintenance whose time ran out (leader).
     pub end_maintenance: bool,
+    /// Handing the buckets to the heir to go into maintenance.
+    pub go_away: bool,
+}
+
+/// Where this node's own entry into maintenance stands (see `maintenance::Entry`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Entering {
+    /// Nobody drives one: a maintenance of this node still preparing is ended.
+    #[default]
+    No,
+    /// Being proposed: nothing to do yet.
+    Proposing,
+    /// Committed as preparing: the node goes on once nobody's complete replica is on it, and
+    /// is refused if one still is once `overdue`.
+    Asked {
+        /// The time to prepare ran out.
+        overdue: bool,
+    },
+    /// Decided: the one who drives it answers (and ends it when refused).
+    Decided,
 }
 
 /// What this node knows of itself that the replicated state does not say.
@@ -106,8 +126,8 @@ pub struct Facts {
     pub gave_back: bool,
     /// The wall clock, in ms since the Unix epoch (a maintenance runs out by it).
     pub now_ms: u64,
-    /// It runs the procedure that puts it into maintenance.
-    pub entering_maintenance: bool,
+    /// Its own entry into maintenance.
+    pub entering: Entering,
 }
 
 impl Facts {
@@ -169,6 +189,11 @@ pub enum Action {
         bucket: BucketId,
         /// The owner the copy came from (a newer owner's copy is not dropped).
         source: NodeId,
+    },
+    /// This node's entry into maintenance cannot go on: answer why.
+    RefuseMaintenance {
+        /// Why.
+        refusal: MaintenanceRefusal,
     },
     /// Start a job, which runs until its result comes back.
     Job(Job),
@@ -239,6 +264,11 @@ pub enum Job {
     },
     /// Leaving: hand the buckets to the holder of the complete replica.
     HandOver {
+        /// The heir.
+        heir: NodeId,
+    },
+    /// Going into maintenance: hand the buckets to the holder of the complete replica.
+    GoAway {
         /// The heir.
         heir: NodeId,
     },
@@ -317,7 +347,7 @@ pub fn plan(previous: &ClusterState, state: &ClusterState, f: &Facts) -> Vec<Act
     if let Some(m) = state.maintenance.as_ref().filter(|m| m.phase != MaintenancePhase::Returned) {
         let reason = if f.leader && f.now_ms >= m.until_ms {
             Some("its time ran out before it came back")
-        } else if m.node == me && m.phase == MaintenancePhase::Preparing && !f.entering_maintenance {
+        } else if m.node == me && m.phase == MaintenancePhase::Preparing && f.entering == Entering::No {
             Some("it prepared for it, but nothing drives it any more")
         } else {
             None
@@ -326,6 +356,7 @@ pub fn plan(previous: &ClusterState, state: &ClusterState, f: &Facts) -> Vec<Act
             out.push(Action::Job(Job::EndMaintenance { node: m.node, reason }));
         }
     }
+    plan_entry(state, f, &mut out);
     if f.queue_waiting && !f.running.send {
         out.push(Action::Job(Job::SendQueued));
     }
@@ -479,6 +510,36 @@ pub fn prepares_replica_now(state: &ClusterState, owner: NodeId, holder: NodeId)
         BucketId::all().any(|b| t.to.owner_of(b) == Some(holder) && state.map.owner_of(b) != Some(holder))
     });
     complete_goes || (state.incoming_of(holder).is_empty() && !pending_gives)
+}
+
+/// This node's own entry into maintenance, once committed as preparing: refused when it ended
+/// meanwhile, when another member stops (the heir, or the majority that keeps the maintenance,
+/// may be gone next), when the replica it holds for another member did not move on in time, or
+/// when it has no heir; otherwise, once nobody's complete replica is on it, it hands its
+/// buckets to its heir.
+fn plan_entry(state: &ClusterState, f: &Facts, out: &mut Vec<Action>) {
+    let Entering::Asked { overdue } = f.entering else { return };
+    if f.running.go_away {
+        return;
+    }
+    let me = f.me;
+    let preparing = state.maintenance.as_ref().is_some_and(|m| m.node == me && m.phase == MaintenancePhase::Preparing);
+    let refusal = if !preparing {
+        MaintenanceRefusal::Busy("the maintenance ended while it prepared".into())
+    } else if let Some(peer) = state.stopping_peer(me) {
+        MaintenanceRefusal::PeerStopping(peer)
+    } else if let Some(owner) = state.held_by(me) {
+        if !overdue {
+            return;
+        }
+        MaintenanceRefusal::StillHolding { holder: me, owner }
+    } else if let Some(heir) = state.heir_of(me) {
+        out.push(Action::Job(Job::GoAway { heir }));
+        return;
+    } else {
+        MaintenanceRefusal::TooFewMembers(state.members.len())
+    };
+    out.push(Action::RefuseMaintenance { refusal });
 }
 
 /// A leaving member, once its leave's target is set and it still serves buckets, hands them

@@ -416,11 +416,11 @@ fn a_maintenance_is_ended_by_the_leader_when_its_time_ran_out_and_by_the_member_
         plan(s, s, f).into_iter().filter(|a| matches!(a, Action::Job(Job::EndMaintenance { node: 2, .. }))).count()
     };
     // The member runs the procedure: nobody ends it before its time.
-    let member = Facts { entering_maintenance: true, now_ms: 2_000, ..facts(2) };
+    let member = Facts { entering: Entering::Proposing, now_ms: 2_000, ..facts(2) };
     let leader = Facts { leader: true, now_ms: 2_000, ..facts(1) };
     assert_eq!((ends(&s, &member), ends(&s, &leader)), (0, 0));
     // The request was cancelled: the member ends what it prepared.
-    assert_eq!(ends(&s, &Facts { entering_maintenance: false, ..member.clone() }), 1);
+    assert_eq!(ends(&s, &Facts { entering: Entering::No, ..member.clone() }), 1);
     // The time ran out: the leader ends it, another follower does not.
     assert_eq!(ends(&s, &Facts { now_ms: 61_000, ..leader.clone() }), 1);
     assert_eq!(ends(&s, &Facts { now_ms: 61_000, ..facts(3) }), 0);
@@ -430,4 +430,49 @@ fn a_maintenance_is_ended_by_the_leader_when_its_time_ran_out_and_by_the_member_
     s.apply(&shoal_raft::ClusterCommand::MaintenanceReady { node_id: 2, heir: (heir, period) });
     s.apply(&shoal_raft::ClusterCommand::SetDraining { node_id: 2, draining: false });
     assert_eq!(ends(&s, &Facts { now_ms: 99_000, ..leader }), 0);
+}
+
+#[test]
+fn a_member_entering_maintenance_goes_away_once_it_holds_no_complete_replica_and_is_refused_otherwise() {
+    let mut s = three_nodes();
+    let owner = s.members.iter().map(|m| m.id).find(|&id| s.replica_of(id) == Some(2)).expect("node 2 holds a replica");
+    let done = shoal_raft::CommandResponse::Done;
+    assert_eq!(s.apply(&shoal_raft::ClusterCommand::ReplicaMoved { owner, holder: 2 }), done);
+    s.apply(&shoal_raft::ClusterCommand::EnterMaintenance { node_id: 2, since_ms: 1_000, until_ms: 61_000 });
+    let entry = |s: &ClusterState, entering: Entering| -> Vec<Action> {
+        let f = Facts { entering, now_ms: 2_000, ..facts(2) };
+        let entry = |a: &Action| matches!(a, Action::RefuseMaintenance { .. } | Action::Job(Job::GoAway { .. }));
+        plan(s, s, &f).into_iter().filter(entry).collect()
+    };
+    let waiting = Entering::Asked { overdue: false };
+    let overdue = Entering::Asked { overdue: true };
+    // Nothing before the entry is committed, nor once it is decided.
+    assert!(entry(&s, Entering::Proposing).is_empty());
+    assert!(entry(&s, Entering::Decided).is_empty());
+    // It holds another member's complete replica: it waits for it to move on, then is refused.
+    assert_eq!(s.held_by(2), Some(owner));
+    assert!(entry(&s, waiting).is_empty(), "waits while the replica it holds moves on");
+    let refused = Action::RefuseMaintenance { refusal: MaintenanceRefusal::StillHolding { holder: 2, owner } };
+    assert_eq!(entry(&s, overdue), vec![refused]);
+    // Moved on: it hands its buckets to its heir (once: not while the job runs).
+    let next = s.members.iter().map(|m| m.id).find(|&id| id != 2 && id != owner).expect("a third member");
+    assert_eq!(s.apply(&shoal_raft::ClusterCommand::ReplicaMoved { owner, holder: next }), done);
+    assert_eq!(s.held_by(2), None);
+    let heir = s.heir_of(2).expect("an heir");
+    assert_eq!(entry(&s, waiting), vec![Action::Job(Job::GoAway { heir })]);
+    assert_eq!(entry(&s, overdue), vec![Action::Job(Job::GoAway { heir })]);
+    let running = Facts { entering: waiting, running: Running { go_away: true, ..Running::default() }, ..facts(2) };
+    assert!(plan(&s, &s, &running).iter().all(|a| !matches!(a, Action::Job(Job::GoAway { .. }))));
+    // Another member stops: the heir or the majority may be gone next.
+    let mut stopping = s.clone();
+    stopping.apply(&shoal_raft::ClusterCommand::SetDraining { node_id: heir, draining: true });
+    let refused = Action::RefuseMaintenance { refusal: MaintenanceRefusal::PeerStopping(heir) };
+    assert_eq!(entry(&stopping, waiting), vec![refused]);
+    // The maintenance ended meanwhile (an operator, the leader).
+    let mut ended = s.clone();
+    ended.apply(&shoal_raft::ClusterCommand::EndMaintenance { node_id: 2, reason: "test".into() });
+    assert!(matches!(
+        entry(&ended, waiting).as_slice(),
+        [Action::RefuseMaintenance { refusal: MaintenanceRefusal::Busy(_) }]
+    ));
 }
