@@ -5,8 +5,11 @@
 //!                          A ◀── {node_id: B, status: A's membership in B's view} ──────────────────┘
 //!  no pong for --node-timeout: B is pfail in A's view
 //!  the leader: pfail in the view of a majority of the members (its own view and the reports in
-//!  the pings it received) ──▶ Raft: NodeFailed(B)
+//!  the pings it received) ──▶ its reconciler's FailNode ──▶ Raft: NodeFailed(B)
 //! ```
+//!
+//! This module keeps the contacts and tallies the reports ([`Health::to_fail`]); the leader's
+//! reconciler plans the proposal, woken after every ping round ([`Health::round`]).
 //!
 //! A pong that says "you were failed" makes this node stop, discard its data and rejoin as
 //! a new member. The same contacts give a *lease*: a node that has not heard from a
@@ -26,7 +29,7 @@
 //! before are forgotten, so a member that comes back is never failed for its absence before.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -34,7 +37,7 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use shoal_http_api::types::{PeerHealth, PeerState};
 use shoal_raft::{ControlPlane, MemberStatus, NodeId};
-use tokio::sync::watch;
+use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 
 use crate::mirror::{Mirrors, Outcome};
@@ -118,8 +121,8 @@ pub struct Health {
     facts: Arc<LocalFacts>,
     /// `NodeFailed` commands this node proposed as leader.
     pub fails_proposed: AtomicU64,
-    /// Set while a `NodeFailed` proposal runs.
-    failing: AtomicBool,
+    /// Notified after every ping round of a leader (its reconciler looks for members to fail).
+    round: Notify,
     /// Peers with a ping in flight.
     in_flight: Mutex<BTreeSet<NodeId>>,
     /// The members this node holds pfail, as of the last ping round.
@@ -154,7 +157,7 @@ impl Health {
             mirrors,
             facts,
             fails_proposed: AtomicU64::new(0),
-            failing: AtomicBool::new(false),
+            round: Notify::new(),
             in_flight: Mutex::new(BTreeSet::new()),
             pfail_now: watch::channel(BTreeSet::new()).0,
         })
@@ -350,14 +353,8 @@ impl Health {
                     }
                 });
             }
-            if self.control.is_leader() && !self.failing.swap(true, Ordering::AcqRel) {
-                // In the background: committing a failure may wait for the membership lock, and
-                // pings must go on meanwhile.
-                let health = self.clone();
-                tokio::spawn(async move {
-                    health.fail_reported().await;
-                    health.failing.store(false, Ordering::Release);
-                });
+            if self.control.is_leader() {
+                self.round.notify_one();
             }
         }
     }
@@ -391,9 +388,19 @@ impl Health {
         restarted
     }
 
-    /// As leader: proposes `NodeFailed` for each member that a majority of the members (this
-    /// node included) reports pfail.
-    async fn fail_reported(&self) {
+    /// Resolves after a ping round of this node as leader (one round's notice is kept until
+    /// someone waits).
+    pub async fn round(&self) {
+        self.round.notified().await;
+    }
+
+    /// As leader: a member that a majority of the members (this node included) reports pfail,
+    /// with the votes and the members counted. (This node's own view counts as a report, and
+    /// is remembered as one: see [`Self::reports`].)
+    pub fn to_fail(&self) -> Option<(NodeId, usize, usize)> {
+        if !self.enabled() {
+            return None;
+        }
         let state = self.control.state();
         // A member away in maintenance cannot report: the majority is of the others. (Still
         // safe against the lease: a node's lease needs a majority of all the members, none of
@@ -410,16 +417,11 @@ impl Health {
             // The leader's own view is a report like any other: remembered.
             let votes = usize::from(self.reports(m.id))
                 + reports.votes_against(m.id, |r| state.is_member(r) && Some(r) != state.away());
-            if votes * 2 <= n {
-                continue;
+            if votes * 2 > n {
+                return Some((m.id, votes, n));
             }
-            tracing::warn!(node_id = m.id, votes, members = n, "a majority reports the node unreachable; failing it");
-            self.fails_proposed.fetch_add(1, Ordering::Relaxed);
-            if let Err(e) = self.control.fail_node(m.id).await {
-                tracing::warn!(node_id = m.id, error = %e, "could not fail the node");
-            }
-            return;
         }
+        None
     }
 }
 

@@ -8,7 +8,8 @@
 //!          POST /v1/cluster/rebalance[?node=][&dry_run=]: plan::plan ─▶ Raft Rebalance ─▶ a
 //!            transition and state transfer like a join
 //!          auto_balance on, fullest > 1.5 × emptiest on two rounds in a row, nothing
-//!            running, the interval passed: the same, by itself
+//!            running, the interval passed: due, and the reconciler's `Balance` job does
+//!            the same by itself
 //! ```
 //!
 //! Statistics become a Raft entry only when they change a decision: the balanced map itself
@@ -21,6 +22,7 @@
 pub mod plan;
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -142,6 +144,8 @@ pub struct Balancer {
     /// rounds in a row (one round's reports are not one moment's: a burst of writes can
     /// look like skew).
     over_before: Mutex<bool>,
+    /// On the leader: a balancing by itself is due (the reconciler's `Balance` starts it).
+    due: AtomicBool,
 }
 
 impl Balancer {
@@ -166,10 +170,11 @@ impl Balancer {
             previous: Mutex::new(None),
             last_auto: Mutex::new(None),
             over_before: Mutex::new(false),
+            due: AtomicBool::new(false),
         })
     }
 
-    /// Reports every interval; on the leader, balances by itself when due.
+    /// Reports every interval; on the leader, notes whether a balancing by itself is due.
     pub async fn run(self: Arc<Self>) {
         let mut tick = tokio::time::interval(self.config.stats_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -179,7 +184,7 @@ impl Balancer {
             match self.control.leader() {
                 Some(leader) if leader == self.me => {
                     self.receive(report);
-                    self.auto_balance().await;
+                    self.note_round();
                 }
                 Some(leader) => {
                     if let Some(addr) = self.control.state().member_of(leader).map(|m| m.peer_addr.clone()) {
@@ -335,19 +340,29 @@ impl Balancer {
         Ok(plan)
     }
 
-    /// On the leader: starts a balancing when it is turned on and due, at most once per
-    /// `--auto-balance-interval`.
-    async fn auto_balance(&self) {
+    /// On the leader, after a round of reports: a balancing by itself is due when it is turned
+    /// on, this round and the one before found the data out of balance, and the last one it
+    /// started is at least `--auto-balance-interval` ago.
+    fn note_round(&self) {
+        let state = self.control.state();
+        let over = plan::auto_balance_due(&state, &self.received(), self.config.stats_interval);
+        let twice = std::mem::replace(&mut *self.over_before.lock(), over) && over;
+        let waited = self.last_auto.lock().is_none_or(|at| at.elapsed() >= self.config.auto_interval);
+        self.due.store(twice && waited, Ordering::Relaxed);
+    }
+
+    /// On the leader: whether a balancing by itself is due (see [`Self::note_round`]).
+    pub fn balance_due(&self) -> bool {
+        self.control.is_leader() && self.due.load(Ordering::Relaxed)
+    }
+
+    /// On the leader, when due: starts a balancing if a plan would improve the balance.
+    pub async fn balance_by_itself(&self) {
+        if !self.due.swap(false, Ordering::Relaxed) {
+            return;
+        }
         let state = self.control.state();
         let reports = self.received();
-        let due = plan::auto_balance_due(&state, &reports, self.config.stats_interval);
-        let twice = std::mem::replace(&mut *self.over_before.lock(), due) && due;
-        if !twice {
-            return;
-        }
-        if self.last_auto.lock().is_some_and(|at| at.elapsed() < self.config.auto_interval) {
-            return;
-        }
         let rate = plan::transfer_rate(&reports, self.config.transfer_rate);
         let request = RebalanceRequest { node: None, dry_run: true };
         let Ok((plan, _)) = plan::plan(&state, &reports, self.config.stats_interval, request, rate) else { return };

@@ -803,6 +803,7 @@ impl Parts {
             shutdown: handle.shutdown.clone(),
             rejoin: handle.rejoin.clone(),
             entry,
+            balancer: balancer.clone(),
         });
         vec![
             tokio::spawn(sweep_expired(cache)),

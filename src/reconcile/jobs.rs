@@ -393,6 +393,18 @@ impl Reconciler {
         Done::MovedReplica
     }
 
+    /// As leader: proposes `NodeFailed` for `node`, which `votes` of `members` report pfail (a
+    /// failure waits before the plan may try again).
+    pub(super) async fn fail_node(&self, node: NodeId, votes: usize, members: usize) -> Done {
+        tracing::warn!(node_id = node, votes, members, "a majority reports the node unreachable; failing it");
+        self.health.fails_proposed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if let Err(e) = self.control.fail_node(node).await {
+            tracing::warn!(node_id = node, error = %e, "could not fail the node");
+            tokio::time::sleep(RETRY).await;
+        }
+        Done::FailedNode
+    }
+
     /// Goes into maintenance: hands the buckets to `heir` (see [`HandOff::go_away`]) and
     /// answers whoever asked.
     pub(super) async fn go_away(&self, heir: NodeId) -> Done {

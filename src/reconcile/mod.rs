@@ -31,6 +31,7 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
+use crate::balance::Balancer;
 use crate::bucket::{BucketCore, Probe};
 use crate::cache::CacheStore;
 use crate::health::Health;
@@ -79,6 +80,7 @@ pub struct Reconciler {
     rejoin: Arc<Mutex<Option<Vec<String>>>>,
     probe: Option<Arc<dyn Probe>>,
     entry: Arc<Entry>,
+    balancer: Arc<Balancer>,
 }
 
 /// The parts a reconciler is built from.
@@ -111,6 +113,8 @@ pub struct Parts {
     pub rejoin: Arc<Mutex<Option<Vec<String>>>>,
     /// This node's own entry into maintenance.
     pub entry: Arc<Entry>,
+    /// Balancing by data (the leader starts it by itself when due).
+    pub balancer: Arc<Balancer>,
 }
 
 /// A job's result, fed back as facts.
@@ -146,6 +150,8 @@ enum Done {
     GaveBack,
     EndedMaintenance,
     WentAway,
+    FailedNode,
+    Balanced,
 }
 
 /// The planner's view of this node's own entry into maintenance.
@@ -259,6 +265,7 @@ impl Reconciler {
             shutdown,
             rejoin,
             entry,
+            balancer,
         } = parts;
         Arc::new(Reconciler {
             me: control.node_id(),
@@ -279,6 +286,7 @@ impl Reconciler {
             shutdown,
             rejoin,
             entry,
+            balancer,
         })
     }
 
@@ -328,6 +336,8 @@ impl Reconciler {
                     }
                 }
                 _ = entry.changed() => {}
+                // A leader looks for members to fail after every ping round.
+                () = self.health.round() => {}
                 () = self.replicator.queued().notified(), if !memory.running.send => {}
                 // Once: after that the node only gives its lost buckets back and rejoins.
                 () = self.health.removed(), if !memory.running.give_back && !memory.gave_back => {}
@@ -394,6 +404,8 @@ impl Reconciler {
             // Read only while a maintenance runs: the simulation never reads the wall clock.
             now_ms: if state.maintenance.is_some() { crate::maintenance::now_ms() } else { 0 },
             entering: entering(self.entry.asked()),
+            to_fail: if self.control.is_leader() { self.health.to_fail() } else { None },
+            balance_due: self.balancer.balance_due(),
         }
     }
 
@@ -511,6 +523,18 @@ impl Reconciler {
             Job::EndMaintenance { node, reason } => {
                 r.end_maintenance = true;
                 jobs.spawn(async move { me.end_maintenance(node, reason).await }, Done::EndedMaintenance);
+            }
+            Job::FailNode { node, votes, members } => {
+                r.fail = true;
+                jobs.spawn(async move { me.fail_node(node, votes, members).await }, Done::FailedNode);
+            }
+            Job::Balance => {
+                r.balance = true;
+                let job = async move {
+                    me.balancer.balance_by_itself().await;
+                    Done::Balanced
+                };
+                jobs.spawn(job, Done::Balanced);
             }
             Job::GoAway { heir } => {
                 r.go_away = true;
@@ -697,6 +721,8 @@ impl Reconciler {
             }
             Done::EndedMaintenance => r.end_maintenance = false,
             Done::WentAway => r.go_away = false,
+            Done::FailedNode => r.fail = false,
+            Done::Balanced => r.balance = false,
         }
     }
 

@@ -49,6 +49,10 @@ pub struct Running {
     pub end_maintenance: bool,
     /// Handing the buckets to the heir to go into maintenance.
     pub go_away: bool,
+    /// Failing a member (leader).
+    pub fail: bool,
+    /// Balancing by data by itself (leader).
+    pub balance: bool,
 }
 
 /// Where this node's own entry into maintenance stands (see `maintenance::Entry`).
@@ -128,6 +132,11 @@ pub struct Facts {
     pub now_ms: u64,
     /// Its own entry into maintenance.
     pub entering: Entering,
+    /// As leader: a member a majority of the members reports pfail (failure detection's
+    /// tally, with the votes and the members counted).
+    pub to_fail: Option<(NodeId, usize, usize)>,
+    /// As leader: balancing by data is turned on and due (`balance::Balancer::note_round`).
+    pub balance_due: bool,
 }
 
 impl Facts {
@@ -272,6 +281,17 @@ pub enum Job {
         /// The heir.
         heir: NodeId,
     },
+    /// As leader: fail a member a majority reports pfail.
+    FailNode {
+        /// The member.
+        node: NodeId,
+        /// Members that report it.
+        votes: usize,
+        /// Members counted.
+        members: usize,
+    },
+    /// As leader: balance by data, if a plan improves the balance.
+    Balance,
     /// As leader: check a running transfer for progress.
     CheckStuck,
     /// End a maintenance before the member came back: as leader, its time ran out; as the
@@ -319,6 +339,12 @@ pub fn plan(previous: &ClusterState, state: &ClusterState, f: &Facts) -> Vec<Act
     }
     if !f.marked_running && !f.running.mark_running && state.members.len() > 1 && !f.draining {
         out.push(Action::Job(Job::MarkRunning));
+    }
+    if let Some((node, votes, members)) = f.to_fail.filter(|_| f.leader && !f.running.fail) {
+        out.push(Action::Job(Job::FailNode { node, votes, members }));
+    }
+    if f.leader && f.balance_due && !f.running.balance {
+        out.push(Action::Job(Job::Balance));
     }
     let leader_stopping = f.leader_id.filter(|&l| l != me && state.draining.contains(&l));
     let succeeds = leader_stopping.is_some_and(|l| !f.draining && state.successor_of(l) == Some(me));

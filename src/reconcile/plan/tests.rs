@@ -476,3 +476,27 @@ fn a_member_entering_maintenance_goes_away_once_it_holds_no_complete_replica_and
         [Action::RefuseMaintenance { refusal: MaintenanceRefusal::Busy(_) }]
     ));
 }
+
+#[test]
+fn the_leader_fails_a_member_a_majority_reports_once_at_a_time_and_nobody_else_does() {
+    let s = three_nodes();
+    let fails =
+        |f: &Facts| plan(&s, &s, f).into_iter().filter(|a| matches!(a, Action::Job(Job::FailNode { .. }))).count();
+    let leader = Facts { leader: true, to_fail: Some((3, 2, 3)), ..facts(1) };
+    assert_eq!(fails(&leader), 1);
+    assert_eq!(fails(&Facts { leader: false, ..leader.clone() }), 0, "only the leader proposes");
+    let running = Running { fail: true, ..Running::default() };
+    assert_eq!(fails(&Facts { running, ..leader.clone() }), 0, "one proposal at a time");
+    assert_eq!(fails(&Facts { to_fail: None, ..leader }), 0);
+}
+
+#[test]
+fn the_leader_balances_by_data_when_due_once_at_a_time() {
+    let s = three_nodes();
+    let balances = |f: &Facts| plan(&s, &s, f).contains(&Action::Job(Job::Balance));
+    let leader = Facts { leader: true, balance_due: true, ..facts(1) };
+    assert!(balances(&leader));
+    assert!(!balances(&Facts { leader: false, ..leader.clone() }));
+    assert!(!balances(&Facts { running: Running { balance: true, ..Running::default() }, ..leader.clone() }));
+    assert!(!balances(&Facts { balance_due: false, ..leader }));
+}
