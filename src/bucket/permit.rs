@@ -20,6 +20,7 @@ use super::BucketCore;
 use crate::cache::{CacheError, Change, ExportedItem, Write};
 use crate::error::{DataError, ReplicaError};
 use crate::phase::{plan_holds, write_refusal, WritePlan};
+use crate::replication::Holder;
 use crate::transfer::shadow::ShadowWrites;
 use crate::transport::frame::change_body;
 use crate::transport::{CallError, PEER_CALL_TIMEOUT};
@@ -186,20 +187,24 @@ impl<'a> WritePermit<'a> {
     async fn through_replica(&mut self, changes: &[Change]) -> Result<(), DataError> {
         let (core, bucket, started) = (self.core, self.plan.bucket, std::time::Instant::now());
         let Some(holder) = core.replicator.holder_for(&self.plan) else { return Ok(()) };
-        let next = core.replicator.next_holder_for(&self.plan);
+        let next = core.replicator.next_sent_to(bucket, &holder, &self.plan);
         let Err(e) = core.replicator.replicate(bucket, &holder, next.as_ref(), changes).await else { return Ok(()) };
         let replica_error = e.to_string();
         let taken_back = self.undo();
-        // No answer is not no write: the holders get the bucket as it is now; if one cannot be
-        // reached (or is known silent: no wait for it), the answer says the writes may be stored
-        // (a failover would serve them). A refusal says the holder did not apply them.
+        // Every holder the writes went to may keep them but one that refused them (any answer
+        // says it did not apply them; no answer is not no write): the one that failed, and the
+        // other, which may have applied them all. They get the bucket as it is now; if one
+        // cannot be reached (or is known silent: no wait for it), the answer says the writes
+        // may be stored (a failover would serve them).
         let e = match e {
-            DataError::ReplicationFailed { holder: failed, cause } if cause.may_have_applied() => {
-                let at_replica = match core.health.is_pfail(failed) {
-                    true => Err(failed),
-                    false => core.replicator.take_back(bucket, &holder, next.as_ref()).await,
+            DataError::ReplicationFailed { holder: failed, cause } => {
+                let sent_to: Vec<&Holder> = std::iter::once(&holder).chain(next.as_ref()).collect();
+                let keeping = crate::replication::may_keep(&sent_to, failed, &cause);
+                let at_replicas = match keeping.iter().find(|h| core.health.is_pfail(h.id)) {
+                    Some(silent) => Err(silent.id),
+                    None => core.replicator.take_back(bucket, &keeping).await,
                 };
-                match at_replica {
+                match at_replicas {
                     Ok(()) => DataError::ReplicationFailed { holder: failed, cause },
                     Err(holder) => DataError::ReplicationUnconfirmed { holder, cause },
                 }

@@ -217,10 +217,16 @@ impl Replicator {
         plan.next_replica.as_ref().map(|r| Holder::of(r, plan))
     }
 
+    /// Which next holder `plan`'s writes of `bucket` go to besides `holder`: the one join
+    /// order names, once it has the bucket whole.
+    pub fn next_sent_to(&self, bucket: BucketId, holder: &Holder, plan: &WritePlan) -> Option<Holder> {
+        self.next_holder_for(plan).filter(|n| n.id != holder.id && self.is_attached(bucket, n))
+    }
+
     /// Sends `changes` of `bucket` (applied locally, bucket lock held) to its replica: to
     /// `holder` (at once in sync mode, failing if it did not apply them; through the queue in
-    /// async mode), and to `next` when that one has the bucket already (a failure there only
-    /// detaches it).
+    /// async mode), and to `next` ([`Self::next_sent_to`]; a failure there only detaches it,
+    /// unless it may become the complete holder any moment).
     pub async fn replicate(
         &self,
         bucket: BucketId,
@@ -231,7 +237,6 @@ impl Replicator {
         if changes.is_empty() {
             return Ok(());
         }
-        let next = next.filter(|n| n.id != holder.id && self.is_attached(bucket, n));
         match self.control.state().settings.replication {
             ReplicationMode::Async => {
                 self.enqueue(bucket, holder, changes);
@@ -266,14 +271,13 @@ impl Replicator {
         }
     }
 
-    /// After a sync write that got no answer from a holder was taken back here, brings the
-    /// holders that may have applied it (`holder`, and `next`, which gets the writes of
-    /// buckets it has whole) to the bucket as it is now, with a snapshot (the caller holds the
-    /// bucket lock). A request of the write still on its way is refused once the snapshot is
-    /// there (it is older). Answers the first holder that may still keep the write: its
-    /// snapshot did not land.
-    pub async fn take_back(&self, bucket: BucketId, holder: &Holder, next: Option<&Holder>) -> Result<(), NodeId> {
-        for h in std::iter::once(holder).chain(next.filter(|n| n.id != holder.id)) {
+    /// After a sync write that failed was taken back here, brings the `holders` that may have
+    /// applied it to the bucket as it is now, with a snapshot (the caller holds the bucket
+    /// lock). A request of the write still on its way is refused once the snapshot is there
+    /// (it is older). Answers the first holder that may still keep the write: its snapshot did
+    /// not land.
+    pub async fn take_back(&self, bucket: BucketId, holders: &[&Holder]) -> Result<(), NodeId> {
+        for h in holders {
             if let Err(e) = self.send_snapshot(bucket, h).await {
                 tracing::debug!(bucket = bucket.0, holder = h.id, error = %e, "a write taken back may stay at the replica");
                 return Err(h.id);
@@ -605,9 +609,35 @@ impl Replicator {
     }
 }
 
+/// The holders a sync write sent to `sent_to` may have stayed at when it failed at `failed`
+/// with `cause`: every one but one that answered it did not apply it (any answer, a refusal
+/// included, says so; no answer does not). One holder may refuse while the other applied.
+pub fn may_keep<'a>(sent_to: &[&'a Holder], failed: NodeId, cause: &ReplicaError) -> Vec<&'a Holder> {
+    let refused = |h: &Holder| h.id == failed && !cause.may_have_applied();
+    sent_to.iter().copied().filter(|h| !refused(h)).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_failed_write_may_stay_at_every_holder_but_one_that_answered_it_did_not_apply_it() {
+        let holder = |id| Holder { id, peer_addr: String::new(), map_version: 1, epoch: 0, period: 1 };
+        let (complete, next) = (holder(2), holder(3));
+        let refused = ReplicaError::Call(CallError::Unreachable("connection refused".into()));
+        let silent = ReplicaError::Call(CallError::Timeout);
+        let ids = |kept: Vec<&Holder>| kept.iter().map(|h| h.id).collect::<Vec<_>>();
+        // The complete holder refused; the next one, which has the bucket whole, applied it.
+        assert_eq!(ids(may_keep(&[&complete, &next], 2, &refused)), vec![3]);
+        assert_eq!(ids(may_keep(&[&complete], 2, &refused)), Vec::<NodeId>::new());
+        // No answer is not no write.
+        assert_eq!(ids(may_keep(&[&complete, &next], 2, &silent)), vec![2, 3]);
+        // The next holder missed it (it may become the complete holder any moment); the
+        // complete one applied it.
+        assert_eq!(ids(may_keep(&[&complete, &next], 3, &refused)), vec![2]);
+        assert_eq!(ids(may_keep(&[&complete, &next], 3, &silent)), vec![2, 3]);
+    }
 
     #[test]
     fn a_copy_is_as_fresh_as_its_owner_says_only_when_the_owner_names_it_in_its_period() {
