@@ -3,7 +3,8 @@
 //! Every key belongs to one client, which works on it one operation at a time, so what a read
 //! may see is well defined: the state left by the last acknowledged write before it, or the
 //! effect of any write that got no definite answer (it may have landed, or may still land). A
-//! write answered `replication_failed` was stored nowhere: no read may see it. A
+//! write answered `replication_failed`, `expired`, `insufficient_storage` or any 4xx was stored
+//! nowhere: no read may see it. A
 //! read that sees anything else went back in time; a read that finds nothing where the last
 //! acknowledged write stored a value was served by a bucket that lost its data. A bucket a node
 //! served again empty because every copy of it died (it says so: [`Emptied`]) starts over from
@@ -65,9 +66,15 @@ fn allowed(before: &[&Op], emptied: &[Duration], until: Duration) -> BTreeSet<St
 }
 
 /// Whether an error answer says the write was stored nowhere (so no read may ever see it), as
-/// the README promises of `replication_failed`.
+/// `http-api/README.md` promises of `replication_failed`, `expired` (a forwarded request that
+/// came too late: nothing was done), `insufficient_storage` and every 4xx (a request refused
+/// as it is, or by the cluster's state).
 fn stored_nothing(e: &shoal_http_api::ApiError) -> bool {
-    e.unavailable_code() == Some(shoal_http_api::Unavailable::ReplicationFailed)
+    use shoal_http_api::{ApiError, Unavailable};
+    let definite = [Unavailable::ReplicationFailed, Unavailable::Expired];
+    e.unavailable_code().is_some_and(|c| definite.contains(&c))
+        || matches!(e, ApiError::InsufficientStorage(_))
+        || e.status().is_client_error()
 }
 
 /// The operations of each key, in the order their client ran them.
@@ -334,5 +341,29 @@ mod tests {
         assert!(verdict.violations.iter().any(|v| v.starts_with("lost ")));
         assert!(verdict.violations.iter().any(|v| v.starts_with("refused ")), "replication_failed stored nothing");
         assert!(verdict.violations.iter().any(|v| v.starts_with("phantom ")));
+    }
+
+    #[test]
+    fn every_answer_that_says_nothing_was_stored_is_definite_and_no_other() {
+        let definite = [
+            ApiError::unavailable(Unavailable::ReplicationFailed, "a test"),
+            ApiError::unavailable(Unavailable::Expired, "a test"),
+            ApiError::Conflict("a test".into()),
+            ApiError::PreconditionFailed { current_version: None },
+            ApiError::BadRequest("a test".into()),
+            ApiError::InsufficientStorage("a test".into()),
+        ];
+        let maybe = [
+            ApiError::unavailable(Unavailable::OutcomeUnknown, "a test"),
+            ApiError::unavailable(Unavailable::OwnerUnreachable, "a test"),
+            ApiError::unavailable(Unavailable::Unavailable, "a test"),
+            ApiError::Internal("a test".into()),
+        ];
+        for e in &definite {
+            assert!(stored_nothing(e), "{e:?}");
+        }
+        for e in &maybe {
+            assert!(!stored_nothing(e), "{e:?}");
+        }
     }
 }
