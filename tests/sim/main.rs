@@ -14,6 +14,9 @@
 //!   1000) and prints the failing ones; without it the test does nothing.
 //! - `replay`: `SHOAL_SIM_SEED=S` runs seed S alone (with `RUST_LOG` for the nodes' logs).
 //!
+//! `tests/sim/soak.sh N` runs N fresh seeds through `replay`, one process each (a seed that
+//! hangs is stopped and reported), and prints every failing one with its replay command.
+//!
 //! `SHOAL_SIM_READ=mirrors` makes `many_seeds` and `replay` balance every read over mirrors;
 //! `SHOAL_SIM_SCENARIO=maintenance` (or `membership`, `stop`) makes them run that scenario.
 
