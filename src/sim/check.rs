@@ -12,13 +12,19 @@
 //! serve reads from its old copy (the read lease is not there yet), and so may a node that has
 //! not yet learned that a bucket moved away (just after a heal, or between a move's commit and
 //! its apply there): such reads are counted apart, not failed.
+//!
+//! A key every client writes has no such order: its history is checked by a linearizability
+//! checker (`linear.rs`), with the same allowances (an answer that says nothing was stored is
+//! definite, an emptying is a delete at its instant, a read by a node with an old map is left
+//! out) and its final read as the last operation.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use shoal_raft::{bucket_of, BucketId};
 
-use super::workload::{Op, OpKind, Outcome};
+use super::linear::{self, Action, Entry, Verdict};
+use super::workload::{is_shared, Op, OpKind, Outcome};
 
 /// The state a write leaves: a value, or nothing.
 type State = Option<String>;
@@ -108,7 +114,7 @@ pub struct ReadVerdict {
 /// its own copy while another node knew of a later move of it.
 pub fn check_reads(history: &[Op], emptied: &Emptied, old_map: &Emptied) -> ReadVerdict {
     let mut verdict = ReadVerdict::default();
-    for (key, ops) in by_key(history) {
+    for (key, ops) in by_key(history).into_iter().filter(|(k, _)| !is_shared(k)) {
         let bucket = bucket_of(key.as_bytes());
         let empties = emptied.get(&bucket).map_or(&[][..], Vec::as_slice);
         let old = old_map.get(&bucket).map_or(&[][..], Vec::as_slice);
@@ -181,7 +187,7 @@ pub fn check_final(history: &[Op], emptied: &Emptied, finals: &BTreeMap<String, 
         ..FinalVerdict::default()
     };
     let keys = by_key(history);
-    for (key, end) in finals {
+    for (key, end) in finals.iter().filter(|(k, _)| !is_shared(k)) {
         verdict.keys += 1;
         let ops = keys.get(key.as_str()).cloned().unwrap_or_default();
         let empties = emptied.get(&bucket_of(key.as_bytes())).map_or(&[][..], Vec::as_slice);
@@ -197,6 +203,87 @@ pub fn check_final(history: &[Op], emptied: &Emptied, finals: &BTreeMap<String, 
         }
     }
     verdict
+}
+
+/// What the histories of the keys every client writes say.
+#[derive(Debug, Default)]
+pub struct SharedVerdict {
+    /// Keys whose history is not linearizable (or could not be decided).
+    pub violations: Vec<String>,
+    /// Keys checked.
+    pub keys: usize,
+    /// Their operations checked.
+    pub operations: usize,
+}
+
+/// Checks the history of every key every client writes, with its final read, for
+/// linearizability.
+pub fn check_shared(
+    history: &[Op],
+    emptied: &Emptied,
+    old_map: &Emptied,
+    finals: &BTreeMap<String, Final>,
+) -> SharedVerdict {
+    let mut verdict = SharedVerdict::default();
+    let keys = by_key(history);
+    for (key, end) in finals.iter().filter(|(k, _)| is_shared(k)) {
+        verdict.keys += 1;
+        let bucket = bucket_of(key.as_bytes());
+        let ops = keys.get(key.as_str()).cloned().unwrap_or_default();
+        let old = old_map.get(&bucket).map_or(&[][..], Vec::as_slice);
+        let mut entries: Vec<Entry> = ops.iter().filter_map(|op| entry(op, old)).collect();
+        let empties = emptied.get(&bucket).map_or(&[][..], Vec::as_slice);
+        entries.extend(empties.iter().map(|&t| Entry { call: t, answer: Some(t), action: Action::Write(None) }));
+        match end {
+            Final::Read(state) => {
+                let last = Some(Duration::MAX);
+                entries.push(Entry { call: Duration::MAX, answer: last, action: Action::Read(state.clone()) });
+            }
+            Final::Lost => {}
+            Final::Unreadable(e) => verdict.violations.push(format!("{key} cannot be read at the end: {e}")),
+        }
+        verdict.operations += entries.len();
+        let found = match linear::check(&entries, linear::BUDGET) {
+            Verdict::Linearizable => continue,
+            Verdict::Not => "is not linearizable".to_string(),
+            Verdict::Undecided(n) => format!("could not be decided in {n} configurations"),
+        };
+        let tail: Vec<String> = ops
+            .iter()
+            .rev()
+            .take(6)
+            .map(|o| format!("c{} {:?} {:?}..{:?} {:?}", o.client, o.kind, o.start, o.end, o.outcome))
+            .collect();
+        verdict.violations.push(format!(
+            "history of {key} (bucket {bucket}, {} operations, ends as {end:?}) {found}; last: {}",
+            entries.len(),
+            tail.join("; ")
+        ));
+    }
+    verdict
+}
+
+/// What operation `op` was to the key's register; `None` when it tells nothing (a read that
+/// failed, or served by a node with an old map while the read ran (`old`), a write that
+/// stored nothing).
+fn entry(op: &Op, old: &[Duration]) -> Option<Entry> {
+    let answered = |action| Some(Entry { call: op.start, answer: Some(op.end), action });
+    match (&op.kind, &op.outcome) {
+        (OpKind::Get, _) if old.iter().any(|t| (op.start..=op.end).contains(t)) => None,
+        (OpKind::Get, Outcome::Ok { value, .. }) => answered(Action::Read(value.clone())),
+        (OpKind::Get, Outcome::NotFound) => answered(Action::Read(None)),
+        (OpKind::Get, _) => None,
+        (kind, outcome) => {
+            let state = effect(kind)?;
+            match outcome {
+                Outcome::Ok { .. } | Outcome::NotFound => answered(Action::Write(state)),
+                Outcome::Failed(e) if stored_nothing(e) => None,
+                Outcome::Failed(_) | Outcome::Unknown(_) => {
+                    Some(Entry { call: op.start, answer: None, action: Action::Write(state) })
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]

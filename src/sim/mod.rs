@@ -27,6 +27,7 @@
 
 pub mod check;
 pub mod cluster;
+pub mod linear;
 pub mod network;
 pub mod workload;
 
@@ -43,7 +44,7 @@ use shoal_raft::{BucketId, NodeId};
 use tokio::time::Instant;
 
 use crate::bucket::Probe;
-use check::{check_final, check_reads, Final, FinalVerdict, ReadVerdict};
+use check::{check_final, check_reads, check_shared, Final, FinalVerdict, ReadVerdict, SharedVerdict};
 use cluster::{HostPhase, SimCluster};
 use network::{HostId, SimNetwork};
 use workload::{key_of, Clients, OpKind, Outcome};
@@ -70,6 +71,9 @@ pub struct Scenario {
     /// Where the nodes send reads (`--read-from`): with `Mirrors`, every read goes to a
     /// mirror of its bucket, and the read checks hold for replica copies too.
     pub read_from: shoal_http_api::types::ReadFrom,
+    /// Keys every client writes (their histories are checked for linearizability); 0: every
+    /// key has one writer.
+    pub shared_keys: usize,
 }
 
 /// The faults a schedule may inject.
@@ -127,6 +131,8 @@ pub struct Report {
     pub reads: ReadVerdict,
     /// The end state's verdict.
     pub finals: FinalVerdict,
+    /// The verdict on the keys every client writes.
+    pub shared: SharedVerdict,
     /// Bucket epochs in which more than one node acknowledged a write.
     pub double_writers: Vec<String>,
     /// How long the cluster took to converge after the faults stopped, if it did.
@@ -150,6 +156,7 @@ impl Report {
     pub fn violations(&self) -> Vec<String> {
         let mut v: Vec<String> = self.reads.violations.clone();
         v.extend(self.finals.violations.iter().cloned());
+        v.extend(self.shared.violations.iter().cloned());
         v.extend(self.double_writers.iter().cloned());
         v.extend(self.failed_without_fault.iter().cloned());
         if let Some(why) = &self.not_converged {
@@ -176,7 +183,17 @@ impl Report {
             self.emptied,
             self.converged_after,
             self.digest
-        )
+        ) + &self.shared_summary()
+    }
+
+    fn shared_summary(&self) -> String {
+        match self.shared.keys {
+            0 => String::new(),
+            keys => format!(
+                ", {keys} keys with several writers, {} operations checked for linearizability",
+                self.shared.operations
+            ),
+        }
     }
 }
 
@@ -262,7 +279,8 @@ async fn simulate(seed: u64, scenario: Scenario) -> Report {
         events: Vec::new(),
     };
     schedule.join(scenario.nodes).await;
-    let clients = Clients::start(&cluster, scenario.clients, scenario.keys, seed, t0);
+    let keys = (scenario.keys, scenario.shared_keys);
+    let clients = Clients::start(&cluster, scenario.clients, keys, seed, t0);
     schedule.run(Instant::now() + scenario.duration).await;
     let healed = schedule.stop();
     let done = wait_until(&cluster, scenario.converge_within, |c| converged(c).is_none()).await;
@@ -270,7 +288,7 @@ async fn simulate(seed: u64, scenario: Scenario) -> Report {
     let not_converged = if done { None } else { converged(&cluster) };
     tracing::info!(?converged_after, ?not_converged, "simulation: the faults stopped; final reads");
     let history = clients.stop().await;
-    let finals = final_reads(&cluster, scenario.clients, scenario.keys).await;
+    let finals = final_reads(&cluster, scenario.clients, keys).await;
     tracing::info!("simulation: final reads done");
     let emptied = writers.emptied.lock().clone();
     let old_map = writers.old_map.lock().clone();
@@ -281,6 +299,7 @@ async fn simulate(seed: u64, scenario: Scenario) -> Report {
         scenario: scenario.name,
         reads: check_reads(&history, &emptied, &old_map),
         finals: check_final(&history, &emptied, &finals),
+        shared: check_shared(&history, &emptied, &old_map, &finals),
         double_writers: writers.doubles(),
         converged_after,
         not_converged,
@@ -715,11 +734,11 @@ fn histories_differ(running: &[(HostId, NodeId, Arc<crate::node::PeerService>)])
 }
 
 /// Reads every key through the running nodes, trying again while they answer 503.
-async fn final_reads(cluster: &SimCluster, clients: usize, keys: usize) -> BTreeMap<String, Final> {
+async fn final_reads(cluster: &SimCluster, clients: usize, (keys, shared): (usize, usize)) -> BTreeMap<String, Final> {
     let mut finals = BTreeMap::new();
-    for c in 0..clients {
-        for n in 0..keys {
-            let key = key_of(c, n);
+    let own = (0..clients).flat_map(|c| (0..keys).map(move |n| key_of(c, n)));
+    for key in own.chain((0..shared).map(workload::shared_key)) {
+        {
             let mut last = String::new();
             let mut end = None;
             for attempt in 0..20 {

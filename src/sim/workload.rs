@@ -1,6 +1,7 @@
 //! Clients of a simulation and what they saw: each client owns its keys and works on them one
 //! operation at a time, through a random running node, and records every operation with its
-//! outcome and the simulated time it started and ended.
+//! outcome and the simulated time it started and ended. In a scenario with shared keys, half
+//! of each client's operations go to keys every client writes (`s-k0`, `s-k1`, ...).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -95,9 +96,20 @@ pub fn key_of(client: usize, n: usize) -> String {
     format!("c{client}-k{n}")
 }
 
+/// A key every client writes.
+pub fn shared_key(n: usize) -> String {
+    format!("s-k{n}")
+}
+
+/// Whether `key` is one every client writes.
+pub fn is_shared(key: &str) -> bool {
+    key.starts_with("s-")
+}
+
 impl Clients {
-    /// Starts `n` clients with `keys` keys each against `cluster`; times are counted from `t0`.
-    pub fn start(cluster: &Arc<SimCluster>, n: usize, keys: usize, seed: u64, t0: Instant) -> Self {
+    /// Starts `n` clients with `keys` keys each (and `shared` keys they all write) against
+    /// `cluster`; times are counted from `t0`.
+    pub fn start(cluster: &Arc<SimCluster>, n: usize, keys: (usize, usize), seed: u64, t0: Instant) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         let history = Arc::new(Mutex::new(Vec::new()));
         let tasks = (0..n)
@@ -123,7 +135,7 @@ impl Clients {
 async fn client(
     cluster: Arc<SimCluster>,
     c: usize,
-    keys: usize,
+    (keys, shared): (usize, usize),
     mut rng: StdRng,
     stop: Arc<AtomicBool>,
     history: Arc<Mutex<Vec<Op>>>,
@@ -137,7 +149,12 @@ async fn client(
             continue;
         }
         let (host, _, _) = running[rng.random_range(0..running.len())];
-        let key = key_of(c, rng.random_range(0..keys));
+        // Without shared keys no draw is made for them: the other scenarios keep their seeds.
+        let key = if shared > 0 && rng.random_bool(0.5) {
+            shared_key(rng.random_range(0..shared))
+        } else {
+            key_of(c, rng.random_range(0..keys))
+        };
         let kind = match rng.random_range(0..10) {
             0..6 => {
                 seq += 1;

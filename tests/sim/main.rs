@@ -8,6 +8,8 @@
 //!   one goes into maintenance and stops, the other faults go on).
 //! - `sigterm_finds_no_violation`: seeds 1 to 6 of the SIGTERM scenario (five members, any of
 //!   them stopped as on SIGTERM and restarted later, the other faults go on).
+//! - `several_writers_per_key_find_no_violation`: seeds 1 to 6 of the writers scenario (every
+//!   client also writes four shared keys, whose histories are checked for linearizability).
 //! - `a_seed_replays_exactly`: the same seed twice gives the same digest.
 //! - `sixty_four_nodes`: one run with 64 members.
 //! - `many_seeds`: `SHOAL_SIM_SEEDS=N` runs N more seeds (from `SHOAL_SIM_FIRST_SEED`, default
@@ -18,7 +20,8 @@
 //! hangs is stopped and reported), and prints every failing one with its replay command.
 //!
 //! `SHOAL_SIM_READ=mirrors` makes `many_seeds` and `replay` balance every read over mirrors;
-//! `SHOAL_SIM_SCENARIO=maintenance` (or `membership`, `stop`) makes them run that scenario.
+//! `SHOAL_SIM_SCENARIO=maintenance` (or `membership`, `stop`, `writers`) makes them run that
+//! scenario.
 
 use std::time::Duration;
 
@@ -36,6 +39,7 @@ fn scenarios() -> Vec<Scenario> {
         faults: Faults::ALL,
         converge_within: Duration::from_secs(120),
         read_from: ReadFrom::Owner,
+        shared_keys: 0,
     };
     vec![
         base.clone(),
@@ -91,6 +95,12 @@ fn membership_scenario() -> Scenario {
     }
 }
 
+/// Three members under every fault, and four keys every client writes (besides their own):
+/// their histories are checked for linearizability.
+fn writers_scenario() -> Scenario {
+    Scenario { name: "three nodes, several writers per key, every fault", shared_keys: 4, ..scenarios()[0].clone() }
+}
+
 /// The scenario of seed `seed` (`SHOAL_SIM_SCENARIO=maintenance` or `membership`: that
 /// scenario).
 fn scenario_of(seed: u64) -> Scenario {
@@ -99,6 +109,7 @@ fn scenario_of(seed: u64) -> Scenario {
         Ok("maintenance") => maintenance_scenario(),
         Ok("membership") => membership_scenario(),
         Ok("stop") => stop_scenario(),
+        Ok("writers") => writers_scenario(),
         _ => all[(seed as usize) % all.len()].clone(),
     };
     let read_from = match std::env::var("SHOAL_SIM_READ").as_deref() {
@@ -261,6 +272,13 @@ fn membership_finds_no_violation() {
 const MEMBERSHIP_REGRESSIONS: &[u64] = &[7, 27, 112];
 
 #[test]
+fn several_writers_per_key_find_no_violation() {
+    init_logs();
+    let (ran, failed) = run_all_in((1..=6).collect(), &|_| writers_scenario());
+    assert_clean(ran, &failed);
+}
+
+#[test]
 fn a_seed_replays_exactly() {
     let scenario = Scenario { duration: Duration::from_secs(20), ..scenario_of(0) };
     let first = sim::run(4242, &scenario);
@@ -282,6 +300,7 @@ fn sixty_four_nodes() {
         faults: Faults { membership: false, drops: false, delays: false, ..Faults::ALL },
         converge_within: Duration::from_secs(180),
         read_from: ReadFrom::Owner,
+        shared_keys: 0,
     };
     let report = sim::run(64, &scenario);
     eprintln!("{}", report.summary());
