@@ -110,7 +110,6 @@ pub struct Health {
     peers: Peers,
     /// How long one ping may wait for its pong.
     ping_timeout: Duration,
-    removed: watch::Sender<bool>,
     incarnation: u64,
     incarnations: Mutex<BTreeMap<NodeId, u64>>,
     replicator: Arc<Replicator>,
@@ -150,7 +149,6 @@ impl Health {
             reports: Mutex::new(Reports::default()),
             peers,
             ping_timeout,
-            removed: watch::channel(false).0,
             incarnation,
             incarnations: Mutex::new(BTreeMap::new()),
             replicator,
@@ -166,17 +164,6 @@ impl Health {
     /// Whether failure detection runs.
     pub fn enabled(&self) -> bool {
         !self.config.ping_interval.is_zero()
-    }
-
-    /// Whether a peer said this node was failed.
-    pub fn is_removed(&self) -> bool {
-        *self.removed.borrow()
-    }
-
-    /// Resolves when a peer said this node was failed.
-    pub async fn removed(&self) {
-        let mut rx = self.removed.subscribe();
-        let _ = rx.wait_for(|r| *r).await;
     }
 
     /// Whether this node has not heard from `id` within the node timeout (no answer to a ping
@@ -269,7 +256,7 @@ impl Health {
     /// it stops, or it has not heard from a majority of the members within the node timeout.
     pub fn node_facts(&self) -> NodeFacts {
         let mut facts = NodeFacts {
-            failed: self.is_removed(),
+            failed: self.facts.is_failed(),
             handing_over: self.facts.is_handing_over(),
             draining: self.facts.is_draining(),
             no_quorum: None,
@@ -361,7 +348,7 @@ impl Health {
 
     fn on_pong(&self, id: NodeId, sent: Instant, pong: Pong) {
         if pong.status == MemberStatus::Failed {
-            if !self.removed.send_replace(true) {
+            if self.facts.mark_failed() {
                 tracing::error!(by = id, "the cluster failed this node; it stops serving and rejoins");
             }
             return;

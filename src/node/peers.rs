@@ -92,7 +92,7 @@ impl PeerService {
         // A node the cluster failed no longer hears from the leader: the leader it would
         // forward to is the one it knew before, perhaps itself cut off, or gone. The asker
         // (a joiner, say) turns to another member at once instead.
-        if matches!(rpc, ControlRpc::Admin { forwarded: false }) && self.health.is_removed() {
+        if matches!(rpc, ControlRpc::Admin { forwarded: false }) && self.exporter.facts.is_failed() {
             let refusal: Result<(), ControlError> = Err(ControlError::NoLeader {
                 detail: format!(
                     "the cluster failed node {}: it rejoins as a new member; ask another member",

@@ -1,5 +1,5 @@
 //! [`LocalFacts`]: what this node knows of its buckets and of itself that the replicated state
-//! does not say — its gate (draining, stopping, handing over) and the
+//! does not say — its gate (failed, draining, stopping, handing over) and the
 //! copies of its buckets (`copies.rs`) among them — and the per-bucket locks of the write path.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -35,6 +35,9 @@ pub struct LocalFacts {
     stopping: AtomicBool,
     /// Set while a leaving node waits for its replicas before handing over.
     handing_over: AtomicBool,
+    /// Set once a peer said the cluster failed this node: it acknowledges no write any more,
+    /// gives back the lost buckets it served last and rejoins.
+    failed: tokio::sync::watch::Sender<bool>,
     /// Owner side: which holders have a snapshot of each bucket.
     attached: Attached,
     /// Holder side: whose copy each replica bucket is.
@@ -52,6 +55,7 @@ impl Default for LocalFacts {
             draining: AtomicBool::new(false),
             stopping: AtomicBool::new(false),
             handing_over: AtomicBool::new(false),
+            failed: tokio::sync::watch::channel(false).0,
             attached: Attached::default(),
             copies: HeldCopies::default(),
         }
@@ -85,6 +89,21 @@ impl LocalFacts {
     /// Whether the node stops: it got SIGTERM, or drains.
     pub fn is_stopping(&self) -> bool {
         self.stopping.load(Ordering::Relaxed) || self.is_draining()
+    }
+
+    /// A peer said the cluster failed this node; answers whether it was news.
+    pub fn mark_failed(&self) -> bool {
+        !self.failed.send_replace(true)
+    }
+
+    /// Whether a peer said the cluster failed this node.
+    pub fn is_failed(&self) -> bool {
+        *self.failed.borrow()
+    }
+
+    /// Resolves once a peer said the cluster failed this node.
+    pub async fn failed(&self) {
+        let _ = self.failed.subscribe().wait_for(|f| *f).await;
     }
 
     /// Pauses (or resumes) this node's writes while it hands its buckets over.

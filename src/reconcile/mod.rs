@@ -340,7 +340,7 @@ impl Reconciler {
                 () = self.health.round() => {}
                 () = self.replicator.queued().notified(), if !memory.running.send => {}
                 // Once: after that the node only gives its lost buckets back and rejoins.
-                () = self.health.removed(), if !memory.running.give_back && !memory.gave_back => {}
+                () = self.facts.failed(), if !memory.running.give_back && !memory.gave_back => {}
                 () = tokio::time::sleep(TICK) => {}
             }
         }
