@@ -117,11 +117,12 @@ pub enum DataError {
         /// What happened.
         cause: ReplicaError,
     },
-    /// The replica did not answer a write, which was taken back here, and could not be told
+    /// A write failed at the replica and was taken back here, but a node holding a copy of
+    /// the bucket (a replica holder, or the previous owner during a transfer) could not be told
     /// to take it back too: it may hold the write, and serve it if it takes the bucket over.
-    #[error("the replica (node {holder}) did not confirm the write ({cause}) and could not be told to take it back: it may have stored it; read the key back or write it again")]
+    #[error("the write failed ({cause}) and node {holder}, which holds a copy of the bucket, could not be told to take it back: it may have stored it; read the key back or write it again")]
     ReplicationUnconfirmed {
-        /// The replica holder that may hold the write.
+        /// The node that may hold the write.
         holder: NodeId,
         /// What happened.
         cause: ReplicaError,

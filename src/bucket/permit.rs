@@ -222,6 +222,14 @@ impl<'a> WritePermit<'a> {
                 refused_by = Some(shadow.node);
             }
         }
+        // A shadow that may keep the writes can serve them (a restore or a promotion from it):
+        // the answer cannot say they were stored nowhere.
+        let e = match (e, refused_by) {
+            (DataError::ReplicationFailed { cause, .. }, Some(shadow)) => {
+                DataError::ReplicationUnconfirmed { holder: shadow, cause }
+            }
+            (e, _) => e,
+        };
         // Routed again only when the map moved the bucket from this node to another and
         // nothing of the write remains anywhere: a shadow that did not take it back keeps it
         // while it is still the shadow, or the owner again (an aborted move); one the finished

@@ -245,7 +245,7 @@ pub fn check_shared(
         verdict.operations += entries.len();
         let found = match linear::check(&entries, linear::BUDGET) {
             Verdict::Linearizable => continue,
-            Verdict::Not => "is not linearizable".to_string(),
+            Verdict::Not => format!("is not linearizable: {}", first_contradiction(&mut entries)),
             Verdict::Undecided(n) => format!("could not be decided in {n} configurations"),
         };
         let tail: Vec<String> = ops
@@ -261,6 +261,22 @@ pub fn check_shared(
         ));
     }
     verdict
+}
+
+/// The operations, by call, up to the first one with which the history stops being
+/// linearizable (found by bisection), the last few of them.
+fn first_contradiction(entries: &mut [Entry]) -> String {
+    entries.sort_by_key(|e| e.call);
+    let (mut good, mut bad) = (0, entries.len());
+    while bad - good > 1 {
+        let mid = (good + bad) / 2;
+        match linear::check(&entries[..mid], linear::BUDGET) {
+            Verdict::Linearizable => good = mid,
+            _ => bad = mid,
+        }
+    }
+    let shown: Vec<String> = entries[bad.saturating_sub(8)..bad].iter().map(|e| format!("{e:?}")).collect();
+    format!("with its first {bad} operations by call, the last: {}", shown.join(", "))
 }
 
 /// What operation `op` was to the key's register; `None` when it tells nothing (a read that

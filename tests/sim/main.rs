@@ -271,10 +271,16 @@ fn membership_finds_no_violation() {
 /// them waited for the next leader past the sender's timeout).
 const MEMBERSHIP_REGRESSIONS: &[u64] = &[7, 27, 112];
 
+/// Seeds of the writers scenario that found a bug: 5006 (a write answered `replication_failed`
+/// whose shadow could not be told to take it back came back when the owner restored the
+/// bucket from that shadow).
+const WRITERS_REGRESSIONS: &[u64] = &[5006];
+
 #[test]
 fn several_writers_per_key_find_no_violation() {
     init_logs();
-    let (ran, failed) = run_all_in((1..=6).collect(), &|_| writers_scenario());
+    let seeds = (1..=6).chain(WRITERS_REGRESSIONS.iter().copied()).collect();
+    let (ran, failed) = run_all_in(seeds, &|_| writers_scenario());
     assert_clean(ran, &failed);
 }
 
