@@ -27,6 +27,9 @@
 //! Pings carry the sender's incarnation (random at every start). A ping from a new incarnation
 //! of a member means it restarted: it counts as contact, and the pfail reports about it made
 //! before are forgotten, so a member that comes back is never failed for its absence before.
+//! A member away in maintenance is reported by nobody; once a node sees it no longer away (it
+//! returned, or its maintenance ended), its silence counts from then and the reports about it
+//! are forgotten: its return may commit at the leader before a ping of its new process arrives.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::AtomicU64;
@@ -36,7 +39,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use shoal_http_api::types::{PeerHealth, PeerState};
-use shoal_raft::{ControlPlane, MemberStatus, NodeId};
+use shoal_raft::{ClusterState, ControlPlane, MemberStatus, NodeId};
 use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 
@@ -126,6 +129,8 @@ pub struct Health {
     in_flight: Mutex<BTreeSet<NodeId>>,
     /// The members this node holds pfail, as of the last ping round.
     pfail_now: watch::Sender<BTreeSet<NodeId>>,
+    /// The member away in maintenance when this node last looked (see [`Self::note_away`]).
+    away: Mutex<Option<NodeId>>,
 }
 
 impl Health {
@@ -158,6 +163,7 @@ impl Health {
             round: Notify::new(),
             in_flight: Mutex::new(BTreeSet::new()),
             pfail_now: watch::channel(BTreeSet::new()).0,
+            away: Mutex::new(None),
         })
     }
 
@@ -222,9 +228,26 @@ impl Health {
         self.control.state().members.iter().map(|m| m.id).filter(|&id| self.is_pfail(id)).collect()
     }
 
-    /// The members this node reports pfail (see [`Self::reports`]).
-    fn suspected_members(&self) -> Vec<NodeId> {
-        self.control.state().members.iter().map(|m| m.id).filter(|&id| self.reports(id)).collect()
+    /// The members this node reports pfail (see [`Self::reports`]); never one away in
+    /// maintenance: it is silent on purpose.
+    fn suspected_members(&self, state: &ClusterState) -> Vec<NodeId> {
+        let away = state.away();
+        state.members.iter().map(|m| m.id).filter(|&id| Some(id) != away && self.reports(id)).collect()
+    }
+
+    /// A member that was away in maintenance when this node last looked and is not any more
+    /// (it returned, or its maintenance ended): its silence counts from now, and what was
+    /// reported about it before no longer counts. Its silence while away was on purpose, and
+    /// the leader may apply its return before any ping of its new process arrives. Called
+    /// before this node reports anyone and before the leader tallies, with the state they use.
+    fn note_away(&self, state: &ClusterState) {
+        let away = state.away();
+        let before = std::mem::replace(&mut *self.away.lock(), away);
+        let Some(back) = before.filter(|&b| Some(b) != away) else { return };
+        if let Some(c) = self.contacts.lock().get_mut(&back) {
+            c.count_silence_from(Instant::now());
+        }
+        self.reports.lock().forget(back);
     }
 
     /// Every other member's state in this node's view.
@@ -315,7 +338,9 @@ impl Health {
                 }
                 changed
             });
-            let pfail = if write_refusal(self.node_facts()).is_some() { Vec::new() } else { self.suspected_members() };
+            self.note_away(&state);
+            let pfail =
+                if write_refusal(self.node_facts()).is_some() { Vec::new() } else { self.suspected_members(&state) };
             let replica = self.replicator.lag_report(&state);
             let ping = Ping { from: self.me, pfail, incarnation: self.incarnation, replica };
             // Every peer on its own: a peer that does not answer must not hold up (and age)
@@ -389,6 +414,7 @@ impl Health {
             return None;
         }
         let state = self.control.state();
+        self.note_away(&state);
         // A member away in maintenance cannot report: the majority is of the others. (Still
         // safe against the lease: a node's lease needs a majority of all the members, none of
         // them the away one, so it meets every majority of the others.)
@@ -456,11 +482,13 @@ struct Contact {
     pinged: Option<Instant>,
     /// When this node last reported the peer pfail.
     reported: Option<Instant>,
+    /// Silence before this does not count (the peer was away in maintenance until then).
+    silence_from: Instant,
 }
 
 impl Contact {
     fn new(at: Instant) -> Self {
-        Contact { answered: at, leased: at, pinged: None, reported: None }
+        Contact { answered: at, leased: at, pinged: None, reported: None, silence_from: at }
     }
 
     /// The peer answered a ping sent at `sent`; the answer lends a lease or not.
@@ -484,10 +512,16 @@ impl Contact {
         now.saturating_duration_since(self.leased) <= timeout
     }
 
-    /// Whether this node reports the peer pfail at `now`: no answer for the node timeout, and
-    /// no ping from it within the node timeout either (its lease through this node may run).
+    /// The peer's silence counts from `at` on (its maintenance ended then), not before.
+    fn count_silence_from(&mut self, at: Instant) {
+        self.silence_from = self.silence_from.max(at);
+    }
+
+    /// Whether this node reports the peer pfail at `now`: no answer for the node timeout (of
+    /// the silence that counts), and no ping from it within the node timeout either (its
+    /// lease through this node may run).
     fn suspected(&self, now: Instant, timeout: Duration) -> bool {
-        now.saturating_duration_since(self.answered) > timeout
+        now.saturating_duration_since(self.answered.max(self.silence_from)) > timeout
             && self.pinged.is_none_or(|p| now.saturating_duration_since(p) > timeout)
     }
 }
@@ -550,6 +584,12 @@ mod tests {
         c.answered_at(at(5_000), true);
         assert!(c.leases(at(6_000), timeout));
         assert!(!c.leases(at(10_001), timeout), "a lease lasts the node timeout from the ping's sending");
+        // A peer back from maintenance at 20_000, silent since 5_000: its silence counts from
+        // its return.
+        c.count_silence_from(at(20_000));
+        assert!(!c.suspected(at(24_000), timeout), "silent for 4 s since it came back");
+        assert!(c.suspected(at(25_001), timeout), "silent for the node timeout since it came back");
+        assert!(!c.leases(at(24_000), timeout), "its return lends this node no lease");
     }
 
     #[test]

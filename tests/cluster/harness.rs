@@ -287,19 +287,22 @@ impl TestCluster {
 
     /// Like [`Self::wait_for_counts`], asking only the nodes in `slots`.
     pub async fn wait_for_counts_among(&self, expected: &[usize], slots: &[usize]) -> u64 {
-        let slots = slots.to_vec();
-        wait_for(&format!("every node to see counts {expected:?}"), || async {
-            let mut versions = Vec::new();
-            for &s in &slots {
-                let (v, c) = self.counts(s).await;
-                if c != expected {
-                    return None;
-                }
-                versions.push(v);
+        let deadline = tokio::time::Instant::now() + DEADLINE;
+        loop {
+            let mut seen = Vec::new();
+            for &s in slots {
+                seen.push(self.counts(s).await);
             }
-            versions.windows(2).all(|w| w[0] == w[1]).then(|| versions[0])
-        })
-        .await
+            let versions: Vec<u64> = seen.iter().map(|(v, _)| *v).collect();
+            if seen.iter().all(|(_, c)| c == expected) && versions.windows(2).all(|w| w[0] == w[1]) {
+                return versions[0];
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "timed out waiting for every node to see counts {expected:?}; (map version, counts) seen: {seen:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// PUT `value` at `key` through `slot`; returns the status.

@@ -229,7 +229,8 @@ async fn maintenance_survives_a_new_leader_and_ends_at_once_when_another_member_
     assert_eq!(c.json(2, "/v1/cluster").await["failed"], json!([]));
 
     // Node 2 in maintenance again; then node 4 fails: the cluster leaves maintenance at once
-    // and, node 2 being away, fails it too. Nothing acknowledged is lost.
+    // and, node 2 being away, fails it too (once it was silent for the node timeout since).
+    // Nothing acknowledged is lost.
     let (status, m) = enter(&c, 2, 2, "5m").await;
     assert_eq!(status, 200, "{m}");
     c.stop(1).await;
@@ -240,7 +241,17 @@ async fn maintenance_survives_a_new_leader_and_ends_at_once_when_another_member_
         (v["failed"] == json!([2, 4]) && v["maintenance"].is_null()).then_some(())
     })
     .await;
-    c.wait_for_counts_among(&[333, 333, 334], &[0, 2, 4]).await;
+    // Split over the three left by count, or by bytes when the leader had the buckets' sizes
+    // (then the counts differ): every node sees one map of the three.
+    wait_for("one map of the three members left", || async {
+        let mut seen = Vec::new();
+        for s in [0, 2, 4] {
+            seen.push(c.counts(s).await);
+        }
+        let one = seen.windows(2).all(|w| w[0] == w[1]);
+        (one && seen[0].1.len() == 3).then_some(())
+    })
+    .await;
     let history = w.pause().await;
     let lost = check(&c, 0, &history).await;
     assert!(lost.is_empty(), "{} problems, first: {:?}", lost.len(), &lost[..lost.len().min(5)]);
@@ -329,8 +340,10 @@ async fn a_rolling_restart_of_a_statefulset_under_writes_fails_no_node_and_loses
         w.set_targets(addrs.clone());
     }
     let view = view_of(&http, &addrs[0], "/v1/cluster").await.expect("view");
-    assert_eq!(view["failed"], json!([]), "no node failed: {view}");
-    assert_eq!(member_ids(&view), ids_before, "every pod is the member it was");
+    if view["failed"] != json!([]) || member_ids(&view) != ids_before {
+        eprintln!("the nodes' logs and data dirs are kept in {}", dir.keep().display());
+        panic!("a node failed or came back as another member: {view}");
+    }
     let history = w.pause().await;
     let outages = w.outages();
     let reads = w.reads();
