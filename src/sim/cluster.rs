@@ -125,17 +125,20 @@ impl SimCluster {
     }
 
     /// Adds a host and starts it: the first one bootstraps the cluster, later ones join
-    /// through the running hosts. Returns its id; it is a member once [`Self::running`] lists it.
+    /// through the running hosts and then those that may come back. Returns its id; it is a
+    /// member once [`Self::running`] lists it.
     pub fn add_host(&self) -> HostId {
         let (tx, rx) = mpsc::unbounded_channel();
         let h = {
             let mut hosts = self.shared.hosts.lock();
             let h = hosts.len();
-            let join = hosts
-                .iter()
-                .filter(|x| matches!(x.phase, HostPhase::Running { .. }))
-                .map(|x| x.api_addr.clone())
-                .collect();
+            // The running hosts first, then those that may come back (as a discovery list
+            // of every pod): a host added while few run (after a full stop) still finds the
+            // cluster when those few leave. Only the very first host bootstraps one.
+            let running = |x: &&SimHost| matches!(x.phase, HostPhase::Running { .. });
+            let back = |x: &&SimHost| matches!(x.phase, HostPhase::Starting | HostPhase::Down);
+            let join =
+                hosts.iter().filter(running).chain(hosts.iter().filter(back)).map(|x| x.api_addr.clone()).collect();
             let ip = format!("10.0.{}.{}", h / 250, h % 250 + 1);
             let host = SimHost {
                 api_addr: format!("{ip}:7000"),

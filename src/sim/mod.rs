@@ -95,6 +95,10 @@ pub struct Faults {
     /// SIGTERM of a member (it records its stop, goes into maintenance for its restart window
     /// when it can, drains, closes), and its restart on its disk later.
     pub stop: bool,
+    /// SIGTERM of every member at once; a majority of them starts again first, the others later.
+    pub full_stop: bool,
+    /// A forced leave of a member (`leave?force=true`), also while another is away or down.
+    pub forced_leave: bool,
 }
 
 impl Faults {
@@ -108,13 +112,26 @@ impl Faults {
         delays: true,
         maintenance: false,
         stop: false,
+        full_stop: false,
+        forced_leave: false,
     };
+
+    /// Every kind of fault.
+    pub const EVERY: Faults =
+        Faults { maintenance: true, stop: true, full_stop: true, forced_leave: true, ..Faults::ALL };
 
     /// Whether nothing but joins and leaves happens: then every operation must succeed
     /// (moving buckets fails no request), but those sent to a node that leaves, which it
     /// refuses because it leaves or does not answer because it stopped.
     pub fn only_membership(&self) -> bool {
-        !(self.kill || self.partition || self.drops || self.delays || self.maintenance || self.stop)
+        !(self.kill
+            || self.partition
+            || self.drops
+            || self.delays
+            || self.maintenance
+            || self.stop
+            || self.full_stop
+            || self.forced_leave)
     }
 }
 
@@ -410,7 +427,9 @@ impl Schedule {
         let failed = down - usize::from(self.away.is_some());
         let live = phases.iter().filter(|(_, p)| !matches!(p, HostPhase::Retired)).count();
         let faults = self.faults;
-        let kinds = if faults.stop {
+        let kinds = if faults.full_stop || faults.forced_leave {
+            10
+        } else if faults.stop {
             8
         } else if faults.maintenance {
             7
@@ -421,7 +440,7 @@ impl Schedule {
             0 if faults.kill && failed == 0 && running.len() >= 3 => self.take_down(&running, false, 10_000),
             1 if faults.partition && !self.split && running.len() >= 3 => self.partition(running),
             2 if faults.membership && live < self.max_hosts => format!("add host {}", self.cluster.add_host()),
-            3 if faults.membership && running.len() > 3 && down == 0 => self.leave(running.len()).await,
+            3 if faults.membership && running.len() > 3 && down == 0 => self.leave(running.len(), false).await,
             4 if faults.drops => {
                 let rate = self.rng.random_range(0.01..0.2);
                 self.net.set_drop_rate(rate);
@@ -438,6 +457,8 @@ impl Schedule {
             }
             6 if faults.maintenance && down == 0 && running.len() >= 3 => self.maintenance(running.len()).await,
             7 if faults.stop && failed == 0 && running.len() >= 3 => self.take_down(&running, true, 15_000),
+            8 if faults.full_stop && down == 0 && running.len() >= 3 => self.full_stop(running),
+            9 if faults.forced_leave && running.len() > 3 => self.leave(running.len(), true).await,
             _ => return None,
         })
     }
@@ -470,21 +491,40 @@ impl Schedule {
         format!("partition {left:?} | {right:?}")
     }
 
-    /// Asks one of the `running` members to leave, through any of them.
-    async fn leave(&mut self, running: usize) -> String {
+    /// Stops every running host at once as SIGTERM does; a majority of them starts again
+    /// within 1 to 8 s, the others within 8 to 20 s.
+    fn full_stop(&mut self, mut hosts: Vec<HostId>) -> String {
+        for &h in &hosts {
+            self.cluster.stop(h);
+        }
+        for i in (1..hosts.len()).rev() {
+            hosts.swap(i, self.rng.random_range(0..=i));
+        }
+        let majority = hosts.len() / 2 + 1;
+        for (i, &h) in hosts.iter().enumerate() {
+            let at = if i < majority { self.later(1000, 8000) } else { self.later(8000, 20_000) };
+            self.undo.push((at, Undo::Restart(h)));
+        }
+        format!("SIGTERM every host; {:?} start first", &hosts[..majority])
+    }
+
+    /// Asks one of the `running` members to leave (`force`: also while a member is away or
+    /// down), through any of them.
+    async fn leave(&mut self, running: usize, force: bool) -> String {
         let (h, node_id, _) = self.cluster.running()[self.rng.random_range(0..running)].clone();
         let via = self.cluster.running()[self.rng.random_range(0..running)].2.clone();
         tracing::info!(host = h, node_id, "simulation: asking node {node_id} to leave");
         // As a client would: it gives up after a while.
         let now = Instant::now().duration_since(self.t0);
         self.leaving.entry(h).or_insert(now);
-        let answer = tokio::time::timeout(Duration::from_secs(60), via.api.leave(node_id, false)).await;
+        let answer = tokio::time::timeout(Duration::from_secs(60), via.api.leave(node_id, force)).await;
         let outcome = match answer {
             Ok(Ok(_)) => "ok".to_string(),
             Ok(Err(e)) => e.code().to_string(),
             Err(_) => "no answer in 60 s".to_string(),
         };
-        format!("host {h} (node {node_id}) leaves: {outcome}")
+        let forced = if force { " (forced)" } else { "" };
+        format!("host {h} (node {node_id}) leaves{forced}: {outcome}")
     }
 
     /// Asks one of the `running` members into maintenance, through any of them, and stops it
