@@ -4,9 +4,10 @@
 //!
 //! The log store and the state machine are written once, against the few operations both
 //! backends offer: named trees of byte keys in order, single-key writes, compare-and-swap of
-//! one key, and a flush that makes every earlier write durable. A memory disk is durable by
-//! definition (a write is "on disk" once it returns); it survives a simulated crash because
-//! the simulation keeps the [`MemoryDisk`] and opens the node again on it.
+//! one key, and a flush that makes every earlier write durable. A memory disk survives a
+//! simulated crash because the simulation keeps the [`MemoryDisk`] and opens the node again on
+//! it; it remembers the writes since the last flush, so a crash may lose them
+//! ([`MemoryDisk::crash`]) as a real disk may.
 
 use std::collections::BTreeMap;
 use std::ops::Bound;
@@ -53,19 +54,71 @@ pub enum FormatError {
 /// The ordered byte map of one memory tree.
 type MemoryTree = Arc<Mutex<BTreeMap<Vec<u8>, Vec<u8>>>>;
 
+/// The writes of a memory disk not yet flushed.
+type Unflushed = Arc<Mutex<Journal>>;
+
+/// One write not yet flushed: its sequence number, the tree, the key, and what the key held
+/// before.
+type Write = (u64, String, Vec<u8>, Option<Vec<u8>>);
+
+/// Writes not yet flushed, oldest first.
+#[derive(Default)]
+pub struct Journal {
+    next: u64,
+    entries: std::collections::VecDeque<Write>,
+}
+
+impl Journal {
+    fn record(&mut self, tree: &str, key: &[u8], before: Option<Vec<u8>>) {
+        self.entries.push_back((self.next, tree.to_string(), key.to_vec(), before));
+        self.next += 1;
+    }
+}
+
 /// A disk in memory: named trees that live as long as someone holds the handle.
 #[derive(Clone, Default)]
 pub struct MemoryDisk {
     trees: Arc<Mutex<BTreeMap<String, MemoryTree>>>,
+    unflushed: Unflushed,
+    /// How long a flush takes (of the runtime's clock); none: it returns at once.
+    flush_latency: Option<std::time::Duration>,
 }
 
 impl MemoryDisk {
-    /// A deep copy: what a crash leaves behind. The simulation restarts a killed node on the
-    /// copy, so nothing its old instance still does can reach the new one.
+    /// A deep copy with every write: what a clean exit leaves behind. The simulation restarts
+    /// a node on the copy, so nothing its old instance still does can reach the new one.
     pub fn copy(&self) -> MemoryDisk {
+        self.crash(usize::MAX)
+    }
+
+    /// What a crash leaves behind: a deep copy with every flushed write and the first `kept`
+    /// of those since the last flush (the disk wrote them in order and stopped).
+    pub fn crash(&self, kept: usize) -> MemoryDisk {
         let trees = self.trees.lock();
-        let copied = trees.iter().map(|(name, tree)| (name.clone(), Arc::new(Mutex::new(tree.lock().clone()))));
-        MemoryDisk { trees: Arc::new(Mutex::new(copied.collect())) }
+        let copied: BTreeMap<String, BTreeMap<Vec<u8>, Vec<u8>>> =
+            trees.iter().map(|(name, tree)| (name.clone(), tree.lock().clone())).collect();
+        let mut copied = copied;
+        let unflushed = self.unflushed.lock();
+        for (_, name, key, before) in unflushed.entries.iter().skip(kept).rev() {
+            let tree = copied.entry(name.clone()).or_default();
+            match before {
+                Some(v) => tree.insert(key.clone(), v.clone()),
+                None => tree.remove(key),
+            };
+        }
+        let trees = copied.into_iter().map(|(name, tree)| (name, Arc::new(Mutex::new(tree)))).collect();
+        MemoryDisk { trees: Arc::new(Mutex::new(trees)), unflushed: Unflushed::default(), ..*self }
+    }
+
+    /// The same disk with flushes that take `latency`: a crash meanwhile may lose the writes
+    /// the flush was making durable.
+    pub fn with_flush_latency(self, latency: std::time::Duration) -> MemoryDisk {
+        MemoryDisk { flush_latency: Some(latency), ..self }
+    }
+
+    /// How many writes were made since the last flush.
+    pub fn unflushed(&self) -> usize {
+        self.unflushed.lock().entries.len()
     }
 }
 
@@ -83,8 +136,8 @@ pub enum Disk {
 pub enum Tree {
     /// A sled tree.
     Sled(sled::Tree),
-    /// A memory tree.
-    Memory(MemoryTree),
+    /// A memory tree: its map, its name, and its disk's unflushed writes.
+    Memory(MemoryTree, String, Unflushed),
 }
 
 impl Disk {
@@ -92,7 +145,10 @@ impl Disk {
     pub fn tree(&self, name: &str) -> Result<Tree, DiskError> {
         match self {
             Disk::Sled(db) => Ok(Tree::Sled(db.open_tree(name)?)),
-            Disk::Memory(m) => Ok(Tree::Memory(m.trees.lock().entry(name.to_string()).or_default().clone())),
+            Disk::Memory(m) => {
+                let tree = m.trees.lock().entry(name.to_string()).or_default().clone();
+                Ok(Tree::Memory(tree, name.to_string(), m.unflushed.clone()))
+            }
         }
     }
 
@@ -134,7 +190,18 @@ impl Disk {
                     .map(|_| ())
                     .map_err(DiskError::from)
             }
-            Disk::Memory(_) => Ok(()),
+            Disk::Memory(m) => {
+                // What is written by now; later writes wait for a later flush.
+                let written = m.unflushed.lock().next;
+                if let Some(latency) = m.flush_latency {
+                    tokio::time::sleep(latency).await;
+                }
+                let mut unflushed = m.unflushed.lock();
+                while unflushed.entries.front().is_some_and(|(seq, ..)| *seq < written) {
+                    unflushed.entries.pop_front();
+                }
+                Ok(())
+            }
         }
     }
 
@@ -152,7 +219,7 @@ impl Tree {
     pub fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, DiskError> {
         match self {
             Tree::Sled(t) => Ok(t.get(key)?.map(|v| v.to_vec())),
-            Tree::Memory(t) => Ok(t.lock().get(key).cloned()),
+            Tree::Memory(t, ..) => Ok(t.lock().get(key).cloned()),
         }
     }
 
@@ -160,8 +227,9 @@ impl Tree {
     pub fn insert(&self, key: &[u8], value: Vec<u8>) -> Result<(), DiskError> {
         match self {
             Tree::Sled(t) => t.insert(key, value).map(|_| ()).map_err(DiskError::from),
-            Tree::Memory(t) => {
-                t.lock().insert(key.to_vec(), value);
+            Tree::Memory(t, name, unflushed) => {
+                let before = t.lock().insert(key.to_vec(), value);
+                unflushed.lock().record(name, key, before);
                 Ok(())
             }
         }
@@ -171,8 +239,10 @@ impl Tree {
     pub fn remove(&self, key: &[u8]) -> Result<(), DiskError> {
         match self {
             Tree::Sled(t) => t.remove(key).map(|_| ()).map_err(DiskError::from),
-            Tree::Memory(t) => {
-                t.lock().remove(key);
+            Tree::Memory(t, name, unflushed) => {
+                if let Some(before) = t.lock().remove(key) {
+                    unflushed.lock().record(name, key, Some(before));
+                }
                 Ok(())
             }
         }
@@ -187,7 +257,7 @@ impl Tree {
                 .range::<&[u8], _>((Bound::Included(from), end))
                 .map(|r| r.map(|(k, v)| (k.to_vec(), v.to_vec())).map_err(DiskError::from))
                 .collect(),
-            Tree::Memory(t) => Ok(t
+            Tree::Memory(t, ..) => Ok(t
                 .lock()
                 .range::<[u8], _>((Bound::Included(from), end))
                 .map(|(k, v)| (k.clone(), v.clone()))
@@ -199,7 +269,7 @@ impl Tree {
     pub fn last(&self) -> Result<Option<Entry>, DiskError> {
         match self {
             Tree::Sled(t) => Ok(t.last()?.map(|(k, v)| (k.to_vec(), v.to_vec()))),
-            Tree::Memory(t) => Ok(t.lock().iter().next_back().map(|(k, v)| (k.clone(), v.clone()))),
+            Tree::Memory(t, ..) => Ok(t.lock().iter().next_back().map(|(k, v)| (k.clone(), v.clone()))),
         }
     }
 
@@ -208,12 +278,13 @@ impl Tree {
     pub fn compare_and_swap(&self, key: &[u8], old: Option<&[u8]>, new: Vec<u8>) -> Result<bool, DiskError> {
         match self {
             Tree::Sled(t) => Ok(t.compare_and_swap(key, old, Some(new))?.is_ok()),
-            Tree::Memory(t) => {
+            Tree::Memory(t, name, unflushed) => {
                 let mut t = t.lock();
                 if t.get(key).map(Vec::as_slice) != old {
                     return Ok(false);
                 }
-                t.insert(key.to_vec(), new);
+                let before = t.insert(key.to_vec(), new);
+                unflushed.lock().record(name, key, before);
                 Ok(true)
             }
         }
@@ -223,6 +294,33 @@ impl Tree {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_crash_keeps_the_flushed_writes_and_a_prefix_of_the_others() {
+        let memory = MemoryDisk::default();
+        let disk = Disk::Memory(memory.clone());
+        let (a, b) = (disk.tree("a").expect("tree"), disk.tree("b").expect("tree"));
+        a.insert(b"k", b"1".to_vec()).expect("insert");
+        tokio::runtime::Builder::new_current_thread().build().expect("runtime").block_on(disk.flush()).expect("flush");
+        assert_eq!(memory.unflushed(), 0);
+        a.insert(b"k", b"2".to_vec()).expect("insert");
+        b.insert(b"x", b"y".to_vec()).expect("insert");
+        a.remove(b"k").expect("remove");
+        assert!(b.compare_and_swap(b"x", Some(b"y"), b"z".to_vec()).expect("cas"));
+        let read =
+            |m: MemoryDisk, tree: &str, key: &[u8]| Disk::Memory(m).tree(tree).expect("tree").get(key).expect("get");
+        let none = memory.crash(0);
+        assert_eq!(read(none.clone(), "a", b"k"), Some(b"1".to_vec()), "the flushed value");
+        assert_eq!(read(none, "b", b"x"), None);
+        let two = memory.crash(2);
+        assert_eq!(read(two.clone(), "a", b"k"), Some(b"2".to_vec()));
+        assert_eq!(read(two, "b", b"x"), Some(b"y".to_vec()));
+        let all = memory.copy();
+        assert_eq!(read(all.clone(), "a", b"k"), None);
+        assert_eq!(read(all.clone(), "b", b"x"), Some(b"z".to_vec()));
+        assert_eq!(all.unflushed(), 0, "a copy starts with nothing unflushed");
+        assert_eq!(read(memory, "b", b"x"), Some(b"z".to_vec()), "the disk itself keeps every write");
+    }
 
     #[test]
     fn a_new_disk_gets_this_format_and_a_newer_or_unreadable_one_is_refused() {

@@ -76,6 +76,8 @@ struct Shared {
     configure: fn(&mut ServeConfig),
     changed: watch::Sender<u64>,
     probe: Option<Arc<dyn Probe>>,
+    /// How long a flush of a new host's disk takes (none: it returns at once).
+    flush_latency: Mutex<Option<Duration>>,
 }
 
 /// A simulated cluster (see the module docs).
@@ -115,6 +117,7 @@ impl SimCluster {
             configure,
             changed: watch::channel(0).0,
             probe,
+            flush_latency: Mutex::new(None),
         });
         SimCluster { shared, _dir: dir, root }
     }
@@ -145,7 +148,7 @@ impl SimCluster {
                 peer_addr: format!("{ip}:17000"),
                 phase: HostPhase::Starting,
                 data_dir: self.root.join(format!("host{h}")),
-                disk: MemoryDisk::default(),
+                disk: self.shared.new_disk(),
                 join,
                 generation: 0,
                 commands: tx,
@@ -161,12 +164,29 @@ impl SimCluster {
     /// Kills `h` (it must be running): it is cut off at once; its disk stays as the crash left
     /// it.
     pub fn kill(&self, h: HostId) {
+        self.crash(h, usize::MAX);
+    }
+
+    /// Kills `h` as [`Self::kill`] does, its disk keeping only the first `kept` of the writes
+    /// it had not flushed (see [`Self::unflushed`]).
+    pub fn crash(&self, h: HostId, kept: usize) {
         self.shared.net.kill(h);
         let mut hosts = self.shared.hosts.lock();
         let host = &mut hosts[h];
-        host.disk = host.disk.copy();
+        host.disk = host.disk.crash(kept);
         host.phase = HostPhase::Down;
         let _ = host.commands.send(Command::Kill);
+    }
+
+    /// Flushes of the disks of hosts added or emptied from now on take `latency` (a crash
+    /// meanwhile may lose what they were making durable).
+    pub fn set_flush_latency(&self, latency: Duration) {
+        *self.shared.flush_latency.lock() = Some(latency);
+    }
+
+    /// How many writes host `h`'s disk has not flushed.
+    pub fn unflushed(&self, h: HostId) -> usize {
+        self.shared.hosts.lock()[h].disk.unflushed()
     }
 
     /// Stops host `h` as SIGTERM does (it records its stop, goes into maintenance for its
@@ -215,6 +235,14 @@ impl SimCluster {
 }
 
 impl Shared {
+    /// An empty disk for a host.
+    fn new_disk(&self) -> MemoryDisk {
+        match *self.flush_latency.lock() {
+            Some(latency) => MemoryDisk::default().with_flush_latency(latency),
+            None => MemoryDisk::default(),
+        }
+    }
+
     fn set_phase(&self, h: HostId, phase: HostPhase) {
         self.hosts.lock()[h].phase = phase;
         self.changed.send_modify(|n| *n += 1);
@@ -227,7 +255,7 @@ impl Shared {
         if let Err(e) = node::discard_data_dir(&host.data_dir) {
             tracing::error!(host = h, error = %e, "cannot discard the data dir");
         }
-        host.disk = MemoryDisk::default();
+        host.disk = self.new_disk();
         host.join = join;
     }
 

@@ -99,6 +99,9 @@ pub struct Faults {
     pub full_stop: bool,
     /// A forced leave of a member (`leave?force=true`), also while another is away or down.
     pub forced_leave: bool,
+    /// A killed member's Raft disk loses some of the writes it had not flushed (those after a
+    /// seeded number of them).
+    pub disk_loss: bool,
 }
 
 impl Faults {
@@ -114,11 +117,12 @@ impl Faults {
         stop: false,
         full_stop: false,
         forced_leave: false,
+        disk_loss: false,
     };
 
     /// Every kind of fault.
     pub const EVERY: Faults =
-        Faults { maintenance: true, stop: true, full_stop: true, forced_leave: true, ..Faults::ALL };
+        Faults { maintenance: true, stop: true, full_stop: true, forced_leave: true, disk_loss: true, ..Faults::ALL };
 
     /// Whether nothing but joins and leaves happens: then every operation must succeed
     /// (moving buckets fails no request), but those sent to a node that leaves, which it
@@ -131,7 +135,8 @@ impl Faults {
             || self.maintenance
             || self.stop
             || self.full_stop
-            || self.forced_leave)
+            || self.forced_leave
+            || self.disk_loss)
     }
 }
 
@@ -247,6 +252,9 @@ const MAINTENANCE: Duration = Duration::from_secs(3600);
 
 const LATENCY: (Duration, Duration) = (Duration::from_micros(200), Duration::from_millis(3));
 
+/// How long a flush of a Raft disk takes in scenarios whose kills may lose unflushed writes.
+const FLUSH_LATENCY: Duration = Duration::from_millis(10);
+
 thread_local! {
     static STARTED: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
 }
@@ -281,6 +289,9 @@ async fn simulate(seed: u64, scenario: Scenario) -> Report {
         shoal_http_api::types::ReadFrom::Mirrors => |c| c.read_from = shoal_http_api::types::ReadFrom::Mirrors,
     };
     let cluster = Arc::new(SimCluster::new(net.clone(), seed, configure, Some(writers.clone())));
+    if scenario.faults.disk_loss {
+        cluster.set_flush_latency(FLUSH_LATENCY);
+    }
     let _ = writers.cluster.set(Arc::downgrade(&cluster));
     let mut schedule = Schedule {
         t0,
@@ -467,14 +478,20 @@ impl Schedule {
     /// `within_ms` milliseconds (at least one second later).
     fn take_down(&mut self, running: &[HostId], sigterm: bool, within_ms: u64) -> String {
         let h = running[self.rng.random_range(0..running.len())];
+        let mut lost = String::new();
         if sigterm {
             self.cluster.stop(h);
+        } else if self.faults.disk_loss {
+            let unflushed = self.cluster.unflushed(h);
+            let kept = self.rng.random_range(0..=unflushed);
+            self.cluster.crash(h, kept);
+            lost = format!(", its disk losing {} of {unflushed} unflushed writes", unflushed - kept);
         } else {
             self.cluster.kill(h);
         }
         let at = self.later(1000, within_ms);
         self.undo.push((at, Undo::Restart(h)));
-        format!("{} host {h}", if sigterm { "SIGTERM" } else { "kill" })
+        format!("{} host {h}{lost}", if sigterm { "SIGTERM" } else { "kill" })
     }
 
     /// Cuts the running hosts in two, the smaller side at least one host.

@@ -11,7 +11,8 @@
 //! - `several_writers_per_key_find_no_violation`: seeds 1 to 6 of the writers scenario (every
 //!   client also writes four shared keys, whose histories are checked for linearizability).
 //! - `every_fault_together_finds_no_violation`: seeds 1 to 8 of the mix scenario (five members,
-//!   every fault together: forced leaves, maintenance, SIGTERM of one member and of all at once).
+//!   every fault together: forced leaves, maintenance, SIGTERM of one member and of all at once,
+//!   kills whose Raft disk loses writes not yet flushed).
 //! - `a_seed_replays_exactly`: the same seed twice gives the same digest.
 //! - `sixty_four_nodes`: one run with 64 members.
 //! - `many_seeds`: `SHOAL_SIM_SEEDS=N` runs N more seeds (from `SHOAL_SIM_FIRST_SEED`, default
@@ -94,13 +95,15 @@ fn membership_scenario() -> Scenario {
             stop: false,
             full_stop: false,
             forced_leave: false,
+            disk_loss: false,
         },
         ..scenarios()[0].clone()
     }
 }
 
-/// Five members under every fault together: kills, splits, joins and leaves, forced leaves,
-/// maintenance, SIGTERM of one member and of all of them at once (a majority back first).
+/// Five members under every fault together: kills (whose Raft disk may lose the writes it had
+/// not flushed), splits, joins and leaves, forced leaves, maintenance, SIGTERM of one member and
+/// of all of them at once (a majority back first).
 fn mix_scenario() -> Scenario {
     Scenario { name: "five nodes, every fault together", faults: Faults::EVERY, ..maintenance_scenario() }
 }
