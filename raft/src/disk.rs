@@ -95,9 +95,8 @@ impl MemoryDisk {
     /// of those since the last flush (the disk wrote them in order and stopped).
     pub fn crash(&self, kept: usize) -> MemoryDisk {
         let trees = self.trees.lock();
-        let copied: BTreeMap<String, BTreeMap<Vec<u8>, Vec<u8>>> =
+        let mut copied: BTreeMap<String, BTreeMap<Vec<u8>, Vec<u8>>> =
             trees.iter().map(|(name, tree)| (name.clone(), tree.lock().clone())).collect();
-        let mut copied = copied;
         let unflushed = self.unflushed.lock();
         for (_, name, key, before) in unflushed.entries.iter().skip(kept).rev() {
             let tree = copied.entry(name.clone()).or_default();
